@@ -1,0 +1,26 @@
+"""fscan: a functional associative scan for PyTorch, in the style of JAX's.
+
+The public face only re-exports; every implementation module is private.
+"""
+
+from ._errors import CombineFnError as CombineFnError
+from ._errors import ImpureCombineError as ImpureCombineError
+from ._errors import NotAssociativeError as NotAssociativeError
+from ._errors import ScanError as ScanError
+from ._errors import ScanTypeError as ScanTypeError
+from ._errors import ScanValueError as ScanValueError
+from ._errors import UnsupportedScanError as UnsupportedScanError
+from ._scan import associative_scan as associative_scan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CombineFnError",
+    "ImpureCombineError",
+    "NotAssociativeError",
+    "ScanError",
+    "ScanTypeError",
+    "ScanValueError",
+    "UnsupportedScanError",
+    "associative_scan",
+]

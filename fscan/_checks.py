@@ -1,0 +1,120 @@
+"""Argument checks at the public boundary, run once per call before any work.
+
+Each check raises a :mod:`fscan._errors` exception whose message names the
+function, the argument (and leaf path), what was given and what was expected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._errors import ScanTypeError, ScanValueError
+from ._pytree import describe, leaf_paths
+
+__all__ = ["COMBINE_MODES", "check_scan_args", "normalize_dim"]
+
+COMBINE_MODES = ("pointwise", "generic")
+
+
+def check_scan_args(
+    api: str,
+    combine_fn: Callable[..., Any],
+    xs: Any,
+    leaves: list[Any],
+    dim: Any,
+    reverse: Any,
+    combine_mode: Any,
+) -> int:
+    """Check every argument of an associative scan; return ``dim`` made non-negative."""
+    if not callable(combine_fn):
+        raise ScanTypeError(
+            f"{api}: `combine_fn` must be callable, got {type(combine_fn).__name__}."
+        )
+    if not isinstance(reverse, bool):
+        raise ScanTypeError(
+            f"{api}: `reverse` must be a bool, got {type(reverse).__name__} {reverse!r}."
+        )
+    if combine_mode not in COMBINE_MODES:
+        raise ScanValueError(
+            f"{api}: `combine_mode` must be 'pointwise' or 'generic', got {combine_mode!r}."
+        )
+    check_leaves(api, xs, leaves)
+    return check_dim_and_lengths(api, xs, leaves, dim)
+
+
+def check_leaves(api: str, xs: Any, leaves: list[Any]) -> None:
+    """Leaves must be dense tensors on one device, with at least one dimension."""
+    if not leaves:
+        raise ScanValueError(
+            f"{api}: `xs` has no tensor leaves (got {xs!r}); pass a tensor or a pytree of tensors."
+        )
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            path = leaf_paths(xs)[i]
+            raise ScanTypeError(
+                f"{api}: leaf {path} is a {describe(leaf)}, expected a torch.Tensor; "
+                "convert it with torch.as_tensor()."
+            )
+        if leaf.layout != torch.strided:
+            path = leaf_paths(xs)[i]
+            raise ScanTypeError(
+                f"{api}: leaf {path} has layout {leaf.layout}, expected a dense (strided) "
+                "tensor; convert it with .to_dense()."
+            )
+        if leaf.ndim == 0:
+            path = leaf_paths(xs)[i]
+            raise ScanValueError(
+                f"{api}: leaf {path} is 0-dimensional, expected at least one dimension to "
+                "scan over; add one with .unsqueeze(0)."
+            )
+    device = leaves[0].device
+    for i, leaf in enumerate(leaves[1:], start=1):
+        if leaf.device != device:
+            paths = leaf_paths(xs)
+            raise ScanValueError(
+                f"{api}: leaf {paths[i]} is on {leaf.device}, expected {device} like "
+                f"{paths[0]}; move all leaves to one device."
+            )
+
+
+def normalize_dim(
+    api: str, dim: Any, ndim: int, what: Callable[[], str] = lambda: "the input"
+) -> int:
+    """Make ``dim`` non-negative for a tensor with ``ndim`` dimensions, or raise.
+
+    ``what`` names the tensor in the error; it is a callable so that the name is
+    only computed when there is an error to report.
+    """
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise ScanTypeError(f"{api}: `dim` must be an int, got {type(dim).__name__} {dim!r}.")
+    if not -ndim <= dim < ndim:
+        raise ScanValueError(
+            f"{api}: `dim` {dim} is out of range for {what()} with {ndim} dimension(s), "
+            f"expected a value in [{-ndim}, {ndim - 1}]."
+        )
+    return dim % ndim
+
+
+def check_dim_and_lengths(api: str, xs: Any, leaves: list[torch.Tensor], dim: Any) -> int:
+    """``dim`` is canonicalised against the first leaf (as in torch and JAX); every
+    leaf must have that dimension, with the same length."""
+    paths = None
+    first = leaves[0]
+    dim = normalize_dim(api, dim, first.ndim, lambda: "leaf " + leaf_paths(xs)[0])
+    length = first.shape[dim]
+    for i, leaf in enumerate(leaves[1:], start=1):
+        if leaf.ndim <= dim or leaf.shape[dim] != length:
+            paths = paths or leaf_paths(xs)
+            if leaf.ndim <= dim:
+                raise ScanValueError(
+                    f"{api}: leaf {paths[i]} has shape {tuple(leaf.shape)} with no dimension "
+                    f"{dim} to scan over; every leaf needs the scan dimension."
+                )
+            raise ScanValueError(
+                f"{api}: leaf {paths[i]} has length {leaf.shape[dim]} along dim {dim}, "
+                f"expected {length} like {paths[0]}."
+            )
+    return dim

@@ -1,0 +1,75 @@
+"""The public front end: ``fscan.associative_scan``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._checks import check_scan_args
+from ._combine import flat_combine
+from ._generic import scan_into
+from ._pytree import flatten, unflatten
+
+__all__ = ["associative_scan"]
+
+_API = "fscan.associative_scan"
+
+
+def associative_scan(
+    combine_fn: Callable[[Any, Any], Any],
+    xs: Any,
+    dim: int,
+    reverse: bool = False,
+    combine_mode: str = "pointwise",
+) -> Any:
+    """Inclusive scan of ``xs`` along ``dim`` with an associative ``combine_fn``.
+
+    Semantics, for a single tensor (pytrees scan every leaf together)::
+
+        out[0] = xs[0]
+        for i in range(1, n):
+            out[i] = combine_fn(out[i - 1], xs[i])  # along `dim`
+
+    i.e. ``[a, f(a, b), f(f(a, b), c)]`` for ``xs = [a, b, c]``. With
+    ``reverse=True`` the scan runs from the end, ``out[i] = f(out[i + 1], xs[i])``,
+    i.e. ``[f(f(c, b), a), f(c, b), c]``: the same as flip, scan, flip.
+
+    Args:
+        combine_fn: ``(pytree, pytree) -> pytree``, associative, pure, returning the
+            structure, shapes and dtypes of its inputs. It may close over tensors.
+        xs: a tensor or a pytree (tuples, lists, dicts, namedtuples, ``None``) of
+            tensors on one device, all of the same length along ``dim``.
+        dim (int): the dimension to scan over; negative values count from the end
+            of the first leaf.
+        reverse (bool, default False): scan from the end of ``dim`` backwards.
+        combine_mode (str, default "pointwise"): ``"pointwise"`` when ``combine_fn``
+            is made of elementwise operations only; it is then called on batches
+            of elements. ``"generic"`` for anything else (matrix products,
+            reductions, indexing): ``combine_fn`` then sees single elements, i.e.
+            slices with ``dim`` removed.
+
+    Returns:
+        A pytree of the structure and shapes of ``xs``, in new memory.
+
+    Examples:
+        >>> import fscan, torch
+        >>> fscan.associative_scan(lambda x, y: x + y, torch.arange(1.0, 5.0), dim=0)
+        tensor([ 1.,  3.,  6., 10.])
+        >>> fscan.associative_scan(lambda x, y: x + y, torch.arange(1.0, 5.0), 0, reverse=True)
+        tensor([10.,  9.,  7.,  4.])
+        >>> mats = torch.tensor([[[1.0, 1.0], [0.0, 1.0]]]).expand(3, 2, 2)
+        >>> fscan.associative_scan(torch.matmul, mats, 0, combine_mode="generic")[-1]
+        tensor([[1., 3.],
+                [0., 1.]])
+    """
+    leaves, spec = flatten(xs)
+    dim = check_scan_args(_API, combine_fn, xs, leaves, dim, reverse, combine_mode)
+    out = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in leaves]
+    if leaves[0].shape[dim] > 0:
+        moved_in = [x.movedim(dim, 0) for x in leaves]
+        moved_out = [o.movedim(dim, 0) for o in out]
+        combine = flat_combine(_API, combine_fn, spec, combine_mode)
+        scan_into(combine, moved_in, moved_out, reverse)
+    return unflatten(spec, out)

@@ -1,0 +1,23 @@
+"""``python -m fscan.bench [--quick]``: print every benchmark table in one process run."""
+
+from __future__ import annotations
+
+import argparse
+
+from . import core
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fscan.bench", description=__doc__)
+    parser.add_argument(
+        "--quick", action="store_true", help="a short subset (used by `python -m fscan`)"
+    )
+    args = parser.parse_args(argv)
+    print(core.forward_table(quick=args.quick).render(), flush=True)
+    if not args.quick:
+        print()
+        print(core.forward_memory(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

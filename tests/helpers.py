@@ -1,0 +1,130 @@
+"""Shared test helpers: the sequential oracle, operators, tolerances, sweeps."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import pytest
+import torch
+
+
+def sequential_scan(
+    combine_fn: Callable[[Any, Any], Any],
+    xs: Any,
+    dim: int,
+    reverse: bool = False,
+    combine_mode: str = "generic",
+) -> Any:
+    """The oracle: a plain loop, one element (or one unit-length slice) at a time.
+
+    In generic mode ``combine_fn`` gets single elements; in pointwise mode it gets
+    slices of length 1 along ``dim``, so both modes are checked against the same
+    meaning: ``out[i] = combine_fn(out[i - 1], xs[i])``.
+    """
+    leaves, spec = optree.tree_flatten(xs, none_is_leaf=False)
+    dim = dim % leaves[0].ndim
+    n = leaves[0].shape[dim]
+    if n == 0:
+        return optree.tree_map(torch.clone, xs, none_is_leaf=False)
+
+    def element(i: int) -> list[torch.Tensor]:
+        if combine_mode == "generic":
+            return [x.select(dim, i) for x in leaves]
+        return [x.narrow(dim, i, 1) for x in leaves]
+
+    order = range(n - 1, -1, -1) if reverse else range(n)
+    results: dict[int, list[torch.Tensor]] = {}
+    acc = None
+    for i in order:
+        if acc is None:
+            acc = element(i)
+        else:
+            out = combine_fn(
+                optree.tree_unflatten(spec, acc), optree.tree_unflatten(spec, element(i))
+            )
+            acc = optree.tree_leaves(out, none_is_leaf=False)
+        results[i] = acc
+    stack = torch.stack if combine_mode == "generic" else torch.cat
+    out_leaves = [stack([results[i][k] for i in range(n)], dim=dim) for k in range(len(leaves))]
+    return optree.tree_unflatten(spec, out_leaves)
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """Per-dtype tolerances for comparing a parallel scan with the oracle."""
+    table = {
+        torch.float16: dict(rtol=2e-2, atol=2e-2),
+        torch.bfloat16: dict(rtol=5e-2, atol=5e-2),
+        torch.float32: dict(rtol=1e-4, atol=1e-4),
+        torch.float64: dict(rtol=1e-10, atol=1e-10),
+        torch.complex64: dict(rtol=1e-4, atol=1e-4),
+        torch.complex128: dict(rtol=1e-10, atol=1e-10),
+    }
+    return table.get(dtype, dict(rtol=0.0, atol=0.0))
+
+
+def assert_trees_close(actual: Any, expected: Any, **tol: float) -> None:
+    """Same structure, and every leaf close with its dtype's tolerance."""
+    a_leaves, a_spec = optree.tree_flatten(actual, none_is_leaf=False)
+    e_leaves, e_spec = optree.tree_flatten(expected, none_is_leaf=False)
+    assert a_spec == e_spec, f"structure {a_spec} != {e_spec}"
+    for a, e in zip(a_leaves, e_leaves):
+        assert a.shape == e.shape and a.dtype == e.dtype, (a.shape, a.dtype, e.shape, e.dtype)
+        torch.testing.assert_close(a, e, **(tol or tolerance(e.dtype)), equal_nan=True)
+
+
+def parametrize(**axes: list[Any]):
+    """Cartesian product of named axes, as one ``pytest.mark.parametrize`` with readable ids."""
+    names = list(axes)
+    combos = list(itertools.product(*axes.values()))
+    ids = ["-".join(f"{k}={_short(v)}" for k, v in zip(names, c)) for c in combos]
+    if len(names) == 1:
+        combos = [c[0] for c in combos]
+    return pytest.mark.parametrize(",".join(names), combos, ids=ids)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if callable(value):
+        return getattr(value, "__name__", "fn")
+    return str(value)
+
+
+# Operators used across tests. Pairs are associative and mostly non-commutative.
+def add(a, b):
+    return a + b
+
+
+def mul(a, b):
+    return a * b
+
+
+def maximum(a, b):
+    return torch.maximum(a, b)
+
+
+def minimum(a, b):
+    return torch.minimum(a, b)
+
+
+def logaddexp(a, b):
+    return torch.logaddexp(a, b)
+
+
+def linear_recurrence(x, y):
+    """``(a1, b1), (a2, b2) -> (a1 a2, a2 b1 + b2)``: composes ``h -> a h + b``."""
+    a1, b1 = x
+    a2, b2 = y
+    return a1 * a2, a2 * b1 + b2
+
+
+def affine_compose(x, y):
+    """Compose affine maps given as dicts ``{"w": scale, "c": shift}``; non-commutative."""
+    return {"w": x["w"] * y["w"], "c": y["w"] * x["c"] + y["c"]}
+
+
+def matmul(a, b):
+    return a @ b

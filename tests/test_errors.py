@@ -1,0 +1,127 @@
+"""Every bad input to fscan.associative_scan fails with a message that names it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from helpers import add
+
+import fscan
+
+
+def raises(exc, text):
+    return pytest.raises(exc, match=re.escape(text))
+
+
+def test_combine_fn_not_callable():
+    with raises(fscan.ScanTypeError, "`combine_fn` must be callable, got int"):
+        fscan.associative_scan(3, torch.ones(3), 0)
+
+
+def test_unknown_combine_mode():
+    with raises(
+        fscan.ScanValueError, "`combine_mode` must be 'pointwise' or 'generic', got 'fast'"
+    ):
+        fscan.associative_scan(add, torch.ones(3), 0, combine_mode="fast")
+
+
+def test_reverse_not_bool():
+    with raises(fscan.ScanTypeError, "`reverse` must be a bool, got int 1"):
+        fscan.associative_scan(add, torch.ones(3), 0, reverse=1)
+
+
+@pytest.mark.parametrize("dim", [2, -3])
+def test_dim_out_of_range(dim):
+    with raises(
+        fscan.ScanValueError,
+        f"`dim` {dim} is out of range for leaf xs with 2 dimension(s), expected a value in [-2, 1]",
+    ):
+        fscan.associative_scan(add, torch.ones(3, 4), dim)
+
+
+def test_dim_not_int():
+    with raises(fscan.ScanTypeError, "`dim` must be an int, got float 0.0"):
+        fscan.associative_scan(add, torch.ones(3), 0.0)
+
+
+def test_zero_dim_leaf():
+    with raises(fscan.ScanValueError, "leaf xs['b'] is 0-dimensional"):
+        fscan.associative_scan(add, {"a": torch.ones(3), "b": torch.tensor(1.0)}, 0)
+
+
+def test_different_lengths_name_both_leaves():
+    xs = (torch.ones(7), {"h": torch.ones(5)})
+    with raises(
+        fscan.ScanValueError, "leaf xs[1]['h'] has length 5 along dim 0, expected 7 like xs[0]"
+    ):
+        fscan.associative_scan(add, xs, 0)
+
+
+def test_leaf_without_scan_dim():
+    with raises(fscan.ScanValueError, "leaf xs[1] has shape (3,) with no dimension 1"):
+        fscan.associative_scan(add, (torch.ones(2, 3), torch.ones(3)), 1)
+
+
+def test_non_tensor_leaf():
+    with raises(fscan.ScanTypeError, "leaf xs[1] is a float 2.0, expected a torch.Tensor"):
+        fscan.associative_scan(add, (torch.ones(3), 2.0), 0)
+
+
+def test_sparse_leaf():
+    with raises(fscan.ScanTypeError, "leaf xs has layout torch.sparse_coo, expected a dense"):
+        fscan.associative_scan(add, torch.eye(3).to_sparse(), 0)
+
+
+def test_empty_tree():
+    with raises(fscan.ScanValueError, "`xs` has no tensor leaves"):
+        fscan.associative_scan(add, (), 0)
+
+
+def test_leaves_on_different_devices():
+    xs = (torch.ones(3), torch.ones(3, device="meta"))
+    with raises(fscan.ScanValueError, "leaf xs[1] is on meta, expected cpu like xs[0]"):
+        fscan.associative_scan(add, xs, 0)
+
+
+@pytest.mark.parametrize("mode", ["pointwise", "generic"])
+def test_combine_returns_wrong_structure(mode):
+    with raises(fscan.CombineFnError, "`combine_fn` returned a pytree of structure PyTreeSpec(*)"):
+        fscan.associative_scan(
+            lambda a, b: a[0] + b[0], (torch.ones(9), torch.ones(9)), 0, combine_mode=mode
+        )
+
+
+def test_combine_returns_wrong_shape_generic():
+    xs = {"h": torch.ones(9, 3)}
+    with raises(
+        fscan.CombineFnError,
+        "returned a tensor of shape () and dtype torch.float32 for leaf xs['h'], expected a "
+        "tensor of shape (3,)",
+    ):
+        fscan.associative_scan(
+            lambda a, b: {"h": (a["h"] + b["h"]).sum()}, xs, 0, combine_mode="generic"
+        )
+
+
+def test_combine_returns_wrong_dtype_pointwise():
+    xs = (torch.ones(9), torch.ones(9, dtype=torch.int64))
+    with raises(
+        fscan.CombineFnError,
+        "returned a tensor of shape (4,) and dtype torch.float32 for leaf xs[1], expected a "
+        "tensor of shape (4,) and dtype torch.int64",
+    ):
+        fscan.associative_scan(lambda a, b: (a[0] + b[0], a[1] + 0.5), xs, 0)
+
+
+def test_combine_returns_non_tensor():
+    with raises(fscan.CombineFnError, "returned a float 1.0 for leaf xs"):
+        fscan.associative_scan(lambda a, b: 1.0, torch.ones(4), 0)
+
+
+def test_errors_are_builtin_types_too():
+    assert issubclass(fscan.ScanTypeError, TypeError)
+    assert issubclass(fscan.ScanValueError, ValueError)
+    assert issubclass(fscan.CombineFnError, fscan.ScanError)
+    assert issubclass(fscan.UnsupportedScanError, NotImplementedError)
