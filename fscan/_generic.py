@@ -25,7 +25,7 @@ import torch
 
 from ._combine import FlatCombine
 
-__all__ = ["SEQUENTIAL_CUTOFF", "generic_scan", "scan_into"]
+__all__ = ["SEQUENTIAL_CUTOFF", "generic_scan", "scan_along", "scan_into"]
 
 SEQUENTIAL_CUTOFF = 4
 
@@ -45,6 +45,26 @@ def generic_scan(
     """
     out = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
     scan_into(combine, xs, out, reverse)
+    return out
+
+
+def scan_along(
+    combine: FlatCombine, leaves: Sequence[torch.Tensor], dim: int, reverse: bool = False
+) -> list[torch.Tensor]:
+    """Inclusive scan of ``leaves`` along ``dim`` into fresh contiguous tensors.
+
+    The outputs are allocated in the layout of the inputs and the engine writes
+    through ``movedim`` views of them, so neither ``dim`` nor ``reverse`` costs a copy.
+
+    Example:
+        >>> add = lambda a, b: [a[0] + b[0]]
+        >>> scan_along(add, [torch.ones(2, 3)], dim=1)
+        [tensor([[1., 2., 3.],
+                [1., 2., 3.]])]
+    """
+    out = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in leaves]
+    moved_in = [x.movedim(dim, 0) for x in leaves]
+    scan_into(combine, moved_in, [o.movedim(dim, 0) for o in out], reverse)
     return out
 
 

@@ -6,13 +6,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from optree import PyTreeSpec
 
 from ._checks import check_scan_args
 from ._combine import flat_combine
-from ._generic import scan_into
+from ._generic import scan_along
 from ._pytree import flatten, unflatten
 
-__all__ = ["associative_scan"]
+__all__ = ["associative_scan", "scan_flat"]
 
 _API = "fscan.associative_scan"
 
@@ -66,10 +67,19 @@ def associative_scan(
     """
     leaves, spec = flatten(xs)
     dim = check_scan_args(_API, combine_fn, xs, leaves, dim, reverse, combine_mode)
-    out = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in leaves]
-    if leaves[0].shape[dim] > 0:
-        moved_in = [x.movedim(dim, 0) for x in leaves]
-        moved_out = [o.movedim(dim, 0) for o in out]
-        combine = flat_combine(_API, combine_fn, spec, combine_mode)
-        scan_into(combine, moved_in, moved_out, reverse)
-    return unflatten(spec, out)
+    return unflatten(spec, scan_flat(combine_fn, spec, leaves, dim, reverse, combine_mode))
+
+
+def scan_flat(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: list[torch.Tensor],
+    dim: int,
+    reverse: bool,
+    combine_mode: str,
+) -> list[torch.Tensor]:
+    """Scan already-checked flat ``leaves`` along ``dim``: the dispatch point to the engines."""
+    if leaves[0].shape[dim] == 0:
+        return [x.clone() for x in leaves]
+    combine = flat_combine(_API, combine_fn, spec, combine_mode)
+    return scan_along(combine, leaves, dim, reverse)
