@@ -3,6 +3,8 @@
 The public face only re-exports; every implementation module is private.
 """
 
+from ._associativity import check_associative as check_associative
+from ._config import config as config
 from ._errors import CombineFnError as CombineFnError
 from ._errors import ImpureCombineError as ImpureCombineError
 from ._errors import NotAssociativeError as NotAssociativeError
@@ -23,4 +25,6 @@ __all__ = [
     "ScanValueError",
     "UnsupportedScanError",
     "associative_scan",
+    "check_associative",
+    "config",
 ]

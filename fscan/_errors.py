@@ -1,9 +1,32 @@
 """The exception hierarchy: one base class, each subclass also a built-in type.
 
-Every error fscan raises is a :class:`ScanError`, so ``except fscan.ScanError``
-catches them all, while each subclass also derives from the built-in type a
-user would naturally catch (``TypeError`` for a wrong type, ``ValueError`` for a
-wrong value, ...), so existing ``except ValueError`` code keeps working.
+Every error fscan raises about its arguments is a :class:`ScanError`, so
+``except fscan.ScanError`` catches them all, while each subclass also derives
+from the built-in type a user would naturally catch, so existing
+``except ValueError`` code keeps working::
+
+    ScanError (Exception)                 anything fscan rejects
+    ├── ScanTypeError (TypeError)         an argument of the wrong type
+    ├── ScanValueError (ValueError)       an argument of the right type, wrong value
+    │   └── CombineFnError                `combine_fn` misbehaves
+    │       ├── NotAssociativeError       ... fails the associativity check
+    │       └── ImpureCombineError        ... mutates an input or draws random numbers
+    │                                         (also a RuntimeError)
+    └── UnsupportedScanError              valid, but not something fscan can do
+        (NotImplementedError)
+
+Catch :class:`CombineFnError` for "something is wrong with my ``combine_fn``".
+Exceptions raised *by* ``combine_fn`` itself (say a shape error inside it) are
+the user's and propagate unchanged, as do torch's own errors from inside
+``torch.func.vmap`` in ``"generic"`` mode.
+
+Example:
+    >>> import fscan, torch
+    >>> try:
+    ...     fscan.associative_scan(lambda a, b: a.add_(b), torch.ones(3), 0)
+    ... except fscan.CombineFnError as err:
+    ...     print(type(err).__name__, isinstance(err, RuntimeError))
+    ImpureCombineError True
 """
 
 from __future__ import annotations
@@ -20,7 +43,7 @@ __all__ = [
 
 
 class ScanError(Exception):
-    """Base class of every error raised by fscan."""
+    """Base class of every error fscan raises about its arguments."""
 
 
 class ScanTypeError(ScanError, TypeError):
@@ -32,15 +55,20 @@ class ScanValueError(ScanError, ValueError):
 
 
 class CombineFnError(ScanValueError):
-    """``combine_fn`` returned the wrong structure, shape, dtype or device."""
+    """``combine_fn`` misbehaves: it returned the wrong structure, shape, dtype or device
+    (this class itself), or one of the subclasses below."""
 
 
-class NotAssociativeError(ScanValueError):
-    """``combine_fn`` failed a randomized associativity check."""
+class NotAssociativeError(CombineFnError):
+    """``combine_fn`` failed the randomized associativity check
+    (``fscan.check_associative`` or ``validate=True``)."""
 
 
-class ImpureCombineError(ScanError, RuntimeError):
-    """``combine_fn`` mutated an input in place or used randomness."""
+class ImpureCombineError(CombineFnError, RuntimeError):
+    """``combine_fn`` modified one of its inputs in place or called a random operation.
+
+    Also a ``RuntimeError``: impurity shows up while running ``combine_fn``.
+    """
 
 
 class UnsupportedScanError(ScanError, NotImplementedError):

@@ -8,10 +8,12 @@ from typing import Any
 import torch
 from optree import PyTreeSpec
 
+from ._autograd import differentiable_scan, gradients_possible
 from ._checks import check_scan_args
 from ._combine import flat_combine
 from ._generic import scan_along
 from ._pytree import flatten, unflatten
+from ._validate import validate_combine_fn
 
 __all__ = ["associative_scan", "scan_flat"]
 
@@ -24,6 +26,8 @@ def associative_scan(
     dim: int,
     reverse: bool = False,
     combine_mode: str = "pointwise",
+    *,
+    validate: bool | None = None,
 ) -> Any:
     """Inclusive scan of ``xs`` along ``dim`` with an associative ``combine_fn``.
 
@@ -50,6 +54,12 @@ def associative_scan(
             of elements. ``"generic"`` for anything else (matrix products,
             reductions, indexing): ``combine_fn`` then sees single elements, i.e.
             slices with ``dim`` removed.
+        validate (bool or None, default None): before scanning, check ``combine_fn``
+            in full on this call's data: an uncached purity probe and the randomized
+            associativity check of ``fscan.check_associative``. None means
+            ``fscan.config.validate`` (environment variable ``FSCAN_VALIDATE``).
+            Without it, purity is still probed on the first call per ``combine_fn``
+            code and leaf dtypes (then cached).
 
     Returns:
         A pytree of the structure and shapes of ``xs``, in new memory.
@@ -67,6 +77,7 @@ def associative_scan(
     """
     leaves, spec = flatten(xs)
     dim = check_scan_args(_API, combine_fn, xs, leaves, dim, reverse, combine_mode)
+    validate_combine_fn(_API, combine_fn, spec, leaves, dim, combine_mode, validate)
     return unflatten(spec, scan_flat(combine_fn, spec, leaves, dim, reverse, combine_mode))
 
 
@@ -82,4 +93,6 @@ def scan_flat(
     if leaves[0].shape[dim] == 0:
         return [x.clone() for x in leaves]
     combine = flat_combine(_API, combine_fn, spec, combine_mode)
+    if gradients_possible():
+        return differentiable_scan(combine_fn, combine, leaves, dim, reverse, combine_mode)
     return scan_along(combine, leaves, dim, reverse)
