@@ -12,6 +12,7 @@ from ._checks import check_scan_args
 from ._combine import flat_combine
 from ._generic import scan_along
 from ._pytree import flatten, unflatten
+from ._segmented import segmented_scan
 from ._validate import validate_combine_fn
 
 __all__ = ["associative_scan", "scan_flat"]
@@ -27,6 +28,7 @@ def associative_scan(
     combine_mode: str = "pointwise",
     *,
     validate: bool | None = None,
+    reset: torch.Tensor | None = None,
 ) -> Any:
     """Inclusive scan of ``xs`` along ``dim`` with an associative ``combine_fn``.
 
@@ -59,6 +61,11 @@ def associative_scan(
             ``fscan.config.validate`` (environment variable ``FSCAN_VALIDATE``).
             Without it, purity is still probed on the first call per ``combine_fn``
             code and leaf dtypes (then cached).
+        reset (bool tensor or None, default None): restart the scan wherever it is
+            True (a segmented scan): ``out[i] = xs[i]`` there. A 1-D mask of length
+            ``n``, or a mask with the leaves' dimensions that broadcasts to each
+            leaf (e.g. ``(T, B, 1)`` for ``(T, B, d)`` leaves); see ``fscan._segmented``.
+
 
     Returns:
         A pytree of the structure and shapes of ``xs``, in new memory.
@@ -76,6 +83,9 @@ def associative_scan(
     """
     leaves, spec = flatten(xs)
     dim = check_scan_args(_API, combine_fn, xs, leaves, dim, reverse, combine_mode)
+    if reset is not None:  # a scan over (flag, value) pairs: see fscan._segmented
+        args = (combine_fn, xs, dim, reverse, combine_mode)
+        return segmented_scan(associative_scan, *args, reset=reset, validate=validate)
     validate_combine_fn(_API, combine_fn, spec, leaves, dim, combine_mode, validate)
     return unflatten(spec, scan_flat(combine_fn, spec, leaves, dim, reverse, combine_mode))
 
