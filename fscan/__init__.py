@@ -12,6 +12,8 @@ from ._errors import ScanError as ScanError
 from ._errors import ScanTypeError as ScanTypeError
 from ._errors import ScanValueError as ScanValueError
 from ._errors import UnsupportedScanError as UnsupportedScanError
+from ._linear import linear_recurrence as linear_recurrence
+from ._linear import linear_recurrence_matrix as linear_recurrence_matrix
 from ._scan import associative_scan as associative_scan
 
 __version__ = "0.1.0"
@@ -27,4 +29,6 @@ __all__ = [
     "associative_scan",
     "check_associative",
     "config",
+    "linear_recurrence",
+    "linear_recurrence_matrix",
 ]
