@@ -15,6 +15,13 @@ handled by aligning the pairs at the end of the sequence and letting the
 accumulator sit on the right, instead of flipping copies of the data.
 Lengths up to ``SEQUENTIAL_CUTOFF`` use a plain loop: for a handful of steps
 the recursion would make as many calls for no gain.
+
+``scan_functional`` is the same recursion out of place, for autograd and
+``torch.func``: writing into views of one shared output would invalidate the
+tensors a combine saved for backward and make every write a ``CopySlices``
+node that clones the whole output in backward (O(n log n)); instead each level
+returns a fresh tensor woven from its two halves with one ``stack``, so the
+tape holds O(n) and its backward only slices.
 """
 
 from __future__ import annotations
@@ -25,7 +32,14 @@ import torch
 
 from ._combine import FlatCombine
 
-__all__ = ["SEQUENTIAL_CUTOFF", "generic_scan", "scan_along", "scan_into"]
+__all__ = [
+    "SEQUENTIAL_CUTOFF",
+    "generic_scan",
+    "scan_along",
+    "scan_functional",
+    "scan_functional_along",
+    "scan_into",
+]
 
 SEQUENTIAL_CUTOFF = 4
 
@@ -125,3 +139,71 @@ def _sequential_into(
             for o, v in zip(out, value):
                 o[step].copy_(v)
         previous = step
+
+
+def scan_functional_along(
+    combine: FlatCombine, leaves: Sequence[torch.Tensor], dim: int, reverse: bool = False
+) -> list[torch.Tensor]:
+    """:func:`scan_along` out of place: differentiable with autograd and ``torch.func``.
+
+    Example:
+        >>> add = lambda a, b: [a[0] + b[0]]
+        >>> x = torch.ones(2, 3, requires_grad=True)
+        >>> scan_functional_along(add, [x], dim=1)[0].sum().backward()
+        >>> x.grad
+        tensor([[3., 2., 1.],
+                [3., 2., 1.]])
+    """
+    moved = scan_functional(combine, [x.movedim(dim, 0) for x in leaves], reverse)
+    return [o.movedim(0, dim) for o in moved]
+
+
+def scan_functional(
+    combine: FlatCombine, xs: Sequence[torch.Tensor], reverse: bool = False
+) -> list[torch.Tensor]:
+    """:func:`generic_scan` without in-place writes: the same pairs, recursion and fill-in."""
+    n = xs[0].shape[0]
+    if n <= SEQUENTIAL_CUTOFF:
+        return _sequential_functional(combine, xs, reverse)
+    pairs = n // 2
+    start = n % 2 if reverse else 0
+    earlier, later = slice(start, start + 2 * pairs, 2), slice(start + 1, start + 2 * pairs, 2)
+    left, right = (later, earlier) if reverse else (earlier, later)
+    # Step 1: one combine over all neighbouring pairs.
+    paired = combine([x[left] for x in xs], [x[right] for x in xs])
+    # Step 2: their scan is the output at every second position (pair_dest in scan_into).
+    sub = scan_functional(combine, paired, reverse)
+    # Step 3: the other positions, from the prefix next to each; the edge element
+    # (first, or last when reversed) is the input itself.
+    if reverse:
+        rest = slice(1 - start, n - 1, 2)
+        filled = combine([s[1 - start :] for s in sub], [x[rest] for x in xs])
+        others = [torch.cat([f, x[n - 1 :]]) for f, x in zip(filled, xs)]
+    else:
+        filled = combine([s[: (n - 1) // 2] for s in sub], [x[2::2] for x in xs])
+        others = [torch.cat([x[:1], f]) for f, x in zip(filled, xs)]
+    # Even positions hold `sub` when the pairs start at 0 in reverse, `others` otherwise.
+    if reverse and start == 0:
+        return [_interleave(s, o) for s, o in zip(sub, others)]
+    return [_interleave(o, s) for s, o in zip(sub, others)]
+
+
+def _interleave(evens: torch.Tensor, odds: torch.Tensor) -> torch.Tensor:
+    """``[e0, o0, e1, o1, ...]`` along dim 0; ``evens`` may be one longer than ``odds``."""
+    m = odds.shape[0]
+    woven = torch.stack([evens[:m], odds], dim=1).flatten(0, 1)
+    return torch.cat([woven, evens[m:]]) if evens.shape[0] > m else woven
+
+
+def _sequential_functional(
+    combine: FlatCombine, xs: Sequence[torch.Tensor], reverse: bool
+) -> list[torch.Tensor]:
+    n = xs[0].shape[0]
+    order = range(n - 1, -1, -1) if reverse else range(n)
+    rows: dict[int, list[torch.Tensor]] = {}
+    acc: list[torch.Tensor] | None = None
+    for i in order:
+        step = [x[i : i + 1] for x in xs]
+        acc = step if acc is None else combine(acc, step)
+        rows[i] = acc
+    return [torch.cat([rows[i][k] for i in range(n)]) for k in range(len(xs))]

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from optree import PyTreeSpec
 
+from ._autograd import differentiable_scan, gradients_possible
 from ._checks import check_scan_args
 from ._combine import flat_combine
 from ._generic import scan_along
@@ -102,4 +103,6 @@ def scan_flat(
     if leaves[0].shape[dim] == 0:
         return [x.clone() for x in leaves]
     combine = flat_combine(_API, combine_fn, spec, combine_mode)
+    if gradients_possible():
+        return differentiable_scan(combine_fn, combine, leaves, dim, reverse, combine_mode)
     return scan_along(combine, leaves, dim, reverse)

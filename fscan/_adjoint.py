@@ -1,0 +1,295 @@
+"""The pointwise backward: the adjoint of a scan is itself an associative scan.
+
+For a forward scan ``y[0] = x[0]``, ``y[t] = f(y[t-1], x[t])`` with the Jacobians
+``J[t] = df/dleft`` and ``K[t] = df/dright`` at ``(y[t-1], x[t])``, the
+cotangents ``g`` of the outputs pull back as::
+
+    lam[T-1] = g[T-1]
+    lam[t]   = g[t] + J[t+1]^T lam[t+1]      # a reverse linear recurrence
+    xbar[t]  = K[t]^T lam[t],  xbar[0] = lam[0]
+
+In pointwise mode ``f`` acts on every element position on its own, so across the
+L float leaves ``J[t]`` is an L x L block per position, read off with one
+backward pass per output leaf (``torch.autograd.grad`` with a cotangent of ones;
+a leaf the output does not depend on comes back ``None``: a structural zero).
+The recurrence composes affine maps ``v -> g + M v``, which is associative, so
+it runs on fscan's own engine, on L x L blocks kept as separate per-entry
+tensors so that every product is an elementwise op and structural zeros cost
+nothing. Only ``xs`` and the outputs are saved; ``f`` is re-evaluated once, over
+all steps at once, in the backward. ``reverse=True`` mirrors every direction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from ._combine import FlatCombine
+from ._generic import scan_along, scan_functional_along
+
+__all__ = ["PointwiseScan", "ScanPlan", "jacobian_blocks"]
+
+Entry = tuple[int, int]  # (row, column) of a per-position L x L block
+
+
+@dataclass(frozen=True)
+class ScanPlan:
+    """What the backward needs besides tensors: the combine and the scan's layout.
+
+    ``n_leaves`` leaves of ``xs`` come first among the Function's tensor inputs,
+    followed by the tensors ``combine`` closes over that need gradients.
+    """
+
+    combine: FlatCombine
+    n_leaves: int
+    dim: int
+    reverse: bool
+
+
+class PointwiseScan(torch.autograd.Function):
+    """Forward on the fast engine without a tape; backward by the adjoint scan.
+
+    Example:
+        >>> add = lambda a, b: [a[0] + b[0]]
+        >>> x = torch.ones(4, requires_grad=True)
+        >>> (y,) = PointwiseScan.apply(ScanPlan(add, 1, 0, False), x)
+        >>> y.sum().backward()
+        >>> x.grad
+        tensor([4., 3., 2., 1.])
+    """
+
+    @staticmethod
+    def forward(ctx: Any, plan: ScanPlan, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        xs = tensors[: plan.n_leaves]
+        ys = scan_along(plan.combine, xs, plan.dim, plan.reverse)
+        ctx.plan = plan
+        ctx.save_for_backward(*tensors, *ys)
+        ctx.set_materialize_grads(False)
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        plan: ScanPlan = ctx.plan
+        saved = ctx.saved_tensors
+        n = plan.n_leaves
+        xs, captured, ys = saved[:n], saved[n:-n], saved[-n:]
+        needs = ctx.needs_input_grad[1:]
+        xbar, capbar = adjoint(plan, xs, ys, grads, captured, needs)
+        return (None, *xbar, *capbar)
+
+
+def adjoint(
+    plan: ScanPlan,
+    xs: Sequence[torch.Tensor],
+    ys: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    captured: Sequence[torch.Tensor],
+    needs: Sequence[bool],
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Cotangents of ``xs`` and of the ``captured`` tensors, given those of ``ys``.
+
+    Runs differentiably (so that second derivatives work) when grad mode is on,
+    i.e. when autograd runs this backward with ``create_graph=True``.
+    """
+    create_graph = torch.is_grad_enabled()
+    xs = [x.movedim(plan.dim, 0) for x in xs]
+    ys = [y.movedim(plan.dim, 0) for y in ys]
+    floats = [i for i, x in enumerate(xs) if x.is_floating_point()]
+    gs = [_cotangent(grads[i], ys[i].movedim(0, plan.dim)).movedim(plan.dim, 0) for i in floats]
+    if xs[0].shape[0] == 1:  # no combine ran: the output is the input
+        xbar = _scatter(len(xs), floats, [g if needs[i] else None for i, g in zip(floats, gs)])
+        return _moved_back(xbar, plan.dim), [None] * len(captured)
+    # The left operands y[t-1] and right operands x[t] of every combine, as one batch.
+    head, tail = slice(0, -1), slice(1, None)
+    left_at, right_at = (tail, head) if plan.reverse else (head, tail)
+    with torch.enable_grad():
+        left = [_variable(y[left_at], create_graph) for y in ys]
+        right = [_variable(x[right_at], create_graph) for x in xs]
+        combined = plan.combine(left, right)
+    outs = [combined[i] for i in floats]
+    blocks = jacobian_blocks(outs, [left[i] for i in floats], create_graph)
+    lam = _adjoint_scan(blocks, gs, plan.reverse, create_graph)
+    # xbar[t] = K[t]^T lam[t] at every step with a left operand, summed over steps
+    # for the closed-over tensors; at the edge step (first, or last if reversed)
+    # the output is the input, so xbar is lam itself there.
+    want_x = [i for i in floats if needs[i]]
+    want_c = [k for k, c in enumerate(captured) if needs[len(xs) + k] and c.requires_grad]
+    pulled = _vjp(
+        outs,
+        [right[i] for i in want_x] + [captured[k] for k in want_c],
+        [lm[right_at] for lm in lam],
+        create_graph,
+    )
+    edge_at = slice(-1, None) if plan.reverse else slice(0, 1)
+    xbar: list[torch.Tensor | None] = [None] * len(xs)
+    for i, inner in zip(want_x, pulled):
+        lm = lam[floats.index(i)]
+        inner = torch.zeros_like(lm[right_at]) if inner is None else inner
+        pieces = [inner, lm[edge_at]] if plan.reverse else [lm[edge_at], inner]
+        xbar[i] = torch.cat(pieces)
+    capbar: list[torch.Tensor | None] = [None] * len(captured)
+    for k, grad in zip(want_c, pulled[len(want_x) :]):
+        capbar[k] = grad
+    return _moved_back(xbar, plan.dim), capbar
+
+
+def _vjp(
+    outs: list[torch.Tensor],
+    inputs: list[torch.Tensor],
+    cotangents: list[torch.Tensor],
+    create_graph: bool,
+) -> tuple[torch.Tensor | None, ...]:
+    if not inputs:
+        return ()
+    pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
+    if not pairs:
+        return (None,) * len(inputs)
+    return torch.autograd.grad(
+        [o for o, _ in pairs],
+        inputs,
+        [c for _, c in pairs],
+        allow_unused=True,
+        create_graph=create_graph,
+    )
+
+
+def _scatter(n: int, at: list[int], values: list[Any]) -> list[Any]:
+    full: list[Any] = [None] * n
+    for i, v in zip(at, values):
+        full[i] = v
+    return full
+
+
+def _moved_back(ts: list[torch.Tensor | None], dim: int) -> list[torch.Tensor | None]:
+    return [None if t is None else t.movedim(0, dim) for t in ts]
+
+
+def _cotangent(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Autograd passes ``None`` for an output nobody used: a zero cotangent, not materialised."""
+    if grad is not None:
+        return grad
+    return torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
+
+
+def _variable(t: torch.Tensor, create_graph: bool) -> torch.Tensor:
+    """A float operand to differentiate the re-evaluated ``f`` by; other dtypes stay as they are."""
+    if not t.is_floating_point() or (create_graph and t.requires_grad):
+        return t
+    return t.detach().requires_grad_()
+
+
+def jacobian_blocks(
+    outs: Sequence[torch.Tensor], lefts: Sequence[torch.Tensor], create_graph: bool
+) -> dict[Entry, torch.Tensor]:
+    """``M[(j, k)] = d outs[k] / d lefts[j]`` per position, i.e. ``J^T``; absent = zero.
+
+    One backward pass per output leaf with a cotangent of ones reads a whole
+    column of every per-position block at once, because positions do not mix.
+    """
+    blocks: dict[Entry, torch.Tensor] = {}
+    for k, out in enumerate(outs):
+        if not out.requires_grad:
+            continue
+        ones = torch.ones((), dtype=out.dtype, device=out.device).expand(out.shape)
+        cols = torch.autograd.grad(
+            out, lefts, ones, retain_graph=True, create_graph=create_graph, allow_unused=True
+        )
+        for j, col in enumerate(cols):
+            if col is not None:
+                blocks[(j, k)] = col
+    return blocks
+
+
+def _adjoint_scan(
+    blocks: dict[Entry, torch.Tensor],
+    gs: list[torch.Tensor],
+    reverse: bool,
+    create_graph: bool,
+) -> list[torch.Tensor]:
+    """``lam`` from ``lam[t] = g[t] + M[t] lam[t+1]`` (``lam[t-1]`` when reversed)."""
+    if not blocks:  # f ignores its left operand: nothing flows back along the scan
+        return gs
+    n = len(gs)
+    pattern = _closed_pattern(blocks)
+    if not create_graph and _is_scalar_identity(blocks, n):
+        pattern, blocks = [(0, 0)], {(0, 0): blocks[(0, 0)]}
+    like = next(iter(blocks.values()))
+    zero_row = torch.zeros((1, *like.shape[1:]), dtype=like.dtype, device=like.device)
+    # M[t] multiplies lam of the neighbour after t, so the step at the far edge
+    # has none: its block is zero (its product is never used anyway).
+    pad = (lambda m: torch.cat([zero_row, m])) if reverse else (lambda m: torch.cat([m, zero_row]))
+    zero = torch.zeros((), dtype=like.dtype, device=like.device).expand(gs[0].shape)
+    ms = [pad(blocks[e]) if e in blocks else zero for e in pattern]
+    scan = scan_functional_along if create_graph else scan_along
+    out = scan(_affine_combine(pattern, n), [*ms, *gs], 0, not reverse)
+    return out[len(ms) :]
+
+
+def _closed_pattern(blocks: dict[Entry, torch.Tensor]) -> list[Entry]:
+    """The entries a product of blocks can fill: the transitive closure of the nonzeros."""
+    closed = set(blocks)
+    while True:
+        grown = closed | {(j, k) for j, m in closed for m2, k in closed if m == m2}
+        if grown == closed:
+            return sorted(closed)
+        closed = grown
+
+
+def _is_scalar_identity(blocks: dict[Entry, torch.Tensor], n: int) -> bool:
+    """Every block is ``a * I`` (e.g. the linear recurrence): one tensor carries all of it."""
+    diagonal = [(j, j) for j in range(n)]
+    if sorted(blocks) != diagonal:
+        return False
+    first = blocks[(0, 0)]
+    return all(torch.equal(first, blocks[e]) for e in diagonal[1:])
+
+
+def _affine_combine(pattern: list[Entry], n: int) -> FlatCombine:
+    """Compose ``v -> g + M v`` maps, ``acc`` applied first: ``(Mi Ma, gi + Mi ga)``.
+
+    Leaves are the block entries in ``pattern`` order, then the ``n`` vectors.
+    A lone entry ``(0, 0)`` with ``n > 1`` stands for ``m * I``.
+    """
+    size = len(pattern)
+    if pattern == [(0, 0)] and n > 1:
+        m_terms = [[(0, 0)]]
+        g_terms = [[(0, j)] for j in range(n)]
+    else:
+        index = {e: p for p, e in enumerate(pattern)}
+        m_terms = [
+            [
+                (index[(j, m)], index[(m, k)])
+                for m in range(n)
+                if (j, m) in index and (m, k) in index
+            ]
+            for j, k in pattern
+        ]
+        g_terms = [[(index[(j, m)], m) for m in range(n) if (j, m) in index] for j in range(n)]
+
+    def combine(acc: Sequence[torch.Tensor], elem: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        ma, ga, mi, gi = acc[:size], acc[size:], elem[:size], elem[size:]
+        ms = [_sum_of_products(None, mi, ma, terms) for terms in m_terms]
+        gs = [_sum_of_products(gi[j], mi, ga, terms) for j, terms in enumerate(g_terms)]
+        return [*ms, *gs]
+
+    return combine
+
+
+def _sum_of_products(
+    start: torch.Tensor | None,
+    lhs: Sequence[torch.Tensor],
+    rhs: Sequence[torch.Tensor],
+    terms: list[tuple[int, int]],
+) -> torch.Tensor:
+    """``start + sum(lhs[a] * rhs[b] for a, b in terms)`` with fused multiply-adds.
+
+    ``terms`` is never empty when ``start`` is None: an entry of a closed
+    pattern is always the product of two entries.
+    """
+    total = start
+    for a, b in terms:
+        total = lhs[a] * rhs[b] if total is None else torch.addcmul(total, lhs[a], rhs[b])
+    return cast(torch.Tensor, total)
