@@ -44,6 +44,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from ._errors import ScanValueError
+
 __all__ = ["BoundedCache", "function_key", "leaf_signature", "value_kind"]
 
 V = TypeVar("V")
@@ -73,7 +75,7 @@ class BoundedCache(Generic[V]):
 
     def __init__(self, maxsize: int = 1024) -> None:
         if maxsize < 1:
-            raise ValueError(f"BoundedCache: `maxsize` must be >= 1, got {maxsize}.")
+            raise ScanValueError(f"BoundedCache: `maxsize` must be >= 1, got {maxsize}.")
         self.maxsize = maxsize
         self._data: OrderedDict[Hashable, V] = OrderedDict()
         self._lock = threading.Lock()
@@ -216,9 +218,11 @@ def _object_key(fn: Any) -> Hashable:
     except TypeError:
         return type(fn)
     try:
-        return (type(fn), weakref.ref(fn))
+        ref = weakref.ref(fn)
     except TypeError:  # not weak-referenceable: hashable objects of this sort are long-lived
         return (type(fn), fn)
+    hash(ref)  # computed now, while alive: a weak reference remembers it after its object dies
+    return (type(fn), ref)
 
 
 def leaf_signature(leaves: Sequence[torch.Tensor]) -> tuple[Hashable, ...]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import pathlib
 import re
 
 import pytest
@@ -126,3 +128,39 @@ def test_errors_are_builtin_types_too():
     assert issubclass(fscan.ScanValueError, ValueError)
     assert issubclass(fscan.CombineFnError, fscan.ScanError)
     assert issubclass(fscan.UnsupportedScanError, NotImplementedError)
+
+
+def test_hierarchy_groups_every_complaint_about_combine_fn():
+    assert issubclass(fscan.NotAssociativeError, fscan.CombineFnError)
+    assert issubclass(fscan.ImpureCombineError, fscan.CombineFnError)
+    assert issubclass(fscan.ImpureCombineError, RuntimeError)
+    assert issubclass(fscan.CombineFnError, ValueError)
+
+
+def test_every_exception_is_public_documented_and_a_scan_error():
+    for name in fscan._errors.__all__:
+        cls = getattr(fscan, name)
+        assert name in fscan.__all__
+        assert issubclass(cls, fscan.ScanError) and cls.__doc__, name
+
+
+def test_every_raise_in_fscan_uses_the_hierarchy():
+    """A static check: each `raise SomeClass(...)` in the library names an fscan error.
+
+    Re-raising a caught exception (`raise`, `raise err`) is fine; the command-line
+    entry point may exit with SystemExit.
+    """
+    allowed = set(fscan._errors.__all__)
+    package = pathlib.Path(fscan.__file__).parent
+    offenders = []
+    for path in sorted(package.glob("*.py")):
+        if path.name == "__main__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Raise) or node.exc is None:
+                continue
+            target = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+            if name[:1].isupper() and name not in allowed:
+                offenders.append(f"{path.name}:{node.lineno} raises {name}")
+    assert not offenders, offenders
