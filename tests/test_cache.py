@@ -30,7 +30,7 @@ def fresh_verdicts():
 # --- BoundedCache ------------------------------------------------------------------
 
 
-def test_least_recently_used_entry_goes_first():
+def test_entry_not_used_lately_goes_first():
     cache = BoundedCache(maxsize=2)
     cache.put("a", 1)
     cache.put("b", 2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import core
+from . import core, overhead
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -14,6 +14,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     print(core.forward_table(quick=args.quick).render(), flush=True)
+    print()
+    print(overhead.overhead_table(quick=args.quick).render(), flush=True)
     if not args.quick:
         print()
         print(core.forward_memory(), flush=True)
