@@ -163,8 +163,12 @@ def _written_tensors(func: Any, args: tuple, kwargs: dict) -> Iterator[torch.Ten
 
 
 def _storage_id(t: torch.Tensor) -> int:
-    """The address of ``t``'s storage (0 for an empty one), shared by all its views."""
-    storage = t.untyped_storage()
+    """The address of ``t``'s storage, shared by all its views; 0 for an empty storage
+    or a tensor without one (a wrapper subclass), which then matches no operand."""
+    try:
+        storage = t.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return 0
     return storage.data_ptr() if storage.nbytes() else 0
 
 
@@ -179,8 +183,10 @@ def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 def probeable(leaves: Sequence[torch.Tensor]) -> bool:
-    """Plain tensors with data, outside ``torch.func`` transforms (whose wrappers hide
-    version counters and values)."""
+    """Plain tensors with data, outside ``torch.func`` transforms (whose wrappers, in the
+    leaves or in what ``combine_fn`` closes over, hide storages, versions and values)."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
     for x in leaves:
         if (
             type(x) not in _PLAIN_TYPES

@@ -218,19 +218,23 @@ def storages(tree) -> set[int]:
     mode=MODES,
     reverse=[False, True],
     n=[1, 2, 3, 5, 8, 33],
+    grad=[False, True],
 )
-def test_outputs_that_alias_inputs_just_work(combine, mode, reverse, n):
+def test_outputs_that_alias_inputs_just_work(combine, mode, reverse, n, grad):
+    """Both engines (in place, and out of place for autograd) copy into fresh outputs."""
     gen = seeded(n)
     if combine is first_and_last:
         xs = (torch.randn(n, 2, generator=gen), torch.randn(2, n, generator=gen).T)
     else:
-        xs = torch.randn(3, n, generator=gen)[1]
-    dim = 0
+        xs = torch.randn(3, n, generator=gen)[1]  # a strided view
+    xs = optree.tree_map(lambda x: x.detach().requires_grad_(grad), xs)
     before = snapshot(xs)
-    out = fscan.associative_scan(combine, xs, dim, reverse=reverse, combine_mode=mode)
-    assert_trees_close(out, sequential_scan(combine, xs, dim, reverse, mode), rtol=0, atol=0)
+    out = fscan.associative_scan(combine, xs, 0, reverse=reverse, combine_mode=mode)
+    expected = sequential_scan(combine, before, 0, reverse, mode)
+    assert_trees_close(out, expected, rtol=0, atol=0)
     assert_trees_close(xs, before, rtol=0, atol=0)
     assert not storages(out) & storages(xs)
+    assert all(o.requires_grad == grad for o in optree.tree_leaves(out))
 
 
 # --- the probe's cache -------------------------------------------------------------
@@ -310,6 +314,15 @@ def test_probe_is_skipped_inside_vmap_and_runs_on_plain_calls():
 
     xs = torch.randn(3, 6)
     assert_trees_close(torch.func.vmap(under_vmap)(xs), torch.cumsum(xs, 1))
+    assert len(verdicts) == 0
+
+
+def test_probe_is_skipped_under_grad_with_a_wrapped_capture():
+    x = torch.rand(7, 3, dtype=torch.float64) + 0.5
+    loss = lambda s: fscan.associative_scan(lambda a, b: a * b * s, x, 0).sum()
+    s = torch.rand(3, dtype=torch.float64) + 0.5
+    expected = torch.func.grad(lambda s: sequential_scan(lambda a, b: a * b * s, x, 0).sum())
+    torch.testing.assert_close(torch.func.grad(loss)(s), expected(s))
     assert len(verdicts) == 0
 
 
