@@ -287,7 +287,8 @@ def _check_args(
     if not isinstance(b, torch.Tensor):
         raise ScanTypeError(f"{api}: `b` must be a torch.Tensor, got {describe(b)}.")
     if isinstance(a, Number) and not matrix:
-        a = torch.tensor(a, device=b.device)
+        # In b's dtype (promoted as a Python scalar would be), not rounded to float32.
+        a = torch.tensor(a, dtype=torch.result_type(b, a), device=b.device)
     if not isinstance(a, torch.Tensor):
         raise ScanTypeError(f"{api}: `{gate}` must be a torch.Tensor, got {describe(a)}.")
     if not isinstance(reverse, bool):
@@ -312,7 +313,7 @@ def _check_args(
             raise ScanValueError(f"{api}: `{name}` is on {t.device}, expected {b.device} like `b`.")
     _check_gate_shape(api, gate, a, b, matrix)
     if initial is not None:
-        step = b.select(dim, 0).shape
+        step = b.shape[:dim] + b.shape[dim + 1 :]
         if not _broadcasts_to(initial.shape, step):
             raise ScanValueError(
                 f"{api}: `initial` of shape {tuple(initial.shape)} does not broadcast to one "

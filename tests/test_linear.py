@@ -1,0 +1,249 @@
+"""linear_recurrence and linear_recurrence_matrix against a sequential loop."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from helpers import parametrize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fscan
+from fscan._linear import _chunk_size
+
+# 0-31: the tree alone; 32+: chunked walks, with and without a tail, and (257,
+# 1000) with a chunk-level recurrence that is itself chunked.
+LENGTHS = [0, 1, 2, 3, 5, 31, 32, 33, 100, 257, 1000]
+
+
+def loop(a, b, dim, initial=None, reverse=False, reset=None, step=None):
+    """The reference: one step at a time, ``h = a h + b`` (or ``A @ h + b``)."""
+    step = step or (lambda a_t, h: a_t * h)
+    n = b.shape[dim]
+    h, out = initial, [None] * n
+    for t in range(n - 1, -1, -1) if reverse else range(n):
+        b_t = b.select(dim, t)
+        restart = h is None or (reset is not None and bool(reset[t]))
+        h = b_t if restart else step(a.select(dim, t), h) + b_t
+        out[t] = h.expand_as(b_t)
+    return torch.stack(out, dim) if n else b.clone()
+
+
+def full(a, b):
+    return a.reshape((1,) * (b.ndim - a.ndim) + tuple(a.shape)).expand(b.shape)
+
+
+def test_chunk_sizes():
+    assert [_chunk_size(n) for n in (31, 32, 100, 256, 257, 4096)] == [None, 8, 16, 64, 64, 64]
+
+
+@parametrize(length=LENGTHS, reverse=[False, True], initial=[False, True])
+def test_full_gate(length, reverse, initial):
+    a = torch.rand(3, length, 4, dtype=torch.float64) + 0.2
+    b = torch.randn(3, length, 4, dtype=torch.float64)
+    h0 = torch.randn(3, 4, dtype=torch.float64) if initial else None
+    out = fscan.linear_recurrence(a, b, 1, initial=h0, reverse=reverse)
+    torch.testing.assert_close(out, loop(a, b, 1, h0, reverse))
+
+
+@parametrize(gate=["number", "0-d", "per-channel", "per-step"], reverse=[False, True])
+def test_broadcast_gates(gate, reverse):
+    b = torch.randn(100, 5, dtype=torch.float64)
+    a = {
+        "number": 0.9,
+        "0-d": torch.tensor(0.9, dtype=torch.float64),
+        "per-channel": torch.rand(5, dtype=torch.float64),
+        "per-step": torch.rand(100, 1, dtype=torch.float64),
+    }[gate]
+    out = fscan.linear_recurrence(a, b, 0, reverse=reverse)
+    dense = full(torch.as_tensor(a, dtype=torch.float64), b)
+    torch.testing.assert_close(out, loop(dense, b, 0, reverse=reverse))
+
+
+@parametrize(dim=[0, 1, 2, -1, -3], length=[7, 70])
+def test_dims(dim, length):
+    shape = [3, 4, 2]
+    shape[dim] = length
+    a, b = torch.rand(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
+    torch.testing.assert_close(fscan.linear_recurrence(a, b, dim), loop(a, b, dim % 3))
+
+
+@parametrize(length=[1, 20, 150], reverse=[False, True], initial=[False, True])
+def test_reset(length, reverse, initial):
+    a = torch.rand(length, 3, dtype=torch.float64) + 0.5
+    b = torch.randn(length, 3, dtype=torch.float64)
+    reset = torch.rand(length) < 0.2
+    reset[0] = length == 20  # a reset at the start drops `initial`
+    h0 = torch.randn(3, dtype=torch.float64) if initial else None
+    out = fscan.linear_recurrence(a, b, 0, initial=h0, reverse=reverse, reset=reset)
+    torch.testing.assert_close(out, loop(a, b, 0, h0, reverse, reset))
+
+
+def test_per_row_reset():
+    a, b = torch.rand(80, 4, 3, dtype=torch.float64), torch.randn(80, 4, 3, dtype=torch.float64)
+    reset = torch.rand(80, 4, 1) < 0.1
+    out = fscan.linear_recurrence(a, b, 0, reset=reset)
+    for row in range(4):
+        expected = loop(a[:, row], b[:, row], 0, reset=reset[:, row, 0])
+        torch.testing.assert_close(out[:, row], expected)
+
+
+@parametrize(length=[9, 100], reverse=[False, True])
+def test_complex(length, reverse):
+    a = torch.randn(length, 3, dtype=torch.complex128) * 0.6
+    b = torch.randn(length, 3, dtype=torch.complex128)
+    h0 = torch.randn(3, dtype=torch.complex128)
+    out = fscan.linear_recurrence(a, b, 0, initial=h0, reverse=reverse)
+    torch.testing.assert_close(out, loop(a, b, 0, h0, reverse))
+
+
+def test_dtype_promotion_and_float32_accuracy():
+    a, b = torch.rand(300, 8), torch.randn(300, 8, dtype=torch.float64)
+    assert fscan.linear_recurrence(a, b, 0).dtype == torch.float64
+    assert (
+        fscan.linear_recurrence(0.5, torch.ones(4, dtype=torch.float16), 0).dtype == torch.float16
+    )
+    b32 = b.float()
+    expected = loop(a.double(), b32.double(), 0)
+    torch.testing.assert_close(
+        fscan.linear_recurrence(a, b32, 0).double(), expected, atol=1e-5, rtol=1e-5
+    )
+
+
+def test_inputs_untouched():
+    a, b, h0 = torch.rand(64, 2), torch.randn(64, 2), torch.randn(2)
+    copies = [t.clone() for t in (a, b, h0)]
+    out = fscan.linear_recurrence(a, b, 0, initial=h0)
+    assert all(torch.equal(t, c) for t, c in zip((a, b, h0), copies))
+    assert out.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+
+
+@parametrize(length=[12, 70], reverse=[False, True], gate=["full", "per-channel"])
+def test_gradcheck(length, reverse, gate):
+    shape = (length, 3) if gate == "full" else (3,)
+    a = (torch.rand(shape, dtype=torch.float64) * 0.9).requires_grad_()
+    b = torch.randn(length, 3, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    reset = torch.rand(length) < 0.1
+
+    def run(a, b, h0):
+        return fscan.linear_recurrence(a, b, 0, initial=h0, reverse=reverse, reset=reset)
+
+    assert torch.autograd.gradcheck(run, (a, b, h0))
+
+
+def test_gradcheck_complex():
+    a = (torch.randn(40, 2, dtype=torch.complex128) * 0.5).requires_grad_()
+    b = torch.randn(40, 2, dtype=torch.complex128, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: fscan.linear_recurrence(a, b, 0), (a, b))
+
+
+def test_vmap():
+    a, b = torch.rand(5, 100, 3), torch.randn(5, 100, 3)
+    h0 = torch.randn(5, 3)
+    batched = torch.func.vmap(lambda a, b, h: fscan.linear_recurrence(a, b, 0, initial=h))
+    torch.testing.assert_close(batched(a, b, h0), fscan.linear_recurrence(a, b, 1, initial=h0))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    length=st.integers(0, 300),
+    reverse=st.booleans(),
+    width=st.integers(1, 3),
+    with_initial=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_matches_loop(length, reverse, width, with_initial, seed):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.rand(length, width, dtype=torch.float64, generator=gen) * 1.2
+    b = torch.randn(length, width, dtype=torch.float64, generator=gen)
+    h0 = torch.randn(width, dtype=torch.float64, generator=gen) if with_initial else None
+    out = fscan.linear_recurrence(a, b, 0, initial=h0, reverse=reverse)
+    torch.testing.assert_close(out, loop(a, b, 0, h0, reverse))
+
+
+# ---- the matrix-valued recurrence ------------------------------------------
+
+
+def matvec(A_t, h):
+    return (A_t @ h.unsqueeze(-1)).squeeze(-1)
+
+
+@parametrize(length=[0, 1, 2, 9, 40], reverse=[False, True], initial=[False, True])
+def test_matrix(length, reverse, initial):
+    A = torch.randn(length, 2, 3, 3, dtype=torch.float64) / 2
+    b = torch.randn(length, 2, 3, dtype=torch.float64)
+    h0 = torch.randn(2, 3, dtype=torch.float64) if initial else None
+    out = fscan.linear_recurrence_matrix(A, b, 0, initial=h0, reverse=reverse)
+    torch.testing.assert_close(out, loop(A, b, 0, h0, reverse, step=matvec))
+
+
+def test_matrix_shared_gates_dim_and_reset():
+    A = torch.randn(1, 30, 3, 3, dtype=torch.float64) / 2  # shared over the batch of 4
+    b = torch.randn(4, 30, 3, dtype=torch.float64)
+    reset = torch.rand(30) < 0.2
+    out = fscan.linear_recurrence_matrix(A, b, -2, reset=reset)
+    expected = loop(A.expand(4, 30, 3, 3), b, 1, reset=reset, step=matvec)
+    torch.testing.assert_close(out, expected)
+
+
+@parametrize(reverse=[False, True])
+def test_matrix_gradcheck(reverse):
+    A = (torch.randn(15, 2, 2, dtype=torch.float64) / 2).requires_grad_()
+    b = torch.randn(15, 2, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(2, dtype=torch.float64, requires_grad=True)
+
+    def run(A, b, h0):
+        return fscan.linear_recurrence_matrix(A, b, 0, initial=h0, reverse=reverse)
+
+    assert torch.autograd.gradcheck(run, (A, b, h0))
+
+
+# ---- errors --------------------------------------------------------------------
+
+
+def raises(exc, text):
+    return pytest.raises(exc, match=re.escape(text))
+
+
+def test_gate_must_broadcast():
+    with raises(
+        fscan.ScanValueError,
+        "fscan.linear_recurrence: `a` of shape (4,) does not broadcast to `b` of shape (5, 3)",
+    ):
+        fscan.linear_recurrence(torch.ones(4), torch.ones(5, 3), 0)
+
+
+def test_initial_must_fit_one_step():
+    with raises(
+        fscan.ScanValueError,
+        "`initial` of shape (5,) does not broadcast to one step of `b`, shape (3,)",
+    ):
+        fscan.linear_recurrence(0.5, torch.ones(5, 3), 0, initial=torch.ones(5))
+
+
+def test_b_must_be_a_tensor():
+    with raises(fscan.ScanTypeError, "fscan.linear_recurrence: `b` must be a torch.Tensor"):
+        fscan.linear_recurrence(0.5, [1.0, 2.0], 0)
+
+
+def test_dim_out_of_range():
+    with raises(fscan.ScanValueError, "`dim` 2 is out of range for `b` with 2 dimension(s)"):
+        fscan.linear_recurrence(0.5, torch.ones(5, 3), 2)
+
+
+def test_reset_checked():
+    with raises(fscan.ScanValueError, "fscan.linear_recurrence: `reset` has length 3, expected 5"):
+        fscan.linear_recurrence(0.5, torch.ones(5, 3), 0, reset=torch.ones(3, dtype=torch.bool))
+
+
+def test_matrix_shapes():
+    with raises(
+        fscan.ScanValueError,
+        "fscan.linear_recurrence_matrix: `A` of shape (5, 3, 2) does not fit `b` of shape (5, 3)",
+    ):
+        fscan.linear_recurrence_matrix(torch.ones(5, 3, 2), torch.ones(5, 3), 0)
+    with raises(fscan.ScanValueError, "`dim` 1 is the state dimension of `b`"):
+        fscan.linear_recurrence_matrix(torch.ones(5, 3, 3), torch.ones(5, 3), 1)
