@@ -14,6 +14,11 @@ from ._errors import ScanValueError as ScanValueError
 from ._errors import UnsupportedScanError as UnsupportedScanError
 from ._linear import linear_recurrence as linear_recurrence
 from ._linear import linear_recurrence_matrix as linear_recurrence_matrix
+from ._ops import cummax as cummax
+from ._ops import cummin as cummin
+from ._ops import cumprod as cumprod
+from ._ops import cumsum as cumsum
+from ._ops import logcumsumexp as logcumsumexp
 from ._scan import associative_scan as associative_scan
 
 __version__ = "0.1.0"
@@ -29,6 +34,11 @@ __all__ = [
     "associative_scan",
     "check_associative",
     "config",
+    "cummax",
+    "cummin",
+    "cumprod",
+    "cumsum",
     "linear_recurrence",
     "linear_recurrence_matrix",
+    "logcumsumexp",
 ]

@@ -1,0 +1,241 @@
+"""Drop-in cumulative ops against torch's own, on both paths (native and parallel scan)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from helpers import parametrize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fscan
+from fscan import _ops
+
+OPS = ["cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"]
+PATHS = ["native", "parallel"]
+DTYPES = [
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+]
+SPECIAL = [float("nan"), float("inf"), float("-inf")]
+
+
+@pytest.fixture
+def force(monkeypatch):
+    """``force("native")`` or ``force("parallel")``: pin the dispatch for this test."""
+
+    def pin(path):
+        wins = path == "parallel"
+        monkeypatch.setattr(_ops, "parallel_wins", lambda x, dim: wins and x.ndim > 0)
+
+    return pin
+
+
+def reference(name, x, dim, reverse, **kw):
+    """torch's op; with ``reverse``, flip, op, flip (indices mapped back to ``x``)."""
+    op = getattr(torch, name)
+    if not reverse or x.ndim == 0:
+        return op(x, dim, **kw)
+    out = op(x.flip(dim), dim, **kw)
+    if isinstance(out, torch.Tensor):
+        return out.flip(dim)
+    return type(out)((out.values.flip(dim), (x.shape[dim] - 1 - out.indices).flip(dim)))
+
+
+def sample(shape, dtype, specials=True, generator=None):
+    """Small integers (ties, zeros) as ``dtype``, with NaN and +-inf sprinkled in floats."""
+    x = torch.randint(-3, 4, shape, generator=generator).to(torch.float64) / 2
+    if dtype.is_complex:
+        imag = torch.randint(-3, 4, shape, generator=generator).to(torch.float64) / 2
+        x = torch.complex(x, imag)
+    elif specials and dtype.is_floating_point and x.numel():
+        flat = x.view(-1)
+        where = torch.randint(0, x.numel(), (3 * len(SPECIAL),), generator=generator)
+        flat[where] = torch.tensor(SPECIAL * 3, dtype=torch.float64)
+    if dtype == torch.bool:
+        return x > 0
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return (x * 2).abs().to(dtype)
+    return x.to(dtype)
+
+
+def assert_same(got, expected):
+    """Same type, dtype and shape; equal values (NaN == NaN), close for inexact dtypes."""
+    assert type(got) is type(expected)
+    if not isinstance(expected, torch.Tensor):
+        assert torch.equal(got.indices, expected.indices)
+        got, expected = got.values, expected.values
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    if got.dtype.is_floating_point or got.dtype.is_complex:
+        low = got.dtype in (torch.float16, torch.bfloat16)
+        tol = dict(rtol=1e-2, atol=1e-2) if low else dict(rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got, expected, equal_nan=True, **tol)
+    else:
+        assert torch.equal(got, expected)
+
+
+def run_both(name, x, dim, reverse, **kw):
+    """fscan's result and torch's, or the exception type of each when torch refuses."""
+    try:
+        expected = reference(name, x, dim, reverse, **kw)
+    except (RuntimeError, TypeError, NotImplementedError) as err:
+        with pytest.raises(type(err)):
+            getattr(fscan, name)(x, dim, reverse=reverse, **kw)
+        return None, None
+    return getattr(fscan, name)(x, dim, reverse=reverse, **kw), expected
+
+
+@parametrize(name=OPS, dtype=DTYPES, path=PATHS, reverse=[False, True])
+def test_dtypes_ties_nan_inf(force, name, dtype, path, reverse):
+    force(path)
+    x = sample((70, 5), dtype)  # 70 steps: four blocks of 16 and a tail of 6
+    got, expected = run_both(name, x, 0, reverse)
+    if expected is not None:
+        assert_same(got, expected)
+
+
+SHAPES = [
+    ((), 0),
+    ((), -1),
+    ((0,), 0),
+    ((5, 0), 0),
+    ((0, 5), 0),
+    ((1,), 0),
+    ((37,), 0),
+    ((33, 4), -2),
+    ((3, 40, 2), 1),
+    ((3, 2, 50), 2),
+]
+
+
+@parametrize(name=OPS, shape_dim=SHAPES, path=PATHS, reverse=[False, True])
+def test_shapes_and_dims(force, name, shape_dim, path, reverse):
+    force(path)
+    shape, dim = shape_dim
+    x = sample(shape, torch.float64)
+    assert_same(*run_both(name, x, dim, reverse))
+
+
+@parametrize(name=["cumsum", "cumprod"], path=PATHS)
+def test_dtype_argument_casts_first(force, name, path):
+    force(path)
+    x = sample((40, 3), torch.float64, specials=False) * 1.7
+    for dtype in (torch.int32, torch.float32, torch.float64, torch.complex128):
+        assert_same(*run_both(name, x, 0, False, dtype=dtype))
+    assert_same(*run_both(name, sample((40, 3), torch.bool), 0, False))
+
+
+@parametrize(name=OPS, path=PATHS, reverse=[False, True])
+def test_gradients_match_torch(force, name, path, reverse):
+    """Including cumprod through zeros and cummax/cummin through ties."""
+    force(path)
+    x = sample((70, 5), torch.float64, specials=False)
+    grad = torch.randn(70, 5, dtype=torch.float64)
+
+    def gradient(fn):
+        leaf = x.clone().requires_grad_()
+        out = fn(leaf)
+        out = out if isinstance(out, torch.Tensor) else out.values
+        return torch.autograd.grad(out, leaf, grad)[0]
+
+    got = gradient(lambda t: getattr(fscan, name)(t, 0, reverse=reverse))
+    expected = gradient(lambda t: reference(name, t, 0, reverse))
+    torch.testing.assert_close(got, expected)
+
+
+def test_cumprod_gradient_with_zeros_is_exact():
+    steps = torch.tensor([2.0, 0.0, 3.0, 0.0, 5.0, 1.5, -1.0, 0.5] * 5, dtype=torch.float64)
+    x = (steps[:, None] * torch.rand(1, 1024, dtype=torch.float64)).requires_grad_()
+    assert _ops.parallel_wins(x, 0)  # the scan path, on its own merits
+    (got,) = torch.autograd.grad(fscan.cumprod(x, 0).sum(), x)
+    (expected,) = torch.autograd.grad(torch.cumprod(x, 0).sum(), x)
+    torch.testing.assert_close(got, expected)
+    assert torch.isfinite(got).all() and (got[:2] != 0).all()
+
+
+def test_returns_torch_structs():
+    out = fscan.cummax(torch.tensor([1.0, 3.0, 3.0, float("nan"), 5.0, float("nan")]), 0)
+    assert isinstance(out, torch.return_types.cummax)
+    assert out.indices.tolist() == [0, 1, 2, 3, 3, 5]  # ties: the later; NaN sticks
+    values, indices = fscan.cummin(torch.tensor([2, 1, 1]), 0, reverse=True)
+    assert values.tolist() == [1, 1, 1] and indices.tolist() == [1, 1, 2]
+
+
+# ---- dispatch and precision -------------------------------------------------------
+
+
+def test_dispatch_rule_on_the_benchmark_workloads():
+    assert not _ops.parallel_wins(torch.empty(2**20), 0)  # contiguous: torch's kernel
+    assert _ops.parallel_wins(torch.empty(4096, 256), 0)  # steps 256 elements apart
+    assert not _ops.parallel_wins(torch.empty(4096, 256), 1)
+    assert _ops.parallel_wins(torch.empty(8, 1024, 256), 1)
+    assert _ops.parallel_wins(torch.empty(256, 4096).T, 1)  # layout, not shape, decides
+    assert not _ops.parallel_wins(torch.empty(256, 4096).T, 0)
+    assert not _ops.parallel_wins(torch.empty(16, 64), 0)  # too small to repay the calls
+    assert not _ops.parallel_wins(torch.empty(16, 4096), 0)  # too short
+
+
+def rms_error(values, exact):
+    return (values.double() - exact).pow(2).mean().sqrt().item()
+
+
+@parametrize(dtype=[torch.float32, torch.float16, torch.bfloat16], shape=[(2**22,), (2**16, 64)])
+def test_cumsum_precision_against_torch(dtype, shape):
+    """No worse than 2x torch's error (it accumulates in float64 / float32) at n = 2**22
+    elements: 1-D runs torch's kernel, (2**16, 64) over dim 0 the parallel scan."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    exact = x.double().cumsum(0)
+    torch_error = rms_error(torch.cumsum(x, 0), exact)
+    assert rms_error(fscan.cumsum(x, 0), exact) <= 2 * torch_error
+    assert rms_error(fscan.cumsum(x, 0, reverse=True), x.double().flip(0).cumsum(0).flip(0)) <= (
+        2 * torch_error
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 40), min_size=1, max_size=3),
+    data=st.data(),
+    name=st.sampled_from(OPS),
+    path=st.sampled_from(PATHS),
+    reverse=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_random_shapes(shape, data, name, path, reverse, seed):
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    x = sample(shape, torch.float64, generator=torch.Generator().manual_seed(seed))
+    with pytest.MonkeyPatch.context() as patch:
+        wins = path == "parallel"
+        patch.setattr(_ops, "parallel_wins", lambda x, dim: wins)
+        assert_same(*run_both(name, x, dim, reverse))
+
+
+# ---- errors --------------------------------------------------------------------
+
+
+def raises(exc, text):
+    return pytest.raises(exc, match=re.escape(text))
+
+
+def test_errors():
+    with raises(fscan.ScanTypeError, "fscan.cumsum: `input` must be a torch.Tensor, got list."):
+        fscan.cumsum([1, 2], 0)
+    with raises(fscan.ScanTypeError, "fscan.cummax: `reverse` must be a bool, got int 1."):
+        fscan.cummax(torch.ones(3), 0, reverse=1)
+    with raises(
+        fscan.ScanValueError,
+        "fscan.logcumsumexp: `dim` 1 is out of range for `input` with 1 dimension(s), "
+        "expected a value in [-1, 0].",
+    ):
+        fscan.logcumsumexp(torch.ones(()), 1)
+    with raises(fscan.ScanTypeError, "fscan.cumprod: `dtype` must be a torch.dtype or None"):
+        fscan.cumprod(torch.ones(3), 0, dtype="float32")
