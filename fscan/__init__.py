@@ -3,6 +3,7 @@
 The public face only re-exports; every implementation module is private.
 """
 
+from . import lax as lax
 from ._associativity import check_associative as check_associative
 from ._config import config as config
 from ._errors import CombineFnError as CombineFnError
@@ -38,6 +39,7 @@ __all__ = [
     "cummin",
     "cumprod",
     "cumsum",
+    "lax",
     "linear_recurrence",
     "linear_recurrence_matrix",
     "logcumsumexp",

@@ -1,0 +1,121 @@
+"""``fscan.lax.associative_scan``: JAX's ``jax.lax.associative_scan``, on torch tensors.
+
+The same call as JAX (``fn``, ``elems``, ``reverse``, ``axis``), with JAX's
+semantics:
+
+* ``fn`` is applied to *batched slices* of ``elems``, the scanned axis kept where
+  it is (JAX slices along ``axis``, it does not move it): no vmap is added, so
+  ``fn`` must already work on batches, e.g. ``jax.vmap(jnp.matmul)`` becomes
+  ``torch.vmap(torch.matmul)`` (or plain ``torch.matmul`` along axis 0);
+* ``reverse=True`` flips ``elems`` along ``axis``, scans and flips back:
+  ``[..., fn(fn(z, y), x), fn(z, y), z]`` for ``elems = [..., x, y, z]``;
+* pytrees flatten as in JAX (dict keys in sorted order, ``None`` an empty node).
+
+It runs on fscan's pointwise engine, so autograd, vmap and every device work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+
+from ._checks import check_leaves
+from ._errors import CombineFnError, ScanTypeError, ScanValueError
+from ._pytree import flatten, leaf_paths
+from ._scan import associative_scan as _scan
+
+__all__ = ["associative_scan"]
+
+_API = "fscan.lax.associative_scan"
+
+
+def associative_scan(
+    fn: Callable[[Any, Any], Any], elems: Any, reverse: bool = False, axis: int = 0
+) -> Any:
+    """Inclusive scan of ``elems`` along ``axis`` with the associative ``fn`` (JAX's API).
+
+    Semantics, for one array ``elems = [a, b, c]`` along ``axis``::
+
+        [a, fn(a, b), fn(fn(a, b), c)]          # reverse=False
+        [fn(fn(c, b), a), fn(c, b), c]          # reverse=True
+
+    Args:
+        fn: ``(pytree, pytree) -> pytree``, associative, applied to batched slices
+            of ``elems`` (arrays with ``axis`` still in place, of equal lengths).
+        elems: a tensor or pytree of tensors, all of one length along ``axis``.
+        reverse (bool, default False): scan from the end; truthy values work, as in JAX.
+        axis (int, default 0): the axis to scan; negative counts from the end
+            (of the first leaf, as in JAX).
+
+    Returns:
+        A pytree of the structure and shapes of ``elems``.
+
+    Examples:
+        >>> import torch
+        >>> from fscan import lax
+        >>> lax.associative_scan(torch.add, torch.arange(1.0, 5.0))
+        tensor([ 1.,  3.,  6., 10.])
+        >>> lax.associative_scan(torch.add, torch.arange(1.0, 5.0), reverse=True)
+        tensor([10.,  9.,  7.,  4.])
+        >>> shear = torch.tensor([[1.0, 1.0], [0.0, 1.0]]).expand(3, 2, 2)
+        >>> lax.associative_scan(torch.vmap(torch.matmul), shear)[-1]
+        tensor([[1., 3.],
+                [0., 1.]])
+    """
+    if not callable(fn):
+        raise ScanTypeError(f"{_API}: `fn` must be callable, got {type(fn).__name__}.")
+    leaves, _ = flatten(elems)
+    check_leaves(_API, elems, leaves)
+    axis = _check_axis(elems, leaves, axis)
+    combine = fn if axis == 0 else _at_axis(fn, axis)
+    try:
+        return _scan(combine, elems, axis, bool(reverse), "pointwise")
+    except CombineFnError as err:
+        # The engine names fscan's own arguments; say it in this API's words.
+        message = str(err).replace("fscan.associative_scan:", f"{_API}:")
+        raise type(err)(message.replace("`combine_fn`", "`fn`")) from err
+
+
+def _at_axis(fn: Callable[[Any, Any], Any], axis: int) -> Callable[[Any, Any], Any]:
+    """``fn`` seen from fscan's pointwise engine, which hands over slices with the
+    scanned dimension first: move it back to ``axis`` for ``fn``, and out again."""
+
+    def to_axis(tree: Any) -> Any:
+        return optree.tree_map(lambda x: x.movedim(0, axis), tree, none_is_leaf=False)
+
+    def from_axis(tree: Any) -> Any:
+        return optree.tree_map(
+            lambda x: x.movedim(axis, 0) if isinstance(x, torch.Tensor) and x.ndim > axis else x,
+            tree,
+            none_is_leaf=False,
+        )
+
+    def combine(a: Any, b: Any) -> Any:
+        return from_axis(fn(to_axis(a), to_axis(b)))
+
+    return combine
+
+
+def _check_axis(elems: Any, leaves: list[torch.Tensor], axis: Any) -> int:
+    """``axis`` made non-negative against the first leaf; every leaf has that length."""
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise ScanTypeError(f"{_API}: `axis` must be an int, got {type(axis).__name__} {axis!r}.")
+    ndim = leaves[0].ndim
+    if not -ndim <= axis < ndim:
+        raise ScanValueError(
+            f"{_API}: `axis` {axis} is out of range for leaf {leaf_paths(elems, 'elems')[0]} "
+            f"with {ndim} dimension(s), expected a value in [{-ndim}, {ndim - 1}]."
+        )
+    axis %= ndim
+    length = leaves[0].shape[axis]
+    for i, leaf in enumerate(leaves):
+        if leaf.ndim <= axis or leaf.shape[axis] != length:
+            paths = leaf_paths(elems, "elems")
+            raise ScanValueError(
+                f"{_API}: leaf {paths[i]} has shape {tuple(leaf.shape)}, expected length "
+                f"{length} along axis {axis} like {paths[0]}; every leaf needs the scanned axis."
+            )
+    return axis
