@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ._combine import FlatCombine
 from ._generic import scan_along, scan_functional_along
@@ -110,7 +111,11 @@ def adjoint(
         right = [_variable(x[right_at], create_graph) for x in xs]
         combined = plan.combine(left, right)
     outs = [combined[i] for i in floats]
+    del combined
     blocks = jacobian_blocks(outs, [left[i] for i in floats], create_graph)
+    # Keep only the graph of the re-evaluated outputs, not their values.
+    edges = [_edge(o) for o in outs]
+    del outs
     lam = _adjoint_scan(blocks, gs, plan.reverse, create_graph)
     # xbar[t] = K[t]^T lam[t] at every step with a left operand, summed over steps
     # for the closed-over tensors; at the edge step (first, or last if reversed)
@@ -118,42 +123,51 @@ def adjoint(
     want_x = [i for i in floats if needs[i]]
     want_c = [k for k, c in enumerate(captured) if needs[len(xs) + k] and c.requires_grad]
     pulled = _vjp(
-        outs,
+        edges,
         [right[i] for i in want_x] + [captured[k] for k in want_c],
         [lm[right_at] for lm in lam],
         create_graph,
     )
+    del edges
     edge_at = slice(-1, None) if plan.reverse else slice(0, 1)
     xbar: list[torch.Tensor | None] = [None] * len(xs)
-    for i, inner in zip(want_x, pulled):
-        lm = lam[floats.index(i)]
+    for n, i in enumerate(want_x):
+        lm, inner = lam[floats.index(i)], pulled[n]
+        pulled[n] = None  # free each piece as soon as it is joined
         inner = torch.zeros_like(lm[right_at]) if inner is None else inner
-        pieces = [inner, lm[edge_at]] if plan.reverse else [lm[edge_at], inner]
-        xbar[i] = torch.cat(pieces)
+        xbar[i] = torch.cat([inner, lm[edge_at]] if plan.reverse else [lm[edge_at], inner])
     capbar: list[torch.Tensor | None] = [None] * len(captured)
     for k, grad in zip(want_c, pulled[len(want_x) :]):
         capbar[k] = grad
     return _moved_back(xbar, plan.dim), capbar
 
 
+def _edge(out: torch.Tensor) -> torch.Tensor | GradientEdge:
+    """Where ``out`` enters the graph; an operand returned as is stays a tensor."""
+    return out if out.grad_fn is None else get_gradient_edge(out)
+
+
 def _vjp(
-    outs: list[torch.Tensor],
+    outs: list[torch.Tensor | GradientEdge],
     inputs: list[torch.Tensor],
     cotangents: list[torch.Tensor],
     create_graph: bool,
-) -> tuple[torch.Tensor | None, ...]:
-    if not inputs:
-        return ()
-    pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
-    if not pairs:
-        return (None,) * len(inputs)
-    return torch.autograd.grad(
+) -> list[torch.Tensor | None]:
+    pairs = [(o, c) for o, c in zip(outs, cotangents) if _in_graph(o)]
+    if not inputs or not pairs:
+        return [None] * len(inputs)
+    grads = torch.autograd.grad(
         [o for o, _ in pairs],
         inputs,
         [c for _, c in pairs],
         allow_unused=True,
         create_graph=create_graph,
     )
+    return list(grads)
+
+
+def _in_graph(out: torch.Tensor | GradientEdge) -> bool:
+    return isinstance(out, GradientEdge) or out.requires_grad
 
 
 def _scatter(n: int, at: list[int], values: list[Any]) -> list[Any]:
@@ -215,14 +229,16 @@ def _adjoint_scan(
     n = len(gs)
     pattern = _closed_pattern(blocks)
     if not create_graph and _is_scalar_identity(blocks, n):
-        pattern, blocks = [(0, 0)], {(0, 0): blocks[(0, 0)]}
-    like = next(iter(blocks.values()))
+        pattern = [(0, 0)]
+    like = blocks[pattern[0]] if pattern[0] in blocks else next(iter(blocks.values()))
     zero_row = torch.zeros((1, *like.shape[1:]), dtype=like.dtype, device=like.device)
     # M[t] multiplies lam of the neighbour after t, so the step at the far edge
     # has none: its block is zero (its product is never used anyway).
     pad = (lambda m: torch.cat([zero_row, m])) if reverse else (lambda m: torch.cat([m, zero_row]))
     zero = torch.zeros((), dtype=like.dtype, device=like.device).expand(gs[0].shape)
-    ms = [pad(blocks[e]) if e in blocks else zero for e in pattern]
+    ms = [pad(blocks.pop(e)) if e in blocks else zero for e in pattern]
+    blocks.clear()  # the padded copies replace them
+    del like
     scan = scan_functional_along if create_graph else scan_along
     out = scan(_affine_combine(pattern, n), [*ms, *gs], 0, not reverse)
     return out[len(ms) :]

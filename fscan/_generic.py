@@ -21,7 +21,7 @@ the recursion would make as many calls for no gain.
 tensors a combine saved for backward and make every write a ``CopySlices``
 node that clones the whole output in backward (O(n log n)); instead each level
 returns a fresh tensor woven from its two halves with one ``stack``, so the
-tape holds O(n) and its backward only slices.
+tape holds O(n) and its backward only splits and concatenates.
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ def scan_into(
     paired = combine([x[left] for x in xs], [x[right] for x in xs])
     # Step 2: their scan is the output at every second position.
     scan_into(combine, paired, [o[pair_dest] for o in out], reverse)
+    del paired  # scanned into `out` already: free it before step 3 allocates
     # Step 3: the remaining positions, from the prefix next to each.
     filled = combine([o[prev] for o in out], [x[rest] for x in xs])
     for o, x, f in zip(out, xs, filled):
@@ -161,49 +162,72 @@ def scan_functional_along(
 def scan_functional(
     combine: FlatCombine, xs: Sequence[torch.Tensor], reverse: bool = False
 ) -> list[torch.Tensor]:
-    """:func:`generic_scan` without in-place writes: the same pairs, recursion and fill-in."""
+    """:func:`generic_scan` without in-place writes: the same pairs, recursion and fill-in.
+
+    Operands are cut out with ``split`` and ``unbind`` rather than slices: their
+    backward only concatenates, where a slice's backward zero-fills a tensor
+    the size of the whole input for every use.
+    """
     n = xs[0].shape[0]
     if n <= SEQUENTIAL_CUTOFF:
         return _sequential_functional(combine, xs, reverse)
-    pairs = n // 2
-    start = n % 2 if reverse else 0
-    earlier, later = slice(start, start + 2 * pairs, 2), slice(start + 1, start + 2 * pairs, 2)
-    left, right = (later, earlier) if reverse else (earlier, later)
+    pairs, odd = n // 2, n % 2
+    # The unpaired element (last, or first when reversed) is split off; the rest
+    # is viewed as pairs.
+    if reverse:
+        heads, blocks = _split_each(xs, [odd, 2 * pairs])
+    else:
+        blocks, tails = _split_each(xs, [2 * pairs, odd])
+    earlier, later = (list(t) for t in zip(*(b.unflatten(0, (pairs, 2)).unbind(1) for b in blocks)))
     # Step 1: one combine over all neighbouring pairs.
-    paired = combine([x[left] for x in xs], [x[right] for x in xs])
-    # Step 2: their scan is the output at every second position (pair_dest in scan_into).
+    paired = combine(later, earlier) if reverse else combine(earlier, later)
+    # Step 2: their scan is the output at every second position.
     sub = scan_functional(combine, paired, reverse)
     # Step 3: the other positions, from the prefix next to each; the edge element
     # (first, or last when reversed) is the input itself.
     if reverse:
-        rest = slice(1 - start, n - 1, 2)
-        filled = combine([s[1 - start :] for s in sub], [x[rest] for x in xs])
-        others = [torch.cat([f, x[n - 1 :]]) for f, x in zip(filled, xs)]
+        sub_first, sub_rest = _split_each(sub, [1, pairs - 1])
+        later_init, later_last = _split_each(later, [pairs - 1, 1])
+        pieces = [combine(sub_rest, later_init), later_last]
+        if odd:
+            pieces.insert(0, combine(sub_first, heads))
     else:
-        filled = combine([s[: (n - 1) // 2] for s in sub], [x[2::2] for x in xs])
-        others = [torch.cat([x[:1], f]) for f, x in zip(filled, xs)]
+        sub_init, sub_last = _split_each(sub, [pairs - 1, 1])
+        earlier_first, earlier_rest = _split_each(earlier, [1, pairs - 1])
+        pieces = [earlier_first, combine(sub_init, earlier_rest)]
+        if odd:
+            pieces.append(combine(sub_last, tails))
+    others = [torch.cat(leaf_pieces) for leaf_pieces in zip(*pieces)]
     # Even positions hold `sub` when the pairs start at 0 in reverse, `others` otherwise.
-    if reverse and start == 0:
+    if reverse and not odd:
         return [_interleave(s, o) for s, o in zip(sub, others)]
     return [_interleave(o, s) for s, o in zip(sub, others)]
+
+
+def _split_each(xs: Sequence[torch.Tensor], sizes: list[int]) -> list[list[torch.Tensor]]:
+    """Split every leaf along dim 0 into ``sizes``; one list of leaves per piece."""
+    return [list(piece) for piece in zip(*(x.split(sizes) for x in xs))]
 
 
 def _interleave(evens: torch.Tensor, odds: torch.Tensor) -> torch.Tensor:
     """``[e0, o0, e1, o1, ...]`` along dim 0; ``evens`` may be one longer than ``odds``."""
     m = odds.shape[0]
-    woven = torch.stack([evens[:m], odds], dim=1).flatten(0, 1)
-    return torch.cat([woven, evens[m:]]) if evens.shape[0] > m else woven
+    if evens.shape[0] == m:
+        return torch.stack([evens, odds], dim=1).flatten(0, 1)
+    paired, last = evens.split([m, 1])
+    return torch.cat([torch.stack([paired, odds], dim=1).flatten(0, 1), last])
 
 
 def _sequential_functional(
     combine: FlatCombine, xs: Sequence[torch.Tensor], reverse: bool
 ) -> list[torch.Tensor]:
-    n = xs[0].shape[0]
+    steps = [x.split(1) for x in xs]
+    n = len(steps[0])
     order = range(n - 1, -1, -1) if reverse else range(n)
     rows: dict[int, list[torch.Tensor]] = {}
     acc: list[torch.Tensor] | None = None
     for i in order:
-        step = [x[i : i + 1] for x in xs]
+        step = [s[i] for s in steps]
         acc = step if acc is None else combine(acc, step)
         rows[i] = acc
     return [torch.cat([rows[i][k] for i in range(n)]) for k in range(len(xs))]
