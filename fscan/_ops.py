@@ -14,12 +14,14 @@ Each call picks the faster of two paths (:func:`parallel_wins`):
   and vectorized, and nothing beats it. ``reverse=True`` is flip, op, flip.
 * fscan's parallel scan (:mod:`fscan._ops_parallel`), which combines whole
   contiguous slices at a time. When ``dim`` has a large stride, every step of
-  torch's walk lands on a new cache line, and the parallel scan is 2-5x faster
-  (cummax over ``dim=0`` of ``(4096, 256)``: 10x).
+  torch's walk lands on a new cache line; then the parallel scan is faster for
+  cummax, cummin and logcumsumexp, and for cumsum and cumprod once the walk
+  spans more than the L2 cache (the rule and its measurements are below).
 
 Gradients are torch's on the native path and autograd's through the scan on
 the other; they agree (cumprod with zeros included: the scan multiplies, it
-never divides).
+never divides; cummax and cummin gather their values at the indices found, so
+the whole gradient goes to the chosen element, as in torch).
 """
 
 from __future__ import annotations
@@ -30,38 +32,50 @@ import torch
 
 from ._checks import normalize_dim
 from ._errors import ScanTypeError
-from ._ops_parallel import blocked_scan, extremum_scan
+from ._ops_parallel import LOGSUMEXP, PRODUCT, SUM, Accumulation, blocked_scan, extremum_scan
 
 __all__ = ["cummax", "cummin", "cumprod", "cumsum", "logcumsumexp", "parallel_wins"]
 
-# The dispatch rule, from `python -m fscan.bench` (fscan/bench/ops.py) on CPU:
-# torch's kernel costs ~1 ns per element when `dim` is contiguous and 6-10 ns
-# (cumsum) to 30-60 ns (cummax) when consecutive steps are >= 64 elements apart;
-# the parallel scan costs ~2-3 ns per element in either case once its slices are
-# that wide, plus ~0.1 ms of Python calls. Hence: parallel when the stride of
-# `dim` is at least 64 elements and the scan is big enough to repay the calls.
+# The dispatch rule, measured on CPU (fscan/bench/ops.py and its sweeps over
+# shapes; a Xeon with 2 MiB of L2 per core). torch's kernel walks `dim` for one
+# column after another. When `dim` is contiguous that walk streams and nothing
+# beats it. When consecutive steps are >= MIN_STRIDE elements apart, every step
+# lands on a new cache line, and the cost depends on the op:
+# * cumsum and cumprod are memory-bound: their walk costs ~3-5 ns per element
+#   while the lines of one column walk (n * stride bytes) stay in L2 for the
+#   next columns, and 8-20 ns once that span passes L2. The parallel scan costs
+#   ~6-8 ns per element (one thread; two threads halve both): it wins only past L2.
+# * cummax, cummin and logcumsumexp cost 20-40 ns per element in torch's strided
+#   walk at any span; the parallel scan costs 20-25 (cummax) and ~10 (log-sum-exp).
+# Below MIN_LENGTH steps or MIN_NUMEL elements, the scan's ~0.1-0.3 ms of Python
+# calls are not repaid.
 MIN_STRIDE = 64
 MIN_LENGTH = 32
 MIN_NUMEL = 2**15
+L2_BYTES = 2 * 2**20
+_MEMORY_BOUND = (torch.cumsum, torch.cumprod)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def parallel_wins(x: torch.Tensor, dim: int) -> bool:
-    """Whether the parallel scan beats torch's kernel for a scan of ``x`` along ``dim``.
+def parallel_wins(x: torch.Tensor, dim: int, op: Any) -> bool:
+    """Whether fscan's parallel scan beats torch's ``op`` (e.g. ``torch.cumsum``) on ``x``.
 
     Measured on CPU only; on other devices torch's kernels scan any dimension well.
 
     Example:
-        >>> parallel_wins(torch.ones(4096, 256), 0), parallel_wins(torch.ones(4096, 256), 1)
+        >>> x = torch.ones(4096, 256)
+        >>> parallel_wins(x, 0, torch.cumsum), parallel_wins(x, 1, torch.cumsum)
         (True, False)
+        >>> y = torch.ones(8, 1024, 256)  # a 1 MiB walk: stays in L2
+        >>> parallel_wins(y, 1, torch.cumsum), parallel_wins(y, 1, torch.cummax)
+        (False, True)
     """
-    return (
-        x.device.type == "cpu"
-        and x.ndim > 0
-        and x.stride(dim) >= MIN_STRIDE
-        and x.shape[dim] >= MIN_LENGTH
-        and x.numel() >= MIN_NUMEL
-    )
+    if x.device.type != "cpu" or x.ndim == 0:
+        return False
+    n, stride = x.shape[dim], x.stride(dim)
+    if stride < MIN_STRIDE or n < MIN_LENGTH or x.numel() < MIN_NUMEL:
+        return False
+    return op not in _MEMORY_BOUND or n * stride * x.element_size() >= L2_BYTES
 
 
 def cumsum(
@@ -87,9 +101,9 @@ def cumsum(
         (tensor([1, 3, 6]), tensor([6, 5, 3]))
     """
     x, dim = _prepare("fscan.cumsum", input, dim, reverse, dtype, promote_integers=True)
-    if not parallel_wins(x, dim) or x.dtype == torch.bool:
+    if not parallel_wins(x, dim, torch.cumsum) or x.dtype == torch.bool:
         return _native(torch.cumsum, x, dim, reverse, dtype=x.dtype)  # already promoted
-    return _accumulate(torch.add, 0.0, torch.sum, x, dim, reverse)
+    return _accumulate(SUM, x, dim, reverse)
 
 
 def cumprod(
@@ -105,9 +119,9 @@ def cumprod(
         tensor([6., 6., 3.])
     """
     x, dim = _prepare("fscan.cumprod", input, dim, reverse, dtype, promote_integers=True)
-    if not parallel_wins(x, dim) or x.dtype == torch.bool:
+    if not parallel_wins(x, dim, torch.cumprod) or x.dtype == torch.bool:
         return _native(torch.cumprod, x, dim, reverse, dtype=x.dtype)  # already promoted
-    return _accumulate(torch.mul, 1.0, torch.prod, x, dim, reverse)
+    return _accumulate(PRODUCT, x, dim, reverse)
 
 
 def logcumsumexp(input: torch.Tensor, dim: int, *, reverse: bool = False) -> torch.Tensor:
@@ -124,9 +138,9 @@ def logcumsumexp(input: torch.Tensor, dim: int, *, reverse: bool = False) -> tor
         tensor([0.0000, 0.0000, 0.6931])
     """
     x, dim = _prepare("fscan.logcumsumexp", input, dim, reverse)
-    if not parallel_wins(x, dim) or x.dtype not in _FLOATS:
+    if not parallel_wins(x, dim, torch.logcumsumexp) or x.dtype not in _FLOATS:
         return _native(torch.logcumsumexp, x, dim, reverse)
-    return _accumulate(torch.logaddexp, float("-inf"), None, x, dim, reverse)
+    return _accumulate(LOGSUMEXP, x, dim, reverse)
 
 
 def cummax(input: torch.Tensor, dim: int, *, reverse: bool = False) -> Any:
@@ -195,9 +209,7 @@ def _native(op: Any, x: torch.Tensor, dim: int, reverse: bool, **kw: Any) -> tor
     return op(x.flip(dim), dim, **kw).flip(dim)
 
 
-def _accumulate(
-    op: Any, identity: float, reduce: Any, x: torch.Tensor, dim: int, reverse: bool
-) -> torch.Tensor:
+def _accumulate(how: Accumulation, x: torch.Tensor, dim: int, reverse: bool) -> torch.Tensor:
     """The parallel path in torch's accumulation types: half types are computed in
     float32 with float64 carries, float32 with float64 carries."""
     work, acc = {
@@ -206,13 +218,13 @@ def _accumulate(
         torch.float32: (torch.float32, torch.float64),
         torch.complex64: (torch.complex64, torch.complex128),
     }.get(x.dtype, (x.dtype, x.dtype))
-    out = blocked_scan(op, identity, x.to(work), dim, reverse, acc, reduce)
+    out = blocked_scan(how, x.to(work), dim, reverse, acc)
     return out.to(x.dtype)
 
 
 def _extremum(api: str, native: Any, result: Any, input: Any, dim: Any, reverse: Any) -> Any:
     x, dim = _prepare(api, input, dim, reverse)
-    if parallel_wins(x, dim) and not x.is_complex():
+    if parallel_wins(x, dim, native) and not x.is_complex():
         return result(extremum_scan(x, dim, reverse, largest=native is torch.cummax))
     if not reverse or x.ndim == 0:
         return native(x, dim)

@@ -5,12 +5,11 @@ Two scans, both on the public ``fscan.associative_scan``:
 * :func:`blocked_scan`, for sums, products and log-sum-exp. A tree scan rounds
   each output about ``log2 n`` times, while torch's CPU kernels accumulate in a
   wider type and round once (float32 sums in float64): a plain float32 tree is
-  4-8x less accurate at ``n = 2**22``. Computing the whole tree in float64
-  costs two extra casts and twice the memory traffic. Instead the scan is done
-  in two levels: a tree within blocks of ``BLOCK`` steps in the working dtype
-  (few roundings of small partial results), the running totals across blocks
-  in the accumulation dtype (float64 for float32), and one final combine of
-  each block's carry with its local results.
+  3-5x less accurate at ``n = 2**22``, and a float64 tree doubles the memory
+  traffic. So the scan runs in two levels: fscan's tree within blocks of
+  ``BLOCK`` steps in the working dtype (few roundings of small partial results),
+  the block totals and the carries across blocks in the wide dtype (float64 for
+  float32), and one final combine of each block's carry with its local results.
 * :func:`extremum_scan`, for cummax/cummin: ``(value, index)`` pairs under
   "keep the later element if it is at least as large, or NaN", which is
   torch's rule (ties go to the later index; a NaN sticks, and a later NaN
@@ -20,77 +19,92 @@ Two scans, both on the public ``fscan.associative_scan``:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ._scan import associative_scan
 
-__all__ = ["BLOCK", "blocked_scan", "extremum_scan"]
+__all__ = ["BLOCK", "LOGSUMEXP", "PRODUCT", "SUM", "Accumulation", "blocked_scan", "extremum_scan"]
 
 Op = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-Reduce = Callable[..., torch.Tensor]
-# Steps per block: 16 keeps the local tree to 4 roundings of partial sums of
-# about 4 elements' size, and the carries (1/16 of the data) cheap.
+# Steps per block: 16 keeps the local tree to 4 roundings of partial results
+# of a few elements' size, and the carries to 1/16 of the data.
 BLOCK = 16
 
 
-def blocked_scan(
-    op: Op,
-    identity: float,
-    x: torch.Tensor,
-    dim: int,
-    reverse: bool,
-    acc: torch.dtype,
-    reduce: Reduce | None = None,
-) -> torch.Tensor:
-    """Inclusive scan of ``x`` with the elementwise, associative ``op``, carries in ``acc``.
+@dataclass(frozen=True)
+class Accumulation:
+    """What :func:`blocked_scan` needs to know about an operation."""
 
-    ``identity`` is ``op``'s neutral element (the carry into the first block).
-    ``reduce(blocks, dim, dtype=acc)`` (``torch.sum``, ``torch.prod``) totals each
-    block straight from ``x`` in ``acc``; without it the totals are read off the
-    local scans, whose roundings then add up along the carries.
+    op: Op  # the elementwise, associative, commutative combine
+    identity: float  # its neutral element: the carry into the first block
+    native: Callable[..., torch.Tensor]  # torch's scan, run on the block totals
+    reduce: Callable[..., torch.Tensor] | None  # totals each block in the wide dtype
+
+
+SUM = Accumulation(torch.add, 0.0, torch.cumsum, torch.sum)
+PRODUCT = Accumulation(torch.mul, 1.0, torch.cumprod, torch.prod)
+# No reduction takes a dtype here; log-sum-exp does not accumulate roundings the
+# way a sum does anyway, so its totals are read off the local scans.
+LOGSUMEXP = Accumulation(torch.logaddexp, float("-inf"), torch.logcumsumexp, None)
+
+
+def blocked_scan(
+    how: Accumulation, x: torch.Tensor, dim: int, reverse: bool, wide: torch.dtype
+) -> torch.Tensor:
+    """Inclusive scan of ``x`` along ``dim`` with ``how.op``; carries in the ``wide`` dtype.
+
+    1. Scan within blocks of ``BLOCK`` steps with fscan's parallel scan, in
+       ``x``'s dtype.
+    2. Total each block in ``wide`` (``how.reduce`` straight from ``x``, else the
+       last local result) and scan the totals with torch's own kernel: they are
+       ``BLOCK`` times fewer, and a sequential scan in ``wide`` rounds only once.
+    3. Combine each block's entering carry with its local results.
 
     Example:
-        >>> blocked_scan(torch.add, 0.0, torch.ones(40, 2), 0, False, torch.float64)[-1]
+        >>> blocked_scan(SUM, torch.ones(40, 2), 0, False, torch.float64)[-1]
         tensor([40., 40.])
     """
     n = x.shape[dim]
     if n < 2 * BLOCK:
-        return associative_scan(op, x, dim, reverse)
+        return associative_scan(how.op, x, dim, reverse)
     tail = n % BLOCK
     start = tail if reverse else 0
     blocks = x.narrow(dim, start, n - tail).unflatten(dim, (-1, BLOCK))
-    local = associative_scan(op, blocks, dim + 1, reverse)
-    if reduce is None:
-        totals = local.select(dim + 1, 0 if reverse else BLOCK - 1).to(acc)
+    local = associative_scan(how.op, blocks, dim + 1, reverse)
+    if how.reduce is None:
+        totals = local.select(dim + 1, 0 if reverse else BLOCK - 1).to(wide)
     else:
-        totals = reduce(blocks, dim + 1, dtype=acc)
-    carries = associative_scan(op, totals, dim, reverse)
-    entering = _entering(carries, dim, identity, reverse)
-    main = _carry_into(op, entering.unsqueeze(dim + 1), local).flatten(dim, dim + 1)
+        totals = how.reduce(blocks, dim + 1, dtype=wide)
+    carries = how.native(totals.flip(dim), dim).flip(dim) if reverse else how.native(totals, dim)
+    entering = _entering(carries, dim, how.identity, reverse)
+    main = _carry_into(how.op, entering.unsqueeze(dim + 1), local).flatten(dim, dim + 1)
     if not tail:
         return main
     last = carries.narrow(dim, 0 if reverse else carries.shape[dim] - 1, 1)
-    rest = associative_scan(op, x.narrow(dim, 0 if reverse else n - tail, tail), dim, reverse)
-    rest = _carry_into(op, last, rest)
+    rest = associative_scan(how.op, x.narrow(dim, 0 if reverse else n - tail, tail), dim, reverse)
+    rest = _carry_into(how.op, last, rest)
     return torch.cat([rest, main] if reverse else [main, rest], dim)
 
 
 def _carry_into(op: Op, carry: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``op(carry, local)`` in ``local``'s dtype, rounded once like torch's kernels.
+    """``op(carry, local)`` in ``local``'s dtype, for a ``carry`` in a wider dtype.
 
-    A sum splits the wide carry into ``hi + lo`` of the narrow type and adds
-    ``(local + lo) + hi``: as accurate as adding in the wide type, at a third of
-    the cost (no wide copy of ``local``). Other ops combine in the wide type.
+    Sums split the carry into ``hi + lo`` of the narrow dtype and add
+    ``(local + lo) + hi``: as accurate as adding in the wide dtype (the result is
+    rounded once, as in torch's kernels), without a wide copy of ``local``. Other
+    ops (products, log-sum-exp) combine with the carry rounded to the narrow
+    dtype: one extra rounding, about 1.4x torch's error.
     """
     if carry.dtype == local.dtype:
         return op(carry, local)
-    if op is torch.add:
-        hi = carry.to(local.dtype)
-        # inf - inf would make lo NaN where the carry is infinite: lo is 0 there.
-        lo = torch.where(hi.isfinite(), carry - hi, 0).to(local.dtype)
-        return (local + lo) + hi
-    return op(carry, local.to(carry.dtype)).to(local.dtype)
+    hi = carry.to(local.dtype)
+    if op is not torch.add:
+        return op(hi, local)
+    # inf - inf would make lo NaN where the carry is infinite: lo is 0 there.
+    lo = torch.where(hi.isfinite(), carry - hi, 0).to(local.dtype)
+    return (local + lo) + hi
 
 
 def _entering(carries: torch.Tensor, dim: int, identity: float, reverse: bool) -> torch.Tensor:
@@ -117,16 +131,24 @@ def extremum_scan(
     n = x.shape[dim]
     index = torch.arange(n, device=x.device).view([n] + [1] * (x.ndim - dim - 1))
     combine = _keep_max if largest else _keep_min
-    values, indices = associative_scan(combine, (x, index.expand(x.shape)), dim, reverse)
-    return values, indices
+    # The scan only finds the indices; gathering the values at them gives
+    # torch's gradient exactly (all of it to the chosen element, ties included).
+    with torch.no_grad():
+        _, indices = associative_scan(combine, (x, index.expand(x.shape)), dim, reverse)
+    return x.gather(dim, indices), indices
 
 
 def _keep_max(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]):
-    """``b`` (the later element in scan order) if ``b >= a`` or ``b`` is NaN, else ``a``."""
+    """``b`` (the later element in scan order) if ``b >= a`` or ``b`` is NaN, else ``a``.
+
+    The values come from ``torch.maximum`` (NaN-propagating, and returning its
+    first argument on ties, here ``b``), which is cheaper than a second ``where``;
+    its gradient splits ties, so the scan runs without gradients (see above).
+    """
     take = (b[0] >= a[0]) | torch.isnan(b[0])
-    return torch.where(take, b[0], a[0]), torch.where(take, b[1], a[1])
+    return torch.maximum(b[0], a[0]), torch.where(take, b[1], a[1])
 
 
 def _keep_min(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]):
     take = (b[0] <= a[0]) | torch.isnan(b[0])
-    return torch.where(take, b[0], a[0]), torch.where(take, b[1], a[1])
+    return torch.minimum(b[0], a[0]), torch.where(take, b[1], a[1])

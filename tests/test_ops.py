@@ -35,7 +35,7 @@ def force(monkeypatch):
 
     def pin(path):
         wins = path == "parallel"
-        monkeypatch.setattr(_ops, "parallel_wins", lambda x, dim: wins and x.ndim > 0)
+        monkeypatch.setattr(_ops, "parallel_wins", lambda x, dim, op: wins and x.ndim > 0)
 
     return pin
 
@@ -153,9 +153,9 @@ def test_gradients_match_torch(force, name, path, reverse):
 
 
 def test_cumprod_gradient_with_zeros_is_exact():
-    steps = torch.tensor([2.0, 0.0, 3.0, 0.0, 5.0, 1.5, -1.0, 0.5] * 5, dtype=torch.float64)
+    steps = torch.tensor([2.0, 0.0, 3.0, 0.0, 5.0, 1.5, -1.0, 0.5] * 40, dtype=torch.float64)
     x = (steps[:, None] * torch.rand(1, 1024, dtype=torch.float64)).requires_grad_()
-    assert _ops.parallel_wins(x, 0)  # the scan path, on its own merits
+    assert _ops.parallel_wins(x, 0, torch.cumprod)  # the scan path, on its own merits
     (got,) = torch.autograd.grad(fscan.cumprod(x, 0).sum(), x)
     (expected,) = torch.autograd.grad(torch.cumprod(x, 0).sum(), x)
     torch.testing.assert_close(got, expected)
@@ -174,14 +174,18 @@ def test_returns_torch_structs():
 
 
 def test_dispatch_rule_on_the_benchmark_workloads():
-    assert not _ops.parallel_wins(torch.empty(2**20), 0)  # contiguous: torch's kernel
-    assert _ops.parallel_wins(torch.empty(4096, 256), 0)  # steps 256 elements apart
-    assert not _ops.parallel_wins(torch.empty(4096, 256), 1)
-    assert _ops.parallel_wins(torch.empty(8, 1024, 256), 1)
-    assert _ops.parallel_wins(torch.empty(256, 4096).T, 1)  # layout, not shape, decides
-    assert not _ops.parallel_wins(torch.empty(256, 4096).T, 0)
-    assert not _ops.parallel_wins(torch.empty(16, 64), 0)  # too small to repay the calls
-    assert not _ops.parallel_wins(torch.empty(16, 4096), 0)  # too short
+    wins = _ops.parallel_wins
+    for op in (torch.cumsum, torch.cumprod, torch.cummax, torch.cummin, torch.logcumsumexp):
+        assert not wins(torch.empty(2**20), 0, op)  # contiguous: torch's kernel
+        assert not wins(torch.empty(4096, 256), 1, op)
+        assert wins(torch.empty(4096, 256), 0, op)  # 256 apart, a 4 MiB walk
+        assert not wins(torch.empty(16, 64), 0, op)  # too small to repay the calls
+        assert not wins(torch.empty(16, 4096), 0, op)  # too short
+        assert wins(torch.empty(256, 4096).T, 1, op)  # layout, not shape, decides
+    # A 1 MiB walk stays in L2: torch's memory-bound kernels keep up there.
+    assert not wins(torch.empty(8, 1024, 256), 1, torch.cumsum)
+    assert wins(torch.empty(8, 1024, 256), 1, torch.cummax)
+    assert wins(torch.empty(8, 1024, 256, dtype=torch.float64), 1, torch.cumsum)
 
 
 def rms_error(values, exact):
@@ -215,7 +219,7 @@ def test_property_random_shapes(shape, data, name, path, reverse, seed):
     x = sample(shape, torch.float64, generator=torch.Generator().manual_seed(seed))
     with pytest.MonkeyPatch.context() as patch:
         wins = path == "parallel"
-        patch.setattr(_ops, "parallel_wins", lambda x, dim: wins)
+        patch.setattr(_ops, "parallel_wins", lambda x, dim, op: wins)
         assert_same(*run_both(name, x, dim, reverse))
 
 

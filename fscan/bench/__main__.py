@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import core, overhead
+from . import core, ops, overhead
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -16,7 +16,13 @@ def main(argv: list[str] | None = None) -> None:
     print(core.forward_table(quick=args.quick).render(), flush=True)
     print()
     print(overhead.overhead_table(quick=args.quick).render(), flush=True)
+    print()
+    print(ops.ops_table(quick=args.quick).render(), flush=True)
+    print()
+    print(ops.linear_table(quick=args.quick).render(), flush=True)
     if not args.quick:
+        print()
+        print(ops.cumsum_precision().render(), flush=True)
         print()
         print(core.forward_memory(), flush=True)
 

@@ -1,0 +1,146 @@
+"""Drop-in ops against torch's, and linear_recurrence against a loop, torch's prototype and JAX.
+
+Contenders take turns within each workload (one run of each, repeated), so load
+from other processes falls on all of them alike; the tables report medians.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+import fscan
+from fscan._ops import parallel_wins
+
+from ._timing import Table, fmt_ms, optional_jax
+
+__all__ = ["cumsum_precision", "linear_table", "ops_table"]
+
+OPS = ["cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"]
+WORKLOADS = [((2**20,), 0), ((4096, 256), 0), ((4096, 256), 1), ((8, 1024, 256), 1)]
+QUICK_WORKLOADS = [((4096, 256), 0), ((4096, 256), 1)]
+LINEAR_SHAPE = (8, 4096, 256)
+QUICK_LINEAR_SHAPE = (8, 1024, 256)
+LOOP_STEPS = 512
+
+
+def interleaved_medians(
+    runners: dict[str, Callable[[], object]], reps: int = 11, budget_s: float = 6.0
+) -> dict[str, float]:
+    """Median seconds per runner; runners take turns, after one warm-up call each."""
+    for run in runners.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    spent = 0.0
+    for _ in range(reps):
+        for name, run in runners.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+            spent += times[name][-1]
+        if spent > budget_s:
+            break
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def ops_table(quick: bool = False) -> Table:
+    """Each drop-in op against its torch counterpart, float32, forward."""
+    table = Table(
+        f"drop-in ops vs torch, float32 forward, {torch.get_num_threads()} threads "
+        "(median; ratio = fscan / torch; path = fscan's choice)",
+        ["torch", "fscan", "ratio", "path"],
+    )
+    for shape, dim in QUICK_WORKLOADS if quick else WORKLOADS:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        for name in OPS[:2] if quick else OPS:
+            ours, theirs = getattr(fscan, name), getattr(torch, name)
+            path = "parallel" if parallel_wins(x, dim, theirs) else "native"
+            times = interleaved_medians(
+                {"torch": partial(theirs, x, dim), "fscan": partial(ours, x, dim)},
+                reps=5 if quick else 11,
+            )
+            ratio = f"{times['fscan'] / times['torch']:.2f}x"
+            label = f"{name} {shape} dim {dim}"
+            table.add(label, [fmt_ms(times["torch"]), fmt_ms(times["fscan"]), ratio, path])
+    return table
+
+
+def _compose(x, y):
+    return x[0] * y[0], y[0] * x[1] + y[1]
+
+
+def _loop(a: torch.Tensor, b: torch.Tensor, steps: int) -> torch.Tensor:
+    """The baseline a user writes first: one step per iteration, over ``steps`` steps."""
+    out = torch.empty_like(b[:, :steps])
+    h = torch.zeros_like(b[:, 0])
+    for t in range(steps):
+        h = a[:, t] * h + b[:, t]
+        out[:, t] = h
+    return out
+
+
+def _jax_linear(a: torch.Tensor, b: torch.Tensor) -> Callable[[], object] | None:
+    found = optional_jax()
+    if found is None:
+        return None
+    jax, jnp = found
+    ja, jb = jnp.asarray(a.numpy()), jnp.asarray(b.numpy())
+    fn = jax.jit(lambda a, b: jax.lax.associative_scan(_compose, (a, b), axis=1))
+    return lambda: jax.block_until_ready(fn(ja, jb))
+
+
+def linear_table(quick: bool = False) -> Table:
+    """``h_t = a_t h_{t-1} + b_t`` over dim 1, float32, forward."""
+    shape = QUICK_LINEAR_SHAPE if quick else LINEAR_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.rand(shape, generator=gen), torch.randn(shape, generator=gen)
+    try:
+        from torch._higher_order_ops.associative_scan import associative_scan as prototype
+    except ImportError:  # a torch without the prototype
+        prototype = None
+    runners: dict[str, Callable[[], object] | None] = {
+        "fscan.linear_recurrence": lambda: fscan.linear_recurrence(a, b, 1),
+        "fscan.associative_scan": lambda: fscan.associative_scan(_compose, (a, b), 1),
+        "torch assoc_scan generic": prototype
+        and (lambda: prototype(_compose, (a, b), 1, combine_mode="generic")),
+        # Timed on the first LOOP_STEPS steps and scaled by length: its cost is
+        # linear in the number of steps, and 4096 Python steps would dominate.
+        "python loop (est.)": lambda: _loop(a, b, LOOP_STEPS),
+        "jax.jit assoc_scan": _jax_linear(a, b),
+    }
+    present = {k: f for k, f in runners.items() if f is not None}
+    times = interleaved_medians(present, reps=3 if quick else 7, budget_s=4 if quick else 20)
+    times["python loop (est.)"] *= shape[1] / LOOP_STEPS
+    base = times["fscan.linear_recurrence"]
+    table = Table(
+        f"linear_recurrence, float32 forward, {torch.get_num_threads()} threads "
+        "(median; ratio = time / fscan.linear_recurrence)",
+        list(runners),
+    )
+    table.add(f"{shape} dim 1", [fmt_ms(times.get(k), base) for k in runners])
+    return table
+
+
+def cumsum_precision() -> Table:
+    """RMS error of cumsum against a float64 reference at 2**22 elements."""
+    table = Table(
+        "cumsum RMS error vs float64 at 2**22 elements (ratio = fscan / torch; bar: <= 2)",
+        ["torch", "fscan", "ratio", "path"],
+    )
+    for shape in [(2**22,), (2**16, 64)]:
+        base = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            x = base.to(dtype)
+            exact = x.double().cumsum(0)
+            errors = [
+                (op(x, 0).double() - exact).pow(2).mean().sqrt().item()
+                for op in (torch.cumsum, fscan.cumsum)
+            ]
+            path = "parallel" if parallel_wins(x, 0, torch.cumsum) else "native"
+            cells = [f"{e:.3g}" for e in errors] + [f"{errors[1] / errors[0]:.2f}", path]
+            table.add(f"{str(dtype).removeprefix('torch.')} {shape} dim 0", cells)
+    return table
