@@ -98,6 +98,23 @@ def test_matrix_products_generic(reverse, size):
     assert_grads_match_oracle(matmul, mats, 0, reverse, "generic")
 
 
+def matrix_entries(x, y):
+    """2x2 matrix products with the four entries as leaves: every block entry is mixed."""
+    a1, b1, c1, d1 = x
+    a2, b2, c2, d2 = y
+    return a1 * a2 + b1 * c2, a1 * b2 + b1 * d2, c1 * a2 + d1 * c2, c1 * b2 + d1 * d2
+
+
+@parametrize(mode=MODES, reverse=[False, True])
+def test_matrix_entries_as_leaves(mode, reverse):
+    entries = tuple(normal(7, 2) for _ in range(4))
+    f = lambda *xs: scan(matrix_entries, xs, 0, reverse, mode)
+    assert gradcheck(f, entries)
+    assert_grads_match_oracle(matrix_entries, entries, 0, reverse, mode)
+    if mode == "pointwise":
+        assert gradgradcheck(f, entries)
+
+
 @parametrize(mode=MODES, reverse=[False, True])
 def test_max_argmax_pair(mode, reverse):
     values = normal(29, 3)
@@ -248,3 +265,30 @@ def test_inputs_are_not_modified_and_outputs_do_not_alias(mode):
             a.untyped_storage().data_ptr(),
             b.untyped_storage().data_ptr(),
         }
+
+
+@parametrize(reverse=[False, True], dim=[0, 1])
+def test_pointwise_adjoint_matches_autograd_through_generic_engine(reverse, dim):
+    shape = [33, 4] if dim == 0 else [4, 33]
+    xs = {"w": positive(*shape), "c": normal(*shape)}
+    pointwise = scan(affine_compose, xs, dim, reverse, "pointwise")
+    generic = scan(affine_compose, xs, dim, reverse, "generic")
+    assert type(pointwise["c"].grad_fn).__name__ == "PointwiseScanBackward"
+    cot = [torch.randn_like(xs["w"]), torch.randn_like(xs["c"])]
+    inputs = [xs["w"], xs["c"]]
+    got = torch.autograd.grad([pointwise["w"], pointwise["c"]], inputs, cot)
+    want = torch.autograd.grad([generic["w"], generic["c"]], inputs, cot)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+@parametrize(mode=MODES)
+def test_batched_cotangents(mode):
+    # autograd.functional.jacobian(vectorize=True) vmaps the backward itself
+    a, b = torch.rand(6, 2, dtype=F64) + 0.5, torch.randn(6, 2, dtype=F64)
+    f = lambda a, b: scan(linear_recurrence, (a, b), 0, False, mode)
+    got = torch.autograd.functional.jacobian(f, (a, b), vectorize=True)
+    want = torch.autograd.functional.jacobian(
+        lambda a, b: sequential_scan(linear_recurrence, (a, b), 0), (a, b)
+    )
+    torch.testing.assert_close(got, want)

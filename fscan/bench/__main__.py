@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import core, ops, overhead
+from . import autograd, core, ops, overhead
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -16,6 +16,8 @@ def main(argv: list[str] | None = None) -> None:
     print(core.forward_table(quick=args.quick).render(), flush=True)
     print()
     print(overhead.overhead_table(quick=args.quick).render(), flush=True)
+    print()
+    print(autograd.autograd_table(quick=args.quick).render(), flush=True)
     print()
     print(ops.ops_table(quick=args.quick).render(), flush=True)
     print()

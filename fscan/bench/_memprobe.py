@@ -46,7 +46,18 @@ def _measure(run, input_bytes: int) -> None:
     print(extra, input_bytes)
 
 
-WORKLOADS = {"forward_add": forward_add}
+def fwd_bwd_linrec(length: int, mode: str) -> None:
+    """Forward+backward of the linear recurrence over ``(length, 256)``; ``mode`` names
+    a contender of :mod:`fscan.bench.autograd`."""
+    from .autograd import RUNNERS, fwd_bwd, linrec_inputs
+
+    # A small run first, so that lazily loaded code and one-time caches are not counted.
+    fwd_bwd(RUNNERS[mode], *linrec_inputs(64))
+    a, b, cot_a, cot_b = linrec_inputs(length)
+    _measure(lambda: fwd_bwd(RUNNERS[mode], a, b, cot_a, cot_b), a.nbytes + b.nbytes)
+
+
+WORKLOADS = {"forward_add": forward_add, "fwd_bwd_linrec": fwd_bwd_linrec}
 
 if __name__ == "__main__":
     name, length, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
