@@ -6,7 +6,9 @@ semantics:
 * ``fn`` is applied to *batched slices* of ``elems``, the scanned axis kept where
   it is (JAX slices along ``axis``, it does not move it): no vmap is added, so
   ``fn`` must already work on batches, e.g. ``jax.vmap(jnp.matmul)`` becomes
-  ``torch.vmap(torch.matmul)`` (or plain ``torch.matmul`` along axis 0);
+  ``torch.vmap(torch.matmul)`` (or plain ``torch.matmul`` along axis 0). An
+  elementwise ``fn`` runs on fscan's pointwise engine; one that fscan's pointwise
+  mode refuses (a matrix product) runs in generic mode on batches of one element;
 * ``reverse=True`` flips ``elems`` along ``axis``, scans and flips back:
   ``[..., fn(fn(z, y), x), fn(z, y), z]`` for ``elems = [..., x, y, z]``;
 * pytrees flatten as in JAX (dict keys in sorted order, ``None`` an empty node).
@@ -70,33 +72,67 @@ def associative_scan(
     leaves, _ = flatten(elems)
     check_leaves(_API, elems, leaves)
     axis = _check_axis(elems, leaves, axis)
-    combine = fn if axis == 0 else _at_axis(fn, axis)
+    refused: list[bool] = []
     try:
-        return _scan(combine, elems, axis, bool(reverse), "pointwise")
+        return _scan(_batched(fn, axis, refused), elems, axis, bool(reverse), "pointwise")
     except CombineFnError as err:
-        # The engine names fscan's own arguments; say it in this API's words.
-        message = str(err).replace("fscan.associative_scan:", f"{_API}:")
-        raise type(err)(message.replace("`combine_fn`", "`fn`")) from err
+        if not refused:  # fn returned, but the wrong structure or shapes
+            raise _in_jax_words(err) from err
+    # fscan refused fn in pointwise mode while it ran: an operation that is not
+    # elementwise (a vmapped matmul). Generic mode takes any fn; give it batches
+    # of one element, the axis in place, so fn still sees what JAX shows it.
+    try:
+        return _scan(_on_single_elements(fn, axis), elems, axis, bool(reverse), "generic")
+    except CombineFnError as err:
+        raise _in_jax_words(err) from err
 
 
-def _at_axis(fn: Callable[[Any, Any], Any], axis: int) -> Callable[[Any, Any], Any]:
-    """``fn`` seen from fscan's pointwise engine, which hands over slices with the
-    scanned dimension first: move it back to ``axis`` for ``fn``, and out again."""
+def _batched(fn: Callable[[Any, Any], Any], axis: int, refused: list[bool]) -> Callable:
+    """``fn`` as fscan's pointwise engine calls it: on batched slices with the scanned
+    dimension first, moved back to ``axis`` for ``fn``. Appends to ``refused`` when
+    a check stops ``fn`` midway, as opposed to rejecting what it returned.
 
-    def to_axis(tree: Any) -> Any:
-        return optree.tree_map(lambda x: x.movedim(0, axis), tree, none_is_leaf=False)
-
-    def from_axis(tree: Any) -> Any:
-        return optree.tree_map(
-            lambda x: x.movedim(axis, 0) if isinstance(x, torch.Tensor) and x.ndim > axis else x,
-            tree,
-            none_is_leaf=False,
-        )
+    A closure rather than an object: fscan caches its checks by function code."""
 
     def combine(a: Any, b: Any) -> Any:
-        return from_axis(fn(to_axis(a), to_axis(b)))
+        if axis:
+            a, b = _move(a, 0, axis), _move(b, 0, axis)
+        try:
+            out = fn(a, b)
+        except CombineFnError:
+            refused.append(True)
+            raise
+        return _move(out, axis, 0) if axis else out
 
     return combine
+
+
+def _on_single_elements(fn: Callable[[Any, Any], Any], axis: int) -> Callable[[Any, Any], Any]:
+    """``fn`` for generic mode, which hands over single elements: as a batch of one."""
+
+    def combine(a: Any, b: Any) -> Any:
+        out = fn(_map(lambda x: x.unsqueeze(axis), a), _map(lambda x: x.unsqueeze(axis), b))
+        return _map(lambda x: x.squeeze(axis) if _has(x, axis) else x, out)
+
+    return combine
+
+
+def _move(tree: Any, source: int, destination: int) -> Any:
+    return _map(lambda x: x.movedim(source, destination) if _has(x, source) else x, tree)
+
+
+def _map(f: Callable[[Any], Any], tree: Any) -> Any:
+    return optree.tree_map(f, tree, none_is_leaf=False)
+
+
+def _has(x: Any, axis: int) -> bool:
+    return isinstance(x, torch.Tensor) and x.ndim > axis
+
+
+def _in_jax_words(err: CombineFnError) -> CombineFnError:
+    """The engine names fscan's own arguments; say it in this API's words."""
+    message = str(err).replace("fscan.associative_scan:", f"{_API}:")
+    return type(err)(message.replace("`combine_fn`", "`fn`"))
 
 
 def _check_axis(elems: Any, leaves: list[torch.Tensor], axis: Any) -> int:

@@ -13,7 +13,7 @@ from helpers import parametrize
 import fscan
 from fscan import lax
 
-LENGTHS = [0, 1, 2, 5, 33]
+LENGTHS = [0, 1, 5, 33]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,7 @@ def compare(jax, fn_torch, fn_jax, elems, **kw):
 
 # JAX 0.10 raises for reverse=True with a negative axis (it flips before it
 # normalizes the axis), so reverse is compared on non-negative axes only.
-AXES = [(0, False), (1, False), (2, False), (-1, False), (-3, False)]
-AXES += [(0, True), (1, True), (2, True)]
+AXES = [(0, False), (1, False), (-1, False), (-3, False), (0, True), (2, True)]
 
 
 @parametrize(length=LENGTHS, axis_reverse=AXES)
@@ -55,7 +54,7 @@ def test_add(jax, length, axis_reverse):
     compare(jax, torch.add, jax.numpy.add, torch.randn(shape), axis=axis, reverse=reverse)
 
 
-@parametrize(length=[1, 7, 33], axis_reverse=AXES)
+@parametrize(length=[7, 33], axis_reverse=AXES[::2] + AXES[-1:])
 def test_affine_composition_dict(jax, length, axis_reverse):
     axis, reverse = axis_reverse
     shape = [3, 4, 2]
@@ -65,7 +64,7 @@ def test_affine_composition_dict(jax, length, axis_reverse):
     compare(jax, affine, affine, elems, axis=axis, reverse=reverse)
 
 
-@parametrize(length=[1, 2, 5, 16], reverse=[False, True])
+@parametrize(length=[1, 2, 16], reverse=[False, True])
 def test_matmul_through_a_vmapped_fn(jax, length, reverse):
     mats = torch.randn(length, 3, 3) / 2
     fn_jax = jax.vmap(jax.numpy.matmul)
