@@ -144,3 +144,8 @@ def cumsum_precision() -> Table:
             cells = [f"{e:.3g}" for e in errors] + [f"{errors[1] / errors[0]:.2f}", path]
             table.add(f"{str(dtype).removeprefix('torch.')} {shape} dim 0", cells)
     return table
+
+
+if __name__ == "__main__":  # this section alone: python -m fscan.bench.ops
+    for table in (ops_table(), linear_table(), cumsum_precision()):
+        print(table.render(), end="\n\n", flush=True)
