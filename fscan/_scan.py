@@ -11,9 +11,12 @@ from optree import PyTreeSpec
 from ._autograd import differentiable_scan, gradients_possible
 from ._checks import check_scan_args
 from ._combine import flat_combine
+from ._compiled import codegen_scan
 from ._generic import scan_along
+from ._pointwise_check import checked_on_first_call, pointwise_checked
 from ._pytree import flatten, unflatten
 from ._segmented import segmented_scan
+from ._traced import traced_scan
 from ._validate import validate_combine_fn
 
 __all__ = ["associative_scan", "scan_flat"]
@@ -102,7 +105,16 @@ def scan_flat(
     """Scan already-checked flat ``leaves`` along ``dim``: the dispatch point to the engines."""
     if leaves[0].shape[dim] == 0:
         return [x.clone() for x in leaves]
+    if torch.compiler.is_compiling():  # one length-polymorphic op: see fscan._traced
+        return traced_scan(_API, combine_fn, spec, leaves, dim, reverse, combine_mode)
     combine = flat_combine(_API, combine_fn, spec, combine_mode)
+    if combine_mode == "pointwise" and not pointwise_checked(combine_fn, spec, leaves):
+        # elementwise ops only, checked on the first call: see fscan._pointwise_check
+        combine = checked_on_first_call(_API, combine, combine_fn, spec, leaves)
+    elif combine_mode == "pointwise":  # a Triton kernel on CUDA/XPU: see fscan._compiled
+        out = codegen_scan(_API, combine_fn, spec, leaves, dim, reverse)
+        if out is not None:
+            return out
     if gradients_possible():
         return differentiable_scan(combine_fn, combine, leaves, dim, reverse, combine_mode)
     return scan_along(combine, leaves, dim, reverse)

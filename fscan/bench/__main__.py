@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from . import autograd, core, ops, overhead
+import torch
+
+from . import autograd, core, gpu, ops, overhead
+from . import compile as compile_bench
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,6 +30,12 @@ def main(argv: list[str] | None = None) -> None:
         print(ops.cumsum_precision().render(), flush=True)
         print()
         print(core.forward_memory(), flush=True)
+        # Compiling takes tens of seconds per workload: full runs only.
+        print()
+        print(compile_bench.compile_table().render(), flush=True)
+        if torch.cuda.is_available():
+            print()
+            print(gpu.gpu_table().render(), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,239 @@
+"""What ``fscan.associative_scan`` runs while ``torch.compile`` or ``torch.export`` traces it.
+
+Tracing the eager engine would unroll its recursion, whose depth depends on the
+scan length: Dynamo would specialise the graph to that length (a recompile for
+every new length; and Inductor needs ~2 minutes for the unrolled graph of a
+4096-step scan on 2 cores), and ``torch.export`` could not keep the length
+symbolic. So a traced scan becomes one length-polymorphic operation instead:
+
+============================================  =====================================
+case                                          route
+============================================  =====================================
+export, pointwise                             ``associative_scan`` HOP (*)
+export, generic                               sequential ``scan`` HOP
+compile, pointwise, CUDA/XPU, grad mode off   ``associative_scan`` HOP: Triton scan
+compile, anything else                        doubling scan in a ``while_loop``
+============================================  =====================================
+
+(*) the seed contract: one node ``associative_scan(combine_graph, [xs], ())``
+whose ``combine_graph`` works on one element. When the export is non-strict
+and ``combine_fn`` closes over tensors, the doubling scan is used instead: the
+non-strict trace of the HOP would bake those tensors in as constants.
+
+Why not the HOP everywhere: Inductor lowers it only where it has scan codegen
+(CUDA/XPU; on CPU the compile fails), and the HOP's autograd treats each leaf
+on its own, which is wrong as soon as ``combine_fn`` mixes leaves (for the
+linear recurrence ``(a1, b1), (a2, b2) -> (a1 a2, a2 b1 + b2)`` the gradient of
+``a`` comes out wrong) and it rejects gradients for closed-over tensors. The
+doubling scan is plain tensor code in a ``while_loop``: autograd, closures and
+both modes work, with ``log2(n)`` iterations of ``n`` combines each.
+
+Generic mode cannot go through the ``associative_scan`` HOP (Dynamo requires
+its ``combine_fn`` to be pointwise), and an exported ``while_loop`` cannot run a
+``vmap``'ed ``combine_fn`` (``ep.module()`` fails with a functorch error), so
+generic exports use torch's sequential ``scan``: ``combine_fn`` on single
+elements, one step per element, differentiable.
+
+The ``while_loop`` and ``scan`` front ends start a Dynamo trace of their own when
+called outside one (non-strict export, eager calls), and Dynamo's optree
+support only accepts tree specs made inside its trace (and mishandles
+unflattening constants into a dict). So outside a trace, the functions handed
+to them get the structure as a *template*, the pytree with leaf numbers for
+leaves, and rebuild the spec inside by mapping the template onto their operands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+from optree import PyTreeSpec
+from torch._higher_order_ops.associative_scan import associative_scan_op
+from torch._higher_order_ops.scan import scan
+from torch._higher_order_ops.while_loop import while_loop
+
+from ._autograd import captured_tensors
+from ._combine import FlatCombine, check_combine_output, flat_combine
+from ._pytree import unflatten
+
+__all__ = [
+    "CODEGEN_DEVICES",
+    "SpecSource",
+    "hop_combine",
+    "spec_source",
+    "traced_route",
+    "traced_scan",
+]
+
+# Devices where Inductor lowers the associative_scan HOP to a scan kernel.
+CODEGEN_DEVICES = ("cuda", "xpu")
+
+# The pytree spec of ``xs``, got inside a trace from the leaves of one operand.
+SpecSource = Callable[[Sequence[torch.Tensor]], PyTreeSpec]
+
+
+def traced_scan(
+    api: str,
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    reverse: bool,
+    combine_mode: str,
+) -> list[torch.Tensor]:
+    """Scan checked flat ``leaves`` along ``dim`` as one traceable operation (module doc).
+
+    Like torch's front end, it moves ``dim`` to the front and flips for
+    ``reverse``, so the operation itself always scans forward along dimension 0.
+
+    Example:
+        >>> import fscan
+        >>> cumsum = lambda x: fscan.associative_scan(torch.add, x, 0)  # comes here when traced
+        >>> torch.compile(cumsum, backend="eager", fullgraph=True)(torch.arange(1.0, 5.0))
+        tensor([ 1.,  3.,  6., 10.])
+    """
+    # No movedim for dim 0: it would stay in an exported graph as a no-op node.
+    xs = [x.movedim(dim, 0) if dim else x for x in leaves]
+    if reverse:
+        xs = [x.flip(0) for x in xs]
+    route = traced_route(combine_fn, xs, combine_mode)
+    spec_of = spec_source(spec)
+    if route == "hop":
+        ys = hop_scan(api, combine_fn, spec_of, xs)
+    elif route == "sequential":
+        ys = sequential_scan(api, combine_fn, spec_of, xs)
+    else:
+        make = lambda operands: flat_combine(api, combine_fn, spec_of(operands), combine_mode)
+        ys = doubling_scan(make, xs)
+    if reverse:
+        ys = [y.flip(0) for y in ys]
+    return [y.movedim(0, dim) if dim else y for y in ys]
+
+
+def traced_route(
+    combine_fn: Callable[[Any, Any], Any], xs: Sequence[torch.Tensor], combine_mode: str
+) -> str:
+    """``"hop"``, ``"sequential"`` or ``"doubling"``: the table of the module doc."""
+    if torch.compiler.is_exporting():
+        if combine_mode == "generic":
+            return "sequential"
+        # Strict export runs under Dynamo, which lifts closed-over tensors into
+        # HOP inputs itself (and cannot trace the introspection below).
+        if torch.compiler.is_dynamo_compiling() or not captured_tensors(combine_fn):
+            return "hop"
+        return "doubling"
+    codegen = xs[0].device.type in CODEGEN_DEVICES and not torch.is_grad_enabled()
+    return "hop" if combine_mode == "pointwise" and codegen else "doubling"
+
+
+def spec_source(spec: PyTreeSpec) -> SpecSource:
+    """A way to get ``spec`` inside a trace that may start after this call (module doc).
+
+    Example:
+        >>> spec = optree.tree_structure((0, {"h": 0, "c": 0}))
+        >>> spec_source(spec)([torch.ones(1)] * 3) == spec
+        True
+    """
+    if torch.compiler.is_dynamo_compiling():  # already in a trace: its spec serves nested ones
+        return lambda operands: spec
+    template = unflatten(spec, list(range(spec.num_leaves)))
+
+    def rebuilt(operands: Sequence[torch.Tensor]) -> PyTreeSpec:
+        tree = optree.tree_map(lambda i: operands[i], template, none_is_leaf=False)
+        return optree.tree_structure(tree, none_is_leaf=False)
+
+    return rebuilt
+
+
+def hop_scan(
+    api: str, combine_fn: Callable[[Any, Any], Any], spec_of: SpecSource, xs: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """torch's ``associative_scan`` higher-order op over ``xs`` along dimension 0."""
+    return list(associative_scan_op(hop_combine(api, combine_fn, spec_of), list(xs), ()))
+
+
+def hop_combine(
+    api: str, combine_fn: Callable[[Any, Any], Any], spec_of: SpecSource
+) -> Callable[..., list[torch.Tensor]]:
+    """``combine_fn`` in the HOP's calling convention, ``(*lhs, *rhs) -> [leaves]``.
+
+    Example:
+        >>> pair = spec_source(optree.tree_structure((0, 0)))
+        >>> hop_combine("demo", lambda a, b: (a[0] * b[0], a[1] + b[1]), pair)(*torch.ones(4))
+        [tensor(1.), tensor(2.)]
+    """
+
+    def flat(*operands: torch.Tensor) -> list[torch.Tensor]:
+        half = len(operands) // 2
+        combine = flat_combine(api, combine_fn, spec_of(operands[:half]), "pointwise")
+        return list(combine(operands[:half], operands[half:]))
+
+    return flat
+
+
+def doubling_scan(
+    make_combine: Callable[[Sequence[torch.Tensor]], FlatCombine], xs: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Inclusive scan along dimension 0 by doubling (Hillis and Steele), in one ``while_loop``.
+
+    Step ``k`` combines every position ``i >= 2**k`` with position ``i - 2**k``, the
+    earlier one on the left, so after ``ceil(log2(n))`` steps position ``i`` holds
+    the combination of ``xs[0..i]``. Shapes never change, so the length stays
+    symbolic; positions ``i < 2**k`` are computed on a clamped index and discarded.
+    ``make_combine(operands)`` is called inside the loop body, in its trace.
+
+    Example:
+        >>> doubling_scan(lambda operands: lambda a, b: [a[0] + b[0]], [torch.arange(1.0, 7.0)])
+        [tensor([ 1.,  3.,  6., 10., 15., 21.])]
+    """
+    n = xs[0].shape[0]
+    positions = torch.arange(n, device=xs[0].device)
+
+    def unfinished(offset: torch.Tensor, *ys: torch.Tensor) -> torch.Tensor:
+        return offset < n
+
+    def step(offset: torch.Tensor, *ys: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        earlier = (positions - offset).clamp(min=0)
+        combined = make_combine(ys)([y.index_select(0, earlier) for y in ys], list(ys))
+        reached = positions >= offset
+        kept = [
+            torch.where(reached.view(-1, *[1] * (y.ndim - 1)), c, y) for c, y in zip(combined, ys)
+        ]
+        return (offset * 2, *kept)
+
+    # The loop carries must keep their strides from step to step: start contiguous.
+    start = [x.clone(memory_format=torch.contiguous_format) for x in xs]
+    offset = torch.ones((), dtype=torch.int64, device=xs[0].device)
+    return list(while_loop(unfinished, step, (offset, *start))[1:])
+
+
+def sequential_scan(
+    api: str, combine_fn: Callable[[Any, Any], Any], spec_of: SpecSource, xs: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Inclusive scan along dimension 0 with torch's sequential ``scan`` HOP, one element a step.
+
+    ``combine_fn`` sees single elements (generic mode). The carry holds a flag
+    that makes the first step output ``xs[0]`` itself: the scan runs over all
+    ``n`` elements (not ``xs[1:]``, whose length export would have to assume is
+    not 1), so the combine of that step is computed and discarded.
+
+    Example:
+        >>> one = spec_source(optree.tree_structure(0))
+        >>> sequential_scan("demo", torch.mul, one, [torch.arange(1.0, 5.0)])
+        [tensor([ 1.,  2.,  6., 24.])]
+    """
+
+    def step(carry: list[torch.Tensor], x: list[torch.Tensor]) -> tuple[list, list]:
+        *acc, first = carry
+        spec = spec_of(x)
+        out = combine_fn(unflatten(spec, acc), unflatten(spec, x))
+        combined = check_combine_output(api, out, spec, x, "generic")
+        ys = [torch.where(first > 0, e, c) for e, c in zip(x, combined)]
+        return [*ys, first * 0], [y.clone() for y in ys]
+
+    # A float flag: torch's scan autograd rejects a non-differentiable bool carry.
+    first = torch.ones((), dtype=torch.float32, device=xs[0].device)
+    _, ys = scan(step, [*(x[0].clone() for x in xs), first], list(xs))
+    return list(ys)

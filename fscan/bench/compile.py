@@ -1,0 +1,105 @@
+"""Compile benchmark: ``torch.compile(fullgraph=True)`` of a function containing a scan.
+
+Reports the first call (tracing plus Inductor's compile, with Inductor's on-disk
+graph cache off, so a cold compile), then the steady-state time of the
+compiled function against eager fscan and ``torch.cumsum``, and the number of
+compiles over four lengths with ``dynamic=True``. On CPU the traced scan is a
+doubling scan in a ``while_loop`` (see ``fscan._traced``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch._dynamo.testing
+
+import fscan
+
+from ._timing import Table, fmt_ms, median_time
+
+__all__ = ["compile_table"]
+
+SHAPE = (4096, 256)
+LENGTHS = (1000, 3000, 4097, 7)
+
+
+def _linrec(x, y):
+    return x[0] * y[0], y[0] * x[1] + y[1]
+
+
+def _workloads() -> dict[str, tuple[Callable, tuple, Callable | None]]:
+    x = torch.randn(SHAPE)
+    a, b = torch.rand(SHAPE), torch.randn(SHAPE)
+    return {
+        f"add {SHAPE}": (
+            lambda x: fscan.associative_scan(torch.add, x, 0),
+            (x,),
+            lambda x: torch.cumsum(x, 0),
+        ),
+        f"linrec {SHAPE}": (lambda a, b: fscan.associative_scan(_linrec, (a, b), 0), (a, b), None),
+        "generic 2x2 matmul (4096,)": (
+            lambda m: fscan.associative_scan(torch.matmul, m, 0, combine_mode="generic"),
+            (torch.randn(4096, 2, 2) / 2,),
+            None,
+        ),
+    }
+
+
+def _first_call(fn: Callable, args: tuple, **options) -> tuple[Callable, float]:
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, **options)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        start = time.perf_counter()
+        compiled(*args)
+        return compiled, time.perf_counter() - start
+
+
+def _compiles_over_lengths(fn: Callable, args: tuple) -> int:
+    """Frames compiled when the same function sees ``LENGTHS`` (dynamic=True)."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend=counter)
+    for n in LENGTHS:
+        compiled(*[x[:n] if n <= x.shape[0] else torch.cat([x, x[: n - x.shape[0]]]) for x in args])
+    return counter.frame_count
+
+
+def compile_table(quick: bool = False) -> Table:
+    """First-call latency and steady-state time of compiled scans; ratio = time / eager fscan."""
+    table = Table(
+        f"torch.compile(fullgraph=True) on CPU, {torch.get_num_threads()} threads "
+        "(best of 2 interleaved medians; ratio = time / eager fscan)",
+        ["first call", "compiled", "eager fscan", "torch.cumsum", f"compiles over {LENGTHS}"],
+    )
+    for label, (fn, args, cumsum) in _workloads().items():
+        table.add(label, _row(fn, args, cumsum, quick))
+    return table
+
+
+def _row(fn: Callable, args: tuple, cumsum: Callable | None, quick: bool) -> list[str]:
+    compiled, first = _first_call(fn, args)
+    runners = {"compiled": lambda: compiled(*args), "eager": lambda: fn(*args)}
+    if cumsum is not None:
+        runners["cumsum"] = lambda: cumsum(*args)
+    # Alternate the contenders and keep each one's best median: other work on a
+    # shared machine then slows every column alike or none.
+    times: dict[str, float] = {}
+    for _ in range(2):
+        for name, run in runners.items():
+            t = median_time(run, budget_s=0.5 if quick else 2.0)
+            times[name] = min(times.get(name, t), t)
+    eager = times["eager"]
+    compiles = "-" if quick else str(_compiles_over_lengths(fn, args))
+    return [
+        f"{first:.1f} s",
+        fmt_ms(times["compiled"], eager),
+        fmt_ms(eager),
+        fmt_ms(times.get("cumsum"), eager),
+        compiles,
+    ]
+
+
+if __name__ == "__main__":
+    print(compile_table().render())

@@ -1,0 +1,177 @@
+"""combine_mode="pointwise" accepts elementwise combine_fns only (fscan._pointwise_check)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from helpers import (
+    add,
+    affine_compose,
+    assert_trees_close,
+    linear_recurrence,
+    logaddexp,
+    maximum,
+    parametrize,
+    sequential_scan,
+)
+
+import fscan
+from fscan import _pointwise_check
+
+
+@pytest.fixture(autouse=True)
+def fresh_verdicts():
+    _pointwise_check.verdicts.clear()
+    yield
+    _pointwise_check.verdicts.clear()
+
+
+def _where_max(a, b):
+    return torch.where(a > b, a, b)
+
+
+def _with_casts(a, b):
+    return (a.double() + b.double()).to(a.dtype) * torch.ones_like(a)
+
+
+W = torch.rand(3) + 0.5
+
+
+def _closure_and_constant(a, b):
+    return a * W / W + b * torch.tensor(1.0)
+
+
+def _broadcast_first_component(a, b):  # a view re-indexing inside the element
+    return a + b[..., :1] - b[..., :1] + b
+
+
+@parametrize(
+    op=[add, maximum, logaddexp, _where_max, _with_casts, _closure_and_constant],
+    reverse=[False, True],
+)
+def test_elementwise_combine_fns_pass(op, reverse):
+    xs = torch.randn(17, 4, 3)
+    out = fscan.associative_scan(op, xs, 0, reverse=reverse)
+    assert_trees_close(out, sequential_scan(op, xs, 0, reverse, "pointwise"))
+
+
+def test_views_inside_the_element_pass():
+    xs = torch.randn(9, 3)
+    out = fscan.associative_scan(_broadcast_first_component, xs, 0)
+    assert_trees_close(out, sequential_scan(_broadcast_first_component, xs, 0, False, "pointwise"))
+
+
+@parametrize(op=[linear_recurrence, affine_compose])
+def test_pytree_combine_fns_pass(op):
+    xs = (torch.rand(12, 2), torch.randn(12, 2))
+    if op is affine_compose:
+        xs = {"w": xs[0], "c": xs[1]}
+    out = fscan.associative_scan(op, xs, 0)
+    assert_trees_close(out, sequential_scan(op, xs, 0, False, "pointwise"))
+
+
+MESSAGE = (
+    "combine_mode='pointwise' calls combine_fn on whole batches of elements and compiles it as "
+    "an elementwise kernel on GPUs, so it may use elementwise operations only. Use "
+    "combine_mode='generic', where combine_fn sees one element at a time."
+)
+CASES = {
+    "matmul": (torch.matmul, "aten.bmm, a matrix product"),
+    "sum": (lambda a, b: a + b.sum(-1, keepdim=True), "aten.sum, a reduction"),
+    "amax": (lambda a, b: a + b.amax(-1, keepdim=True), "aten.amax, a reduction"),
+    "index": (lambda a, b: a + b[..., [1, 0]], "aten.index, which is not elementwise"),
+    "flip": (lambda a, b: a + b.flip(-1), "aten.flip, which is not elementwise"),
+    "cumsum": (lambda a, b: a + b.cumsum(-1), "aten.cumsum, which is not elementwise"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_non_elementwise_ops_are_named_with_the_fix(name):
+    op, what = CASES[name]
+    expected = f"fscan.associative_scan: `combine_fn` is not elementwise: it calls {what}"
+    with pytest.raises(fscan.CombineFnError, match=re.escape(expected)) as info:
+        fscan.associative_scan(op, torch.randn(6, 2, 2), 0)
+    assert MESSAGE in str(info.value)
+
+
+def test_the_error_is_a_value_error_and_a_scan_error():
+    with pytest.raises(fscan.CombineFnError) as info:
+        fscan.associative_scan(torch.matmul, torch.randn(6, 2, 2), 0)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, fscan.ScanError)
+
+
+def test_randomness_is_an_impurity():
+    noisy = lambda a, b: a + b + 0 * torch.rand_like(b)
+    with pytest.raises(fscan.ImpureCombineError, match="random operation"):
+        fscan.associative_scan(noisy, torch.randn(8), 0)
+
+
+def test_the_random_check_stops_before_drawing():
+    # Run the watch directly: the purity probe would otherwise stop the draw first.
+    flat = lambda a, b: [a[0] + torch.rand_like(b[0])]
+    spec, leaves = _flat(torch.randn(8))
+    generator_state = torch.get_rng_state()
+    watched = _pointwise_check.checked_on_first_call("api", flat, flat, spec, leaves)
+    with pytest.raises(fscan.ImpureCombineError):
+        watched(leaves, leaves)
+    assert torch.equal(torch.get_rng_state(), generator_state)
+
+
+def test_generic_mode_allows_what_pointwise_rejects():
+    xs = torch.randn(7, 2, 2) / 2
+    out = fscan.associative_scan(torch.matmul, xs, 0, combine_mode="generic")
+    assert_trees_close(out, sequential_scan(torch.matmul, xs, 0, False, "generic"))
+
+
+class CountingMul:
+    def __init__(self) -> None:
+        self.watched = 0
+
+    def __call__(self, a, b):
+        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+        self.watched += isinstance(mode, _pointwise_check._ElementwiseWatch)
+        return a * b
+
+
+def test_the_check_watches_one_call_then_the_verdict_is_cached():
+    fn = CountingMul()
+    for _ in range(3):
+        fscan.associative_scan(fn, torch.randn(16), 0)
+    assert fn.watched == 1
+    assert _pointwise_check.pointwise_checked(fn, *_flat(torch.randn(16)))
+
+
+def test_a_new_leaf_layout_is_checked_again():
+    fn = CountingMul()
+    fscan.associative_scan(fn, torch.randn(16), 0)
+    fscan.associative_scan(fn, torch.randn(16, 2), 0)
+    fscan.associative_scan(fn, torch.randn(16, dtype=torch.float64), 0)
+    assert fn.watched == 3
+
+
+def test_nothing_is_cached_when_combine_fn_never_runs():
+    fn = CountingMul()
+    fscan.associative_scan(fn, torch.randn(1, 3), 0)
+    assert not _pointwise_check.pointwise_checked(fn, *_flat(torch.randn(1, 3)))
+
+
+def test_a_failed_check_is_not_cached():
+    for _ in range(2):
+        with pytest.raises(fscan.CombineFnError):
+            fscan.associative_scan(torch.matmul, torch.randn(6, 2, 2), 0)
+    assert len(_pointwise_check.verdicts) == 0
+
+
+def test_no_check_inside_torch_func_transforms():
+    # vmap'ed calls are not watched (wrapped tensors) and cache nothing.
+    xs = torch.randn(3, 8)
+    out = torch.func.vmap(lambda x: fscan.associative_scan(add, x, 0))(xs)
+    assert_trees_close(out, xs.cumsum(1))
+    assert len(_pointwise_check.verdicts) == 0
+
+
+def _flat(x):
+    leaves, spec = fscan._pytree.flatten(x)
+    return spec, leaves
