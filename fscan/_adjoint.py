@@ -31,7 +31,12 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from ._combine import FlatCombine
 from ._generic import scan_along, scan_functional_along
 
-__all__ = ["PointwiseScan", "ScanPlan", "jacobian_blocks"]
+__all__ = ["CHUNK_ELEMENTS", "PointwiseScan", "ScanPlan", "jacobian_blocks"]
+
+# Elements per leaf re-evaluated at once in a first-order backward: small enough
+# for the temporaries to stay in cache and be reused by the allocator (large
+# fresh tensors cost page faults on CPU), large enough for per-call overhead to vanish.
+CHUNK_ELEMENTS = 2**18
 
 Entry = tuple[int, int]  # (row, column) of a per-position L x L block
 
@@ -93,53 +98,142 @@ def adjoint(
     """Cotangents of ``xs`` and of the ``captured`` tensors, given those of ``ys``.
 
     Runs differentiably (so that second derivatives work) when grad mode is on,
-    i.e. when autograd runs this backward with ``create_graph=True``.
+    i.e. when autograd runs this backward with ``create_graph=True``. Otherwise
+    ``f`` is re-evaluated in chunks of about ``CHUNK_ELEMENTS`` per leaf, whose
+    temporaries stay in cache and are reused by the allocator, and the results
+    are written into preallocated outputs.
     """
     create_graph = torch.is_grad_enabled()
     xs = [x.movedim(plan.dim, 0) for x in xs]
     ys = [y.movedim(plan.dim, 0) for y in ys]
     floats = [i for i, x in enumerate(xs) if x.is_floating_point()]
     gs = [_cotangent(grads[i], ys[i].movedim(0, plan.dim)).movedim(plan.dim, 0) for i in floats]
-    if xs[0].shape[0] == 1:  # no combine ran: the output is the input
+    n = xs[0].shape[0]
+    if n == 1:  # no combine ran: the output is the input
         xbar = _scatter(len(xs), floats, [g if needs[i] else None for i, g in zip(floats, gs)])
         return _moved_back(xbar, plan.dim), [None] * len(captured)
-    # The left operands y[t-1] and right operands x[t] of every combine, as one batch.
-    head, tail = slice(0, -1), slice(1, None)
-    left_at, right_at = (tail, head) if plan.reverse else (head, tail)
-    with torch.enable_grad():
-        left = [_variable(y[left_at], create_graph) for y in ys]
-        right = [_variable(x[right_at], create_graph) for x in xs]
-        combined = plan.combine(left, right)
-    outs = [combined[i] for i in floats]
-    del combined
-    blocks = jacobian_blocks(outs, [left[i] for i in floats], create_graph)
-    # Keep only the graph of the re-evaluated outputs, not their values.
-    edges = [_edge(o) for o in outs]
-    del outs
-    lam = _adjoint_scan(blocks, gs, plan.reverse, create_graph)
+    # Combine number c (of n - 1) took y[c] and x[c + 1] (y[c + 1] and x[c] if reversed).
+    shift = int(plan.reverse)
+    rows = n - 1 if create_graph else max(1, CHUNK_ELEMENTS // max(1, xs[0][0].numel()))
+    blocks = _Blocks(n, len(floats), shift, ys[floats[0]], create_graph)
+    taped = []
+    for start in range(0, n - 1, rows):
+        span = slice(start, min(start + rows, n - 1))
+        left_at, right_at = _shifted(span, shift), _shifted(span, 1 - shift)
+        with torch.enable_grad():
+            left = [_variable(y[left_at], create_graph) for y in ys]
+            right = [_variable(x[right_at], create_graph) for x in xs]
+            combined = plan.combine(left, right)
+        outs = [combined[i] for i in floats]
+        del combined
+        blocks.add(left_at, jacobian_blocks(outs, [left[i] for i in floats], create_graph))
+        # Keep only the graph of the re-evaluated outputs, not their values.
+        taped.append((right_at, [_edge(o) for o in outs], right))
+        del outs
+    lam = _adjoint_scan(*blocks.finish(), gs, plan.reverse, create_graph)
     # xbar[t] = K[t]^T lam[t] at every step with a left operand, summed over steps
     # for the closed-over tensors; at the edge step (first, or last if reversed)
     # the output is the input, so xbar is lam itself there.
     want_x = [i for i in floats if needs[i]]
     want_c = [k for k, c in enumerate(captured) if needs[len(xs) + k] and c.requires_grad]
-    pulled = _vjp(
-        edges,
-        [right[i] for i in want_x] + [captured[k] for k in want_c],
-        [lm[right_at] for lm in lam],
-        create_graph,
-    )
-    del edges
-    edge_at = slice(-1, None) if plan.reverse else slice(0, 1)
-    xbar: list[torch.Tensor | None] = [None] * len(xs)
-    for n, i in enumerate(want_x):
-        lm, inner = lam[floats.index(i)], pulled[n]
-        pulled[n] = None  # free each piece as soon as it is joined
-        inner = torch.zeros_like(lm[right_at]) if inner is None else inner
-        xbar[i] = torch.cat([inner, lm[edge_at]] if plan.reverse else [lm[edge_at], inner])
+    edge_at = slice(n - 1, n) if plan.reverse else slice(0, 1)
+    xbar_rows = {i: _Rows(n, lam[floats.index(i)], create_graph) for i in want_x}
+    for i, out in xbar_rows.items():
+        out.write(edge_at, lam[floats.index(i)][edge_at])
     capbar: list[torch.Tensor | None] = [None] * len(captured)
-    for k, grad in zip(want_c, pulled[len(want_x) :]):
-        capbar[k] = grad
+    while taped:
+        right_at, edges, right = taped.pop(0)  # frees each chunk's graph once pulled back
+        inputs = [right[i] for i in want_x] + [captured[k] for k in want_c]
+        pulled = _vjp(edges, inputs, [lm[right_at] for lm in lam], create_graph)
+        for i, grad in zip(want_x, pulled):
+            xbar_rows[i].write(right_at, grad)
+        for k, grad in zip(want_c, pulled[len(want_x) :]):
+            capbar[k] = grad if capbar[k] is None or grad is None else capbar[k] + grad
+    xbar = _scatter(len(xs), want_x, [xbar_rows[i].result() for i in want_x])
     return _moved_back(xbar, plan.dim), capbar
+
+
+def _shifted(span: slice, by: int) -> slice:
+    return slice(span.start + by, span.stop + by)
+
+
+class _Rows:
+    """A tensor of ``n`` rows built from pieces: written into one preallocated buffer,
+    or, when the backward must itself be differentiable, concatenated."""
+
+    def __init__(self, n: int, like: torch.Tensor, differentiable: bool) -> None:
+        self.n, self.like, self.differentiable = n, like, differentiable
+        self.pieces: list[tuple[int, torch.Tensor]] = []
+        shape = (n, *like.shape[1:])
+        self.buffer = None if differentiable else like.new_empty(shape)
+
+    def write(self, at: slice, value: torch.Tensor | None) -> None:
+        if self.buffer is None:
+            zeros = lambda: self.like.new_zeros((at.stop - at.start, *self.like.shape[1:]))
+            self.pieces.append((at.start, zeros() if value is None else value))
+        elif value is None:
+            self.buffer[at].zero_()
+        else:
+            self.buffer[at].copy_(value)
+
+    def read(self, at: slice) -> torch.Tensor:
+        assert self.buffer is not None, "only buffered rows are read back"
+        return self.buffer[at]
+
+    def result(self) -> torch.Tensor:
+        if self.buffer is not None:
+            return self.buffer
+        return torch.cat([v for _, v in sorted(self.pieces, key=lambda p: p[0])])
+
+
+class _Blocks:
+    """The blocks ``M[t] = J^T`` of every step, gathered per entry into ``n``-row tensors.
+
+    The step at the far edge (last, or first if reversed) multiplies nothing: its
+    row is zero. While every block seen is ``a * I`` (first-order only), only
+    ``a`` is kept: the recurrence then carries one tensor instead of L.
+    """
+
+    def __init__(
+        self, n: int, n_leaves: int, shift: int, like: torch.Tensor, differentiable: bool
+    ) -> None:
+        self.n, self.n_leaves, self.like, self.differentiable = n, n_leaves, like, differentiable
+        self.pad = slice(0, 1) if shift else slice(n - 1, n)
+        self.rows: dict[Entry, _Rows] = {}
+        self.written: list[slice] = []
+        self.scalar = not differentiable
+
+    def add(self, at: slice, blocks: dict[Entry, torch.Tensor]) -> None:
+        if self.scalar and not _is_scalar_identity(blocks, self.n_leaves):
+            self.scalar = False
+            for j in range(1, self.n_leaves):  # the diagonal so far was `a` throughout
+                self.rows[(j, j)] = self._new_rows()
+                for done in self.written:
+                    self.rows[(j, j)].write(done, self.rows[(0, 0)].read(done))
+        for entry, block in blocks.items():
+            if self.scalar and entry != (0, 0):
+                continue
+            if entry not in self.rows:
+                self.rows[entry] = self._new_rows()
+            self.rows[entry].write(at, block)
+        for entry, rows in self.rows.items():
+            if entry not in blocks:
+                rows.write(at, None)
+        self.written.append(at)
+
+    def _new_rows(self) -> _Rows:
+        """Rows for an entry first seen now: zero at the edge and at every earlier step."""
+        rows = _Rows(self.n, self.like, self.differentiable)
+        for at in [self.pad, *self.written]:
+            rows.write(at, None)
+        return rows
+
+    def finish(self) -> tuple[list[Entry], dict[Entry, torch.Tensor]]:
+        """The entries to carry (closed under products) and the full-length blocks."""
+        if self.scalar and self.rows:
+            return [(0, 0)], {(0, 0): self.rows.pop((0, 0)).result()}
+        pattern = _closed_pattern(set(self.rows))
+        return pattern, {e: self.rows.pop(e).result() for e in list(self.rows)}
 
 
 def _edge(out: torch.Tensor) -> torch.Tensor | GradientEdge:
@@ -218,35 +312,27 @@ def jacobian_blocks(
 
 
 def _adjoint_scan(
+    pattern: list[Entry],
     blocks: dict[Entry, torch.Tensor],
     gs: list[torch.Tensor],
     reverse: bool,
     create_graph: bool,
 ) -> list[torch.Tensor]:
     """``lam`` from ``lam[t] = g[t] + M[t] lam[t+1]`` (``lam[t-1]`` when reversed)."""
-    if not blocks:  # f ignores its left operand: nothing flows back along the scan
+    if not pattern:  # f ignores its left operand: nothing flows back along the scan
         return gs
-    n = len(gs)
-    pattern = _closed_pattern(blocks)
-    if not create_graph and _is_scalar_identity(blocks, n):
-        pattern = [(0, 0)]
-    like = blocks[pattern[0]] if pattern[0] in blocks else next(iter(blocks.values()))
-    zero_row = torch.zeros((1, *like.shape[1:]), dtype=like.dtype, device=like.device)
-    # M[t] multiplies lam of the neighbour after t, so the step at the far edge
-    # has none: its block is zero (its product is never used anyway).
-    pad = (lambda m: torch.cat([zero_row, m])) if reverse else (lambda m: torch.cat([m, zero_row]))
-    zero = torch.zeros((), dtype=like.dtype, device=like.device).expand(gs[0].shape)
-    ms = [pad(blocks.pop(e)) if e in blocks else zero for e in pattern]
-    blocks.clear()  # the padded copies replace them
+    like = next(iter(blocks.values()))
+    zero = torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
+    ms = [blocks.pop(e) if e in blocks else zero for e in pattern]
     del like
     scan = scan_functional_along if create_graph else scan_along
-    out = scan(_affine_combine(pattern, n), [*ms, *gs], 0, not reverse)
+    out = scan(_affine_combine(pattern, len(gs)), [*ms, *gs], 0, not reverse)
     return out[len(ms) :]
 
 
-def _closed_pattern(blocks: dict[Entry, torch.Tensor]) -> list[Entry]:
+def _closed_pattern(entries: set[Entry]) -> list[Entry]:
     """The entries a product of blocks can fill: the transitive closure of the nonzeros."""
-    closed = set(blocks)
+    closed = set(entries)
     while True:
         grown = closed | {(j, k) for j, m in closed for m2, k in closed if m == m2}
         if grown == closed:

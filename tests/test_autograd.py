@@ -292,3 +292,53 @@ def test_batched_cotangents(mode):
         lambda a, b: sequential_scan(linear_recurrence, (a, b), 0), (a, b)
     )
     torch.testing.assert_close(got, want)
+
+
+@parametrize(mode=MODES)
+def test_complex_and_mixed_dtype_leaves(mode):
+    z = torch.randn(9, 2, dtype=torch.complex128, requires_grad=True)
+    assert gradcheck(lambda z: scan(mul, z, 0, False, mode), (z,))
+    pair = (normal(9, 2), torch.rand(9, 2, requires_grad=True))  # float64 and float32
+    both = lambda x, y: (x[0] + y[0], x[1] * y[1])
+    assert_grads_match_oracle(both, pair, 0, False, mode)
+
+
+def entry_appears_midway(x, y):
+    """Adds a structurally new (numerically zero) block entry only for some steps.
+
+    Branching on values is not elementwise, so this runs below the front end's check.
+    """
+    extra = x[0] * 0 if bool((y[1] > 0.5).all()) else 0
+    return x[0] + y[0], x[1] * y[1] + extra
+
+
+def scalar_until_midway(length):
+    """Diagonal blocks (y0, y1) equal for the first steps only: `a * I` breaks midway."""
+    y0 = torch.rand(length, 3, dtype=F64) + 0.5
+    y1 = torch.cat([y0[: length // 2], torch.rand(length - length // 2, 3, dtype=F64) + 0.5])
+    return y0.requires_grad_(), y1.requires_grad_()
+
+
+@parametrize(reverse=[False, True])
+def test_chunked_backward(monkeypatch, reverse):
+    monkeypatch.setattr(fscan._adjoint, "CHUNK_ELEMENTS", 5)  # two steps of 3 per chunk
+    pair = lambda x, y: (x[0] * y[0], x[1] * y[1])
+    cases = [
+        (linear_recurrence, (positive(9, 3), normal(9, 3))),
+        (matrix_entries, tuple(normal(9, 3) for _ in range(4))),
+        (pair, scalar_until_midway(9)),
+    ]
+    for combine_fn, xs in cases:
+        assert type(scan(combine_fn, xs, 0, reverse)[0].grad_fn).__name__ == "PointwiseScanBackward"
+        assert_grads_match_oracle(combine_fn, xs, 0, reverse, "pointwise")
+    xs = [normal(9, 3), torch.rand(9, 3, dtype=F64, requires_grad=True)]
+    _, spec = flatten(tuple(xs))
+    combine = flat_combine("test", entry_appears_midway, spec, "pointwise")
+    out = _autograd.differentiable_scan(entry_appears_midway, combine, xs, 0, reverse, "pointwise")
+    ref = sequential_scan(entry_appears_midway, tuple(xs), 0, reverse, "pointwise")
+    cot = [torch.randn_like(o) for o in out]
+    got, want = torch.autograd.grad(out, xs, cot), torch.autograd.grad(ref, xs, cot)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    w = normal(3)
+    assert_grads_match_oracle(lambda a, b: a + b + w, normal(9, 3), 0, reverse, "pointwise", (w,))
