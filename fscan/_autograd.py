@@ -51,11 +51,18 @@ def gradients_possible() -> bool:
         ...     gradients_possible()
         False
     """
-    return (
-        torch.is_grad_enabled()
-        or torch.autograd.forward_ad._current_level >= 0
-        or torch._C._functorch.peek_interpreter_stack() is not None
-    )
+    return torch.is_grad_enabled() or _under_transform()
+
+
+def _under_transform() -> bool:
+    """A dual level (forward-mode AD) or a ``torch.func`` transform is active.
+
+    Both differentiate whatever torch ops run, so they get the out-of-place engine:
+    a custom autograd Function would need rules for each, and in-place writes
+    into a shared output break ``grad`` and ``jvp`` as they break autograd.
+    """
+    dual_level = getattr(torch.autograd.forward_ad, "_current_level", -1)
+    return dual_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def differentiable_scan(
@@ -81,10 +88,7 @@ def differentiable_scan(
         >>> x.grad
         tensor([3., 2., 1.])
     """
-    if (
-        torch.autograd.forward_ad._current_level >= 0
-        or torch._C._functorch.peek_interpreter_stack()
-    ):
+    if _under_transform():
         return scan_functional_along(combine, leaves, dim, reverse)
     captured = [t for t in captured_tensors(combine_fn) if t.requires_grad]
     if not captured and not any(x.requires_grad for x in leaves):
