@@ -10,10 +10,10 @@ Two scans, both on the public ``fscan.associative_scan``:
   ``BLOCK`` steps in the working dtype (few roundings of small partial results),
   the block totals and the carries across blocks in the wide dtype (float64 for
   float32), and one final combine of each block's carry with its local results.
-* :func:`extremum_scan`, for cummax/cummin: ``(value, index)`` pairs under
-  "keep the later element if it is at least as large, or NaN", which is
-  torch's rule (ties go to the later index; a NaN sticks, and a later NaN
-  takes over its index). It is exact, so it needs no wider type.
+* :func:`extremum_scan`, for cummax/cummin, with torch's rule: an element takes
+  over the index if it is at least as large as the running maximum, or NaN
+  (ties go to the later index; a NaN sticks, and a later NaN takes over its
+  index). It is exact, so it needs no wider type.
 """
 
 from __future__ import annotations
@@ -124,31 +124,43 @@ def extremum_scan(
     With ``reverse`` the indices still refer to positions in ``x``, and ties go to
     the element met later in scan order (the smaller index), as flip, cummax, flip.
 
+    Two scans of a single cheap op each, rather than one over ``(value, index)``
+    pairs (five ops per combine): the running extreme with ``torch.maximum`` (it
+    propagates NaN), then the index as the running latest position that took
+    over, i.e. was at least as good as the extreme before it, or NaN. The values
+    are then gathered at the indices, which gives torch's gradient exactly (all
+    of it to the chosen element, ties included).
+
     Example:
         >>> extremum_scan(torch.tensor([1.0, 3.0, 3.0, 2.0]), 0, False, True)
         (tensor([1., 3., 3., 3.]), tensor([0, 1, 2, 2]))
     """
     n = x.shape[dim]
-    index = torch.arange(n, device=x.device).view([n] + [1] * (x.ndim - dim - 1))
-    combine = _keep_max if largest else _keep_min
-    # The scan only finds the indices; gathering the values at them gives
-    # torch's gradient exactly (all of it to the chosen element, ties included).
     with torch.no_grad():
-        _, indices = associative_scan(combine, (x, index.expand(x.shape)), dim, reverse)
+        best = torch.maximum if largest else torch.minimum
+        running = associative_scan(best, x, dim, reverse)
+        marks = _takeovers(x, running, dim, reverse, largest)
+        latest = torch.minimum if reverse else torch.maximum
+        indices = associative_scan(latest, marks, dim, reverse).long() if n else marks.long()
     return x.gather(dim, indices), indices
 
 
-def _keep_max(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]):
-    """``b`` (the later element in scan order) if ``b >= a`` or ``b`` is NaN, else ``a``.
-
-    The values come from ``torch.maximum`` (NaN-propagating, and returning its
-    first argument on ties, here ``b``), which is cheaper than a second ``where``;
-    its gradient splits ties, so the scan runs without gradients (see above).
-    """
-    take = (b[0] >= a[0]) | torch.isnan(b[0])
-    return torch.maximum(b[0], a[0]), torch.where(take, b[1], a[1])
-
-
-def _keep_min(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]):
-    take = (b[0] <= a[0]) | torch.isnan(b[0])
-    return torch.minimum(b[0], a[0]), torch.where(take, b[1], a[1])
+def _takeovers(
+    x: torch.Tensor, running: torch.Tensor, dim: int, reverse: bool, largest: bool
+) -> torch.Tensor:
+    """Each step's position where it takes over the index, else the scan's start."""
+    n = x.shape[dim]
+    start = n - 1 if reverse else 0
+    index_dtype = torch.int32 if n < 2**31 else torch.int64  # half the traffic of int64
+    first = torch.full_like(x.narrow(dim, 0, min(n, 1)), start, dtype=index_dtype)
+    if n < 2:
+        return first
+    steps = x.narrow(dim, 0, n - 1) if reverse else x.narrow(dim, 1, n - 1)
+    before = running.narrow(dim, 1, n - 1) if reverse else running.narrow(dim, 0, n - 1)
+    takes = (steps >= before) if largest else (steps <= before)
+    takes |= steps.isnan()
+    low = 0 if reverse else 1
+    positions = torch.arange(low, low + n - 1, dtype=index_dtype, device=x.device)
+    positions = positions.view([n - 1] + [1] * (x.ndim - dim - 1))
+    marks = torch.where(takes, positions, start)
+    return torch.cat([marks, first] if reverse else [first, marks], dim)
