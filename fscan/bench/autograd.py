@@ -135,7 +135,8 @@ def autograd_table(quick: bool = False) -> Table:
     lengths = QUICK_LENGTHS if quick else LENGTHS
     table = Table(
         f"forward+backward, linear recurrence over (T, {WIDTH}) float32, "
-        f"{torch.get_num_threads()} threads (median time | extra peak RSS, fresh process)",
+        f"threads={torch.get_num_threads()} (median time"
+        + (")" if quick else " | extra peak RSS of one run in a fresh process)"),
         list(RUNNERS),
     )
     memory: dict[str, dict[int, int]] = {name: {} for name in RUNNERS}
