@@ -25,8 +25,8 @@ The verdict is cached per (code of ``combine_fn`` and kinds of what it captures,
 pytree structure, dtype/device/ndim of each leaf), see :mod:`fscan._cache`;
 until it is, the compiled kernel of :mod:`fscan._compiled` is not used, so the
 first call per key runs fscan's own engine. Nothing is watched under
-``torch.compile``/``torch.export`` tracing (``fscan._traced`` handles those) or a
-``torch.func`` transform; the check then runs on the next plain call.
+``torch.compile``/``torch.export`` tracing (``fscan._traced`` handles those), a
+``torch.func`` transform or forward-mode AD; the check runs on the next plain call.
 """
 
 from __future__ import annotations
@@ -115,7 +115,11 @@ def checked_on_first_call(
         ...     print(str(err)[:74])
         demo: `combine_fn` is not elementwise: it calls aten.bmm, a matrix product
     """
-    if torch.compiler.is_compiling() or not probeable(leaves):
+    if (
+        torch.compiler.is_compiling()
+        or not probeable(leaves)
+        or torch.autograd.forward_ad._current_level >= 0  # dual tensors: tangent ops too
+    ):
         return combine
     key = _key(combine_fn, spec, leaves)
     if verdicts.get(key) is not None:
@@ -162,9 +166,18 @@ def is_elementwise(op: torch._ops.OpOverload) -> bool:
         >>> is_elementwise(torch.ops.aten.add.Tensor), is_elementwise(torch.ops.aten.sum.default)
         (True, False)
     """
-    if torch.Tag.pointwise in op.tags or op.is_view:
+    if torch.Tag.pointwise in op.tags or op.is_view or op._opname in ELEMENTWISE_UNTAGGED:
         return True
-    return op._opname in ELEMENTWISE_UNTAGGED
+    # Queries of metadata (``is_same_size``, ``sym_size``...) return no tensor.
+    return not any(_holds_tensors(r.type) for r in op._schema.returns)
+
+
+def _holds_tensors(kind: torch._C.JitType) -> bool:
+    if isinstance(kind, torch.TensorType):
+        return True
+    if isinstance(kind, (torch.ListType, torch.OptionalType)):
+        return _holds_tensors(kind.getElementType())
+    return False
 
 
 def not_elementwise_message(api: str, op: torch._ops.OpOverload) -> str:
