@@ -1,4 +1,5 @@
-"""``python -m fscan.bench [--quick]``: print every benchmark table in one process run."""
+"""``python -m fscan.bench [--quick] [--plot DIR]``: print every benchmark table in one process
+run, or with ``--plot DIR`` draw the charts of :mod:`fscan.bench.plot` into ``DIR`` instead."""
 
 from __future__ import annotations
 
@@ -15,7 +16,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="a short subset (used by `python -m fscan`)"
     )
+    parser.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="write PNG charts of time and memory against length into DIR (needs matplotlib)",
+    )
     args = parser.parse_args(argv)
+    if args.plot is not None:
+        from .plot import write_plots  # matplotlib is optional: only --plot needs it
+
+        for path in write_plots(args.plot, quick=args.quick):
+            print(path, flush=True)
+        return
     print(core.forward_table(quick=args.quick).render(), flush=True)
     print()
     print(overhead.overhead_table(quick=args.quick).render(), flush=True)
