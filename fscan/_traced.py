@@ -12,21 +12,27 @@ case                                          route
 export, pointwise                             ``associative_scan`` HOP (*)
 export, generic                               sequential ``scan`` HOP
 compile, pointwise, CUDA/XPU, grad mode off   ``associative_scan`` HOP: Triton scan
-compile, anything else                        doubling scan in a ``while_loop``
+compile, anything else                        blocked scan around a ``while_loop``
 ============================================  =====================================
 
 (*) the seed contract: one node ``associative_scan(combine_graph, [xs], ())``
 whose ``combine_graph`` works on one element. When the export is non-strict
-and ``combine_fn`` closes over tensors, the doubling scan is used instead: the
+and ``combine_fn`` closes over tensors, the blocked scan is used instead: the
 non-strict trace of the HOP would bake those tensors in as constants.
 
 Why not the HOP everywhere: Inductor lowers it only where it has scan codegen
 (CUDA/XPU; on CPU the compile fails), and the HOP's autograd treats each leaf
 on its own, which is wrong as soon as ``combine_fn`` mixes leaves (for the
 linear recurrence ``(a1, b1), (a2, b2) -> (a1 a2, a2 b1 + b2)`` the gradient of
-``a`` comes out wrong) and it rejects gradients for closed-over tensors. The
-doubling scan is plain tensor code in a ``while_loop``: autograd, closures and
-both modes work, with ``log2(n)`` iterations of ``n`` combines each.
+``a`` comes out wrong) and it rejects gradients for closed-over tensors.
+
+The blocked scan is plain tensor code: autograd, closures and both modes work.
+It scans blocks of ``BLOCK`` steps with a fixed, unrolled loop, scans the block
+totals by doubling in a ``while_loop`` (``log2(n / BLOCK)`` iterations), then
+carries each block's prefix in with one more combine: about ``2n`` combines in
+all, which Inductor fuses into a few passes over the data. A plain doubling
+scan over all ``n`` steps would be simpler but does ``n log2(n)`` combines: on
+CPU it ran 3x slower than the eager engine, the blocked scan 1.6-2x faster.
 
 Generic mode cannot go through the ``associative_scan`` HOP (Dynamo requires
 its ``combine_fn`` to be pointwise), and an exported ``while_loop`` cannot run a
@@ -44,6 +50,7 @@ leaves, and rebuild the spec inside by mapping the template onto their operands.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,6 +76,9 @@ __all__ = [
 
 # Devices where Inductor lowers the associative_scan HOP to a scan kernel.
 CODEGEN_DEVICES = ("cuda", "xpu")
+# Steps per block of the blocked scan: 8, 16 and 32 ran alike on CPU (within 10%);
+# the time to trace and compile grows with it.
+BLOCK = 8
 
 # The pytree spec of ``xs``, got inside a trace from the leaves of one operand.
 SpecSource = Callable[[Sequence[torch.Tensor]], PyTreeSpec]
@@ -106,7 +116,7 @@ def traced_scan(
         ys = sequential_scan(api, combine_fn, spec_of, xs)
     else:
         make = lambda operands: flat_combine(api, combine_fn, spec_of(operands), combine_mode)
-        ys = doubling_scan(make, xs)
+        ys = blocked_scan(make, xs)
     if reverse:
         ys = [y.flip(0) for y in ys]
     return [y.movedim(0, dim) if dim else y for y in ys]
@@ -115,7 +125,7 @@ def traced_scan(
 def traced_route(
     combine_fn: Callable[[Any, Any], Any], xs: Sequence[torch.Tensor], combine_mode: str
 ) -> str:
-    """``"hop"``, ``"sequential"`` or ``"doubling"``: the table of the module doc."""
+    """``"hop"``, ``"sequential"`` or ``"blocked"``: the table of the module doc."""
     if torch.compiler.is_exporting():
         if combine_mode == "generic":
             return "sequential"
@@ -123,9 +133,9 @@ def traced_route(
         # HOP inputs itself (and cannot trace the introspection below).
         if torch.compiler.is_dynamo_compiling() or not captured_tensors(combine_fn):
             return "hop"
-        return "doubling"
+        return "blocked"
     codegen = xs[0].device.type in CODEGEN_DEVICES and not torch.is_grad_enabled()
-    return "hop" if combine_mode == "pointwise" and codegen else "doubling"
+    return "hop" if combine_mode == "pointwise" and codegen else "blocked"
 
 
 def spec_source(spec: PyTreeSpec) -> SpecSource:
@@ -173,6 +183,54 @@ def hop_combine(
     return flat
 
 
+def blocked_scan(
+    make_combine: Callable[[Sequence[torch.Tensor]], FlatCombine], xs: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Inclusive scan along dimension 0 in blocks of ``BLOCK`` steps (module doc).
+
+    The length is padded to whole blocks (and more) by repeating the last element:
+    padding only follows the real elements, so it changes no real output. Every shape is
+    an expression in the symbolic length and nothing branches on it.
+    ``make_combine(operands)`` gives the flat combine in the current trace.
+
+    Example:
+        >>> blocked_scan(lambda operands: lambda a, b: [a[0] + b[0]], [torch.arange(1.0, 20.0)])[0]
+        tensor([  1.,   3.,   6.,  10.,  15.,  21.,  28.,  36.,  45.,  55.,  66.,  78.,
+                 91., 105., 120., 136., 153., 171., 190.])
+    """
+    combine = make_combine(xs)
+    n, device = xs[0].shape[0], xs[0].device
+    # At least two blocks and one spare step, provably (n // BLOCK is exact for
+    # Dynamo and export): a derived size of 1 would be specialised. The tail is
+    # padded by gathering with clamped indices, not with sizes to prove >= 0.
+    m = n // BLOCK + 2
+    # Step j of block i is element i * BLOCK + j (gathered: splitting a symbolic
+    # dimension with a view asks export to prove divisibility, which it cannot).
+    source = torch.arange(m, device=device)[:, None] * BLOCK + torch.arange(BLOCK, device=device)
+    blocks = [x[source.clamp(max=n - 1)] for x in xs]
+    # 1. Within each block, step by step: BLOCK - 1 combines over all blocks at once.
+    running = [b[:, 0] for b in blocks]
+    steps = [running]
+    for j in range(1, BLOCK):
+        running = combine(running, [b[:, j] for b in blocks])
+        steps.append(running)
+    # 2. The block totals (the last step), scanned: the prefix up to each block.
+    totals = doubling_scan(make_combine, running)
+    # 3. Each block but the first gets the prefix of the blocks before it.
+    flat = lambda t: t.reshape(m * BLOCK, *t.shape[2:])
+    within = [flat(torch.stack([s[k] for s in steps], 1)) for k in range(len(xs))]
+    previous = (torch.arange(m, device=device) - 1).clamp(min=0)  # block 0: a placeholder
+    before = [t.index_select(0, previous) for t in totals]
+    before = [flat(t.unsqueeze(1).expand(m, BLOCK, *t.shape[1:])) for t in before]
+    carried = combine(before, within)
+    first_block = torch.arange(m * BLOCK, device=device) < BLOCK
+    real = torch.arange(n, device=device)
+    return [
+        torch.where(first_block.view(-1, *[1] * (w.ndim - 1)), w, c).index_select(0, real)
+        for w, c in zip(within, carried)
+    ]
+
+
 def doubling_scan(
     make_combine: Callable[[Sequence[torch.Tensor]], FlatCombine], xs: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
@@ -206,7 +264,13 @@ def doubling_scan(
     # The loop carries must keep their strides from step to step: start contiguous.
     start = [x.clone(memory_format=torch.contiguous_format) for x in xs]
     offset = torch.ones((), dtype=torch.int64, device=xs[0].device)
-    return list(while_loop(unfinished, step, (offset, *start))[1:])
+    if torch.compiler.is_dynamo_compiling():
+        return list(while_loop(unfinished, step, (offset, *start))[1:])
+    # Outside Dynamo, while_loop compiles itself, and Dynamo reads `.grad` of carries
+    # that are results of autograd (a non-leaf warning the user could do nothing about).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not")
+        return list(while_loop(unfinished, step, (offset, *start))[1:])
 
 
 def sequential_scan(

@@ -240,7 +240,7 @@ def test_cuda_gradients():
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # from Inductor's own imports
 @pytest.mark.parametrize("grad", [False, True])
 def test_cuda_torch_compile_fullgraph(grad):
-    # Without grad the traced scan is the HOP (a Triton kernel); with it, the doubling scan.
+    # Without grad the traced scan is the HOP (a Triton kernel); with it, the blocked scan.
     fn = lambda a, b: fscan.associative_scan(linear_recurrence, (a, b), 1, reverse=True)[1]
     compiled = torch.compile(fn, fullgraph=True)
     for n in (100, 1000):

@@ -103,7 +103,7 @@ def test_reverse_pytrees_along_dim_1_export():
 
 def test_closures_over_tensors_export_as_a_while_loop():
     # The non-strict trace of the associative_scan HOP would bake the closed-over
-    # tensors in as constants; the doubling scan's while_loop lifts them.
+    # tensors in as constants; the blocked scan's while_loop lifts them.
     module = ClosesOverTensors()
     ep = torch.export.export(module, (torch.randn(5, 3),), dynamic_shapes={"xs": {0: SEQ}})
     assert [node.target for node in scan_nodes(ep)] == [torch.ops.higher_order.while_loop]
