@@ -66,9 +66,14 @@ from ._combine import FlatCombine, check_combine_output, flat_combine
 from ._pytree import unflatten
 
 __all__ = [
+    "BLOCK",
     "CODEGEN_DEVICES",
     "SpecSource",
+    "blocked_scan",
+    "doubling_scan",
     "hop_combine",
+    "hop_scan",
+    "sequential_scan",
     "spec_source",
     "traced_route",
     "traced_scan",

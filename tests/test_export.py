@@ -88,6 +88,32 @@ def test_matrix_products_export_with_a_dynamic_length():
         assert_trees_close(ep.module()(m), sequential_scan(torch.matmul, m, 0))
 
 
+class WeightedProducts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.eye(2) + 0.1)
+
+    def forward(self, xs):
+        return fscan.associative_scan(lambda a, b: a @ self.w @ b, xs, 0, combine_mode="generic")
+
+
+# torch's scan autograd warns from inside torch: it imports jit (deprecated) and, under
+# strict export, calls torch.compile (ignored there).
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:torch.compile is ignored when called inside torch.export")
+@pytest.mark.parametrize("strict", [False, True])
+def test_generic_closures_over_parameters_export(strict):
+    module = WeightedProducts()
+    ep = torch.export.export(
+        module, (torch.randn(5, 2, 2),), dynamic_shapes={"xs": {0: SEQ}}, strict=strict
+    )
+    assert [node.target for node in scan_nodes(ep)] == [torch.ops.higher_order.scan]
+    for n in (2, 7, 64):
+        m = torch.randn(n, 2, 2) / 2
+        with torch.no_grad():
+            assert_trees_close(ep.module()(m), module(m))
+
+
 def test_reverse_pytrees_along_dim_1_export():
     dims = {"a": {1: SEQ}, "b": {1: SEQ}}
     ep = torch.export.export(
