@@ -183,3 +183,20 @@ def test_the_traced_algorithms_run_eagerly_too(scan, n):
     )
     out = getattr(_traced, scan)(make, list(xs))
     assert_trees_close(tuple(out), sequential_scan(linear_recurrence, xs, 0))
+
+
+def test_canary_torch_hop_autograd_is_wrong_when_leaves_mix():
+    """Why differentiable traced calls avoid torch's associative_scan HOP. If this
+    starts failing, torch fixed the HOP's autograd, and fscan._traced.traced_route
+    could send differentiable CUDA calls to the Triton kernel too."""
+    from torch._higher_order_ops.associative_scan import associative_scan_op
+
+    a = torch.rand(6, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    flat = lambda a1, b1, a2, b2: list(linear_recurrence((a1, b1), (a2, b2)))
+    (_, h) = associative_scan_op(flat, [a, b], ())
+    expected = sequential_scan(linear_recurrence, (a, b), 0)[1]
+    assert_trees_close(h, expected)  # the forward is right
+    got = torch.autograd.grad(h.sum(), a)[0]
+    want = torch.autograd.grad(expected.sum(), a)[0]
+    assert not torch.allclose(got, want)
