@@ -61,6 +61,9 @@ def parallel_wins(x: torch.Tensor, dim: int, op: Any) -> bool:
     """Whether fscan's parallel scan beats torch's ``op`` (e.g. ``torch.cumsum``) on ``x``.
 
     Measured on CPU only; on other devices torch's kernels scan any dimension well.
+    While ``torch.compile`` or ``torch.export`` traces, torch's op is always taken:
+    one graph for every shape and layout, with no guards on them, and an op that
+    the compiler lowers itself.
 
     Example:
         >>> x = torch.ones(4096, 256)
@@ -70,7 +73,7 @@ def parallel_wins(x: torch.Tensor, dim: int, op: Any) -> bool:
         >>> parallel_wins(y, 1, torch.cumsum), parallel_wins(y, 1, torch.cummax)
         (False, True)
     """
-    if x.device.type != "cpu" or x.ndim == 0:
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or x.ndim == 0:
         return False
     n, stride = x.shape[dim], x.stride(dim)
     if stride < MIN_STRIDE or n < MIN_LENGTH or x.numel() < MIN_NUMEL:

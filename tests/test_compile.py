@@ -134,11 +134,6 @@ def test_drop_in_ops_compile_fullgraph(name):
         assert_trees_close(compiled(x), DROP_IN[name](x))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fscan._ops.parallel_wins picks a path from the shape, so crossing one of its "
-    "thresholds adds a guard and a second recompile; traced calls should take one path",
-)
 def test_drop_in_ops_recompile_at_most_once():
     compiled, counter = compile_counted(lambda x: fscan.cumsum(x, 0), backend="eager")
     for n in (40, 300, 1000, 5000):
