@@ -198,11 +198,13 @@ def _chunked(
     b_main = b.narrow(dim, start, n - tail).unflatten(dim, (-1, chunk))
     within = dim + 1
     steps = range(chunk - 1, -1, -1) if reverse else range(chunk)
+    # Unbind once: a `select` per step would make autograd zero-fill a full-size
+    # gradient for every step, turning the backward quadratic in the chunk length.
+    a_steps, b_steps = a_main.unbind(within), b_main.unbind(within)
     # Step 1: each chunk's end state from a zero start, and its total gate.
     ends = None
     for t in steps:
-        b_t = b_main.select(within, t)
-        ends = b_t if ends is None else torch.addcmul(b_t, a_main.select(within, t), ends)
+        ends = b_steps[t] if ends is None else torch.addcmul(b_steps[t], a_steps[t], ends)
     gates = a_main.prod(within)
     # Step 2: the true end state of every chunk, a recurrence over chunks.
     ends = _solve(gates, ends, dim, initial, reverse)
@@ -210,7 +212,7 @@ def _chunked(
     # Step 3: walk every chunk again from its entering state, keeping all steps.
     states, h = [], entering
     for t in steps:
-        h = torch.addcmul(b_main.select(within, t), a_main.select(within, t), h)
+        h = torch.addcmul(b_steps[t], a_steps[t], h)
         states.append(h)
     if reverse:
         states.reverse()
@@ -239,8 +241,12 @@ def _walk(
 ) -> torch.Tensor:
     """A plain sequential walk over a few ``steps`` from state ``h``, stacked in index order."""
     states = {}
+    low = min(steps)
+    # One unbind of the walked span instead of a `select` per step (see _chunked).
+    a_steps = a.narrow(dim, low, len(steps)).unbind(dim)
+    b_steps = b.narrow(dim, low, len(steps)).unbind(dim)
     for t in steps:
-        h = torch.addcmul(b.select(dim, t), a.select(dim, t), h)
+        h = torch.addcmul(b_steps[t - low], a_steps[t - low], h)
         states[t] = h
     return torch.stack([states[t] for t in sorted(states)], dim)
 

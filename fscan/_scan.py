@@ -70,7 +70,6 @@ def associative_scan(
             ``n``, or a mask with the leaves' dimensions that broadcasts to each
             leaf (e.g. ``(T, B, 1)`` for ``(T, B, d)`` leaves); see ``fscan._segmented``.
 
-
     Returns:
         A pytree of the structure and shapes of ``xs``, in new memory.
 
