@@ -118,8 +118,12 @@ def linear_recurrence_matrix(
             ``b`` of shape ``(n, d)``, or ``(1, n, d, d)`` shared over a batch.
         b (Tensor): shape ``(*batch, d)``; ``dim`` is one of ``batch`` (not ``d``),
             e.g. ``0`` or ``-2`` for ``b`` of shape ``(n, d)``.
-        dim, initial, reverse, reset: as in :func:`linear_recurrence`, with
-            ``initial`` broadcastable to one step of ``b`` (its last size ``d``).
+        dim (int): the time dimension, as in :func:`linear_recurrence`.
+        initial (Tensor or None, default None): the state before the first step,
+            broadcastable to one step of ``b`` (its last size ``d``).
+        reverse (bool, default False): run from the end of ``dim``.
+        reset (bool Tensor or None, default None): restart where True, as in
+            :func:`linear_recurrence`.
 
     Returns:
         Tensor: ``h``, of ``b``'s shape and the promoted dtype.
