@@ -34,7 +34,6 @@ from ._combine import FlatCombine
 
 __all__ = [
     "SEQUENTIAL_CUTOFF",
-    "generic_scan",
     "scan_along",
     "scan_functional",
     "scan_functional_along",
@@ -44,28 +43,13 @@ __all__ = [
 SEQUENTIAL_CUTOFF = 4
 
 
-def generic_scan(
-    combine: FlatCombine, xs: Sequence[torch.Tensor], reverse: bool = False
-) -> list[torch.Tensor]:
-    """Inclusive scan of the flat leaves ``xs`` along dimension 0 into fresh tensors.
-
-    ``out[0] = xs[0]``, ``out[i] = combine(out[i - 1], xs[i])``; with ``reverse``,
-    ``out[-1] = xs[-1]``, ``out[i] = combine(out[i + 1], xs[i])``.
-
-    Example:
-        >>> add = lambda a, b: [a[0] + b[0]]
-        >>> generic_scan(add, [torch.arange(1.0, 6.0)])
-        [tensor([ 1.,  3.,  6., 10., 15.])]
-    """
-    out = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
-    scan_into(combine, xs, out, reverse)
-    return out
-
-
 def scan_along(
     combine: FlatCombine, leaves: Sequence[torch.Tensor], dim: int, reverse: bool = False
 ) -> list[torch.Tensor]:
     """Inclusive scan of ``leaves`` along ``dim`` into fresh contiguous tensors.
+
+    ``out[0] = xs[0]``, ``out[i] = combine(out[i - 1], xs[i])``; with ``reverse``,
+    ``out[-1] = xs[-1]``, ``out[i] = combine(out[i + 1], xs[i])`` (along ``dim``).
 
     The outputs are allocated in the layout of the inputs and the engine writes
     through ``movedim`` views of them, so neither ``dim`` nor ``reverse`` costs a copy.
@@ -162,7 +146,7 @@ def scan_functional_along(
 def scan_functional(
     combine: FlatCombine, xs: Sequence[torch.Tensor], reverse: bool = False
 ) -> list[torch.Tensor]:
-    """:func:`generic_scan` without in-place writes: the same pairs, recursion and fill-in.
+    """:func:`scan_into` without in-place writes: the same pairs, recursion and fill-in.
 
     Operands are cut out with ``split`` and ``unbind`` rather than slices: their
     backward only concatenates, where a slice's backward zero-fills a tensor
