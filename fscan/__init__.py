@@ -10,9 +10,11 @@ from ._errors import CombineFnError as CombineFnError
 from ._errors import ImpureCombineError as ImpureCombineError
 from ._errors import NotAssociativeError as NotAssociativeError
 from ._errors import ScanError as ScanError
+from ._errors import ScanIndexError as ScanIndexError
 from ._errors import ScanTypeError as ScanTypeError
 from ._errors import ScanValueError as ScanValueError
 from ._errors import UnsupportedScanError as UnsupportedScanError
+from ._knowledge import clear_caches as clear_caches
 from ._linear import linear_recurrence as linear_recurrence
 from ._linear import linear_recurrence_matrix as linear_recurrence_matrix
 from ._ops import cummax as cummax
@@ -29,11 +31,13 @@ __all__ = [
     "ImpureCombineError",
     "NotAssociativeError",
     "ScanError",
+    "ScanIndexError",
     "ScanTypeError",
     "ScanValueError",
     "UnsupportedScanError",
     "associative_scan",
     "check_associative",
+    "clear_caches",
     "config",
     "cummax",
     "cummin",

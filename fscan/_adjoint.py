@@ -83,8 +83,38 @@ class PointwiseScan(torch.autograd.Function):
         n = plan.n_leaves
         xs, captured, ys = saved[:n], saved[n:-n], saved[-n:]
         needs = ctx.needs_input_grad[1:]
+        if torch.is_grad_enabled():  # create_graph=True: this backward is differentiated too
+            return (None, *_differentiable_backward(plan, xs, captured, grads, needs))
         xbar, capbar = adjoint(plan, xs, ys, grads, captured, needs)
         return (None, *xbar, *capbar)
+
+
+def _differentiable_backward(
+    plan: ScanPlan,
+    xs: Sequence[torch.Tensor],
+    captured: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    needs: Sequence[bool],
+) -> list[torch.Tensor | None]:
+    """The backward as a differentiable function of ``xs``, the captured tensors and ``grads``.
+
+    Re-evaluating ``combine`` on the saved outputs would differentiate through this
+    Function's own outputs (a total derivative, and a backward that calls itself
+    without end); re-running the forward out of place instead gives autograd a
+    plain graph from the inputs, whose gradient it can differentiate again.
+    """
+    inputs = [t for t, need in zip([*xs, *captured], needs) if need and t.requires_grad]
+    if not inputs:
+        return [None] * len(needs)
+    ys = scan_functional_along(plan.combine, xs, plan.dim, plan.reverse)
+    pairs = [(y, g) for y, g in zip(ys, grads) if g is not None and y.requires_grad]
+    if not pairs:
+        return [None] * len(needs)
+    found = torch.autograd.grad(
+        [y for y, _ in pairs], inputs, [g for _, g in pairs], create_graph=True, allow_unused=True
+    )
+    by_id = {id(t): g for t, g in zip(inputs, found)}
+    return [by_id.get(id(t)) if need else None for t, need in zip([*xs, *captured], needs)]
 
 
 def adjoint(
@@ -148,7 +178,8 @@ def adjoint(
         for i, grad in zip(want_x, pulled):
             xbar_rows[i].write(right_at, grad)
         for k, grad in zip(want_c, pulled[len(want_x) :]):
-            capbar[k] = grad if capbar[k] is None or grad is None else capbar[k] + grad
+            if grad is not None:  # a chunk that does not use the tensor adds nothing
+                capbar[k] = grad if capbar[k] is None else capbar[k] + grad
     xbar = _scatter(len(xs), want_x, [xbar_rows[i].result() for i in want_x])
     return _moved_back(xbar, plan.dim), capbar
 

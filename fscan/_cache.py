@@ -1,61 +1,29 @@
-"""Bounded, thread-safe caches keyed by what a function *is*, not by which object it is.
+"""A bounded, thread-safe cache: the store behind :mod:`fscan._knowledge` and the kernels.
 
-A ``combine_fn`` is often a lambda or closure created afresh on every call (inside
-a training step). Keying a per-function cache (validation verdicts, traced
-graphs, compiled kernels) by the function object would miss every time and
-either grow without bound or, with weak references, redo the work on every call.
-So :func:`function_key` keys a function by its *code object* plus the *kinds* of
-the values it captures (closure cells, defaults): every lambda made by one
-``lambda`` expression shares one key as long as it captures the same kinds of
-values, while the key holds no reference to the function, its closure or any
-captured tensor. :class:`BoundedCache` then bounds how many keys are kept
-(entries not used lately go first) and is safe to use from several threads.
-
-"Kind" means: tensors by type, dtype, device and number of dims (not values or
-sizes); ``bool``, ``None``, ``str``, enums, dtypes and devices by value; ints,
-floats and complex numbers by type only (a captured step counter or learning
-rate must not make every call a miss); classes by identity; captured functions
-recursively, other callables (modules, ops) by identity through a weak
-reference; any other object by type. A cache whose entries depend on more than that (say a graph
-that bakes in a captured float) adds it to its own key.
+Keys are built elsewhere (:func:`fscan._knowledge.reach` keys a ``combine_fn``
+on everything a verdict depends on); this module only bounds how many entries
+are kept (entries not used lately go first) and makes hits cheap and safe
+from several threads.
 
 Example:
-    >>> import torch
     >>> cache = BoundedCache(maxsize=128)
-    >>> def verdict(fn):
-    ...     return cache.get_or_compute(function_key(fn), lambda: fn(torch.ones(2)).sum().item())
-    >>> w = torch.ones(2)
-    >>> [verdict(lambda x: x * w + k) for k in range(3)]  # computed once, then cached
-    [2.0, 2.0, 2.0]
-    >>> len(cache)
-    1
+    >>> cache.get_or_compute("key", lambda: 42), cache.get_or_compute("key", lambda: 0)
+    (42, 42)
 """
 
 from __future__ import annotations
 
-import enum
-import functools
 import threading
-import types
-import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
-
-import torch
 
 from ._errors import ScanValueError
 
-__all__ = ["BoundedCache", "function_key", "leaf_signature", "value_kind"]
+__all__ = ["BoundedCache"]
 
 V = TypeVar("V")
 _MISSING: Any = object()
-# How deep to follow functions captured by functions (and containers in containers);
-# deeper ones are keyed by type, which also stops cycles of mutually captured closures.
-_MAX_DEPTH = 3
-_MAX_CONTAINER = 8
-_BY_VALUE = (bool, str, type(None), enum.Enum, torch.dtype, torch.device)
-_BY_TYPE = (int, float, complex)
 
 
 class BoundedCache(Generic[V]):
@@ -129,6 +97,10 @@ class BoundedCache(Generic[V]):
     def __contains__(self, key: Hashable) -> bool:
         return key in self._data
 
+    def values(self) -> list[Any]:
+        """A snapshot of the stored values."""
+        return [entry[0] for entry in list(self._data.values())]
+
     def __len__(self) -> int:
         return len(self._data)
 
@@ -138,118 +110,3 @@ class BoundedCache(Generic[V]):
 
     def __repr__(self) -> str:
         return f"BoundedCache({len(self)}/{self.maxsize} entries)"
-
-
-def function_key(fn: Callable[..., Any], _depth: int = 0) -> Hashable:
-    """A hashable key for ``fn`` that is equal for functions of the same code and
-    captured kinds, and holds no strong reference to ``fn`` or what it captures.
-
-    Example:
-        >>> make = lambda k: (lambda a, b: a + b * k)
-        >>> function_key(make(1)) == function_key(make(2))  # same code, both ints
-        True
-        >>> function_key(make(1)) == function_key(make("1"))  # a str is keyed by value
-        False
-    """
-    if isinstance(fn, types.FunctionType):
-        return _python_function_key(fn, _depth)
-    if isinstance(fn, types.MethodType):
-        return (types.MethodType, function_key(fn.__func__, _depth + 1), value_kind(fn.__self__))
-    if isinstance(fn, functools.partial):
-        return (
-            functools.partial,
-            function_key(fn.func, _depth + 1),
-            _kinds(fn.args, _depth + 1),
-            tuple(sorted((k, value_kind(v, _depth + 1)) for k, v in fn.keywords.items())),
-        )
-    if isinstance(fn, types.BuiltinFunctionType):
-        owner = fn.__self__
-        if owner is None or isinstance(owner, (types.ModuleType, type)):
-            return fn  # a builtin such as torch.add: lives as long as its module or class
-        # A bound builtin such as `tensor.add` would keep its tensor alive.
-        return (types.BuiltinFunctionType, fn.__name__, value_kind(owner, _depth + 1))
-    return _object_key(fn)
-
-
-def _python_function_key(fn: types.FunctionType, depth: int) -> Hashable:
-    closure, defaults, kwdefaults = fn.__closure__, fn.__defaults__, fn.__kwdefaults__
-    if closure is None and defaults is None and kwdefaults is None:
-        return fn.__code__  # the hot case: one attribute read
-    cells = tuple(_cell_kind(cell, depth) for cell in closure) if closure else ()
-    kw = sorted((k, value_kind(v, depth + 1)) for k, v in (kwdefaults or {}).items())
-    return (fn.__code__, cells, _kinds(defaults or (), depth + 1), tuple(kw))
-
-
-def _cell_kind(cell: Any, depth: int) -> Hashable:
-    try:
-        contents = cell.cell_contents
-    except ValueError:  # a cell not yet bound (e.g. a closure over a later assignment)
-        return "<empty cell>"
-    return value_kind(contents, depth + 1)
-
-
-def _kinds(values: Sequence[Any], depth: int) -> tuple[Hashable, ...]:
-    return tuple(value_kind(v, depth) for v in values)
-
-
-def value_kind(value: Any, _depth: int = 0) -> Hashable:
-    """The part of a captured ``value`` that a function's key depends on (see module doc).
-
-    Example:
-        >>> value_kind(torch.ones(2, 3))
-        (<class 'torch.Tensor'>, torch.float32, device(type='cpu'), 2)
-        >>> value_kind(0.5), value_kind("max")
-        (<class 'float'>, (<class 'str'>, 'max'))
-    """
-    if isinstance(value, torch.Tensor):
-        return (type(value), value.dtype, value.device, value.ndim)
-    if isinstance(value, _BY_VALUE):
-        return (type(value), value)
-    if isinstance(value, _BY_TYPE):
-        return type(value)
-    if _depth >= _MAX_DEPTH:
-        return type(value)
-    if isinstance(value, (tuple, list)):
-        if len(value) > _MAX_CONTAINER:
-            return (type(value), len(value))
-        return (type(value), _kinds(value, _depth + 1))
-    if isinstance(value, type):
-        return value
-    if callable(value):
-        return function_key(value, _depth + 1)
-    return type(value)
-
-
-def _object_key(fn: Any) -> Hashable:
-    """Any other callable (a module, an op overload, an object with ``__call__``): by
-    identity, through a weak reference where possible so the cache does not keep it alive.
-
-    A dead weak reference compares equal only to itself, so a new object that
-    reuses a dead one's address gets a fresh entry.
-    """
-    try:
-        hash(fn)
-    except TypeError:
-        return type(fn)
-    try:
-        ref = weakref.ref(fn)
-    except TypeError:  # not weak-referenceable: hashable objects of this sort are long-lived
-        return (type(fn), fn)
-    hash(ref)  # computed now, while alive: a weak reference remembers it after its object dies
-    return (type(fn), ref)
-
-
-def leaf_signature(leaves: Sequence[torch.Tensor]) -> tuple[Hashable, ...]:
-    """Dtype, device and number of dims of each leaf: the leaf metadata part of a key.
-
-    Sizes are left out on purpose, so a scan over batches of varying length
-    does not miss the cache; add them to the key where an entry depends on them.
-
-    Example:
-        >>> leaf_signature([torch.ones(4, 2), torch.zeros(4, dtype=torch.int64)])
-        (torch.float32, device(type='cpu'), 2, torch.int64, device(type='cpu'), 1)
-    """
-    signature: list[Hashable] = []
-    for leaf in leaves:
-        signature += (leaf.dtype, leaf.device, leaf.ndim)
-    return tuple(signature)

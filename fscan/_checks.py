@@ -6,12 +6,14 @@ function, the argument (and leaf path), what was given and what was expected.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ._errors import ScanTypeError, ScanValueError
+from ._errors import ScanIndexError, ScanTypeError, ScanValueError
 from ._pytree import describe, leaf_paths
 
 __all__ = ["COMBINE_MODES", "check_scan_args", "normalize_dim"]
@@ -58,6 +60,7 @@ def check_leaves(api: str, xs: Any, leaves: list[Any]) -> None:
                 f"{api}: leaf {path} is a {describe(leaf)}, expected a torch.Tensor; "
                 "convert it with torch.as_tensor()."
             )
+        _refuse_subclass(api, xs, i, leaf)
         if leaf.layout != torch.strided:
             path = leaf_paths(xs)[i]
             raise ScanTypeError(
@@ -80,6 +83,22 @@ def check_leaves(api: str, xs: Any, leaves: list[Any]) -> None:
             )
 
 
+def _refuse_subclass(api: str, xs: Any, i: int, leaf: torch.Tensor) -> None:
+    """Tensor subclasses whose storage is not their data (DTensor shards, nested and other
+    wrapper tensors) would be scanned as if it were: refuse them (not while tracing,
+    where torch's own fake and functional wrappers stand in for plain tensors)."""
+    if leaf.is_nested:
+        what, fix = "a nested tensor", "scan each component (`.unbind()`) or pad it"
+    elif is_traceable_wrapper_subclass(leaf) and not torch.compiler.is_compiling():
+        what = f"a {type(leaf).__name__} (a tensor subclass wrapping other tensors)"
+        fix = "scan its local data (e.g. `.to_local()`, `.full_tensor()`) instead"
+    else:
+        return
+    raise ScanTypeError(
+        f"{api}: leaf {leaf_paths(xs)[i]} is {what}, which fscan cannot scan; {fix}."
+    )
+
+
 def normalize_dim(
     api: str, dim: Any, ndim: int, what: Callable[[], str] = lambda: "the input"
 ) -> int:
@@ -88,10 +107,11 @@ def normalize_dim(
     ``what`` names the tensor in the error; it is a callable so that the name is
     only computed when there is an error to report.
     """
-    if isinstance(dim, bool) or not isinstance(dim, int):
+    if isinstance(dim, bool) or not hasattr(type(dim), "__index__"):
         raise ScanTypeError(f"{api}: `dim` must be an int, got {type(dim).__name__} {dim!r}.")
+    dim = operator.index(dim)  # NumPy and other integer types, as torch accepts them
     if not -ndim <= dim < ndim:
-        raise ScanValueError(
+        raise ScanIndexError(
             f"{api}: `dim` {dim} is out of range for {what()} with {ndim} dimension(s), "
             f"expected a value in [{-ndim}, {ndim - 1}]."
         )

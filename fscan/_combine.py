@@ -69,9 +69,24 @@ def _vmapped_combine(
     batched = torch.func.vmap(on_elements, in_dims=0, out_dims=0)
 
     def combine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return list(batched(*a, *b))
+        try:
+            return list(batched(*a, *b))
+        except RuntimeError as err:
+            if "data-dependent control flow" not in str(err):
+                raise
+            raise CombineFnError(_control_flow_message(api)) from err
 
     return combine
+
+
+def _control_flow_message(api: str) -> str:
+    return (
+        f"{api}: `combine_fn` branches in Python on a tensor's value (`if`, `and`/`or`, "
+        "`max()` or `bool()` of a tensor), which generic mode cannot batch: it calls "
+        "combine_fn on a whole batch of elements at once through torch.func.vmap. Select "
+        "with tensor ops instead, e.g. `torch.where(a[0] >= b[0], a, b)` for "
+        "`a if a[0] >= b[0] else b`."
+    )
 
 
 def check_combine_output(

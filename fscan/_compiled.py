@@ -2,12 +2,13 @@
 
 Inductor lowers torch's ``associative_scan`` higher-order op to a single Triton
 scan kernel when its ``combine_fn`` is elementwise. This module wraps that op in
-a ``torch.compile(fullgraph=True)`` function per key (code of ``combine_fn``
-and kinds of what it captures, pytree structure, dtype/device/ndim of each leaf,
-``dim``, ``reverse``), caches it, and calls it with the user's ``combine_fn``
-as an argument, so Dynamo's guards, not the key, decide when two functions
-with one key differ (say two lambdas capturing different floats): a new
-length, or a new captured number, recompiles that entry; nothing else does.
+a ``torch.compile(fullgraph=True)`` function per ``(dim, reverse)`` in the
+``combine_fn``'s :class:`~fscan._knowledge.Knowledge` entry (keyed on its code,
+what it reaches, the pytree structure and each leaf's metadata), caches it,
+and calls it with the user's ``combine_fn`` as an argument, so Dynamo's
+guards, not the key, decide when two functions with one key differ (say two
+lambdas capturing different floats): a new length, or a new captured number,
+recompiles that entry; nothing else does.
 Each entry gets its own code object, so Dynamo's recompile limit (8 per code
 object) counts per entry rather than across every ``combine_fn`` in the process.
 
@@ -35,18 +36,17 @@ import itertools
 import logging
 import types
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from optree import PyTreeSpec
 
-from ._autograd import captured_tensors, gradients_possible
-from ._cache import BoundedCache, function_key, leaf_signature
+from ._knowledge import Knowledge, Reach
 from ._traced import CODEGEN_DEVICES, SpecSource, hop_combine, spec_source
 
-__all__ = ["SCAN_DTYPES", "cache_key", "codegen_scan", "codegen_unavailable", "entries"]
+__all__ = ["SCAN_DTYPES", "codegen_scan", "codegen_unavailable"]
 
 logger = logging.getLogger("fscan")
 
@@ -56,7 +56,6 @@ SCAN_DTYPES = frozenset(
 )
 # The torch.compile backend; tests run the machinery on CPU with "aot_eager".
 BACKEND: Any = "inductor"
-CACHE_SIZE = 64
 
 
 @dataclass
@@ -67,7 +66,6 @@ class Entry:
     failed: bool = False
 
 
-entries: BoundedCache[Entry] = BoundedCache(maxsize=CACHE_SIZE)
 _logged: set[str] = set()
 
 
@@ -78,6 +76,8 @@ def codegen_scan(
     leaves: Sequence[torch.Tensor],
     dim: int,
     reverse: bool,
+    found: Reach,
+    entry: Knowledge,
 ) -> list[torch.Tensor] | None:
     """The pointwise scan of ``leaves`` along ``dim`` by a compiled Triton kernel, or None
     where that kernel cannot serve (see module doc); the caller then runs the generic engine.
@@ -85,33 +85,38 @@ def codegen_scan(
     Example (on CPU there is no kernel: the generic engine runs instead):
         >>> import optree
         >>> _, spec = optree.tree_flatten(0)
-        >>> codegen_scan("demo", torch.add, spec, [torch.ones(4)], 0, False) is None
+        >>> from fscan._knowledge import Knowledge, reach
+        >>> args = ("demo", torch.add, spec, [torch.ones(4)], 0, False)
+        >>> codegen_scan(*args, reach(torch.add), Knowledge()) is None
         True
     """
-    reason = codegen_unavailable(combine_fn, leaves)
+    reason = codegen_unavailable(leaves, found)
     if reason is not None:
         _log_once(reason)
         return None
-    key = cache_key(combine_fn, spec, leaves, dim, reverse)
-    entry = entries.get_or_compute(key, lambda: Entry(_compile(api, spec, dim, reverse)))
-    if entry.failed:
+    with entry.lock:  # one compiled function per (dim, reverse) in the combine_fn's entry
+        compiled = entry.compiled.get((dim, reverse))
+        if compiled is None:
+            compiled = entry.compiled[(dim, reverse)] = Entry(_compile(api, spec, dim, reverse))
+    if compiled.failed:
         return None
     try:
         # Captured numbers become constants of the kernel (guarded, so a new value
         # recompiles): the lowering takes no scalar inputs either.
         with torch._dynamo.config.patch(specialize_float=True, specialize_int=True):
-            out = entry.run(combine_fn, *leaves)
+            out = compiled.run(combine_fn, *leaves)
     except Exception as err:  # any failure to compile falls back: see module doc
-        entry.failed = True
+        compiled.failed = True
         warnings.warn(_failure_message(api, err), UserWarning, stacklevel=4)
         return None
     return out
 
 
-def codegen_unavailable(
-    combine_fn: Callable[[Any, Any], Any], leaves: Sequence[torch.Tensor]
-) -> str | None:
-    """Why the compiled kernel cannot serve this call, or None if it can."""
+def codegen_unavailable(leaves: Sequence[torch.Tensor], found: Reach) -> str | None:
+    """Why the compiled kernel cannot serve this call, or None if it can.
+
+    ``found`` is what :func:`fscan._knowledge.reach` found of ``combine_fn``.
+    """
     device = leaves[0].device.type
     if device not in CODEGEN_DEVICES:
         return f"no scan codegen on {device}"
@@ -120,13 +125,9 @@ def codegen_unavailable(
         return f"dtype {sorted(map(str, dtypes))[0]} has no scan codegen"
     if not _has_triton():
         return "Triton is not installed or supports no GPU here"
-    if gradients_possible() and (
-        any(x.requires_grad for x in leaves)
-        or torch.autograd.forward_ad._current_level >= 0
-        or torch._C._functorch.peek_interpreter_stack() is not None
-    ):
+    if torch.is_grad_enabled() and any(x.requires_grad for x in leaves):
         return "gradients are wanted: the autograd engine runs"
-    if captured_tensors(combine_fn):
+    if found.tensors:
         return "combine_fn closes over tensors, which Inductor's scan lowering cannot take"
     return None
 
@@ -187,14 +188,3 @@ def _log_once(reason: str) -> None:
     if reason not in _logged:
         _logged.add(reason)
         logger.debug("fscan: pointwise scan without compiled kernel: %s", reason)
-
-
-def cache_key(
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    leaves: Sequence[torch.Tensor],
-    dim: int,
-    reverse: bool,
-) -> Hashable:
-    """The key of the compiled entry that serves such a call."""
-    return (function_key(combine_fn), spec, leaf_signature(leaves), dim, reverse)

@@ -36,6 +36,7 @@ __all__ = [
     "ImpureCombineError",
     "NotAssociativeError",
     "ScanError",
+    "ScanIndexError",
     "ScanTypeError",
     "ScanValueError",
     "UnsupportedScanError",
@@ -52,6 +53,10 @@ class ScanTypeError(ScanError, TypeError):
 
 class ScanValueError(ScanError, ValueError):
     """An argument has the right type but a wrong value (e.g. ``dim`` out of range)."""
+
+
+class ScanIndexError(ScanValueError, IndexError):
+    """``dim`` is out of range. Also an ``IndexError``, as torch raises for such a ``dim``."""
 
 
 class CombineFnError(ScanValueError):

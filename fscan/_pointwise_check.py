@@ -10,8 +10,13 @@ combine call (on real batches of elements, scan dimension first) runs under a
 dispatch mode that sees every aten operation it runs, i.e. a trace of it:
 
 * elementwise operations (``torch.Tag.pointwise``, and casts, copies and
-  ``*_like`` factories, which are elementwise but untagged) and views (which
-  only broadcast or re-index within an element) pass;
+  ``*_like`` factories, which are elementwise but untagged) and views pass,
+  as long as they keep the batch of elements as the leading dimension of every
+  tensor computed from the operands (views within an element, such as
+  ``a[..., :1]``, are fine; ``b[0]``, ``b[1:]`` or ``b.T`` index the batch);
+* operations on tensors not computed from the operands (closed-over tensors,
+  constants such as ``torch.ones(4, 1)`` made inside) pass, whatever they are:
+  they are the same for every element;
 * a random operation raises :class:`~fscan.ImpureCombineError` before it draws;
 * anything else raises :class:`~fscan.CombineFnError` naming the operation and
   pointing to ``combine_mode="generic"``, before it runs.
@@ -21,31 +26,28 @@ This is the rule ``torch.compile`` applies to the ``combine_fn`` of torch's own
 with an fscan message. Watching a call the scan makes anyway costs no extra
 ``combine_fn`` call, nor ``make_fx``'s fake-tensor start-up (seconds).
 
-The verdict is cached per (code of ``combine_fn`` and kinds of what it captures,
-pytree structure, dtype/device/ndim of each leaf), see :mod:`fscan._cache`;
-until it is, the compiled kernel of :mod:`fscan._compiled` is not used, so the
-first call per key runs fscan's own engine. Nothing is watched under
+The verdict is stored in the call's :class:`~fscan._knowledge.Knowledge` entry
+(once a batch of at least two elements was watched); until it is, the compiled
+kernels are not used, so the first call per key runs fscan's own engine. Nothing is watched under
 ``torch.compile``/``torch.export`` tracing (``fscan._traced`` handles those), a
 ``torch.func`` transform or forward-mode AD; the check runs on the next plain call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from optree import PyTreeSpec
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._cache import BoundedCache, function_key, leaf_signature
 from ._combine import FlatCombine
 from ._errors import CombineFnError, ImpureCombineError
+from ._knowledge import Knowledge
 from ._purity import _random_message, probeable
 
-__all__ = ["checked_on_first_call", "is_elementwise", "pointwise_checked", "verdicts"]
-
-verdicts: BoundedCache[bool] = BoundedCache(maxsize=1024)
+__all__ = ["checked_on_first_call", "is_elementwise"]
 
 # Elementwise in effect, though not tagged pointwise: casts and copies keep every
 # value in its position, factories only read their argument's metadata, and
@@ -89,28 +91,20 @@ _MATRIX_PRODUCTS = frozenset(
 )
 
 
-def pointwise_checked(
-    combine_fn: Callable[[Any, Any], Any], spec: PyTreeSpec, leaves: Sequence[torch.Tensor]
-) -> bool:
-    """Whether ``combine_fn`` passed the check before, for leaves like these."""
-    return verdicts.get(_key(combine_fn, spec, leaves)) is not None
-
-
 def checked_on_first_call(
-    api: str,
-    combine: FlatCombine,
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    leaves: Sequence[torch.Tensor],
+    api: str, combine: FlatCombine, entry: Knowledge, leaves: Sequence[torch.Tensor]
 ) -> FlatCombine:
     """``combine`` (``combine_fn`` on flat leaves), checked on its first call (module doc).
 
+    The verdict is stored in ``entry`` only when the watched call saw a batch of at
+    least two elements: on a single element, indexing the batch is invisible.
+
     Example:
-        >>> import optree
-        >>> leaves, spec = optree.tree_flatten(torch.randn(8, 2, 2))
+        >>> from fscan._knowledge import Knowledge
+        >>> leaves = [torch.randn(8, 2, 2)]
         >>> flat = lambda a, b: [torch.matmul(a[0], b[0])]
         >>> try:
-        ...     checked_on_first_call("demo", flat, torch.matmul, spec, leaves)(leaves, leaves)
+        ...     checked_on_first_call("demo", flat, Knowledge(), leaves)(leaves, leaves)
         ... except CombineFnError as err:
         ...     print(str(err)[:74])
         demo: `combine_fn` is not elementwise: it calls aten.bmm, a matrix product
@@ -121,9 +115,6 @@ def checked_on_first_call(
         or torch.autograd.forward_ad._current_level >= 0  # dual tensors: tangent ops too
     ):
         return combine
-    key = _key(combine_fn, spec, leaves)
-    if verdicts.get(key) is not None:
-        return combine
     pending = [True]
 
     def first_call_checked(
@@ -131,32 +122,108 @@ def checked_on_first_call(
     ) -> list[torch.Tensor]:
         if not pending:
             return combine(a, b)
-        with _ElementwiseWatch(api):
+        batch = a[0].shape[0] if a[0].ndim else 1
+        with _ElementwiseWatch(api, [*a, *b], batch) as watch:
             out = combine(a, b)
+        watch.returned(out)
         pending.clear()
-        verdicts.put(key, True)
+        if batch >= 2:
+            entry.elementwise = True
         return out
 
     return first_call_checked
 
 
-def _key(combine_fn: Callable[[Any, Any], Any], spec: PyTreeSpec, leaves: Sequence[torch.Tensor]):
-    return (function_key(combine_fn), spec, leaf_signature(leaves))
-
-
 class _ElementwiseWatch(TorchDispatchMode):
-    """Raise at the first operation that is neither elementwise nor a view."""
+    """Raise at the first operation that mixes positions of the batch of elements.
 
-    def __init__(self, api: str) -> None:
+    The operands carry the batch of ``batch`` elements as dimension 0. Every tensor
+    computed from them is tracked with the position of that batch dimension:
+
+    * a view must keep it, as one dimension of the same size and stride
+      (``a[..., :1]``, ``a.movedim(0, 1)`` do; ``b[0]``, ``b[1:]``, ``b.flatten()``
+      and ``b.unbind(0)`` do not);
+    * an elementwise op must see it at the same place counted from the right in
+      every batched input (broadcasting lines it up), and no other input may
+      have a size other than 1 there (``x[:, None] + y`` misaligns the batches);
+    * what ``combine_fn`` returns must have it first again.
+
+    Tensors not computed from the operands (closed-over ones, constants made
+    inside) are free: they are the same for every element. On a batch of one the
+    dimension cannot be told apart, so only the ops are checked.
+    """
+
+    def __init__(self, api: str, operands: Sequence[torch.Tensor], batch: int) -> None:
         super().__init__()
-        self.api = api
+        self.api, self.batch = api, batch
+        # id -> (tensor, position of its batch dimension); the tensor keeps the id unique.
+        self.batched: dict[int, tuple[torch.Tensor, int]] = {id(t): (t, 0) for t in operands}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded in func.tags:
             raise ImpureCombineError(_random_message(self.api, func))
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        batched = [self.batched[id(t)] for t in tensors if id(t) in self.batched]
+        if not batched:  # a constant: the same for every element, whatever op makes it
+            return func(*args, **kwargs)
         if not is_elementwise(func):
             raise CombineFnError(not_elementwise_message(self.api, func))
-        return func(*args, **(kwargs or {}))
+        if self.batch == 1:
+            return func(*args, **kwargs)
+        constants = [t for t in tensors if id(t) not in self.batched]
+        offset = None if func.is_view else self._aligned_offset(func, batched, constants)
+        out = func(*args, **kwargs)
+        for result in pytree.tree_leaves(out):
+            if isinstance(result, torch.Tensor):
+                where = self._locate(result, *batched[0]) if offset is None else None
+                if offset is not None and result.ndim >= offset:
+                    where = result.ndim - offset
+                if where is None or result.shape[where] != self.batch:
+                    raise CombineFnError(_misaligned_message(self.api, func))
+                self.batched[id(result)] = (result, where)
+        return out
+
+    def _aligned_offset(
+        self, func: Any, batched: list[tuple[torch.Tensor, int]], constants: list[torch.Tensor]
+    ) -> int:
+        """The batch dimension's place counted from the right, the same in every input."""
+        offsets = {t.ndim - at for t, at in batched}
+        offset = offsets.pop()
+        clash = any(t.ndim >= offset and t.shape[t.ndim - offset] != 1 for t in constants)
+        if offsets or clash:
+            raise CombineFnError(_misaligned_message(self.api, func))
+        return offset
+
+    def _locate(self, view: torch.Tensor, source: torch.Tensor, at: int) -> int | None:
+        """Where a view keeps the source's batch dimension (same size and stride), if it does."""
+        size, stride = source.shape[at], source.stride(at)
+        same_offset = view.ndim - (source.ndim - at)
+        candidates = [
+            d for d in range(view.ndim) if (view.shape[d], view.stride(d)) == (size, stride)
+        ]
+        if same_offset in candidates:
+            return same_offset
+        return candidates[0] if candidates else None
+
+    def returned(self, out: Sequence[torch.Tensor]) -> None:
+        """``combine_fn``'s results must carry the batch first, as the operands did."""
+        for result in out:
+            tracked = self.batched.get(id(result))
+            if self.batch > 1 and tracked is not None and tracked[1] != 0:
+                raise CombineFnError(_misaligned_message(self.api, "its result"))
+
+
+def _misaligned_message(api: str, op: Any) -> str:
+    name = op if isinstance(op, str) else f"{op.namespace}.{op._opname}"
+    return (
+        f"{api}: `combine_fn` is not elementwise: {name} moves values "
+        "between elements of the batch (indexing, slicing or reshaping the leading dimension, "
+        "or broadcasting operands of different ranks against it). combine_mode='pointwise' "
+        "calls combine_fn on whole batches of elements, stacked along a leading dimension, "
+        "so index from the end instead (`a[..., 0]`, not `a[0]`; `a[..., None]`, not "
+        "`a[:, None]`), or use combine_mode='generic', where combine_fn sees one element."
+    )
 
 
 def is_elementwise(op: torch._ops.OpOverload) -> bool:

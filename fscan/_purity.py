@@ -18,9 +18,9 @@ counters and values are compared too, for writes that bypass the dispatcher
 (through ``.numpy()``), and the output is checked against the operands with
 :func:`fscan._combine.check_combine_output`.
 
-The verdict is cached per (code of ``combine_fn`` and kinds of what it
-captures, pytree structure, mode, dtype/device/ndim of each leaf), see
-:mod:`fscan._cache`, so later calls pay one dictionary lookup.
+The verdict is stored in the call's :class:`~fscan._knowledge.Knowledge` entry
+(keyed on ``combine_fn``'s code and everything it reaches, the pytree
+structure, the mode and each leaf's metadata), so later calls pay one lookup.
 """
 
 from __future__ import annotations
@@ -32,14 +32,13 @@ import torch
 from optree import PyTreeSpec
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._cache import BoundedCache, function_key, leaf_signature
 from ._combine import check_combine_output
 from ._errors import ImpureCombineError
+from ._knowledge import Knowledge
 from ._pytree import unflatten
 
-__all__ = ["ensure_pure", "probe_purity", "probeable", "sample_operands", "verdicts"]
+__all__ = ["ensure_pure", "probe_purity", "probeable", "sample_operands"]
 
-verdicts: BoundedCache[bool] = BoundedCache(maxsize=1024)
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -50,6 +49,7 @@ def ensure_pure(
     leaves: Sequence[torch.Tensor],
     dim: int,
     combine_mode: str,
+    entry: Knowledge,
 ) -> None:
     """Probe ``combine_fn`` unless it passed before with the same key (see module doc).
 
@@ -60,19 +60,20 @@ def ensure_pure(
     Example:
         >>> import optree
         >>> leaves, spec = optree.tree_flatten(torch.ones(3))
+        >>> from fscan._knowledge import Knowledge
         >>> try:
-        ...     ensure_pure("demo", lambda a, b: a.mul_(b), spec, leaves, 0, "pointwise")
+        ...     ensure_pure("demo", lambda a, b: a.mul_(b), spec, leaves, 0, "pointwise",
+        ...                 Knowledge())
         ... except ImpureCombineError as err:
         ...     print(str(err)[:88])
         demo: `combine_fn` modified its first argument in place (leaf xs, with aten.mul_.Tensor)
     """
-    key = (function_key(combine_fn), spec, combine_mode, leaf_signature(leaves))
-    if verdicts.get(key) is not None:
+    if entry.pure:
         return
     if leaves[0].shape[dim] == 0 or not probeable(leaves):
         return
     probe_purity(api, combine_fn, spec, leaves, dim, combine_mode)
-    verdicts.put(key, True)
+    entry.pure = True
 
 
 def probe_purity(

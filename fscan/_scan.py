@@ -6,20 +6,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from optree import PyTreeSpec
 
-from ._autograd import differentiable_scan, gradients_possible
 from ._checks import check_scan_args
-from ._combine import flat_combine
-from ._compiled import codegen_scan
-from ._generic import scan_along
-from ._pointwise_check import checked_on_first_call, pointwise_checked
+from ._knowledge import knowledge, reach
 from ._pytree import flatten, unflatten
+from ._routing import scan_flat, scan_traced
 from ._segmented import segmented_scan
-from ._traced import traced_scan
 from ._validate import validate_combine_fn
 
-__all__ = ["associative_scan", "scan_flat"]
+__all__ = ["associative_scan"]
 
 _API = "fscan.associative_scan"
 
@@ -89,31 +84,10 @@ def associative_scan(
     if reset is not None:  # a scan over (flag, value) pairs: see fscan._segmented
         args = (combine_fn, xs, dim, reverse, combine_mode)
         return segmented_scan(associative_scan, *args, reset=reset, validate=validate)
-    validate_combine_fn(_API, combine_fn, spec, leaves, dim, combine_mode, validate)
-    return unflatten(spec, scan_flat(combine_fn, spec, leaves, dim, reverse, combine_mode))
-
-
-def scan_flat(
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    leaves: list[torch.Tensor],
-    dim: int,
-    reverse: bool,
-    combine_mode: str,
-) -> list[torch.Tensor]:
-    """Scan already-checked flat ``leaves`` along ``dim``: the dispatch point to the engines."""
-    if leaves[0].shape[dim] == 0:
-        return [x.clone() for x in leaves]
-    if torch.compiler.is_compiling():  # one length-polymorphic op: see fscan._traced
-        return traced_scan(_API, combine_fn, spec, leaves, dim, reverse, combine_mode)
-    combine = flat_combine(_API, combine_fn, spec, combine_mode)
-    if combine_mode == "pointwise" and not pointwise_checked(combine_fn, spec, leaves):
-        # elementwise ops only, checked on the first call: see fscan._pointwise_check
-        combine = checked_on_first_call(_API, combine, combine_fn, spec, leaves)
-    elif combine_mode == "pointwise":  # a Triton kernel on CUDA/XPU: see fscan._compiled
-        out = codegen_scan(_API, combine_fn, spec, leaves, dim, reverse)
-        if out is not None:
-            return out
-    if gradients_possible():
-        return differentiable_scan(combine_fn, combine, leaves, dim, reverse, combine_mode)
-    return scan_along(combine, leaves, dim, reverse)
+    args = (_API, combine_fn, spec, leaves, dim)
+    if torch.compiler.is_compiling():
+        return unflatten(spec, scan_traced(*args, reverse, combine_mode))
+    found = reach(combine_fn)
+    entry = knowledge(found, spec, combine_mode, leaves)
+    validate_combine_fn(*args, combine_mode, validate, entry)
+    return unflatten(spec, scan_flat(*args, reverse, combine_mode, found, entry))

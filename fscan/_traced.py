@@ -61,8 +61,8 @@ from torch._higher_order_ops.associative_scan import associative_scan_op
 from torch._higher_order_ops.scan import scan
 from torch._higher_order_ops.while_loop import while_loop
 
-from ._autograd import captured_tensors
 from ._combine import FlatCombine, check_combine_output, flat_combine
+from ._knowledge import reach
 from ._pytree import unflatten
 
 __all__ = [
@@ -136,7 +136,7 @@ def traced_route(
             return "sequential"
         # Strict export runs under Dynamo, which lifts closed-over tensors into
         # HOP inputs itself (and cannot trace the introspection below).
-        if torch.compiler.is_dynamo_compiling() or not captured_tensors(combine_fn):
+        if torch.compiler.is_dynamo_compiling() or not reach(combine_fn).tensors:
             return "hop"
         return "blocked"
     codegen = xs[0].device.type in CODEGEN_DEVICES and not torch.is_grad_enabled()

@@ -5,6 +5,9 @@
 * With ``validate=True`` (or ``fscan.config.validate`` when ``validate`` is None):
   the probe on every call, uncached, then the randomized associativity check of
   :mod:`fscan._associativity` on this call's data.
+* Under a ``torch.func`` transform (``vmap``, ``grad``, ...), whose wrapped
+  tensors hide values and refuse random draws: nothing beyond the cached probe;
+  a plain call with the same ``combine_fn`` runs the checks.
 * While ``torch.compile`` or ``torch.export`` traces (``torch.compiler.is_compiling()``):
   nothing, not even with ``validate=True``. The probe reads version counters,
   compares values and installs a dispatch mode, none of which belongs in a
@@ -23,6 +26,7 @@ from optree import PyTreeSpec
 from ._associativity import assert_associative
 from ._config import config
 from ._errors import ScanTypeError
+from ._knowledge import Knowledge
 from ._purity import ensure_pure, probe_purity, probeable
 
 __all__ = ["validate_combine_fn"]
@@ -36,15 +40,18 @@ def validate_combine_fn(
     dim: int,
     combine_mode: str,
     validate: bool | None,
+    entry: Knowledge,
 ) -> None:
     """Run the checks ``validate`` asks for on already-checked flat ``leaves``.
 
     Example:
         >>> import fscan, optree
         >>> leaves, spec = optree.tree_flatten(torch.randn(16))
-        >>> validate_combine_fn("demo", torch.add, spec, leaves, 0, "pointwise", True)
+        >>> from fscan._knowledge import Knowledge
+        >>> args = (spec, leaves, 0, "pointwise", True, Knowledge())
+        >>> validate_combine_fn("demo", torch.add, *args)
         >>> try:
-        ...     validate_combine_fn("demo", torch.sub, spec, leaves, 0, "pointwise", True)
+        ...     validate_combine_fn("demo", torch.sub, *args)
         ... except fscan.NotAssociativeError as err:
         ...     print(str(err)[:47])
         demo: `combine_fn` is not associative: for leaf
@@ -56,8 +63,9 @@ def validate_combine_fn(
     if torch.compiler.is_compiling():
         return
     if not (config.validate if validate is None else validate):
-        ensure_pure(api, combine_fn, spec, leaves, dim, combine_mode)
+        ensure_pure(api, combine_fn, spec, leaves, dim, combine_mode, entry)
         return
-    if leaves[0].shape[dim] and probeable(leaves):
-        probe_purity(api, combine_fn, spec, leaves, dim, combine_mode)
+    if leaves[0].shape[dim] == 0 or not probeable(leaves):
+        return  # under a torch.func transform: values are hidden; checked on plain calls
+    probe_purity(api, combine_fn, spec, leaves, dim, combine_mode)
     assert_associative(api, combine_fn, spec, leaves, dim, combine_mode)

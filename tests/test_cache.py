@@ -3,7 +3,6 @@ under 10,000 fresh lambdas and under concurrent scans from several threads."""
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
 import re
@@ -13,18 +12,18 @@ import weakref
 
 import pytest
 import torch
-from helpers import add
+from helpers import cached_verdicts
 
 import fscan
-from fscan._cache import BoundedCache, function_key, leaf_signature, value_kind
-from fscan._purity import verdicts
+from fscan._cache import BoundedCache
+from fscan._knowledge import entries
 
 
 @pytest.fixture(autouse=True)
 def fresh_verdicts():
-    verdicts.clear()
+    fscan.clear_caches()
     yield
-    verdicts.clear()
+    fscan.clear_caches()
 
 
 # --- BoundedCache ------------------------------------------------------------------
@@ -76,83 +75,6 @@ def test_concurrent_get_or_compute_is_consistent_and_bounded():
     assert len(cache) <= 16
 
 
-# --- function_key ------------------------------------------------------------------
-
-
-def make_scaled(k):
-    return lambda a, b: a + b * k
-
-
-def test_same_code_and_captured_kinds_share_a_key():
-    assert function_key(make_scaled(1.0)) == function_key(make_scaled(2.5))
-    assert function_key(make_scaled(torch.ones(3))) == function_key(make_scaled(torch.zeros(3)))
-
-
-def test_captured_kinds_that_matter_make_different_keys():
-    keys = {
-        function_key(make_scaled(k))
-        for k in (1.0, "x", "y", True, False, None, torch.ones(3), torch.ones(3, 3))
-    }
-    keys.add(function_key(make_scaled(torch.ones(3, dtype=torch.float64))))
-    assert len(keys) == 9
-    assert function_key(make_scaled(1.0)) != function_key(lambda a, b: a + b * 1.0)
-
-
-def test_method_partial_and_builtins_have_keys():
-    class Op:
-        def combine(self, a, b):
-            return a + b
-
-    assert function_key(Op().combine) == function_key(Op().combine)
-    assert function_key(functools.partial(torch.add, alpha=2)) == function_key(
-        functools.partial(torch.add, alpha=3)
-    )
-    assert function_key(torch.add) == torch.add
-    assert function_key(torch.add) != function_key(torch.sub)
-
-
-class Module:
-    def __call__(self, a, b):
-        return a + b
-
-
-def test_keys_hold_no_reference_to_functions_captures_or_bound_tensors():
-    def keys_and_refs():
-        w = torch.ones(3)
-        fn, bound, module = make_scaled(w), torch.ones(3).add, Module()
-        keys = [function_key(fn), function_key(bound), function_key(module)]
-        return keys, [weakref.ref(o) for o in (w, fn, bound.__self__, module)]
-
-    keys, refs = keys_and_refs()
-    gc.collect()
-    assert all(ref() is None for ref in refs)
-    assert len({hash(k) for k in keys}) == 3  # still usable after their objects died
-
-
-def test_recursive_and_unbound_closures_terminate():
-    def outer():
-        def recurse(a, b):
-            return recurse if a is None else a + b
-
-        return recurse
-
-    def unbound():
-        f = lambda a, b: g(a, b)  # `g` is bound only after f is created
-        key = function_key(f)
-        g = add
-        return key
-
-    assert function_key(outer()) == function_key(outer())
-    assert unbound() == unbound()
-
-
-def test_value_kind_and_leaf_signature_ignore_sizes_and_values():
-    assert value_kind(torch.ones(2, 3)) == value_kind(torch.zeros(5, 1))
-    assert value_kind(3) == value_kind(4) and value_kind("a") != value_kind("b")
-    assert value_kind([1, 2.0]) == value_kind([3, 4.0])
-    assert leaf_signature([torch.ones(4, 2)]) == leaf_signature([torch.zeros(9, 7)])
-
-
 # --- the probe's cache under fresh lambdas and threads ------------------------------
 
 
@@ -176,7 +98,7 @@ def test_ten_thousand_fresh_lambdas_keep_memory_flat():
     # A leak of one closure, cell, key or tensor per step would be >= 10,000 blocks.
     assert sys.getallocatedblocks() - blocks < 1000
     assert resident_bytes() - rss < 16 * 2**20
-    assert len(verdicts) == 1
+    assert cached_verdicts("pure") == 1
 
 
 def resident_bytes() -> int:
@@ -186,6 +108,10 @@ def resident_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
+
+
+def make_scaled(k):
+    return lambda a, b: a + b * k
 
 
 def test_captured_tensors_and_closures_are_freed():
@@ -205,11 +131,11 @@ def test_captured_tensors_and_closures_are_freed():
 
 
 def test_distinct_code_objects_stay_within_the_bound(monkeypatch):
-    monkeypatch.setattr(verdicts, "maxsize", 8)
+    monkeypatch.setattr(entries, "maxsize", 8)
     xs = torch.randn(4)
     for i in range(40):
         fscan.associative_scan(eval(f"lambda a, b: a + b + {i}"), xs, 0)
-        assert len(verdicts) <= 8
+        assert len(entries) <= 8
 
 
 def test_concurrent_scans_with_fresh_closures_are_correct():

@@ -26,7 +26,8 @@ from helpers import (
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fscan
-from fscan import _compiled, _pointwise_check
+from fscan import _compiled
+from fscan._knowledge import entries, knowledge, reach
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -39,10 +40,9 @@ def on_cuda(test):
 @pytest.fixture(autouse=True)
 def fresh_caches():
     torch._dynamo.reset()
-    _compiled.entries.clear()
-    _pointwise_check.verdicts.clear()
+    fscan.clear_caches()
     yield
-    _compiled.entries.clear()
+    fscan.clear_caches()
     torch._dynamo.reset()
 
 
@@ -65,10 +65,14 @@ def scan_twice(op, xs, dim=0, **kwargs):
 def served(op, xs, dim=0, reverse=False) -> bool:
     """Whether a compiled entry served (and did not fail) for such a call."""
     leaves, spec = fscan._pytree.flatten(xs)
-    entry = _compiled.entries.get(
-        _compiled.cache_key(op, spec, leaves, dim % leaves[0].ndim, reverse)
-    )
-    return entry is not None and not entry.failed
+    entry = knowledge(reach(op), spec, "pointwise", leaves)
+    compiled = entry.compiled.get((dim % leaves[0].ndim, reverse))
+    return compiled is not None and not compiled.failed
+
+
+def compiled_entries() -> int:
+    """How many compiled functions the knowledge entries hold."""
+    return sum(len(entry.compiled) for entry in entries.values())
 
 
 # --- dispatch, cache and fallbacks, simulated on CPU --------------------------------
@@ -76,10 +80,11 @@ def served(op, xs, dim=0, reverse=False) -> bool:
 
 @parametrize(op=[add, maximum, linear_recurrence], dim=[0, 1], reverse=[False, True])
 def test_the_compiled_engine_matches_the_oracle(cpu_codegen, op, dim, reverse):
+    # Length >= 5 along every dim: the elementwise verdict needs a batch of two elements.
     xs = (
-        torch.randn(4, 9, 3)
+        torch.randn(6, 9, 3)
         if op is not linear_recurrence
-        else (torch.rand(4, 9), torch.randn(4, 9))
+        else (torch.rand(6, 9), torch.randn(6, 9))
     )
     out = scan_twice(op, xs, dim, reverse=reverse)
     assert served(op, xs, dim, reverse)
@@ -119,14 +124,14 @@ def test_closures_over_tensors_fall_back_to_the_generic_engine(cpu_codegen):
     op = lambda a, b: a * w / w + b
     x = torch.randn(7, 3)
     assert_trees_close(scan_twice(op, x), x.cumsum(0))
-    assert len(_compiled.entries) == 0
-    assert "closes over tensors" in _compiled.codegen_unavailable(op, [x])
+    assert compiled_entries() == 0
+    assert "closes over tensors" in _compiled.codegen_unavailable([x], reach(op))
 
 
 def test_gradients_take_the_autograd_engine(cpu_codegen):
     x = torch.randn(6, dtype=torch.float64, requires_grad=True)
     out = scan_twice(add, x)
-    assert len(_compiled.entries) == 0
+    assert compiled_entries() == 0
     (grad,) = torch.autograd.grad(out.sum(), x)
     assert_trees_close(grad, torch.arange(6.0, 0.0, -1.0, dtype=torch.float64))
 
@@ -134,16 +139,18 @@ def test_gradients_take_the_autograd_engine(cpu_codegen):
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.bool, torch.uint8])
 def test_dtypes_without_scan_codegen_fall_back(cpu_codegen, dtype):
     x = torch.ones(5, dtype=dtype)
-    assert "has no scan codegen" in _compiled.codegen_unavailable(torch.add, [x])
+    assert "has no scan codegen" in _compiled.codegen_unavailable([x], reach(torch.add))
 
 
 def test_no_triton_falls_back(cpu_codegen, monkeypatch):
     monkeypatch.setattr(_compiled, "_has_triton", lambda: False)
-    assert "Triton" in _compiled.codegen_unavailable(torch.add, [torch.ones(3)])
+    assert "Triton" in _compiled.codegen_unavailable([torch.ones(3)], reach(torch.add))
 
 
 def test_other_devices_fall_back_silently():
-    assert _compiled.codegen_unavailable(torch.add, [torch.ones(3)]) == "no scan codegen on cpu"
+    assert (
+        _compiled.codegen_unavailable([torch.ones(3)], reach(torch.add)) == "no scan codegen on cpu"
+    )
 
 
 def test_a_compile_failure_warns_once_and_falls_back(cpu_codegen, monkeypatch):
@@ -230,7 +237,7 @@ def test_cuda_fallbacks_give_the_same_results():
     assert_trees_close(scan_twice(lambda a, b: a * w / w + b, x), x.cumsum(0))
     z = torch.randn(300, 8, device="cuda", dtype=torch.complex64)
     assert_trees_close(scan_twice(add, z), z.cumsum(0))
-    assert len(_compiled.entries) == 0
+    assert compiled_entries() == 0
 
 
 @on_cuda

@@ -10,6 +10,7 @@ from helpers import (
     add,
     affine_compose,
     assert_trees_close,
+    cached_verdicts,
     linear_recurrence,
     logaddexp,
     maximum,
@@ -19,13 +20,14 @@ from helpers import (
 
 import fscan
 from fscan import _pointwise_check
+from fscan._knowledge import Knowledge
 
 
 @pytest.fixture(autouse=True)
 def fresh_verdicts():
-    _pointwise_check.verdicts.clear()
+    fscan.clear_caches()
     yield
-    _pointwise_check.verdicts.clear()
+    fscan.clear_caches()
 
 
 def _where_max(a, b):
@@ -111,9 +113,9 @@ def test_randomness_is_an_impurity():
 def test_the_random_check_stops_before_drawing():
     # Run the watch directly: the purity probe would otherwise stop the draw first.
     flat = lambda a, b: [a[0] + torch.rand_like(b[0])]
-    spec, leaves = _flat(torch.randn(8))
+    _, leaves = _flat(torch.randn(8))
     generator_state = torch.get_rng_state()
-    watched = _pointwise_check.checked_on_first_call("api", flat, flat, spec, leaves)
+    watched = _pointwise_check.checked_on_first_call("api", flat, Knowledge(), leaves)
     with pytest.raises(fscan.ImpureCombineError):
         watched(leaves, leaves)
     assert torch.equal(torch.get_rng_state(), generator_state)
@@ -125,43 +127,45 @@ def test_generic_mode_allows_what_pointwise_rejects():
     assert_trees_close(out, sequential_scan(torch.matmul, xs, 0, False, "generic"))
 
 
-class CountingMul:
-    def __init__(self) -> None:
-        self.watched = 0
+@pytest.fixture
+def watches(monkeypatch):
+    """Counts the combine calls the elementwise check watches."""
+    count = [0]
+    init = _pointwise_check._ElementwiseWatch.__init__
 
-    def __call__(self, a, b):
-        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
-        self.watched += isinstance(mode, _pointwise_check._ElementwiseWatch)
-        return a * b
+    def counting_init(self, *args):
+        count[0] += 1
+        init(self, *args)
+
+    monkeypatch.setattr(_pointwise_check._ElementwiseWatch, "__init__", counting_init)
+    return count
 
 
-def test_the_check_watches_one_call_then_the_verdict_is_cached():
-    fn = CountingMul()
+def test_the_check_watches_one_call_then_the_verdict_is_cached(watches):
     for _ in range(3):
-        fscan.associative_scan(fn, torch.randn(16), 0)
-    assert fn.watched == 1
-    assert _pointwise_check.pointwise_checked(fn, *_flat(torch.randn(16)))
+        fscan.associative_scan(lambda a, b: a * b, torch.randn(16), 0)
+    assert watches[0] == 1
+    assert cached_verdicts("elementwise") == 1
 
 
-def test_a_new_leaf_layout_is_checked_again():
-    fn = CountingMul()
+def test_a_new_leaf_layout_is_checked_again(watches):
+    fn = lambda a, b: a * b
     fscan.associative_scan(fn, torch.randn(16), 0)
     fscan.associative_scan(fn, torch.randn(16, 2), 0)
     fscan.associative_scan(fn, torch.randn(16, dtype=torch.float64), 0)
-    assert fn.watched == 3
+    assert watches[0] == 3
 
 
 def test_nothing_is_cached_when_combine_fn_never_runs():
-    fn = CountingMul()
-    fscan.associative_scan(fn, torch.randn(1, 3), 0)
-    assert not _pointwise_check.pointwise_checked(fn, *_flat(torch.randn(1, 3)))
+    fscan.associative_scan(lambda a, b: a * b, torch.randn(1, 3), 0)
+    assert cached_verdicts("elementwise") == 0
 
 
 def test_a_failed_check_is_not_cached():
     for _ in range(2):
         with pytest.raises(fscan.CombineFnError):
             fscan.associative_scan(torch.matmul, torch.randn(6, 2, 2), 0)
-    assert len(_pointwise_check.verdicts) == 0
+    assert cached_verdicts("elementwise") == 0
 
 
 def test_no_check_inside_torch_func_transforms():
@@ -169,7 +173,7 @@ def test_no_check_inside_torch_func_transforms():
     xs = torch.randn(3, 8)
     out = torch.func.vmap(lambda x: fscan.associative_scan(add, x, 0))(xs)
     assert_trees_close(out, xs.cumsum(1))
-    assert len(_pointwise_check.verdicts) == 0
+    assert cached_verdicts("elementwise") == 0
 
 
 def _flat(x):

@@ -12,6 +12,7 @@ from helpers import (
     add,
     affine_compose,
     assert_trees_close,
+    cached_verdicts,
     linear_recurrence,
     logaddexp,
     matmul,
@@ -25,7 +26,8 @@ from hypothesis import strategies as st
 
 import fscan
 from fscan._config import Config, _env_flag
-from fscan._purity import probeable, verdicts
+from fscan._knowledge import Knowledge
+from fscan._purity import probeable
 from fscan._validate import validate_combine_fn
 
 MODES = ["pointwise", "generic"]
@@ -48,9 +50,9 @@ def snapshot(tree):
 @pytest.fixture(autouse=True)
 def fresh_verdicts():
     """Each test starts with no cached verdict, so its first call is probed."""
-    verdicts.clear()
+    fscan.clear_caches()
     yield
-    verdicts.clear()
+    fscan.clear_caches()
 
 
 # --- purity probe: in-place writes -------------------------------------------------
@@ -241,20 +243,22 @@ def test_outputs_that_alias_inputs_just_work(combine, mode, reverse, n, grad):
 
 
 class CountingAdd:
-    """An ``add`` that counts its calls (a Python side effect, invisible to the probe)."""
+    """An ``add`` that counts its calls in a tensor: a side effect the probe does not see,
+    and state that does not change its key (a counter in a Python int would: fscan keys
+    what ``combine_fn`` reads by value, so every call would be a new key)."""
 
     def __init__(self) -> None:
-        self.calls = 0
+        self.calls = torch.zeros((), dtype=torch.int64)
 
     def __call__(self, a, b):
-        self.calls += 1
+        self.calls.add_(1)
         return a + b
 
 
 def calls_of(fn: CountingAdd, **kwargs) -> int:
-    before = fn.calls
+    before = int(fn.calls)
     fscan.associative_scan(fn, torch.randn(16), 0, **kwargs)
-    return fn.calls - before
+    return int(fn.calls) - before
 
 
 def test_the_probe_runs_once_per_key_then_the_verdict_is_cached():
@@ -275,7 +279,7 @@ def test_fresh_lambdas_of_one_definition_share_a_verdict():
     xs = torch.randn(8)
     for _ in range(20):
         fscan.associative_scan(lambda a, b: a + b, xs, 0)
-    assert len(verdicts) == 1
+    assert cached_verdicts("pure") == 1
 
 
 def test_captured_flags_are_part_of_the_key():
@@ -292,19 +296,19 @@ def test_dtype_and_mode_are_part_of_the_key():
     fscan.associative_scan(add, torch.randn(8), 0)
     fscan.associative_scan(add, torch.arange(8), 0)
     fscan.associative_scan(add, torch.randn(8), 0, combine_mode="generic")
-    assert len(verdicts) == 3
+    assert cached_verdicts("pure") == 3
 
 
 def test_length_is_not_part_of_the_key():
     for n in range(2, 12):
         fscan.associative_scan(add, torch.randn(n, 3), 0)
-    assert len(verdicts) == 1
+    assert cached_verdicts("pure") == 1
 
 
 def test_empty_scan_dim_is_not_probed():
     out = fscan.associative_scan(lambda a, b: a.add_(b), torch.ones(0, 3), 0)
     assert out.shape == (0, 3)
-    assert len(verdicts) == 0
+    assert cached_verdicts("pure") == 0
 
 
 def test_probe_is_skipped_inside_vmap_and_runs_on_plain_calls():
@@ -314,7 +318,7 @@ def test_probe_is_skipped_inside_vmap_and_runs_on_plain_calls():
 
     xs = torch.randn(3, 6)
     assert_trees_close(torch.func.vmap(under_vmap)(xs), torch.cumsum(xs, 1))
-    assert len(verdicts) == 0
+    assert cached_verdicts("pure") == 0
 
 
 def test_probe_is_skipped_under_grad_with_a_wrapped_capture():
@@ -323,21 +327,23 @@ def test_probe_is_skipped_under_grad_with_a_wrapped_capture():
     s = torch.rand(3, dtype=torch.float64) + 0.5
     expected = torch.func.grad(lambda s: sequential_scan(lambda a, b: a * b * s, x, 0).sum())
     torch.testing.assert_close(torch.func.grad(loss)(s), expected(s))
-    assert len(verdicts) == 0
+    assert cached_verdicts("pure") == 0
 
 
 def test_checks_are_skipped_while_torch_compile_traces():
     _, spec = optree.tree_flatten(torch.ones(4))
 
+    entry = Knowledge()
+
     @torch.compile(fullgraph=True, backend="eager")
     def traced(x):
-        validate_combine_fn("t", augmented, spec, [x], 0, "pointwise", None)
-        validate_combine_fn("t", torch.sub, spec, [x], 0, "pointwise", True)
+        validate_combine_fn("t", augmented, spec, [x], 0, "pointwise", None, entry)
+        validate_combine_fn("t", torch.sub, spec, [x], 0, "pointwise", True, entry)
         return x + 1
 
     torch._dynamo.reset()
     assert traced(torch.ones(4)).tolist() == [2.0] * 4
-    assert len(verdicts) == 0
+    assert cached_verdicts("pure") == 0
 
 
 # --- validate= and fscan.config ----------------------------------------------------

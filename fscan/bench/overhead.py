@@ -1,7 +1,8 @@
 """Overhead benchmark: what the ``combine_fn`` checks cost a scan.
 
-* ``cached hook``: the checks on a second call, i.e. ``validate_combine_fn`` with
-  its purity verdict cached (key computation plus one locked lookup), timed alone
+* ``cached hook``: the checks on a second call, i.e. the walk over what
+  ``combine_fn`` reaches (its key), the knowledge-entry lookup and
+  ``validate_combine_fn`` with the purity verdict cached, timed alone
   over many calls, with a fresh closure each call as inside a training step.
 * ``front end``: everything ``associative_scan`` does before the engine on a
   second call (flatten, argument checks, the hook).
@@ -23,7 +24,7 @@ import torch
 
 import fscan
 from fscan._checks import check_scan_args
-from fscan._purity import verdicts
+from fscan._knowledge import knowledge, reach
 from fscan._pytree import flatten
 from fscan._validate import validate_combine_fn
 
@@ -86,15 +87,21 @@ def overhead_table(quick: bool = False) -> Table:
 
 def _row(make: Callable[[Any], Callable], xs: Any, mode: str) -> list[str]:
     leaves, spec = flatten(xs)
-    hook = lambda validate: validate_combine_fn("bench", make(0), spec, leaves, 0, mode, validate)
+
+    def checks(fn: Callable, tree: Any, flat: list, dim: int, validate: bool | None) -> None:
+        entry = knowledge(reach(fn), tree, mode, flat)
+        validate_combine_fn("bench", fn, tree, flat, dim, mode, validate, entry)
+
+    hook = lambda validate: checks(make(0), spec, leaves, 0, validate)
 
     def front_end() -> None:
         flat, tree = flatten(xs)
-        dim = check_scan_args("bench", make(0), xs, flat, 0, False, mode)
-        validate_combine_fn("bench", make(0), tree, flat, dim, mode, None)
+        fn = make(0)
+        dim = check_scan_args("bench", fn, xs, flat, 0, False, mode)
+        checks(fn, tree, flat, dim, None)
 
     def first_call() -> None:
-        verdicts.clear()
+        fscan.clear_caches()
         hook(None)
 
     t_scan = median_time(lambda: fscan.associative_scan(make(0), xs, 0, combine_mode=mode))

@@ -1,0 +1,431 @@
+"""One home for what fscan knows about a ``combine_fn``: what it reaches, its key, its verdicts.
+
+A scan's first call checks its ``combine_fn`` (purity, elementwise ops in
+pointwise mode, whether the pointwise adjoint serves its gradients) and
+compiles kernels for it. Those verdicts are worth caching, because a
+``combine_fn`` is often a lambda made afresh on every training step, but a
+verdict may only be reused for a call it provably fits. So one walk over what
+``combine_fn`` can reach without being passed it produces both
+
+* the tensors it closes over (autograd must route gradients to them), and
+* a key covering everything a verdict can depend on.
+
+The walk follows closure cells, defaults, ``functools.partial`` arguments,
+bound ``self``, ``nn.Module`` parameters, buffers and submodules, the globals
+its code (and the code of functions it reaches) names, and the attributes of
+classes, modules and objects that the code names (``H.w``, ``cfg.flag``).
+What it reaches enters the key as:
+
+=======================================  ==========================================
+value                                    in the key
+=======================================  ==========================================
+code objects, builtins, classes          identity
+``bool``/``int``/``float``/``str``/enum  type and value (``mk(0)`` and ``mk(1)``
+                                         differ)
+tensors                                  type, dtype, device, ndim, requires_grad
+functions, partials, bound methods       their code and what they reach, recursively
+``nn.Module``                            identity (weakly) and ``training``, plus
+                                         its tensors and attributes
+library modules (torch, math, ...)       identity, not entered
+other objects                            type and the attributes reached
+=======================================  ==========================================
+
+Anything the walk cannot key safely (too many objects, an object whose state
+it cannot read) makes the key ``None``: every verdict is then recomputed on
+each call, never cached. The leaves enter the key too (pytree structure, mode,
+and each leaf's dtype, device, ndim and requires_grad); a verdict that
+depends on more (element shapes, ``dim``) keys a dict inside the entry.
+
+Example:
+    >>> import torch
+    >>> make = lambda k: (lambda a, b: a + b * k)
+    >>> reach(make(1)).key == reach(make(1)).key, reach(make(1)).key == reach(make(2)).key
+    (True, False)
+    >>> w = torch.ones(2, requires_grad=True)
+    >>> [t is w for t in reach(lambda a, b: a * w).tensors]
+    [True]
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import sys
+import threading
+import types
+import weakref
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from optree import PyTreeSpec
+
+from ._cache import BoundedCache
+
+__all__ = ["Knowledge", "Reach", "clear_caches", "knowledge", "leaf_signature", "reach"]
+
+# How many objects one walk may visit before it gives up keying (the call still
+# runs; its verdicts are just not cached).
+MAX_VISITS = 2000
+# Containers longer than this are not keyed element by element: uncacheable.
+MAX_CONTAINER = 64
+ENTRIES = 1024
+
+_SCALARS = (bool, int, float, complex, str, bytes, type(None), enum.Enum, torch.dtype)
+_SCALARS += (torch.device, torch.Size, slice, type(Ellipsis), torch.layout, torch.memory_format)
+# Top-level packages whose modules, classes and functions are library code: keyed
+# by identity and never entered (their state is not what a combine_fn varies).
+_LIBRARIES = frozenset({"torch", "numpy", "optree", "jax", "functorch", "einops"})
+_LIBRARIES |= frozenset(sys.stdlib_module_names)
+_BUILTIN_CALLABLES = (
+    types.BuiltinFunctionType,
+    types.WrapperDescriptorType,
+    types.MethodWrapperType,
+    types.MethodDescriptorType,
+    torch._ops.OpOverload,
+    torch._ops.OpOverloadPacket,
+)
+
+
+@dataclass(frozen=True)
+class Reach:
+    """What a walk over ``combine_fn`` found: its key (None if uncacheable) and tensors."""
+
+    key: Hashable | None
+    tensors: tuple[torch.Tensor, ...]
+
+    def needing_grad(self) -> list[torch.Tensor]:
+        """The captured tensors that require grad, the extra inputs of a custom Function."""
+        return [t for t in self.tensors if t.requires_grad]
+
+
+@dataclass
+class Knowledge:
+    """Every verdict about one ``combine_fn`` key, filled in as calls need them.
+
+    ``pure``/``elementwise`` are None until checked; ``adjoint`` maps an element
+    shape to whether the pointwise adjoint serves it; ``compiled`` and
+    ``kernels`` hold engines keyed by what else they depend on (``dim``, ...).
+    """
+
+    pure: bool | None = None
+    elementwise: bool | None = None
+    adjoint: dict[Hashable, bool] = field(default_factory=dict)
+    compiled: dict[Hashable, Any] = field(default_factory=dict)
+    kernels: dict[Hashable, Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+entries: BoundedCache[Knowledge] = BoundedCache(maxsize=ENTRIES)
+_clear_hooks: list[Callable[[], None]] = []
+
+
+def knowledge(
+    found: Reach, spec: PyTreeSpec, combine_mode: str, leaves: Sequence[torch.Tensor]
+) -> Knowledge:
+    """The cache entry for this call, or a fresh uncached one when ``found.key`` is None.
+
+    Example:
+        >>> import optree
+        >>> leaves, spec = optree.tree_flatten(torch.ones(3))
+        >>> found = reach(torch.add)
+        >>> entry = knowledge(found, spec, "pointwise", leaves)
+        >>> entry is knowledge(found, spec, "pointwise", leaves)
+        True
+    """
+    if found.key is None:
+        return Knowledge()
+    key = (found.key, spec, combine_mode, leaf_signature(leaves))
+    return entries.get_or_compute(key, Knowledge)
+
+
+def leaf_signature(leaves: Sequence[torch.Tensor]) -> tuple[Hashable, ...]:
+    """Dtype, device, ndim and requires_grad of each leaf: the leaves' part of a key.
+
+    Sizes are left out, so batches of varying length share an entry; verdicts
+    that depend on sizes key them inside the entry.
+
+    Example:
+        >>> leaf_signature([torch.ones(4, 2)])
+        ((torch.float32, device(type='cpu'), 2, False),)
+    """
+    return tuple((x.dtype, x.device, x.ndim, x.requires_grad) for x in leaves)
+
+
+def on_clear(hook: Callable[[], None]) -> Callable[[], None]:
+    """Register ``hook`` to run in :func:`clear_caches` (for caches outside the entries)."""
+    _clear_hooks.append(hook)
+    return hook
+
+
+def clear_caches() -> None:
+    """Forget every cached verdict and compiled engine; the next calls check afresh.
+
+    For tests, benchmarks that time first calls, and code that changed something
+    a verdict cannot see (say, a C extension's state that ``combine_fn`` reads).
+
+    Example:
+        >>> import fscan, torch
+        >>> _ = fscan.associative_scan(torch.add, torch.ones(3), 0)
+        >>> fscan.clear_caches()
+    """
+    entries.clear()
+    _code_names.cache_clear()
+    for hook in _clear_hooks:
+        hook()
+
+
+# --- The walk ---------------------------------------------------------------------
+
+
+class _Uncacheable(Exception):
+    """Raised inside the walk when something reached cannot be keyed safely."""
+
+
+def reach(fn: Any) -> Reach:
+    """Walk what ``fn`` can reach without being passed it (module doc): its key and tensors.
+
+    Example:
+        >>> class H:
+        ...     w = torch.tensor(2.0)
+        >>> [t is H.w for t in reach(lambda a, b: a * b * H.w).tensors]
+        [True]
+    """
+    if type(fn) is types.FunctionType and fn.__closure__ is None and not fn.__defaults__:
+        code = fn.__code__
+        if not _code_names(code) and fn.__kwdefaults__ is None:
+            return Reach(code, ())  # the hot case: `lambda a, b: a + b`
+    walk = _Walk()
+    try:
+        key = walk.key_of(fn)
+    except (_Uncacheable, RecursionError):
+        key = None
+        walk.drain(fn)
+    return Reach(key, tuple(walk.tensors.values()))
+
+
+class _Walk:
+    """One traversal: builds a key and collects tensors, visiting each object once."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.seen: dict[int, int] = {}
+        self.names: set[str] = set()
+
+    def key_of(self, value: Any) -> Hashable:
+        if isinstance(value, _SCALARS):
+            if isinstance(value, (torch.Size, slice)):
+                return (type(value), repr(value))
+            return (type(value), value)
+        if isinstance(value, torch.Tensor):
+            self.tensors[id(value)] = value
+            return _tensor_kind(value)
+        if id(value) in self.seen:  # a cycle or a shared object: refer back to it
+            return ("<seen>", self.seen[id(value)])
+        if len(self.seen) >= MAX_VISITS:
+            raise _Uncacheable
+        self.seen[id(value)] = len(self.seen)
+        return self._compound_key(value)
+
+    def _compound_key(self, value: Any) -> Hashable:
+        if isinstance(value, types.FunctionType):
+            return self._function_key(value)
+        if isinstance(value, types.MethodType):
+            return (types.MethodType, self.key_of(value.__func__), self.key_of(value.__self__))
+        if isinstance(value, functools.partial):
+            keywords = tuple(sorted((k, self.key_of(v)) for k, v in value.keywords.items()))
+            return (functools.partial, self.key_of(value.func), self._items(value.args), keywords)
+        if isinstance(value, (tuple, list, set, frozenset)):
+            items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
+            return (type(value), self._items(items))
+        if isinstance(value, dict):
+            if len(value) > MAX_CONTAINER:
+                raise _Uncacheable
+            return (dict, tuple((self.key_of(k), self.key_of(v)) for k, v in value.items()))
+        if isinstance(value, types.ModuleType):
+            return (value, self._named_attributes(value, vars(value)))
+        if isinstance(value, type):
+            return (value, self._class_attributes(value))
+        if isinstance(value, torch.nn.Module):
+            return self._module_key(value)
+        if isinstance(value, types.BuiltinFunctionType) and not _unbound(value):
+            # A bound builtin such as `tensor.add`: key (and collect) what it is bound to.
+            return (types.BuiltinFunctionType, value.__name__, self.key_of(value.__self__))
+        if isinstance(value, _BUILTIN_CALLABLES):
+            return _identity(value)
+        if hasattr(value, "__dict__"):
+            return self._object_key(value)
+        return _opaque_key(value)
+
+    def _items(self, values: Sequence[Any]) -> tuple[Hashable, ...]:
+        if len(values) > MAX_CONTAINER:
+            raise _Uncacheable
+        return tuple(self.key_of(v) for v in values)
+
+    def _function_key(self, fn: types.FunctionType) -> Hashable:
+        code = fn.__code__
+        names = _code_names(code)
+        self.names.update(names)
+        cells = tuple(self.key_of(_cell_contents(c)) for c in fn.__closure__ or ())
+        defaults = self._items(fn.__defaults__ or ())
+        kwdefaults = tuple(
+            sorted((k, self.key_of(v)) for k, v in (fn.__kwdefaults__ or {}).items())
+        )
+        if _is_library(fn):  # torch's own Python functions: their globals are torch's
+            return (code, cells, defaults, kwdefaults)
+        scope = fn.__globals__
+        globals_ = tuple((n, self.key_of(scope[n])) for n in names if n in scope)
+        return (code, cells, defaults, kwdefaults, globals_)
+
+    def _named_attributes(self, owner: Any, namespace: dict[str, Any]) -> Hashable:
+        """The attributes of a user module or class that some code reached so far names."""
+        if _is_library(owner):
+            return ()
+        return tuple((n, self.key_of(namespace[n])) for n in sorted(self.names) if n in namespace)
+
+    def _class_attributes(self, cls: type) -> Hashable:
+        return tuple(
+            self._named_attributes(klass, vars(klass))
+            for klass in cls.__mro__
+            if klass is not object
+        )
+
+    def _module_key(self, module: torch.nn.Module) -> Hashable:
+        parts: list[Hashable] = [_identity(module), module.training]
+        parts += [self.key_of(t) for t in module.parameters()]
+        parts += [self.key_of(t) for t in module.buffers()]
+        for sub in module.modules():
+            parts.append(self.key_of(type(sub).forward))
+            public = {k: v for k, v in vars(sub).items() if not k.startswith("_")}
+            parts.append(tuple((k, self.key_of(v)) for k, v in public.items()))
+        return tuple(parts)
+
+    def _object_key(self, obj: Any) -> Hashable:
+        attrs = vars(obj)
+        if len(attrs) > MAX_CONTAINER:
+            raise _Uncacheable
+        state = tuple((k, self.key_of(v)) for k, v in attrs.items())
+        call = type(obj).__call__ if callable(obj) else None
+        method = self.key_of(call) if isinstance(call, types.FunctionType) else None
+        return (type(obj), self._class_attributes(type(obj)), state, method)
+
+    def drain(self, fn: Any) -> None:
+        """After giving up on the key: still collect every tensor reachable (uncapped)."""
+        todo, seen = [fn], set()
+        while todo:
+            obj = todo.pop()
+            if id(obj) in seen or isinstance(obj, _SCALARS):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                self.tensors[id(obj)] = obj
+            else:
+                todo.extend(_references(obj, self.names))
+
+
+def _references(obj: Any, names: set[str]) -> Iterator[Any]:
+    """What ``obj`` holds (for :meth:`_Walk.drain`): the same edges as the key walk."""
+    if isinstance(obj, types.FunctionType):
+        yield from (_cell_contents(c) for c in obj.__closure__ or ())
+        yield from obj.__defaults__ or ()
+        yield from (obj.__kwdefaults__ or {}).values()
+        names.update(_code_names(obj.__code__))
+        if not _is_library(obj):
+            yield from (
+                obj.__globals__[n] for n in _code_names(obj.__code__) if n in obj.__globals__
+            )
+    elif isinstance(obj, types.MethodType):
+        yield from (obj.__func__, obj.__self__)
+    elif isinstance(obj, functools.partial):
+        yield from (obj.func, *obj.args, *obj.keywords.values())
+    elif isinstance(obj, torch.nn.Module):
+        yield from obj.parameters()
+        yield from obj.buffers()
+        for sub in obj.modules():
+            yield type(sub).forward
+            yield from (v for k, v in vars(sub).items() if not k.startswith("_"))
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        yield from obj
+    elif isinstance(obj, dict):
+        yield from obj.values()
+    elif isinstance(obj, types.BuiltinFunctionType) and not _unbound(obj):
+        yield obj.__self__
+    elif isinstance(obj, (types.ModuleType, type)):
+        if not _is_library(obj):
+            for klass in obj.__mro__ if isinstance(obj, type) else (obj,):
+                yield from (v for n, v in vars(klass).items() if n in names)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, _BUILTIN_CALLABLES):
+        yield from vars(obj).values()
+        yield type(obj)
+    else:  # __slots__ hold state outside any __dict__
+        for klass in type(obj).__mro__:
+            for slot in getattr(klass, "__slots__", ()):
+                if isinstance(slot, str) and hasattr(obj, slot):
+                    yield getattr(obj, slot)
+
+
+def _unbound(fn: types.BuiltinFunctionType) -> bool:
+    """A builtin function of a module or class (``torch.add``), not one bound to an object."""
+    owner = fn.__self__
+    return owner is None or isinstance(owner, (types.ModuleType, type))
+
+
+def _tensor_kind(t: torch.Tensor) -> Hashable:
+    return (type(t), t.dtype, t.device, t.ndim, t.requires_grad)
+
+
+def _cell_contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not yet bound (a closure over a later assignment)
+        return "<empty cell>"
+
+
+def _is_library(value: Any) -> bool:
+    """Whether ``value`` (a module, class, function or object) belongs to library code."""
+    if isinstance(value, types.ModuleType):
+        name = value.__name__
+    elif isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)):
+        name = getattr(value, "__module__", None) or ""
+    else:
+        name = type(value).__module__ or ""
+    return name.partition(".")[0] in _LIBRARIES
+
+
+def _identity(value: Any) -> Hashable:
+    """Key by identity through a weak reference where possible, so the cache keeps nothing alive.
+
+    A dead weak reference compares equal only to itself, so a new object at a
+    dead one's address gets a fresh entry.
+    """
+    try:
+        ref = weakref.ref(value)
+        hash(ref)  # computed while alive: a weak reference remembers it
+        return (type(value), ref)
+    except TypeError:
+        pass
+    try:
+        hash(value)
+    except TypeError:
+        raise _Uncacheable from None
+    return (type(value), value)
+
+
+def _opaque_key(value: Any) -> Hashable:
+    """An object without ``__dict__`` whose state fscan cannot read: hashable by value
+    (a NumPy scalar, a frozen C type) or uncacheable."""
+    try:
+        hash(value)
+    except TypeError:
+        raise _Uncacheable from None
+    if type(value).__hash__ is object.__hash__:  # hashed by identity: its state is unknown
+        raise _Uncacheable
+    return (type(value), value)
+
+
+@functools.lru_cache(maxsize=ENTRIES)
+def _code_names(code: types.CodeType) -> tuple[str, ...]:
+    """Names a code object (and the code nested in it) loads: globals and attributes."""
+    nested = (c for c in code.co_consts if isinstance(c, types.CodeType))
+    return tuple(dict.fromkeys([*code.co_names, *(n for c in nested for n in _code_names(c))]))

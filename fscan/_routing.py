@@ -1,0 +1,192 @@
+"""Where a scan runs and which engine runs it: one place for every dispatch decision.
+
+:func:`where` answers "where are we running" (tracing, a ``torch.func``
+transform or dual level, grad mode, device) and :func:`pick_route` turns that,
+the leaves and what :mod:`fscan._knowledge` knows about ``combine_fn`` into a
+route. :func:`scan_flat` runs it. Every route, in the order they are tried:
+
+=============  ===================================================================
+route          when, and what runs
+=============  ===================================================================
+``empty``      length 0 along ``dim``, or no element at all: copies of the leaves
+``traced``     ``torch.compile``/``torch.export`` traces: one length-polymorphic
+               op (:mod:`fscan._traced` has its own table: HOP, blocked scan,
+               sequential ``scan``)
+``functional`` a ``torch.func`` transform or a dual level (forward AD) is active:
+               the out-of-place engine, which those transforms differentiate
+``triton``     pointwise, CUDA/XPU, ``combine_fn`` checked elementwise, no
+               gradient wanted, no captured tensor: the compiled Triton kernel
+               (:mod:`fscan._compiled`); falls back to ``inplace`` if it cannot
+``adjoint``    grad mode and a leaf or captured tensor requires grad, pointwise
+               mode, and the probe says the adjoint serves: ``PointwiseScan``
+               (saves inputs and outputs only; the backward is a reverse scan)
+``autograd``   grad wanted otherwise: the out-of-place engine under autograd
+``inplace``    nothing requires grad: the in-place engine, no tape (if grad mode
+               is on and ``combine_fn`` reached a tensor requiring grad that the
+               walk missed, the result says so and ``autograd`` reruns it)
+=============  ===================================================================
+
+Pointwise calls whose ``combine_fn`` has not passed the elementwise check yet
+run ``inplace``/``adjoint``/``autograd`` with the check watching their first
+combine call (:mod:`fscan._pointwise_check`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from optree import PyTreeSpec
+
+from ._adjoint import PointwiseScan, ScanPlan
+from ._autograd import adjoint_applies
+from ._combine import FlatCombine, flat_combine
+from ._compiled import codegen_scan, codegen_unavailable
+from ._generic import scan_along, scan_functional_along
+from ._knowledge import Knowledge, Reach
+from ._pointwise_check import checked_on_first_call
+from ._traced import traced_scan
+
+__all__ = ["Where", "pick_route", "scan_flat", "scan_traced", "under_transform", "where"]
+
+
+class Where(NamedTuple):
+    """Where a call runs, read once per call."""
+
+    tracing: bool  # torch.compile or torch.export traces it
+    transform: bool  # a torch.func transform or a forward-AD dual level is active
+    grad: bool  # autograd records (grad mode on)
+    device: str
+
+
+def under_transform() -> bool:
+    """A ``torch.func`` transform (``grad``, ``vmap``, ...) or a dual level is active.
+
+    Example:
+        >>> inside = lambda x: torch.tensor(under_transform())
+        >>> under_transform(), torch.func.vmap(inside)(torch.ones(1))
+        (False, tensor([True]))
+    """
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return True
+    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+
+
+def where(leaves: Sequence[torch.Tensor]) -> Where:
+    """Read where this call runs.
+
+    Example:
+        >>> with torch.no_grad():
+        ...     where([torch.ones(2)])
+        Where(tracing=False, transform=False, grad=False, device='cpu')
+    """
+    tracing = torch.compiler.is_compiling()
+    transform = not tracing and under_transform()
+    return Where(tracing, transform, torch.is_grad_enabled(), leaves[0].device.type)
+
+
+def pick_route(
+    at: Where,
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    combine_mode: str,
+    found: Reach,
+    entry: Knowledge,
+) -> str:
+    """The route for this call (table in the module doc); ``triton`` may still fall back."""
+    if leaves[0].shape[dim] == 0 or all(x.numel() == 0 for x in leaves):
+        return "empty"
+    if at.tracing:
+        return "traced"
+    if at.transform:
+        return "functional"
+    wants_grad = at.grad and (
+        any(x.requires_grad for x in leaves) or any(t.requires_grad for t in found.tensors)
+    )
+    pointwise_ok = combine_mode == "pointwise" and entry.elementwise and not wants_grad
+    if pointwise_ok and codegen_unavailable(leaves, found) is None:
+        return "triton"
+    if not wants_grad:
+        return "inplace"
+    if combine_mode == "pointwise":
+        return "adjoint"  # if the probe agrees: see scan_flat
+    return "autograd"
+
+
+def scan_flat(
+    api: str,
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: list[torch.Tensor],
+    dim: int,
+    reverse: bool,
+    combine_mode: str,
+    found: Reach,
+    entry: Knowledge,
+) -> list[torch.Tensor]:
+    """Scan already-checked flat ``leaves`` along ``dim`` on the route :func:`pick_route` picks.
+
+    ``found`` and ``entry`` are :func:`~fscan._knowledge.reach` of ``combine_fn`` and
+    its :func:`~fscan._knowledge.knowledge` entry for this call (not while tracing:
+    see :func:`scan_traced`).
+
+    Example:
+        >>> import optree
+        >>> from fscan._knowledge import knowledge, reach
+        >>> leaves, spec = optree.tree_flatten(torch.arange(1.0, 5.0))
+        >>> found = reach(torch.add)
+        >>> entry = knowledge(found, spec, "pointwise", leaves)
+        >>> scan_flat("demo", torch.add, spec, leaves, 0, False, "pointwise", found, entry)
+        [tensor([ 1.,  3.,  6., 10.])]
+    """
+    at = where(leaves)
+    route = pick_route(at, leaves, dim, combine_mode, found, entry)
+    if route == "empty":
+        return [x.clone() for x in leaves]
+    if route == "traced":
+        return scan_traced(api, combine_fn, spec, leaves, dim, reverse, combine_mode)
+    if route == "triton":
+        out = codegen_scan(api, combine_fn, spec, leaves, dim, reverse, found, entry)
+        if out is not None:
+            return out
+        route = "inplace"
+    combine = flat_combine(api, combine_fn, spec, combine_mode)
+    if combine_mode == "pointwise" and not entry.elementwise:
+        combine = checked_on_first_call(api, combine, entry, leaves)
+    if route == "functional":
+        return scan_functional_along(combine, leaves, dim, reverse)
+    if route == "inplace":
+        return _inplace(combine, leaves, dim, reverse, at)
+    captured = found.needing_grad()
+    if route == "adjoint" and adjoint_applies(entry, combine, leaves, captured, dim):
+        plan = ScanPlan(combine, len(leaves), dim, reverse)
+        return list(PointwiseScan.apply(plan, *leaves, *captured))
+    return scan_functional_along(combine, leaves, dim, reverse)
+
+
+def scan_traced(
+    api: str,
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: list[torch.Tensor],
+    dim: int,
+    reverse: bool,
+    combine_mode: str,
+) -> list[torch.Tensor]:
+    """The ``traced`` route: while ``torch.compile``/``torch.export`` traces, nothing is
+    inspected or cached (Dynamo traces this code; guards, not fscan's keys, decide reuse)."""
+    if leaves[0].shape[dim] == 0:
+        return [x.clone() for x in leaves]
+    return traced_scan(api, combine_fn, spec, leaves, dim, reverse, combine_mode)
+
+
+def _inplace(
+    combine: FlatCombine, leaves: Sequence[torch.Tensor], dim: int, reverse: bool, at: Where
+) -> list[torch.Tensor]:
+    out = scan_along(combine, leaves, dim, reverse)
+    if at.grad and any(o.requires_grad for o in out):
+        # combine_fn reached a tensor requiring grad that the walk did not find:
+        # redo the scan on the engine autograd can differentiate.
+        return scan_functional_along(combine, leaves, dim, reverse)
+    return out
