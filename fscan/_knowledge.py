@@ -56,7 +56,7 @@ import types
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from optree import PyTreeSpec
@@ -88,8 +88,7 @@ _BUILTIN_CALLABLES = (
 )
 
 
-@dataclass(frozen=True)
-class Reach:
+class Reach(NamedTuple):
     """What a walk over ``combine_fn`` found: its key (None if uncacheable) and tensors."""
 
     key: Hashable | None
@@ -192,10 +191,10 @@ def reach(fn: Any) -> Reach:
         >>> [t is H.w for t in reach(lambda a, b: a * b * H.w).tensors]
         [True]
     """
-    if type(fn) is types.FunctionType and fn.__closure__ is None and not fn.__defaults__:
-        code = fn.__code__
-        if not _code_names(code) and fn.__kwdefaults__ is None:
-            return Reach(code, ())  # the hot case: `lambda a, b: a + b`
+    if type(fn) is types.FunctionType:
+        found = _plain_closure(fn)
+        if found is not None:
+            return found
     walk = _Walk()
     try:
         key = walk.key_of(fn)
@@ -203,6 +202,61 @@ def reach(fn: Any) -> Reach:
         key = None
         walk.drain(fn)
     return Reach(key, tuple(walk.tensors.values()))
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_SCALARS = (int, float, bool, str, type(None))
+_ABSENT = object()
+
+
+def _plain_closure(fn: types.FunctionType, depth: int = 0) -> Reach | None:
+    """The hot case, without a walk: a function that captures only tensors and plain
+    scalars and names only library modules, builtins, tensors, scalars and other such
+    functions as globals (``lambda a, b: torch.maximum(a, b) * w``); else None."""
+    code = fn.__code__
+    if fn.__kwdefaults__ or depth > 2 or _is_library(fn):
+        return None
+    parts: list[Hashable] = []
+    tensors: list[torch.Tensor] = []
+    for value in (*(_cell_contents(c) for c in fn.__closure__ or ()), *(fn.__defaults__ or ())):
+        if not _plain_part(value, parts, tensors, depth):
+            return None
+    scope = fn.__globals__
+    for name in _code_names(code):
+        value = scope.get(name, _ABSENT)
+        if value is _ABSENT:  # an attribute name, or a builtin
+            continue
+        parts.append(name)
+        if type(value) is types.ModuleType and _is_library(value):
+            parts.append(value)
+        elif not _plain_part(value, parts, tensors, depth):
+            return None
+    if not parts:
+        return Reach(code, ())
+    return Reach(("plain", code, tuple(parts)), tuple(tensors))
+
+
+def _plain_part(
+    value: Any, parts: list[Hashable], tensors: list[torch.Tensor], depth: int
+) -> bool:
+    """Append ``value``'s key part (and tensors) if it is plain; False if it needs a walk."""
+    kind = type(value)
+    if kind in _PLAIN_TENSORS:
+        tensors.append(value)
+        parts.append(_tensor_kind(value))
+    elif kind in _PLAIN_SCALARS:
+        parts.append((kind, value))
+    elif kind is types.BuiltinFunctionType and _unbound(value):
+        parts.append(value)
+    elif kind is types.FunctionType:
+        inner = _plain_closure(value, depth + 1)
+        if inner is None:
+            return False
+        parts.append(inner.key)
+        tensors.extend(inner.tensors)
+    else:
+        return False
+    return True
 
 
 class _Walk:
