@@ -236,9 +236,7 @@ def _plain_closure(fn: types.FunctionType, depth: int = 0) -> Reach | None:
     return Reach(("plain", code, tuple(parts)), tuple(tensors))
 
 
-def _plain_part(
-    value: Any, parts: list[Hashable], tensors: list[torch.Tensor], depth: int
-) -> bool:
+def _plain_part(value: Any, parts: list[Hashable], tensors: list[torch.Tensor], depth: int) -> bool:
     """Append ``value``'s key part (and tensors) if it is plain; False if it needs a walk."""
     kind = type(value)
     if kind in _PLAIN_TENSORS:

@@ -43,6 +43,7 @@ from ._adjoint import PointwiseScan, ScanPlan
 from ._autograd import adjoint_applies
 from ._combine import FlatCombine, flat_combine
 from ._compiled import codegen_scan, codegen_unavailable
+from ._errors import ImpureCombineError
 from ._generic import scan_along, scan_functional_along
 from ._knowledge import Knowledge, Reach
 from ._pointwise_check import checked_on_first_call
@@ -142,6 +143,25 @@ def scan_flat(
     """
     at = where(leaves)
     route = pick_route(at, leaves, dim, combine_mode, found, entry)
+    versions = _versions(leaves)
+    out = _run(api, route, combine_fn, spec, leaves, dim, reverse, combine_mode, found, entry, at)
+    _check_untouched(api, spec, leaves, versions)
+    return out
+
+
+def _run(
+    api: str,
+    route: str,
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: list[torch.Tensor],
+    dim: int,
+    reverse: bool,
+    combine_mode: str,
+    found: Reach,
+    entry: Knowledge,
+    at: Where,
+) -> list[torch.Tensor]:
     if route == "empty":
         return [x.clone() for x in leaves]
     if route == "traced":
@@ -179,6 +199,28 @@ def scan_traced(
     if leaves[0].shape[dim] == 0:
         return [x.clone() for x in leaves]
     return traced_scan(api, combine_fn, spec, leaves, dim, reverse, combine_mode)
+
+
+def _versions(leaves: Sequence[torch.Tensor]) -> list[int | None]:
+    # Inference tensors and functorch wrappers have no version counter to compare.
+    return [None if x.is_inference() else x._version for x in leaves]
+
+
+def _check_untouched(
+    api: str, spec: PyTreeSpec, leaves: Sequence[torch.Tensor], before: list[int | None]
+) -> None:
+    """A last line of defence behind the purity probe, whose verdict covers the sample it
+    ran on: a ``combine_fn`` that writes into its operands only for some values would
+    otherwise corrupt ``xs`` silently. Version counters cost nothing to read."""
+    for i, (leaf, version) in enumerate(zip(leaves, before)):
+        if version is not None and leaf._version != version:
+            path = spec.accessors()[i].codify("xs")
+            raise ImpureCombineError(
+                f"{api}: `combine_fn` modified leaf {path} of `xs` in place during the scan "
+                "(the first-call probe did not catch it: the write depends on the values). "
+                "Your input has been changed. combine_fn must be pure: return new tensors "
+                "(`a + b`, not `a.add_(b)` or `a += b`)."
+            )
 
 
 def _inplace(

@@ -105,6 +105,15 @@ def test_an_impure_closure_is_caught_after_a_pure_one_of_the_same_code():
     assert x.tolist() == [1.0] * 6
 
 
+def test_a_value_dependent_write_into_the_input_is_reported():
+    # The probe sees batches of at most two elements; a write that only larger batches
+    # trigger is caught afterwards by the input's version counter, loudly.
+    sneaky = lambda a, b: a.add_(b) if a.shape[0] > 2 else a + b
+    x = torch.ones(16)
+    with pytest.raises(fscan.ImpureCombineError, match="Your input has been changed"):
+        fscan.associative_scan(sneaky, x, 0)
+
+
 # --- case 5: second-order gradients terminate and are right ------------------------
 
 
