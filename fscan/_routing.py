@@ -19,7 +19,10 @@ route          when, and what runs
                (:mod:`fscan._compiled`); falls back to ``inplace`` if it cannot
 ``adjoint``    grad mode and a leaf or captured tensor requires grad, pointwise
                mode, and the probe says the adjoint serves: ``PointwiseScan``
-               (saves inputs and outputs only; the backward is a reverse scan)
+               (saves inputs and outputs only; the backward is a reverse scan).
+               Not for ``reset=`` scans: their restarts are selections, and the
+               adjoint's Jacobian products would turn a zero times a NaN or inf
+               from after a restart into NaN before it (``0 * inf``)
 ``autograd``   grad wanted otherwise: the out-of-place engine under autograd
 ``inplace``    nothing requires grad: the in-place engine, no tape (if grad mode
                is on and ``combine_fn`` reached a tensor requiring grad that the
@@ -88,6 +91,7 @@ def where(leaves: Sequence[torch.Tensor]) -> Where:
 
 
 def pick_route(
+    combine_fn: Callable[[Any, Any], Any],
     at: Where,
     leaves: Sequence[torch.Tensor],
     dim: int,
@@ -95,7 +99,8 @@ def pick_route(
     found: Reach,
     entry: Knowledge,
 ) -> str:
-    """The route for this call (table in the module doc); ``triton`` may still fall back."""
+    """The route for a call of ``combine_fn`` (table in the module doc); ``triton`` may
+    still fall back."""
     if leaves[0].shape[dim] == 0 or all(x.numel() == 0 for x in leaves):
         return "empty"
     if at.tracing:
@@ -110,7 +115,7 @@ def pick_route(
         return "triton"
     if not wants_grad:
         return "inplace"
-    if combine_mode == "pointwise":
+    if combine_mode == "pointwise" and not getattr(combine_fn, "selects_by_mask", False):
         return "adjoint"  # if the probe agrees: see scan_flat
     return "autograd"
 
@@ -142,7 +147,7 @@ def scan_flat(
         [tensor([ 1.,  3.,  6., 10.])]
     """
     at = where(leaves)
-    route = pick_route(at, leaves, dim, combine_mode, found, entry)
+    route = pick_route(combine_fn, at, leaves, dim, combine_mode, found, entry)
     versions = _versions(leaves)
     out = _run(api, route, combine_fn, spec, leaves, dim, reverse, combine_mode, found, entry, at)
     _check_untouched(api, spec, leaves, versions)

@@ -70,11 +70,22 @@ def segmented_scan(
 
     def segmented(x: tuple[torch.Tensor, Any], y: tuple[torch.Tensor, Any]) -> tuple:
         (fx, vx), (fy, vy) = x, y
-        y_leaves, _ = flatten(vy)
-        merged = check_combine_output(_API, combine_fn(vx, vy), spec, y_leaves, combine_mode)
-        chosen = [torch.where(_align(fy, m, batched), yl, m) for m, yl in zip(merged, y_leaves)]
+        x_leaves, y_leaves = flatten(vx)[0], flatten(vy)[0]
+        flags = [_align(fy, leaf, batched) for leaf in y_leaves]
+        # Where y restarts, combine_fn's result is discarded; it runs on ones there, so
+        # that neither a NaN/inf before the reset nor a zero cotangent times an infinite
+        # partial (0 * inf = nan) reaches the values or gradients the loop would give.
+        merged = combine_fn(_masked(vx, x_leaves, flags), _masked(vy, y_leaves, flags))
+        merged = check_combine_output(_API, merged, spec, y_leaves, combine_mode)
+        chosen = [torch.where(f, yl, m) for f, m, yl in zip(flags, merged, y_leaves)]
         return fx | fy, unflatten(spec, chosen)
 
+    def _masked(tree: Any, leaves: list[torch.Tensor], flags: list[torch.Tensor]) -> Any:
+        one = lambda t: torch.ones((), dtype=t.dtype, device=t.device)
+        ones = [torch.where(f, one(t), t) for f, t in zip(flags, leaves)]
+        return unflatten(spec, ones)
+
+    segmented.selects_by_mask = True  # type: ignore[attr-defined]  # see fscan._routing
     return scan(segmented, (flag, xs), dim, reverse, combine_mode, **scan_options)[1]
 
 
