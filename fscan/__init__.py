@@ -9,10 +9,12 @@ from ._config import config as config
 from ._errors import CombineFnError as CombineFnError
 from ._errors import ImpureCombineError as ImpureCombineError
 from ._errors import NotAssociativeError as NotAssociativeError
+from ._errors import ReverseNotBoolWarning as ReverseNotBoolWarning
 from ._errors import ScanError as ScanError
 from ._errors import ScanIndexError as ScanIndexError
 from ._errors import ScanTypeError as ScanTypeError
 from ._errors import ScanValueError as ScanValueError
+from ._errors import ScanWarning as ScanWarning
 from ._errors import UnsupportedScanError as UnsupportedScanError
 from ._knowledge import clear_caches as clear_caches
 from ._linear import linear_recurrence as linear_recurrence
@@ -30,10 +32,12 @@ __all__ = [
     "CombineFnError",
     "ImpureCombineError",
     "NotAssociativeError",
+    "ReverseNotBoolWarning",
     "ScanError",
     "ScanIndexError",
     "ScanTypeError",
     "ScanValueError",
+    "ScanWarning",
     "UnsupportedScanError",
     "associative_scan",
     "check_associative",

@@ -15,6 +15,9 @@ from the built-in type a user would naturally catch, so existing
     └── UnsupportedScanError              valid, but not something fscan can do
         (NotImplementedError)
 
+    ScanWarning (UserWarning)             fscan ran the call, but it looks like a mistake
+    └── ReverseNotBoolWarning             `reverse` is not a bool (fscan.lax, once)
+
 Catch :class:`CombineFnError` for "something is wrong with my ``combine_fn``".
 Exceptions raised *by* ``combine_fn`` itself (say a shape error inside it) are
 the user's and propagate unchanged, as do torch's own errors from inside
@@ -35,10 +38,12 @@ __all__ = [
     "CombineFnError",
     "ImpureCombineError",
     "NotAssociativeError",
+    "ReverseNotBoolWarning",
     "ScanError",
     "ScanIndexError",
     "ScanTypeError",
     "ScanValueError",
+    "ScanWarning",
     "UnsupportedScanError",
 ]
 
@@ -78,3 +83,21 @@ class ImpureCombineError(CombineFnError, RuntimeError):
 
 class UnsupportedScanError(ScanError, NotImplementedError):
     """A valid request that fscan cannot carry out (e.g. in a traced context)."""
+
+
+class ScanWarning(UserWarning):
+    """Base class of fscan's warnings: the call ran, but something about it looks wrong.
+
+    Silence them all with ``warnings.filterwarnings("ignore", category=fscan.ScanWarning)``.
+    """
+
+
+class ReverseNotBoolWarning(ScanWarning):
+    """``fscan.lax.associative_scan`` got a ``reverse`` that is not a bool.
+
+    JAX treats any truthy ``reverse`` as True, and so does fscan.lax, but the usual
+    cause is the argument-order trap: a port of a torch helper called as
+    ``(fn, elems, axis, reverse)`` passes the axis as ``reverse`` (JAX's order is
+    ``(fn, elems, reverse, axis)``). Pass ``axis=`` and ``reverse=`` by keyword.
+    Emitted once per process.
+    """

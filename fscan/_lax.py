@@ -11,21 +11,26 @@ semantics:
   mode refuses (a matrix product) runs in generic mode on batches of one element;
 * ``reverse=True`` flips ``elems`` along ``axis``, scans and flips back:
   ``[..., fn(fn(z, y), x), fn(z, y), z]`` for ``elems = [..., x, y, z]``;
-* pytrees flatten as in JAX (dict keys in sorted order, ``None`` an empty node).
+* pytrees flatten as in JAX (dict keys in sorted order, ``None`` an empty node);
+* ``reverse`` may be any truthy value, as in JAX, but one that is not a bool
+  warns once (:class:`fscan.ReverseNotBoolWarning`): it usually means an axis
+  passed in ``reverse``'s place by a port of a ``(fn, elems, axis, reverse)`` helper.
 
 It runs on fscan's pointwise engine, so autograd, vmap and every device work.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import optree
 import torch
 
+from ._carry import check_initial
 from ._checks import check_leaves
-from ._errors import CombineFnError, ScanTypeError, ScanValueError
+from ._errors import CombineFnError, ReverseNotBoolWarning, ScanTypeError, ScanValueError
 from ._pytree import flatten, leaf_paths
 from ._scan import associative_scan as _scan
 
@@ -35,7 +40,12 @@ _API = "fscan.lax.associative_scan"
 
 
 def associative_scan(
-    fn: Callable[[Any, Any], Any], elems: Any, reverse: bool = False, axis: int = 0
+    fn: Callable[[Any, Any], Any],
+    elems: Any,
+    reverse: bool = False,
+    axis: int = 0,
+    *,
+    initial: Any = None,
 ) -> Any:
     """Inclusive scan of ``elems`` along ``axis`` with the associative ``fn`` (JAX's API).
 
@@ -48,9 +58,15 @@ def associative_scan(
         fn: ``(pytree, pytree) -> pytree``, associative, applied to batched slices
             of ``elems`` (arrays with ``axis`` still in place, of equal lengths).
         elems: a tensor or pytree of tensors, all of one length along ``axis``.
-        reverse (bool, default False): scan from the end; truthy values work, as in JAX.
+        reverse (bool, default False): scan from the end; truthy values work, as in
+            JAX, but a non-bool warns once (:class:`fscan.ReverseNotBoolWarning`):
+            JAX's order is ``(fn, elems, reverse, axis)``, so ``(fn, elems, 1)``
+            scans axis 0 backwards, not axis 1. Pass ``axis=`` by keyword.
         axis (int, default 0): the axis to scan; negative counts from the end
             (of the first leaf, as in JAX).
+        initial (pytree or None, default None): an fscan extension, not in JAX: one
+            element (``elems``' leaves with ``axis`` removed) combined in front,
+            ``out[0] = fn(initial, elems[0])`` (behind for ``reverse``).
 
     Returns:
         A pytree of the structure and shapes of ``elems``.
@@ -69,22 +85,47 @@ def associative_scan(
     """
     if not callable(fn):
         raise ScanTypeError(f"{_API}: `fn` must be callable, got {type(fn).__name__}.")
-    leaves, _ = flatten(elems)
+    if not isinstance(reverse, bool):
+        _warn_reverse(reverse)
+    leaves, spec = flatten(elems)
     check_leaves(_API, elems, leaves)
     axis = _check_axis(elems, leaves, axis)
+    if initial is not None:  # checked here so that errors name this API
+        check_initial(_API, initial, elems, leaves, spec, axis)
     refused: list[bool] = []
+    reverse = bool(reverse)
     try:
-        return _scan(_batched(fn, axis, refused), elems, axis, bool(reverse), "pointwise")
+        return _scan(_batched(fn, axis, refused), elems, axis, reverse, initial=initial)
     except CombineFnError as err:
         if not refused:  # fn returned, but the wrong structure or shapes
             raise _in_jax_words(err) from err
     # fscan refused fn in pointwise mode while it ran: an operation that is not
     # elementwise (a vmapped matmul). Generic mode takes any fn; give it batches
     # of one element, the axis in place, so fn still sees what JAX shows it.
+    single = _on_single_elements(fn, axis)
     try:
-        return _scan(_on_single_elements(fn, axis), elems, axis, bool(reverse), "generic")
+        return _scan(single, elems, axis, reverse, "generic", initial=initial)
     except CombineFnError as err:
         raise _in_jax_words(err) from err
+
+
+_warned_reverse = False
+
+
+def _warn_reverse(reverse: Any) -> None:
+    """Warn once per process that ``reverse`` is not a bool (the argument-order trap)."""
+    global _warned_reverse
+    if _warned_reverse:
+        return
+    _warned_reverse = True
+    warnings.warn(
+        f"{_API}: `reverse` is {type(reverse).__name__} {reverse!r}, not a bool; it is "
+        f"used as {bool(reverse)} (truthy, as in JAX). The argument order is "
+        "(fn, elems, reverse, axis): if you meant the axis, pass `axis=` by keyword. "
+        "This warning is shown once.",
+        ReverseNotBoolWarning,
+        stacklevel=3,
+    )
 
 
 def _batched(fn: Callable[[Any, Any], Any], axis: int, refused: list[bool]) -> Callable:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ._carry import fold_initial
 from ._checks import check_scan_args
 from ._knowledge import knowledge, reach
 from ._pytree import flatten, unflatten
@@ -28,6 +29,7 @@ def associative_scan(
     *,
     validate: bool | None = None,
     reset: torch.Tensor | None = None,
+    initial: Any = None,
 ) -> Any:
     """Inclusive scan of ``xs`` along ``dim`` with an associative ``combine_fn``.
 
@@ -64,6 +66,10 @@ def associative_scan(
             True (a segmented scan): ``out[i] = xs[i]`` there. A 1-D mask of length
             ``n``, or a mask with the leaves' dimensions that broadcasts to each
             leaf (e.g. ``(T, B, 1)`` for ``(T, B, d)`` leaves); see ``fscan._segmented``.
+        initial (pytree or None, default None): a carry-in, one element (each leaf of
+            ``xs`` with ``dim`` removed, or a shape broadcasting to it) combined in
+            front: ``out[0] = combine_fn(initial, xs[0])`` (``out[n-1]`` for
+            ``reverse``); gradients flow to it. A reset at the first step drops it.
 
     Returns:
         A pytree of the structure and shapes of ``xs``, in new memory.
@@ -78,9 +84,14 @@ def associative_scan(
         >>> fscan.associative_scan(torch.matmul, mats, 0, combine_mode="generic")[-1]
         tensor([[1., 3.],
                 [0., 1.]])
+        >>> fscan.associative_scan(torch.add, torch.ones(3), 0, initial=torch.tensor(10.0))
+        tensor([11., 12., 13.])
     """
     leaves, spec = flatten(xs)
     dim = check_scan_args(_API, combine_fn, xs, leaves, dim, reverse, combine_mode)
+    if initial is not None:  # folded into the first element: see fscan._carry
+        xs = fold_initial(_API, combine_fn, xs, dim, reverse, combine_mode, initial, reset)
+        leaves, spec = flatten(xs)
     if reset is not None:  # a scan over (flag, value) pairs: see fscan._segmented
         args = (combine_fn, xs, dim, reverse, combine_mode)
         return segmented_scan(associative_scan, *args, reset=reset, validate=validate)

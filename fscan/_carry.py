@@ -1,0 +1,147 @@
+"""Carry-in: the ``initial=`` option of the scans and of ``fscan.associative_reduce``.
+
+``initial`` is one element (a pytree like ``xs`` whose leaves have ``dim``
+removed) combined in front of the sequence, or behind it for ``reverse``::
+
+    out[0] = combine_fn(initial, xs[0])         # reverse: out[n-1] = combine_fn(initial, xs[n-1])
+
+By associativity that is the scan of ``[initial, xs[0], ..., xs[n-1]]`` without
+its first output, so it is *folded into the first element*: one ``combine_fn``
+call on a single element, then the ordinary scan over ``xs`` with that element
+replaced. The alternative, combining ``initial`` into every output after the
+scan, costs a full extra pass of ``combine_fn`` over ``n`` elements (an extra
+vmapped call in generic mode); the fold costs one call on one element plus one
+copy of the leaves (the ``cat`` that swaps the first element), and it leaves
+the engines untouched, so every engine (tree, Triton, traced, segmented) sees
+an ordinary scan and autograd, ``torch.func``, ``vmap`` and ``torch.compile``
+carry gradients to ``initial`` through plain torch ops.
+
+Leaves of ``initial`` may be tensors of one element's shape or of a shape that
+broadcasts to it (e.g. ``(d,)`` for elements of shape ``(B, d)``: one state
+shared across a batch), or Python numbers. Their dtype must promote to the
+leaf's dtype (the scan's output keeps the dtype of ``xs``).
+
+With ``reset=``, a reset at the first step in scan order drops ``initial``
+(``out[0] = xs[0]`` there), as in ``fscan.linear_recurrence``; resets elsewhere
+start segments that never see ``initial`` anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from numbers import Number
+from typing import Any
+
+import optree
+import torch
+from optree import PyTreeSpec
+
+from ._combine import flat_combine
+from ._errors import ScanTypeError, ScanValueError
+from ._pytree import describe, flatten, unflatten
+from ._segmented import check_reset
+
+__all__ = ["check_initial", "fold_initial"]
+
+
+def fold_initial(
+    api: str,
+    combine_fn: Callable[[Any, Any], Any],
+    xs: Any,
+    dim: int,
+    reverse: bool,
+    combine_mode: str,
+    initial: Any,
+    reset: torch.Tensor | None = None,
+) -> Any:
+    """``xs`` with ``initial`` combined into its first element in scan order.
+
+    ``dim`` is non-negative and the leaves of ``xs`` are checked. With an empty
+    scan dimension there is nothing to fold into: ``xs`` comes back unchanged.
+
+    Example:
+        >>> xs = torch.tensor([1.0, 2.0, 3.0])
+        >>> fold_initial("demo", torch.add, xs, 0, False, "pointwise", torch.tensor(10.0))
+        tensor([11.,  2.,  3.])
+    """
+    leaves, spec = flatten(xs)
+    init = check_initial(api, initial, xs, leaves, spec, dim)
+    n = leaves[0].shape[dim]
+    if n == 0:
+        return xs
+    first = n - 1 if reverse else 0
+    # The engines' layout: the scan dimension first, a batch of one element.
+    heads = [x.movedim(dim, 0).narrow(0, first, 1) for x in leaves]
+    carried = flat_combine(api, combine_fn, spec, combine_mode)(
+        [i.unsqueeze(0) for i in init], heads
+    )
+    if reset is not None:  # a reset at the first step drops `initial`
+        flag = check_reset(api, reset, xs, leaves, dim).movedim(dim, 0).narrow(0, first, 1)
+        carried = [torch.where(_like(flag, h), h, c) for h, c in zip(heads, carried)]
+    folded = []
+    for x, head in zip(leaves, carried):
+        rest = x.narrow(dim, 0, n - 1) if reverse else x.narrow(dim, 1, n - 1)
+        head = head.movedim(0, dim)
+        folded.append(torch.cat([rest, head] if reverse else [head, rest], dim))
+    return unflatten(spec, folded)
+
+
+def check_initial(
+    api: str, initial: Any, xs: Any, leaves: list[torch.Tensor], spec: PyTreeSpec, dim: int
+) -> list[torch.Tensor]:
+    """``initial``'s leaves as tensors of one element's shape (``expand``ed views) and
+    the leaves' dtype and device, or an error naming the leaf."""
+    init_leaves, init_spec = optree.tree_flatten(initial, none_is_leaf=False)
+    if init_spec != spec:
+        raise ScanValueError(
+            f"{api}: `initial` has structure {init_spec}, expected {spec}, the structure of "
+            "`xs`: one element, i.e. each leaf of `xs` with `dim` removed."
+        )
+    paths = [a.codify("initial") for a in spec.accessors()]
+    out = []
+    for path, leaf, x in zip(paths, init_leaves, leaves):
+        out.append(_check_leaf(api, path, leaf, x, dim))
+    return out
+
+
+def _check_leaf(api: str, path: str, leaf: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
+    element = x.shape[:dim] + x.shape[dim + 1 :]
+    if isinstance(leaf, Number) and not isinstance(leaf, bool):
+        if torch.result_type(x, leaf) != x.dtype:
+            raise ScanTypeError(
+                f"{api}: leaf {path} is {type(leaf).__name__} {leaf!r}, which does not fit "
+                f"the leaf's dtype {x.dtype}; pass a value of that kind."
+            )
+        return torch.full(element, leaf, dtype=x.dtype, device=x.device)
+    if not isinstance(leaf, torch.Tensor):
+        raise ScanTypeError(
+            f"{api}: leaf {path} is a {describe(leaf)}, expected a torch.Tensor or a number."
+        )
+    if leaf.device != x.device:
+        raise ScanValueError(
+            f"{api}: leaf {path} is on {leaf.device}, expected {x.device} like `xs`; "
+            "move it with .to()."
+        )
+    if torch.promote_types(leaf.dtype, x.dtype) != x.dtype:
+        raise ScanTypeError(
+            f"{api}: leaf {path} has dtype {leaf.dtype}, which does not promote to {x.dtype}, "
+            f"the dtype of the matching leaf of `xs`; cast it with .to({x.dtype})."
+        )
+    try:
+        fits = torch.broadcast_shapes(leaf.shape, element) == element
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ScanValueError(
+            f"{api}: leaf {path} has shape {tuple(leaf.shape)}, expected one element's shape "
+            f"{tuple(element)} (the leaf of `xs` of shape {tuple(x.shape)} with dim {dim} "
+            "removed), or a shape that broadcasts to it."
+        )
+    return leaf.to(x.dtype).expand(element)
+
+
+def _like(flag: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A reset flag viewed so that it broadcasts against ``like`` (a batch of one element)."""
+    if flag.ndim == like.ndim:
+        return flag
+    return flag.reshape([1] * like.ndim)

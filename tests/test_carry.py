@@ -1,0 +1,283 @@
+"""``initial=`` on fscan.associative_scan and fscan.lax.associative_scan (fscan._carry)."""
+
+from __future__ import annotations
+
+import re
+
+import optree
+import pytest
+import torch
+from helpers import (
+    affine_compose,
+    assert_trees_close,
+    linear_recurrence,
+    matmul,
+    parametrize,
+    sequential_scan,
+)
+
+import fscan
+from fscan import _lax
+
+F64 = dict(dtype=torch.float64)
+
+
+def oracle(combine_fn, xs, dim, initial, reverse=False, mode="generic", reset=None):
+    """The sequential loop over ``[initial, xs[0], ...]`` (behind for reverse), the
+    carried element dropped; a reset at the first step in scan order drops ``initial``."""
+    leaves, spec = optree.tree_flatten(xs, none_is_leaf=False)
+    init_leaves = optree.tree_leaves(initial, none_is_leaf=False)
+    elem = [
+        torch.as_tensor(i, dtype=x.dtype).expand(x.shape[:dim] + x.shape[dim + 1 :])
+        for i, x in zip(init_leaves, leaves)
+    ]
+    n = leaves[0].shape[dim]
+    first = n - 1 if reverse else 0
+    if reset is not None and bool(reset.reshape(-1)[first] if reset.ndim == 1 else False):
+        return sequential_scan(combine_fn, xs, dim, reverse, mode)
+    pieces = [e.unsqueeze(dim) for e in elem]
+    ext = [torch.cat([x, p] if reverse else [p, x], dim) for x, p in zip(leaves, pieces)]
+    out = sequential_scan(combine_fn, optree.tree_unflatten(spec, ext), dim, reverse, mode)
+    keep = slice(0, n) if reverse else slice(1, n + 1)
+    return optree.tree_map(lambda o: o.narrow(dim, keep.start, n), out, none_is_leaf=False)
+
+
+def rand(*shape):
+    return torch.randn(*shape, **F64)
+
+
+CASES = {
+    "add": (lambda x, y: x + y, lambda: rand(9, 3), lambda: rand(3)),
+    "affine": (
+        linear_recurrence,
+        lambda: (torch.rand(9, 3, **F64) + 0.5, rand(9, 3)),
+        lambda: (torch.rand(3, **F64) + 0.5, rand(3)),
+    ),
+    "dict": (
+        affine_compose,
+        lambda: {"w": torch.rand(9, 2, **F64) + 0.5, "c": rand(9, 2)},
+        lambda: {"w": torch.rand(2, **F64) + 0.5, "c": rand(2)},
+    ),
+}
+
+
+@parametrize(case=list(CASES), mode=["pointwise", "generic"], reverse=[False, True])
+def test_matches_the_oracle(case, mode, reverse):
+    fn, make_xs, make_init = CASES[case]
+    xs, init = make_xs(), make_init()
+    out = fscan.associative_scan(fn, xs, 0, reverse, mode, initial=init)
+    assert_trees_close(out, oracle(fn, xs, 0, init, reverse))
+
+
+@parametrize(reverse=[False, True], length=[1, 2, 5, 33])
+def test_matrix_products_generic_any_dim(reverse, length):
+    m = rand(2, length, 3, 3) / 2
+    init = rand(2, 3, 3)
+    out = fscan.associative_scan(matmul, m, 1, reverse, "generic", initial=init)
+    assert_trees_close(out, oracle(matmul, m, 1, init, reverse))
+
+
+def test_chunked_inference_is_one_argument():
+    """Scanning in chunks, carrying the last state, equals one scan over everything."""
+    a, b = torch.rand(40, 4, **F64) + 0.5, rand(40, 4)
+    whole = fscan.associative_scan(linear_recurrence, (a, b), 0)
+    carry, parts = None, []
+    for chunk in zip(a.split(7), b.split(7)):
+        out = fscan.associative_scan(linear_recurrence, chunk, 0, initial=carry)
+        carry = tuple(o[-1] for o in out)
+        parts.append(out[1])
+    torch.testing.assert_close(torch.cat(parts), whole[1])
+
+
+def test_broadcast_and_number_leaves():
+    xs = (torch.rand(6, 2, 3, **F64) + 0.5, rand(6, 2, 3))
+    init = (1.0, rand(3))  # a number, and a state shared over the batch of 2
+    out = fscan.associative_scan(linear_recurrence, xs, 0, initial=init)
+    assert_trees_close(out, oracle(linear_recurrence, xs, 0, init))
+
+
+def test_empty_scan_dimension():
+    x = rand(0, 3)
+    out = fscan.associative_scan(torch.add, x, 0, initial=rand(3))
+    assert out.shape == (0, 3)
+
+
+def test_inputs_untouched_and_not_aliased():
+    x, init = rand(5, 2), rand(2)
+    x0, i0 = x.clone(), init.clone()
+    out = fscan.associative_scan(torch.add, x, 0, initial=init)
+    assert torch.equal(x, x0) and torch.equal(init, i0)
+    assert out.data_ptr() != x.data_ptr()
+
+
+# ---- reset= ---------------------------------------------------------------------
+
+
+@parametrize(mode=["pointwise", "generic"], reverse=[False, True])
+def test_reset_drops_initial_only_at_the_first_step(mode, reverse):
+    x = rand(8, 2)
+    init = rand(2)
+    for first_reset in (False, True):
+        reset = torch.tensor([0, 0, 1, 0, 0, 1, 0, 0]) > 0
+        reset[7 if reverse else 0] = first_reset
+        out = fscan.associative_scan(torch.add, x, 0, reverse, mode, reset=reset, initial=init)
+        # the oracle: initial enters the first segment unless that step resets
+        seq = x.clone()
+        first = 7 if reverse else 0
+        if not first_reset:
+            seq[first] = seq[first] + init
+        expected = fscan.associative_scan(torch.add, seq, 0, reverse, mode, reset=reset)
+        torch.testing.assert_close(out, expected)
+
+
+def test_reset_per_row_mask():
+    x, init = rand(6, 3), rand(3)
+    reset = torch.zeros(6, 3, dtype=torch.bool)
+    reset[0, 1] = True  # only column 1 drops initial
+    out = fscan.associative_scan(torch.add, x, 0, reset=reset, initial=init)
+    expected = x.cumsum(0) + init * torch.tensor([1.0, 0.0, 1.0], **F64)
+    torch.testing.assert_close(out, expected)
+
+
+def test_reset_drops_an_infinite_initial():
+    x = torch.ones(3, **F64)
+    reset = torch.tensor([True, False, False])
+    out = fscan.associative_scan(torch.mul, x, 0, reset=reset, initial=torch.tensor(float("inf")))
+    torch.testing.assert_close(out, torch.ones(3, **F64))
+
+
+# ---- gradients and transforms -----------------------------------------------------
+
+
+@parametrize(mode=["pointwise", "generic"], reverse=[False, True])
+def test_gradcheck(mode, reverse):
+    a = (torch.rand(7, 2, **F64) + 0.5).requires_grad_()
+    b = rand(7, 2).requires_grad_()
+    ia = (torch.rand(2, **F64) + 0.5).requires_grad_()
+    ib = rand(2).requires_grad_()
+
+    def run(a, b, ia, ib):
+        return fscan.associative_scan(linear_recurrence, (a, b), 0, reverse, mode, initial=(ia, ib))
+
+    assert torch.autograd.gradcheck(run, (a, b, ia, ib))
+
+
+def test_gradcheck_with_reset_and_broadcast_initial():
+    x = rand(6, 3).requires_grad_()
+    init = rand(1).requires_grad_()  # broadcasts to the element shape (3,)
+    reset = torch.tensor([0, 0, 0, 1, 0, 0]) > 0
+
+    def run(x, init):
+        return fscan.associative_scan(torch.mul, x, 0, reset=reset, initial=init)
+
+    assert torch.autograd.gradcheck(run, (x, init))
+
+
+def test_torch_func_grad_and_vmap_over_initial():
+    x = rand(5, 3)
+    inits = rand(4, 3)
+
+    def total(init):
+        return fscan.associative_scan(torch.add, x, 0, initial=init).sum()
+
+    grads = torch.func.vmap(torch.func.grad(total))(inits)
+    torch.testing.assert_close(grads, torch.full((4, 3), 5.0, **F64))
+    scans = torch.func.vmap(lambda i: fscan.associative_scan(torch.add, x, 0, initial=i))(inits)
+    torch.testing.assert_close(scans, x.cumsum(0) + inits[:, None])
+
+
+def test_vmap_over_xs_and_initial_generic():
+    m, init = rand(3, 6, 2, 2) / 2, rand(3, 2, 2)
+    scan = lambda m, i: fscan.associative_scan(matmul, m, 0, combine_mode="generic", initial=i)
+    out = torch.func.vmap(scan)(m, init)
+    for k in range(3):
+        torch.testing.assert_close(out[k], oracle(matmul, m[k], 0, init[k]))
+
+
+@pytest.fixture(scope="module")
+def compiled_inductor():
+    torch._dynamo.reset()
+
+    def fn(a, b, ia, ib):
+        return fscan.associative_scan(linear_recurrence, (a, b), 0, initial=(ia, ib))[1]
+
+    yield fn, torch.compile(fn, backend="inductor", fullgraph=True)
+    torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # from Inductor's own imports
+def test_compile_with_inductor_forward_and_gradients(compiled_inductor):
+    fn, compiled = compiled_inductor
+    args = [torch.rand(12, 3) + 0.5, torch.randn(12, 3), torch.rand(3) + 0.5, torch.randn(3)]
+    args = [x.requires_grad_() for x in args]
+    torch.testing.assert_close(compiled(*args), fn(*args))
+    got = torch.autograd.grad(compiled(*args).sum(), args)
+    expected = torch.autograd.grad(fn(*args).sum(), args)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+
+
+# ---- fscan.lax --------------------------------------------------------------------
+
+
+@parametrize(reverse=[False, True])
+def test_lax_initial_pointwise_and_matrix_fallback(reverse):
+    x, init = rand(3, 5), rand(3)
+    out = fscan.lax.associative_scan(torch.add, x, reverse, axis=1, initial=init)
+    torch.testing.assert_close(out, oracle(torch.add, x, 1, init, reverse))
+    m, mi = rand(6, 2, 2) / 2, rand(2, 2)
+    out = fscan.lax.associative_scan(torch.vmap(torch.matmul), m, reverse, initial=mi)
+    torch.testing.assert_close(out, oracle(matmul, m, 0, mi, reverse))
+
+
+def test_lax_reverse_not_bool_warns_once(monkeypatch):
+    monkeypatch.setattr(_lax, "_warned_reverse", False)
+    x = torch.arange(6.0).reshape(3, 2)
+    with pytest.warns(fscan.ReverseNotBoolWarning, match="pass `axis=` by keyword"):
+        out = fscan.lax.associative_scan(torch.add, x, 1)  # the trap: 1 is `reverse`
+    torch.testing.assert_close(out, x.flip(0).cumsum(0).flip(0))  # truthy, as in JAX
+    assert issubclass(fscan.ReverseNotBoolWarning, fscan.ScanWarning)
+    assert issubclass(fscan.ScanWarning, UserWarning)
+    fscan.lax.associative_scan(torch.add, x, 1)  # once: no second warning (errors in pytest)
+
+
+# ---- errors -------------------------------------------------------------------------
+
+
+def raises(exc, text):
+    return pytest.raises(exc, match=re.escape(text))
+
+
+def test_wrong_structure():
+    with raises(fscan.ScanValueError, "fscan.associative_scan: `initial` has structure"):
+        fscan.associative_scan(linear_recurrence, (rand(4), rand(4)), 0, initial=rand(()))
+
+
+def test_wrong_shape_names_the_leaf():
+    with raises(
+        fscan.ScanValueError,
+        "fscan.associative_scan: leaf initial[1] has shape (4,), expected one element's shape "
+        "(3,) (the leaf of `xs` of shape (5, 3) with dim 0 removed)",
+    ):
+        fscan.associative_scan(
+            linear_recurrence, (rand(5, 3), rand(5, 3)), 0, initial=(1.0, rand(4))
+        )
+
+
+def test_wrong_dtype_names_the_leaf():
+    with raises(
+        fscan.ScanTypeError,
+        "fscan.associative_scan: leaf initial['c'] has dtype torch.float64, which does not "
+        "promote to torch.float32",
+    ):
+        xs = {"w": torch.ones(4, 2), "c": torch.ones(4, 2)}
+        fscan.associative_scan(affine_compose, xs, 0, initial={"w": 1.0, "c": rand(2)})
+    with raises(fscan.ScanTypeError, "leaf initial is float 0.5, which does not fit"):
+        fscan.associative_scan(torch.add, torch.ones(3, dtype=torch.int64), 0, initial=0.5)
+    with raises(fscan.ScanTypeError, "leaf initial is a str 'a', expected a torch.Tensor"):
+        fscan.associative_scan(torch.add, torch.ones(3), 0, initial="a")
+
+
+def test_lax_errors_use_its_name():
+    with raises(fscan.ScanValueError, "fscan.lax.associative_scan: leaf initial has shape (4,)"):
+        fscan.lax.associative_scan(torch.add, torch.ones(3, 2), initial=torch.ones(4))
