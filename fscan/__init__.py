@@ -24,6 +24,7 @@ from ._ops import cummin as cummin
 from ._ops import cumprod as cumprod
 from ._ops import cumsum as cumsum
 from ._ops import logcumsumexp as logcumsumexp
+from ._reduce import associative_reduce as associative_reduce
 from ._scan import associative_scan as associative_scan
 
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ __all__ = [
     "ScanValueError",
     "ScanWarning",
     "UnsupportedScanError",
+    "associative_reduce",
     "associative_scan",
     "check_associative",
     "clear_caches",
