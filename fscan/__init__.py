@@ -18,7 +18,7 @@ from ._errors import ScanWarning as ScanWarning
 from ._errors import UnsupportedScanError as UnsupportedScanError
 from ._knowledge import clear_caches as clear_caches
 from ._linear import linear_recurrence as linear_recurrence
-from ._linear import linear_recurrence_matrix as linear_recurrence_matrix
+from ._linear_matrix import linear_recurrence_matrix as linear_recurrence_matrix
 from ._ops import cummax as cummax
 from ._ops import cummin as cummin
 from ._ops import cumprod as cumprod

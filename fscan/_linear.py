@@ -1,4 +1,4 @@
-"""Linear recurrences ``h_t = a_t * h_{t-1} + b_t``, scalar- and matrix-valued.
+"""Linear recurrences ``h_t = a_t * h_{t-1} + b_t``, elementwise (matrices: ``_linear_matrix``).
 
 ``h -> a h + b`` maps compose associatively, ``(a1, b1) then (a2, b2) = (a1 a2,
 a2 b1 + b2)``, so the whole sequence of states is one scan. The elementwise
@@ -32,10 +32,9 @@ from ._pytree import describe
 from ._scan import associative_scan
 from ._segmented import check_reset
 
-__all__ = ["linear_recurrence", "linear_recurrence_matrix"]
+__all__ = ["linear_recurrence"]
 
 _API = "fscan.linear_recurrence"
-_API_MATRIX = "fscan.linear_recurrence_matrix"
 # Chunk sizes: 64 steps per chunk measured fastest on (8, 4096, 256) (fewer,
 # larger chunks mean more sequential calls on smaller slices); below 8 steps per
 # chunk the walks cost more than they save and the tree scan is used directly.
@@ -95,58 +94,6 @@ def linear_recurrence(
     if b.shape[dim] == 0:
         return b.clone()
     return _solve(a, b, dim, initial, reverse)
-
-
-def linear_recurrence_matrix(
-    A: torch.Tensor,
-    b: torch.Tensor,
-    dim: int,
-    *,
-    initial: torch.Tensor | None = None,
-    reverse: bool = False,
-    reset: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """All states of ``h_t = A_t @ h_{t-1} + b_t`` along ``dim`` (matrix-valued gates).
-
-    The pairs ``(A_t, b_t)`` are scanned in generic mode with the composition
-    ``(A1, b1) then (A2, b2) = (A2 @ A1, A2 @ b1 + b2)``, so the cost is that of a
-    tree scan over ``d x d`` matrices (O(n d^3) work, O(log n) depth).
-
-    Args:
-        A (Tensor): shape ``(*batch, d, d)`` with ``batch`` broadcastable to ``b``'s
-            (sizes 1 or equal, same number of dimensions), e.g. ``(n, d, d)`` for
-            ``b`` of shape ``(n, d)``, or ``(1, n, d, d)`` shared over a batch.
-        b (Tensor): shape ``(*batch, d)``; ``dim`` is one of ``batch`` (not ``d``),
-            e.g. ``0`` or ``-2`` for ``b`` of shape ``(n, d)``.
-        dim (int): the time dimension, as in :func:`linear_recurrence`.
-        initial (Tensor or None, default None): the state before the first step,
-            broadcastable to one step of ``b`` (its last size ``d``).
-        reverse (bool, default False): run from the end of ``dim``.
-        reset (bool Tensor or None, default None): restart where True, as in
-            :func:`linear_recurrence`.
-
-    Returns:
-        Tensor: ``h``, of ``b``'s shape and the promoted dtype.
-
-    Example:
-        >>> import fscan, torch
-        >>> rotate = torch.tensor([[0.0, -1.0], [1.0, 0.0]]).expand(4, 2, 2)
-        >>> fscan.linear_recurrence_matrix(rotate, torch.tensor([[1.0, 0.0]]).expand(4, 2), 0)
-        tensor([[1., 0.],
-                [1., 1.],
-                [0., 1.],
-                [0., 0.]])
-    """
-    A, b, initial, dim = _check_args(_API_MATRIX, A, b, dim, initial, reverse, matrix=True)
-    if reset is not None:
-        A = torch.where(_mask_for(reset, b, dim, api=_API_MATRIX).unsqueeze(-1), 0, A)
-    n = b.shape[dim]
-    if n == 0:
-        return b.clone()
-    A = A.expand(*b.shape[:-1], *A.shape[-2:])
-    if initial is not None:
-        b = _fold_initial(b, dim, reverse, lambda first: _matvec(A.select(dim, first), initial))
-    return associative_scan(_compose_matrix, (A, b), dim, reverse, "generic")[1]
 
 
 # ---- the elementwise recurrence ---------------------------------------------
@@ -266,15 +213,6 @@ def _fold_initial(b: torch.Tensor, dim: int, reverse: bool, carried: Any) -> tor
     head = (b.select(dim, first) + carried(first)).unsqueeze(dim)
     rest = b.narrow(dim, 0, n - 1) if reverse else b.narrow(dim, 1, n - 1)
     return torch.cat([rest, head] if reverse else [head, rest], dim)
-
-
-def _matvec(A: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    return (A @ h.unsqueeze(-1)).squeeze(-1)
-
-
-def _compose_matrix(x: tuple[torch.Tensor, torch.Tensor], y: tuple[torch.Tensor, torch.Tensor]):
-    """``(A1, b1) then (A2, b2) = (A2 @ A1, A2 @ b1 + b2)``, on single elements."""
-    return y[0] @ x[0], _matvec(y[0], x[1]) + y[1]
 
 
 def _mask_for(reset: Any, b: torch.Tensor, dim: int, api: str = _API) -> torch.Tensor:

@@ -211,3 +211,12 @@ def test_errors_name_this_function():
         fscan.associative_reduce(torch.add, torch.ones(3, 3), 0, initial=torch.ones(2))
     with pytest.raises(fscan.CombineFnError, match="not elementwise"):
         fscan.associative_reduce(torch.matmul, torch.ones(4, 2, 2), 0)
+
+
+def test_compile_generic_mode_fullgraph():
+    torch._dynamo.reset()
+    fn = lambda m: fscan.associative_reduce(matmul, m, 0, combine_mode="generic")
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    m = torch.randn(9, 3, 3) / 2
+    torch.testing.assert_close(compiled(m), fn(m))
+    torch._dynamo.reset()
