@@ -7,7 +7,7 @@ import argparse
 
 import torch
 
-from . import autograd, core, gpu, ops, overhead
+from . import autograd, core, extras, gpu, ops, overhead
 from . import compile as compile_bench
 
 
@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
         # Compiling takes tens of seconds per workload: full runs only.
         print()
         print(compile_bench.compile_table().render(), flush=True)
+        for table in (extras.initial_table, extras.reduce_table, extras.matrix_table):
+            print()
+            print(table().render(), flush=True)
         if torch.cuda.is_available():
             print()
             print(gpu.gpu_table().render(), flush=True)
