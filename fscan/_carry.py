@@ -78,12 +78,24 @@ def fold_initial(
     if reset is not None:  # a reset at the first step drops `initial`
         flag = check_reset(api, reset, xs, leaves, dim).movedim(dim, 0).narrow(0, first, 1)
         carried = [torch.where(_like(flag, h), h, c) for h, c in zip(heads, carried)]
-    folded = []
-    for x, head in zip(leaves, carried):
-        rest = x.narrow(dim, 0, n - 1) if reverse else x.narrow(dim, 1, n - 1)
-        head = head.movedim(0, dim)
-        folded.append(torch.cat([rest, head] if reverse else [head, rest], dim))
-    return unflatten(spec, folded)
+    heads = [h.movedim(0, dim) for h in carried]
+    return unflatten(spec, [_swap_first(x, h, dim, first) for x, h in zip(leaves, heads)])
+
+
+def _swap_first(x: torch.Tensor, head: torch.Tensor, dim: int, first: int) -> torch.Tensor:
+    """A copy of ``x`` with ``head`` at index ``first`` along ``dim``.
+
+    Eagerly one ``cat``, a plain copy (an in-place write into a clone would fail
+    under ``vmap`` when only ``initial`` is batched). While tracing, a ``where``
+    on the position instead: the ``cat`` needs a slice of length ``n - 1``, and a
+    symbolic length that may be 1 makes ``torch.export`` specialise it.
+    """
+    n = x.shape[dim]
+    if torch.compiler.is_compiling():
+        at = torch.arange(n, device=x.device) == first
+        return torch.where(at.reshape([n if i == dim else 1 for i in range(x.ndim)]), head, x)
+    rest = x.narrow(dim, 0, n - 1) if first else x.narrow(dim, 1, n - 1)
+    return torch.cat([rest, head] if first else [head, rest], dim)
 
 
 def check_initial(

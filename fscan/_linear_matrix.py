@@ -23,6 +23,9 @@ the pairs, fill in the rest), specialised to the affine maps ``h -> A h + B``::
   is combined with it (one ``d x d`` by ``d x k`` product per level), rather than
   folded into a copy of ``B``.
 * ``reverse`` flips the inputs along time, scans and flips back.
+* While ``torch.compile`` or ``torch.export`` traces, the recursion (which unrolls
+  per length) gives way to ``fscan.associative_scan`` in generic mode over
+  ``(flag, A, B)`` triples, one length-polymorphic op.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 from ._checks import normalize_dim
 from ._errors import ScanTypeError, ScanValueError
 from ._pytree import describe
+from ._scan import associative_scan
 
 __all__ = ["linear_recurrence_matrix"]
 
@@ -107,8 +111,10 @@ def linear_recurrence_matrix(
         z = z.flip(0)
         A = A if shared else A.flip(0)
         flags = None if flags is None else flags.flip(0)
-    gates = A.squeeze(0) if shared else A
-    h = _scan(z, gates, flags, carry, shared)
+    if torch.compiler.is_compiling():  # one length-polymorphic graph: see _traced_scan
+        h = _traced_scan(z, A, flags, carry)
+    else:
+        h = _scan(z, A.squeeze(0) if shared else A, flags, carry, shared)
     if reverse:
         h = h.flip(0)
     h = h.movedim(0, dim)
@@ -152,6 +158,31 @@ def _scan(
     even = torch.cat([first, rest])
     woven = torch.stack([even[:p], odd], 1).flatten(0, 1)
     return woven if m == 2 * p else torch.cat([woven, even[p:]])
+
+
+def _traced_scan(
+    z: torch.Tensor, A: torch.Tensor, flags: torch.Tensor | None, carry: torch.Tensor | None
+) -> torch.Tensor:
+    """The same maps through ``fscan.associative_scan`` in generic mode, for
+    ``torch.compile`` and ``torch.export``: the recursion above unrolls per length,
+    while the scan is one length-polymorphic op (``fscan._traced``). The gates are
+    expanded per step here (a view; the traced op materialises what it needs)."""
+    steps = z.shape[:-2]
+    A = A.expand(*steps, *A.shape[-2:])
+    if flags is None:
+        flags = torch.zeros((*steps, 1, 1), dtype=torch.bool, device=z.device)
+    flags = flags.expand(*steps, 1, 1)
+    initial = None
+    if carry is not None:
+        eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device).expand(A.shape[1:])
+        initial = (torch.zeros_like(flags[0]), eye, carry)
+    return associative_scan(_compose, (flags, A, z), 0, False, "generic", initial=initial)[2]
+
+
+def _compose(x: tuple, y: tuple) -> tuple:
+    """``(f1, A1, B1) then (f2, A2, B2)``, the earlier map dropped where ``f2`` resets."""
+    (f1, A1, B1), (f2, A2, B2) = x, y
+    return f1 | f2, A2 @ torch.where(f2, 0, A1), A2 @ torch.where(f2, 0, B1) + B2
 
 
 def _walk(

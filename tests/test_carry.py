@@ -281,3 +281,19 @@ def test_wrong_dtype_names_the_leaf():
 def test_lax_errors_use_its_name():
     with raises(fscan.ScanValueError, "fscan.lax.associative_scan: leaf initial has shape (4,)"):
         fscan.lax.associative_scan(torch.add, torch.ones(3, 2), initial=torch.ones(4))
+
+
+class CarriedScan(torch.nn.Module):
+    def forward(self, xs, h0):
+        return fscan.associative_scan(linear_recurrence, xs, 0, True, initial=h0)
+
+
+def test_export_with_a_dynamic_length():
+    seq = torch.export.Dim("seq", min=2)
+    xs = (torch.rand(5, 3) + 0.5, torch.randn(5, 3))
+    h0 = (torch.rand(3) + 0.5, torch.randn(3))
+    dims = {"xs": ({0: seq}, {0: seq}), "h0": (None, None)}
+    ep = torch.export.export(CarriedScan(), (xs, h0), dynamic_shapes=dims)
+    for n in (2, 3, 17):
+        xs = (torch.rand(n, 3) + 0.5, torch.randn(n, 3))
+        assert_trees_close(ep.module()(xs, h0), CarriedScan()(xs, h0))

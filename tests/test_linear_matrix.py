@@ -234,3 +234,27 @@ def test_errors():
         fscan.linear_recurrence_matrix(torch.eye(3), torch.ones(5, 3), 0, matrix_state=1)
     with raises(fscan.ScanValueError, api + "`initial` of shape (4,) does not broadcast"):
         fscan.linear_recurrence_matrix(torch.eye(3), torch.ones(5, 3), 0, initial=torch.ones(4))
+
+
+class Recurrence(torch.nn.Module):
+    def __init__(self, shared):
+        super().__init__()
+        self.shared = shared
+
+    def forward(self, A, b, h0, reset):
+        return fscan.linear_recurrence_matrix(A, b, 1, initial=h0, reverse=True, reset=reset)
+
+
+@parametrize(shared=[True, False])
+def test_export_with_a_dynamic_length(shared):
+    seq = torch.export.Dim("seq", min=2)
+
+    def inputs(n):
+        A = torch.randn(3, 3) / 2 if shared else torch.randn(2, n, 3, 3) / 2
+        return A, torch.randn(2, n, 3), torch.randn(2, 3), torch.rand(n) < 0.3
+
+    dims = {"A": None if shared else {1: seq}, "b": {1: seq}, "h0": None, "reset": {0: seq}}
+    ep = torch.export.export(Recurrence(shared), inputs(5), dynamic_shapes=dims)
+    for n in (2, 7, 33):
+        args = inputs(n)
+        torch.testing.assert_close(ep.module()(*args), Recurrence(shared)(*args))
