@@ -15,6 +15,8 @@ from helpers import (
     parametrize,
     sequential_scan,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fscan
 from fscan import _lax
@@ -297,3 +299,35 @@ def test_export_with_a_dynamic_length():
     for n in (2, 3, 17):
         xs = (torch.rand(n, 3) + 0.5, torch.randn(n, 3))
         assert_trees_close(ep.module()(xs, h0), CarriedScan()(xs, h0))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    length=st.integers(1, 70),
+    reverse=st.booleans(),
+    mode=st.sampled_from(["pointwise", "generic"]),
+    dim=st.integers(0, 1),
+    reset_rate=st.sampled_from([0.0, 0.2, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_affine_with_initial_and_reset(length, reverse, mode, dim, reset_rate, seed):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (length, 2) if dim == 0 else (2, length)
+    xs = (torch.rand(shape, generator=gen, **F64) + 0.5, torch.randn(shape, generator=gen, **F64))
+    init = (torch.rand(2, generator=gen, **F64) + 0.5, torch.randn(2, generator=gen, **F64))
+    reset = torch.rand(length, generator=gen) < reset_rate
+    out = fscan.associative_scan(
+        linear_recurrence, xs, dim, reverse, mode, reset=reset, initial=init
+    )
+    # the oracle: a loop from `initial`, restarting where reset is set
+    a, b = (x.movedim(dim, 0) for x in xs)
+    h, expected = None, [None] * length
+    for t in range(length - 1, -1, -1) if reverse else range(length):
+        if h is None:  # the first step in scan order: initial enters unless it resets
+            h = (a[t], b[t]) if reset[t] else linear_recurrence(init, (a[t], b[t]))
+        else:
+            h = (a[t], b[t]) if reset[t] else linear_recurrence(h, (a[t], b[t]))
+        expected[t] = h
+    for k in range(2):
+        got = out[k].movedim(dim, 0)
+        torch.testing.assert_close(got, torch.stack([e[k] for e in expected]))

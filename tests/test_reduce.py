@@ -15,6 +15,8 @@ from helpers import (
     parametrize,
     sequential_scan,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fscan
 
@@ -220,3 +222,26 @@ def test_compile_generic_mode_fullgraph():
     m = torch.randn(9, 3, 3) / 2
     torch.testing.assert_close(compiled(m), fn(m))
     torch._dynamo.reset()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    length=st.integers(1, 90),
+    reverse=st.booleans(),
+    mode=st.sampled_from(["pointwise", "generic"]),
+    with_initial=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_matches_the_scans_end(length, reverse, mode, with_initial, seed):
+    gen = torch.Generator().manual_seed(seed)
+    xs = {"w": torch.rand(length, 3, generator=gen, **F64) + 0.5}
+    xs["c"] = torch.randn(length, 3, generator=gen, **F64)
+    init = {
+        "w": torch.rand(3, generator=gen, **F64) + 0.5,
+        "c": torch.randn(3, generator=gen, **F64),
+    }
+    init = init if with_initial else None
+    out = fscan.associative_reduce(
+        affine_compose, xs, 0, combine_mode=mode, reverse=reverse, initial=init
+    )
+    assert_trees_close(out, oracle_total(affine_compose, xs, 0, reverse, init))
