@@ -70,11 +70,12 @@ def fold_initial(
     if n == 0:
         return xs
     first = n - 1 if reverse else 0
-    # The engines' layout: the scan dimension first, a batch of one element.
+    # The engines' layout: the scan dimension first, a batch of one element. Copies:
+    # the scan's purity checks run after this call, so an impure combine_fn must not
+    # reach the caller's `xs` or `initial` here.
     heads = [x.movedim(dim, 0).narrow(0, first, 1) for x in leaves]
-    carried = flat_combine(api, combine_fn, spec, combine_mode)(
-        [i.unsqueeze(0) for i in init], heads
-    )
+    combine = flat_combine(api, combine_fn, spec, combine_mode)
+    carried = combine([i.unsqueeze(0).clone() for i in init], [h.clone() for h in heads])
     if reset is not None:  # a reset at the first step drops `initial`
         flag = check_reset(api, reset, xs, leaves, dim).movedim(dim, 0).narrow(0, first, 1)
         carried = [torch.where(_like(flag, h), h, c) for h, c in zip(heads, carried)]

@@ -31,8 +31,11 @@ from ._carry import check_initial
 from ._checks import check_scan_args
 from ._combine import FlatCombine, flat_combine
 from ._errors import ScanValueError
-from ._pointwise_check import checked_on_first_call, pointwise_checked
+from ._knowledge import knowledge, reach
+from ._pointwise_check import checked_on_first_call
 from ._pytree import flatten, unflatten
+from ._routing import _check_untouched as check_untouched
+from ._routing import _versions as versions_of
 from ._validate import validate_combine_fn
 
 __all__ = ["associative_reduce"]
@@ -96,16 +99,18 @@ def associative_reduce(
                 "return; pass `initial=` (the identity of `combine_fn`, say)."
             )
         return unflatten(spec, [i.clone() for i in init])
-    validate_combine_fn(_API, combine_fn, spec, leaves, dim, combine_mode, validate)
     combine = flat_combine(_API, combine_fn, spec, combine_mode)
-    if (
-        combine_mode == "pointwise"
-        and not torch.compiler.is_compiling()  # no cache lookups in a graph
-        and not pointwise_checked(combine_fn, spec, leaves)
-    ):
-        combine = checked_on_first_call(_API, combine, combine_fn, spec, leaves)
+    versions = None
+    if not torch.compiler.is_compiling():  # no cache lookups or probes in a graph
+        entry = knowledge(reach(combine_fn), spec, combine_mode, leaves)
+        validate_combine_fn(_API, combine_fn, spec, leaves, dim, combine_mode, validate, entry)
+        if combine_mode == "pointwise" and not entry.elementwise:
+            combine = checked_on_first_call(_API, combine, entry, leaves)
+        versions = versions_of(leaves)
     moved = [x.movedim(dim, 0) for x in leaves]
     total = tree_reduce(_swapped(combine) if reverse else combine, moved)
+    if versions is not None:  # the combines ran on views of `xs`: see fscan._routing
+        check_untouched(_API, spec, leaves, versions)
     if init is not None:
         total = combine([i.unsqueeze(0) for i in init], total)
     # One element's copy: the total may be an input's view (length 1, or a combine_fn

@@ -331,3 +331,10 @@ def test_property_affine_with_initial_and_reset(length, reverse, mode, dim, rese
     for k in range(2):
         got = out[k].movedim(dim, 0)
         torch.testing.assert_close(got, torch.stack([e[k] for e in expected]))
+
+
+def test_an_impure_combine_never_touches_the_callers_tensors():
+    x, init = torch.ones(5), torch.ones(())
+    with pytest.raises(fscan.ImpureCombineError):
+        fscan.associative_scan(lambda a, b: a.add_(b), x, 0, initial=init)
+    assert torch.equal(x, torch.ones(5)) and torch.equal(init, torch.ones(()))

@@ -245,3 +245,10 @@ def test_property_matches_the_scans_end(length, reverse, mode, with_initial, see
         affine_compose, xs, 0, combine_mode=mode, reverse=reverse, initial=init
     )
     assert_trees_close(out, oracle_total(affine_compose, xs, 0, reverse, init))
+
+
+def test_an_impure_combine_is_caught():
+    x = torch.ones(6)
+    with pytest.raises(fscan.ImpureCombineError):
+        fscan.associative_reduce(lambda a, b: a.add_(b), x, 0)
+    assert torch.equal(x, torch.ones(6))
