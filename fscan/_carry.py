@@ -74,11 +74,17 @@ def fold_initial(
     # the scan's purity checks run after this call, so an impure combine_fn must not
     # reach the caller's `xs` or `initial` here.
     heads = [x.movedim(dim, 0).narrow(0, first, 1) for x in leaves]
-    combine = flat_combine(api, combine_fn, spec, combine_mode)
-    carried = combine([i.unsqueeze(0).clone() for i in init], [h.clone() for h in heads])
+    left, right = [i.unsqueeze(0).clone() for i in init], [h.clone() for h in heads]
+    flags = None
     if reset is not None:  # a reset at the first step drops `initial`
         flag = check_reset(api, reset, xs, leaves, dim).movedim(dim, 0).narrow(0, first, 1)
-        carried = [torch.where(_like(flag, h), h, c) for h, c in zip(heads, carried)]
+        flags = [_like(flag, h) for h in heads]
+        # Where it drops it, combine_fn's result is discarded and runs on ones (as in
+        # fscan._segmented): an inf `initial` never meets a zero cotangent (0 * inf).
+        left, right = _ones_where(flags, left), _ones_where(flags, right)
+    carried = flat_combine(api, combine_fn, spec, combine_mode)(left, right)
+    if flags is not None:
+        carried = [torch.where(f, h, c) for f, h, c in zip(flags, heads, carried)]
     heads = [h.movedim(0, dim) for h in carried]
     return unflatten(spec, [_swap_first(x, h, dim, first) for x, h in zip(leaves, heads)])
 
@@ -151,6 +157,13 @@ def _check_leaf(api: str, path: str, leaf: Any, x: torch.Tensor, dim: int) -> to
             "removed), or a shape that broadcasts to it."
         )
     return leaf.to(x.dtype).expand(element)
+
+
+def _ones_where(flags: list[torch.Tensor], leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [
+        torch.where(f, torch.ones((), dtype=t.dtype, device=t.device), t)
+        for f, t in zip(flags, leaves)
+    ]
 
 
 def _like(flag: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

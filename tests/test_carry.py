@@ -338,3 +338,18 @@ def test_an_impure_combine_never_touches_the_callers_tensors():
     with pytest.raises(fscan.ImpureCombineError):
         fscan.associative_scan(lambda a, b: a.add_(b), x, 0, initial=init)
     assert torch.equal(x, torch.ones(5)) and torch.equal(init, torch.ones(()))
+
+
+@parametrize(mode=["pointwise", "generic"], reverse=[False, True])
+def test_a_dropped_infinite_initial_leaves_gradients_finite(mode, reverse):
+    x = rand(5, 2).requires_grad_()
+    init = torch.full((2,), float("inf"), **F64, requires_grad=True)
+    reset = torch.zeros(5, dtype=torch.bool)
+    reset[4 if reverse else 0] = True
+    out = fscan.associative_scan(torch.mul, x, 0, reverse, mode, reset=reset, initial=init)
+    expected = fscan.associative_scan(torch.mul, x, 0, reverse, mode, reset=reset)
+    torch.testing.assert_close(out, expected)
+    gx, gi = torch.autograd.grad(out.sum(), (x, init))
+    (ex,) = torch.autograd.grad(expected.sum(), x)
+    torch.testing.assert_close(gx, ex)
+    assert (gi == 0).all()
