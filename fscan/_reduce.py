@@ -34,8 +34,8 @@ from ._errors import ScanValueError
 from ._knowledge import knowledge, reach
 from ._pointwise_check import checked_on_first_call
 from ._pytree import flatten, unflatten
-from ._routing import _check_untouched as check_untouched
-from ._routing import _versions as versions_of
+from ._routing import check_untouched as check_untouched
+from ._routing import leaf_versions as versions_of
 from ._validate import validate_combine_fn
 
 __all__ = ["associative_reduce"]

@@ -52,7 +52,16 @@ from ._knowledge import Knowledge, Reach
 from ._pointwise_check import checked_on_first_call
 from ._traced import traced_scan
 
-__all__ = ["Where", "pick_route", "scan_flat", "scan_traced", "under_transform", "where"]
+__all__ = [
+    "Where",
+    "check_untouched",
+    "leaf_versions",
+    "pick_route",
+    "scan_flat",
+    "scan_traced",
+    "under_transform",
+    "where",
+]
 
 
 class Where(NamedTuple):
@@ -148,9 +157,9 @@ def scan_flat(
     """
     at = where(leaves)
     route = pick_route(combine_fn, at, leaves, dim, combine_mode, found, entry)
-    versions = _versions(leaves)
+    versions = leaf_versions(leaves)
     out = _run(api, route, combine_fn, spec, leaves, dim, reverse, combine_mode, found, entry, at)
-    _check_untouched(api, spec, leaves, versions)
+    check_untouched(api, spec, leaves, versions)
     return out
 
 
@@ -206,12 +215,12 @@ def scan_traced(
     return traced_scan(api, combine_fn, spec, leaves, dim, reverse, combine_mode)
 
 
-def _versions(leaves: Sequence[torch.Tensor]) -> list[int | None]:
+def leaf_versions(leaves: Sequence[torch.Tensor]) -> list[int | None]:
     # Inference tensors and functorch wrappers have no version counter to compare.
     return [None if x.is_inference() else x._version for x in leaves]
 
 
-def _check_untouched(
+def check_untouched(
     api: str, spec: PyTreeSpec, leaves: Sequence[torch.Tensor], before: list[int | None]
 ) -> None:
     """A last line of defence behind the purity probe, whose verdict covers the sample it
