@@ -34,8 +34,7 @@ from ._errors import ScanValueError
 from ._knowledge import knowledge, reach
 from ._pointwise_check import checked_on_first_call
 from ._pytree import flatten, unflatten
-from ._routing import check_untouched as check_untouched
-from ._routing import leaf_versions as versions_of
+from ._routing import check_untouched, leaf_versions
 from ._validate import validate_combine_fn
 
 __all__ = ["associative_reduce"]
@@ -106,7 +105,7 @@ def associative_reduce(
         validate_combine_fn(_API, combine_fn, spec, leaves, dim, combine_mode, validate, entry)
         if combine_mode == "pointwise" and not entry.elementwise:
             combine = checked_on_first_call(_API, combine, entry, leaves)
-        versions = versions_of(leaves)
+        versions = leaf_versions(leaves)
     moved = [x.movedim(dim, 0) for x in leaves]
     total = tree_reduce(_swapped(combine) if reverse else combine, moved)
     if versions is not None:  # the combines ran on views of `xs`: see fscan._routing

@@ -203,7 +203,7 @@ def test_empty_element_dims_with_gradients(route):
     x = torch.randn(7, 0, 3, requires_grad=True)
     mul = lambda a, b: a * b
     if route == "lax":
-        y = fscan.lax.associative_scan(mul, x, 0)
+        y = fscan.lax.associative_scan(mul, x, axis=0)
     elif route == "reset":
         y = fscan.associative_scan(mul, x, 0, reset=torch.zeros(7, dtype=torch.bool))
     else:
