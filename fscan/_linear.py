@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ._autograd import _under_transform
 from ._checks import normalize_dim
 from ._errors import ScanTypeError, ScanValueError
 from ._pytree import describe
@@ -50,13 +51,14 @@ def linear_recurrence(
     initial: torch.Tensor | None = None,
     reverse: bool = False,
     reset: torch.Tensor | None = None,
+    acc_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """All states of ``h_t = a_t * h_{t-1} + b_t`` along ``dim``, in one call.
 
     Semantics (``h_{-1} = initial``, or 0)::
 
         for t in range(n):
-            h[t] = (0 if reset[t] else a[t] * h[t - 1]) + b[t]   # along `dim`
+            h[t] = (b[t] if reset[t] else a[t] * h[t - 1] + b[t])   # along `dim`
 
     With ``reverse=True`` the recurrence runs from the end, ``h_t = a_t * h_{t+1}
     + b_t`` with ``h_n = initial``, and ``reset[t]`` drops ``h_{t+1}``.
@@ -73,11 +75,16 @@ def linear_recurrence(
         reset (bool Tensor or None, default None): restart where True, ``h_t = b_t``
             (packed sequences, episode boundaries): a 1-D mask of length ``n`` or a
             mask with ``b``'s dimensions broadcastable to it, as in
-            ``fscan.associative_scan``. A reset at the first step drops ``initial``.
+            ``fscan.associative_scan``. A reset at the first step drops ``initial``;
+            nothing before a reset reaches it, not even a NaN or an inf.
+        acc_dtype (torch.dtype or None, default None): accumulate in this
+            (floating or complex) dtype and round once at the end, e.g.
+            ``torch.float32`` for bfloat16/float16 inputs.
 
     Returns:
         Tensor: ``h``, of ``b``'s shape and the promoted dtype of ``a``, ``b`` and
-        ``initial``; differentiable in all three (complex too) and vmappable.
+        ``initial``; differentiable in all three (complex too, to any order) and
+        usable under ``torch.func`` transforms, ``torch.compile`` and ``torch.export``.
 
     Example:
         >>> import fscan, torch
@@ -89,27 +96,231 @@ def linear_recurrence(
         tensor([1.0000, 1.5000, 1.0000, 1.5000])
     """
     a, b, initial, dim = _check_args(_API, a, b, dim, initial, reverse, matrix=False)
-    if reset is not None:
-        a = torch.where(_mask_for(reset, b, dim), 0, a)
-    if b.shape[dim] == 0:
-        return b.clone()
-    return _solve(a, b, dim, initial, reverse)
+    dtype = b.dtype
+    if acc_dtype is not None:
+        wide = _accumulation_dtype(acc_dtype, dtype)
+        a, b = a.to(wide), b.to(wide)
+        initial = None if initial is None else initial.to(wide)
+    mask = None if reset is None else _mask_for(reset, b, dim)
+    # Gates and `initial` with b's number of dimensions (a step's, for `initial`):
+    # views, so that every path below can broadcast and unsqueeze along `dim`.
+    a = a.reshape((1,) * (b.ndim - a.ndim) + tuple(a.shape))
+    if initial is not None:
+        initial = initial.reshape((1,) * (b.ndim - 1 - initial.ndim) + tuple(initial.shape))
+    return _recurrence(a, b, dim, initial, reverse, mask).to(dtype)
 
 
 # ---- the elementwise recurrence ---------------------------------------------
+#
+# Shapes from here on: `a` has b's number of dimensions (sizes 1 where it
+# broadcasts), `initial` a step's (b's without `dim`), `mask` b's (sizes 1 where
+# it broadcasts, n along `dim`). All share one dtype.
+
+
+def _recurrence(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    dim: int,
+    initial: torch.Tensor | None,
+    reverse: bool,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Pick the route: each one computes the same states, differentiably.
+
+    * ``torch.compile`` / ``torch.export`` tracing: the tree scan, one
+      length-polymorphic op (see ``fscan._traced``), which autograd traces too.
+    * ``torch.func`` transforms and forward-mode AD: the chunked walk in plain
+      differentiable torch ops, which functorch differentiates and batches.
+    * Eager, with a gradient wanted: :class:`_LinearRecurrenceFn`, whose backward
+      is one more (reverse) linear recurrence; it saves only ``a`` and ``h``.
+    * Eager without gradients: the chunked walk writing into preallocated memory.
+    """
+    if b.numel() == 0:
+        return _empty(a, b, dim, initial)
+    if torch.compiler.is_compiling():
+        return _tree(a, b, dim, initial, reverse, mask)
+    if _under_transform():
+        return _solve(a, b, dim, initial, reverse, mask, fast=False)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, initial)):
+        return _LinearRecurrenceFn.apply(a, b, initial, mask, dim, reverse)
+    return _solve(a, b, dim, initial, reverse, mask, fast=True)
+
+
+def _empty(
+    a: torch.Tensor, b: torch.Tensor, dim: int, initial: torch.Tensor | None
+) -> torch.Tensor:
+    """The (empty) result of an empty ``b``, still connected to ``a`` and ``initial`` so
+    that their gradients are zeros of their shapes, as the sequential loop's are."""
+    h = torch.addcmul(b, a, torch.zeros_like(b))
+    return h if initial is None else h + initial.unsqueeze(dim) * 0
+
+
+class _LinearRecurrenceFn(torch.autograd.Function):
+    """``h = linear_recurrence(a, b)`` with the adjoint recurrence as its backward.
+
+    For ``h_t = a_t h_{t-1} + b_t`` and ``g_t = dL/dh_t`` the adjoint state
+    ``lam_t = dL/db_t`` obeys the reverse recurrence ``lam_t = g_t + conj(a_{t+1})
+    lam_{t+1}``; then ``dL/da_t = lam_t conj(h_{t-1})`` and ``dL/dinitial =
+    conj(a_0) lam_0``: one linear recurrence and pointwise products, from ``a``
+    and ``h`` alone (the walk's intermediates are not kept). A reset at ``t``
+    cuts both the forward carry into ``t`` and the adjoint carry out of it.
+
+    The backward is written with differentiable ops (and calls this Function
+    again), so gradients of gradients work to any order.
+    """
+
+    @staticmethod
+    def forward(ctx, a, b, initial, mask, dim, reverse):  # type: ignore[override]
+        h = _solve(a, b, dim, initial, reverse, mask, fast=True)
+        ctx.save_for_backward(a, h, initial, mask)
+        ctx.dim, ctx.reverse = dim, reverse
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h):  # type: ignore[override]
+        a, h, initial, mask = ctx.saved_tensors
+        args = (a, h, initial, mask, grad_h, ctx.dim, ctx.reverse, ctx.needs_input_grad[:3])
+        # create_graph=True runs the backward with grad mode on: differentiable ops.
+        grads = _adjoint_differentiable(*args) if torch.is_grad_enabled() else _adjoint(*args)
+        return (*grads, None, None, None)
+
+
+Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def _adjoint(
+    a: torch.Tensor,
+    h: torch.Tensor,
+    initial: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    grad_h: torch.Tensor,
+    dim: int,
+    reverse: bool,
+    needs: tuple[bool, ...],
+) -> Grads:
+    """The gradients of ``a``, ``b``, ``initial``, on views and into preallocated memory.
+
+    The adjoint gate at ``t`` is the forward gate one step later in scan order, so
+    the adjoint recurrence runs on the views "all but the scan's first step" of
+    ``a`` and "all but its last step" of ``grad_h``, with ``lam``'s last step
+    (``grad_h``'s) as its initial state: no shifted copies of ``a`` or ``h``.
+    """
+    n = h.shape[dim]
+    first, last = (n - 1, 0) if reverse else (0, n - 1)
+
+    def later(x: torch.Tensor) -> torch.Tensor:  # every step but the scan's first
+        return x.narrow(dim, 0, n - 1) if reverse else x.narrow(dim, 1, n - 1)
+
+    def earlier(x: torch.Tensor) -> torch.Tensor:  # every step but the scan's last
+        return x.narrow(dim, 1, n - 1) if reverse else x.narrow(dim, 0, n - 1)
+
+    a = a.conj()
+    lam = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    lam.select(dim, last).copy_(grad_h.select(dim, last))
+    if n > 1:
+        gate = a if a.shape[dim] == 1 else later(a)
+        step_mask = None if mask is None else later(mask)
+        end = grad_h.select(dim, last)
+        _solve(gate, earlier(grad_h), dim, end, not reverse, step_mask, True, earlier(lam))
+    grad_a = grad_initial = None
+    if needs[0]:
+        grad_a = torch.empty_like(lam)
+        torch.mul(later(lam), earlier(h).conj(), out=later(grad_a))
+        start = grad_a.select(dim, first)
+        if initial is None:  # h_{-1} = 0
+            start.zero_()
+        else:
+            torch.mul(lam.select(dim, first), initial.conj(), out=start)
+        if mask is not None:
+            grad_a.masked_fill_(mask, 0)
+        grad_a = grad_a.sum_to_size(a.shape)
+    if needs[2]:
+        grad_initial = a.select(dim, min(first, a.shape[dim] - 1)) * lam.select(dim, first)
+        if mask is not None:
+            grad_initial = grad_initial.masked_fill(mask.select(dim, first), 0)
+        grad_initial = grad_initial.sum_to_size(initial.shape)
+    return grad_a, lam if needs[1] else None, grad_initial
+
+
+def _adjoint_differentiable(
+    a: torch.Tensor,
+    h: torch.Tensor,
+    initial: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    grad_h: torch.Tensor,
+    dim: int,
+    reverse: bool,
+    needs: tuple[bool, ...],
+) -> Grads:
+    """:func:`_adjoint` in differentiable ops (shifted copies, this Function again)."""
+    n = h.shape[dim]
+    a_next = a.conj() if a.shape[dim] == 1 else _toward_start(a.conj(), dim, reverse)
+    mask_next = None if mask is None else _toward_start(mask, dim, reverse)
+    lam = _adjoint_solve(a_next, grad_h, dim, not reverse, mask_next)
+    grad_a = grad_initial = None
+    if needs[0]:
+        grad_a = lam * _toward_end(h, dim, reverse, initial).conj()
+        if mask is not None:
+            grad_a = torch.where(mask, 0, grad_a)
+        grad_a = grad_a.sum_to_size(a.shape)
+    if needs[2]:
+        first = n - 1 if reverse else 0
+        grad_initial = a.select(dim, min(first, a.shape[dim] - 1)).conj() * lam.select(dim, first)
+        if mask is not None:
+            grad_initial = torch.where(mask.select(dim, first), 0, grad_initial)
+        grad_initial = grad_initial.sum_to_size(initial.shape)
+    return grad_a, lam if needs[1] else None, grad_initial
+
+
+def _adjoint_solve(
+    a: torch.Tensor, g: torch.Tensor, dim: int, reverse: bool, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """The adjoint recurrence: differentiable when a higher-order gradient is built."""
+    if torch.is_grad_enabled() and (a.requires_grad or g.requires_grad):
+        return _LinearRecurrenceFn.apply(a, g, None, mask, dim, reverse)
+    return _solve(a, g, dim, None, reverse, mask, fast=True)
+
+
+def _toward_start(x: torch.Tensor, dim: int, reverse: bool) -> torch.Tensor:
+    """``y_t = x_{t+1}`` in scan order (toward the start by one); zero (False) last."""
+    return _toward_end(x, dim, not reverse, None)
+
+
+def _toward_end(
+    x: torch.Tensor, dim: int, reverse: bool, first: torch.Tensor | None
+) -> torch.Tensor:
+    """``y_t = x_{t-1}`` in scan order; ``first`` (a step, or zero) at the scan's start."""
+    n = x.shape[dim]
+    start = torch.zeros_like(x.narrow(dim, 0, 1))
+    if first is not None:
+        start = first.unsqueeze(dim).expand_as(start)
+    if reverse:
+        return torch.cat([x.narrow(dim, 1, n - 1), start], dim)
+    return torch.cat([start, x.narrow(dim, 0, n - 1)], dim)
 
 
 def _solve(
-    a: torch.Tensor, b: torch.Tensor, dim: int, initial: torch.Tensor | None, reverse: bool
+    a: torch.Tensor,
+    b: torch.Tensor,
+    dim: int,
+    initial: torch.Tensor | None,
+    reverse: bool,
+    mask: torch.Tensor | None,
+    fast: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dispatch on length: chunked walks for long scans, the tree for short ones."""
+    """Dispatch on length: chunked walks for long scans, the tree for short ones.
+
+    ``fast`` writes the states into preallocated memory (``out=``, or ``out`` if
+    given): only where no autograd or functorch transform watches the ops.
+    """
     n = b.shape[dim]
-    a = a.reshape((1,) * (b.ndim - a.ndim) + tuple(a.shape))
     a = a.expand(*(n if i == dim else s for i, s in enumerate(a.shape)))  # stride 0 if constant
     chunk = _chunk_size(n)
-    if chunk is None:
-        return _tree(a, b, dim, initial, reverse)
-    return _chunked(a, b, dim, initial, reverse, chunk)
+    if chunk is not None:
+        return _chunked(a, b, dim, initial, reverse, mask, chunk, fast, out)
+    h = _tree(a, b, dim, initial, reverse, mask)
+    return h if out is None else out.copy_(h)
 
 
 def _chunk_size(n: int) -> int | None:
@@ -126,11 +337,47 @@ def _compose(x: tuple[torch.Tensor, torch.Tensor], y: tuple[torch.Tensor, torch.
 
 
 def _tree(
-    a: torch.Tensor, b: torch.Tensor, dim: int, initial: torch.Tensor | None, reverse: bool
+    a: torch.Tensor,
+    b: torch.Tensor,
+    dim: int,
+    initial: torch.Tensor | None,
+    reverse: bool,
+    mask: torch.Tensor | None,
 ) -> torch.Tensor:
+    """The pairs ``(a_t, b_t)`` scanned with the tree (a segmented scan with ``mask``)."""
+    n = b.shape[dim]
+    # One shape for both leaves: a per-row mask must broadcast to each of them.
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    a, b = a.expand(shape), b.expand(shape)
     if initial is not None:
-        b = _fold_initial(b, dim, reverse, lambda first: a.select(dim, first) * initial)
-    return associative_scan(_compose, (a, b), dim, reverse)[1]
+        first = n - 1 if reverse else 0
+        b_first = b.select(dim, first)
+        head = torch.addcmul(b_first, a.select(dim, first), initial)
+        if mask is not None:  # a reset at the first step drops `initial`, inf and NaN too
+            head = torch.where(mask.select(dim, first), b_first, head)
+        rest = b.narrow(dim, 0, n - 1) if reverse else b.narrow(dim, 1, n - 1)
+        b = torch.cat([rest, head.unsqueeze(dim)] if reverse else [head.unsqueeze(dim), rest], dim)
+    if mask is None:
+        return associative_scan(_compose, (a, b), dim, reverse)[1]
+    return associative_scan(_compose, (a, b), dim, reverse, reset=mask)[1]
+
+
+def _step(
+    a_t: torch.Tensor,
+    b_t: torch.Tensor,
+    m_t: torch.Tensor | None,
+    h: torch.Tensor,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """One step ``a_t h + b_t``, or ``b_t`` where ``m_t`` (``where``, not a zero gate:
+    ``0 * inf`` is NaN), into ``out`` if given."""
+    if out is None:
+        new = torch.addcmul(b_t, a_t, h)
+        return new if m_t is None else torch.where(m_t, b_t, new)
+    torch.addcmul(b_t, a_t, h, out=out)
+    if m_t is not None:
+        torch.where(m_t, b_t, out, out=out)
+    return out
 
 
 def _chunked(
@@ -139,67 +386,84 @@ def _chunked(
     dim: int,
     initial: torch.Tensor | None,
     reverse: bool,
+    mask: torch.Tensor | None,
     chunk: int,
+    fast: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     n = b.shape[dim]
     tail = n % chunk
     # Whole chunks, aligned to where the scan starts; the short tail comes last.
     start = tail if reverse else 0
-    a_main = a.narrow(dim, start, n - tail).unflatten(dim, (-1, chunk))
-    b_main = b.narrow(dim, start, n - tail).unflatten(dim, (-1, chunk))
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        return x.narrow(dim, start, n - tail).unflatten(dim, (-1, chunk))
+
     within = dim + 1
     steps = range(chunk - 1, -1, -1) if reverse else range(chunk)
     # Unbind once: a `select` per step would make autograd zero-fill a full-size
     # gradient for every step, turning the backward quadratic in the chunk length.
-    a_steps, b_steps = a_main.unbind(within), b_main.unbind(within)
+    a_steps, b_steps = chunks(a).unbind(within), chunks(b).unbind(within)
+    m_steps = [None] * chunk if mask is None else chunks(mask).unbind(within)
     # Step 1: each chunk's end state from a zero start, and its total gate.
-    ends = None
-    for t in steps:
-        ends = b_steps[t] if ends is None else torch.addcmul(b_steps[t], a_steps[t], ends)
-    gates = a_main.prod(within)
+    ends = b_steps[steps[0]]
+    for i, t in enumerate(steps[1:]):
+        # In fast mode the first step allocates and the others update it in place.
+        ends = _step(a_steps[t], b_steps[t], m_steps[t], ends, ends if fast and i else None)
+    gates = chunks(a).prod(within)
+    # A chunk holding a reset restarts the chunk-level recurrence (its gate is not used).
+    chunk_mask = None if mask is None else chunks(mask).any(within)
     # Step 2: the true end state of every chunk, a recurrence over chunks.
-    ends = _solve(gates, ends, dim, initial, reverse)
-    entering = _shift(ends, dim, initial, reverse)
+    ends = _solve(gates, ends, dim, initial, reverse, chunk_mask, fast)
+    entering = _toward_end(ends, dim, reverse, initial)
     # Step 3: walk every chunk again from its entering state, keeping all steps.
+    if fast and out is None:
+        out = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    out_steps = chunks(out).unbind(within) if fast else [None] * chunk
     states, h = [], entering
     for t in steps:
-        h = torch.addcmul(b_steps[t], a_steps[t], h)
+        h = _step(a_steps[t], b_steps[t], m_steps[t], h, out_steps[t])
         states.append(h)
+    last = ends.select(dim, 0 if reverse else ends.shape[dim] - 1)
+    span = range(tail - 1, -1, -1) if reverse else range(n - tail, n)
+    if fast:
+        if tail:
+            _walk(a, b, dim, mask, span, last, out)
+        return out
     if reverse:
         states.reverse()
     main = torch.stack(states, within).flatten(dim, within)
     if not tail:
         return main
-    last = ends.select(dim, 0 if reverse else ends.shape[dim] - 1)
-    rest = _walk(a, b, dim, range(tail - 1, -1, -1) if reverse else range(n - tail, n), last)
+    rest = _walk(a, b, dim, mask, span, last, None)
     return torch.cat([rest, main] if reverse else [main, rest], dim)
 
 
-def _shift(
-    ends: torch.Tensor, dim: int, initial: torch.Tensor | None, reverse: bool
-) -> torch.Tensor:
-    """The state entering each chunk: the previous chunk's end, ``initial`` (or 0) first."""
-    count = ends.shape[dim]
-    first = ends.narrow(dim, 0, 1)
-    start = torch.zeros_like(first) if initial is None else initial.unsqueeze(dim).expand_as(first)
-    if reverse:
-        return torch.cat([ends.narrow(dim, 1, count - 1), start], dim)
-    return torch.cat([start, ends.narrow(dim, 0, count - 1)], dim)
-
-
 def _walk(
-    a: torch.Tensor, b: torch.Tensor, dim: int, steps: range, h: torch.Tensor
+    a: torch.Tensor,
+    b: torch.Tensor,
+    dim: int,
+    mask: torch.Tensor | None,
+    steps: range,
+    h: torch.Tensor,
+    out: torch.Tensor | None,
 ) -> torch.Tensor:
-    """A plain sequential walk over a few ``steps`` from state ``h``, stacked in index order."""
-    states = {}
+    """A plain sequential walk over a few ``steps`` from state ``h``: written into
+    ``out`` if given, else stacked in index order."""
     low = min(steps)
-    # One unbind of the walked span instead of a `select` per step (see _chunked).
-    a_steps = a.narrow(dim, low, len(steps)).unbind(dim)
-    b_steps = b.narrow(dim, low, len(steps)).unbind(dim)
+
+    def span(x: torch.Tensor | None) -> list:
+        # One unbind of the walked span instead of a `select` per step (see _chunked).
+        return (
+            [None] * len(steps) if x is None else list(x.narrow(dim, low, len(steps)).unbind(dim))
+        )
+
+    a_steps, b_steps, m_steps, out_steps = span(a), span(b), span(mask), span(out)
+    states = {}
     for t in steps:
-        h = torch.addcmul(b_steps[t - low], a_steps[t - low], h)
-        states[t] = h
-    return torch.stack([states[t] for t in sorted(states)], dim)
+        i = t - low
+        h = states[t] = _step(a_steps[i], b_steps[i], m_steps[i], h, out_steps[i])
+    return torch.stack([states[t] for t in sorted(states)], dim) if out is None else out
 
 
 # ---- shared pieces -----------------------------------------------------------
@@ -236,7 +500,7 @@ def _check_args(
         raise ScanTypeError(f"{api}: `b` must be a torch.Tensor, got {describe(b)}.")
     if isinstance(a, Number) and not matrix:
         # In b's dtype (promoted as a Python scalar would be), not rounded to float32.
-        a = torch.tensor(a, dtype=torch.result_type(b, a), device=b.device)
+        a = torch.tensor(a, dtype=_result_dtype(b, a), device=b.device)
     if not isinstance(a, torch.Tensor):
         raise ScanTypeError(f"{api}: `{gate}` must be a torch.Tensor, got {describe(a)}.")
     if not isinstance(reverse, bool):
@@ -267,7 +531,7 @@ def _check_args(
                 f"{api}: `initial` of shape {tuple(initial.shape)} does not broadcast to one "
                 f"step of `b`, shape {tuple(step)} (`b` with dim {dim} removed)."
             )
-    dtype = torch.result_type(a, b)
+    dtype = _result_dtype(b, a)
     if initial is not None:
         dtype = torch.promote_types(dtype, initial.dtype)
     return a.to(dtype), b.to(dtype), None if initial is None else initial.to(dtype), dim
@@ -295,3 +559,59 @@ def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
         return torch.broadcast_shapes(shape, target) == target
     except RuntimeError:
         return False
+
+
+_COMPLEX = {
+    torch.float16: torch.complex32,
+    torch.float32: torch.complex64,
+    torch.float64: torch.complex128,
+}
+
+
+def _result_dtype(b: torch.Tensor, a: torch.Tensor | Number) -> torch.dtype:
+    """``torch.result_type(b, a)`` for ``b`` of at least one dimension, worked out from
+    dtypes alone: Dynamo cannot trace an op returning a dtype (a graph break), and
+    ``torch.promote_types`` ignores that a 0-d tensor or a number only counts when
+    it is of a higher category (bool < integer < floating < complex) than ``b``.
+
+    Example:
+        >>> _result_dtype(torch.ones(2), torch.tensor(1.0, dtype=torch.float64))
+        torch.float32
+        >>> _result_dtype(torch.ones(2, dtype=torch.int64), 0.5)
+        torch.float32
+    """
+    if isinstance(a, torch.Tensor) and a.ndim > 0:
+        return torch.promote_types(b.dtype, a.dtype)
+    if isinstance(a, torch.Tensor):
+        low = a.dtype
+    elif isinstance(a, bool):
+        low = torch.bool
+    elif isinstance(a, int):
+        low = torch.int64
+    elif isinstance(a, complex):
+        low = _COMPLEX[torch.get_default_dtype()]
+    else:
+        low = torch.get_default_dtype()
+    high = b.dtype
+    # c10's combine_categories: the tensor with dimensions wins within its category.
+    if high.is_complex:
+        return high
+    if low.is_complex:
+        return _COMPLEX.get(high, low) if high.is_floating_point else low
+    if high.is_floating_point:
+        return high
+    if high == torch.bool or low.is_floating_point:
+        return torch.promote_types(high, low)
+    return high
+
+
+def _accumulation_dtype(acc_dtype: Any, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the walk runs in: ``acc_dtype`` promoted with the inputs' ``dtype``."""
+    if not isinstance(acc_dtype, torch.dtype) or not (
+        acc_dtype.is_floating_point or acc_dtype.is_complex
+    ):
+        raise ScanTypeError(
+            f"{_API}: `acc_dtype` must be a floating or complex torch.dtype such as "
+            f"torch.float32, got {describe(acc_dtype)}."
+        )
+    return torch.promote_types(dtype, acc_dtype)
