@@ -355,8 +355,8 @@ def _tree(
         head = torch.addcmul(b_first, a.select(dim, first), initial)
         if mask is not None:  # a reset at the first step drops `initial`, inf and NaN too
             head = torch.where(mask.select(dim, first), b_first, head)
-        rest = b.narrow(dim, 0, n - 1) if reverse else b.narrow(dim, 1, n - 1)
-        b = torch.cat([rest, head.unsqueeze(dim)] if reverse else [head.unsqueeze(dim), rest], dim)
+        # Not a `cat` with the other n - 1 steps: that makes torch.export guard on n.
+        b = torch.slice_scatter(b, head.unsqueeze(dim), dim, first, first + 1)
     if mask is None:
         return associative_scan(_compose, (a, b), dim, reverse)[1]
     return associative_scan(_compose, (a, b), dim, reverse, reset=mask)[1]

@@ -248,3 +248,224 @@ def test_matrix_shapes():
         fscan.linear_recurrence_matrix(torch.ones(5, 3, 2), torch.ones(5, 3), 0)
     with raises(fscan.ScanValueError, "`dim` 1 is the state dimension of `b`"):
         fscan.linear_recurrence_matrix(torch.ones(5, 3, 3), torch.ones(5, 3), 1)
+
+
+# ---- the custom backward ----------------------------------------------------------
+
+
+def grads_of(fn, inputs, cot):
+    inputs = [t.detach().requires_grad_() for t in inputs]
+    out = fn(*inputs)
+    return out, torch.autograd.grad(out, inputs, cot, allow_unused=True)
+
+
+def assert_same_grads(fn, inputs, cot=None):
+    """``fn`` through fscan and through the sequential loop: same values and gradients."""
+    if cot is None:
+        with torch.no_grad():
+            cot = torch.randn_like(fn(fscan.linear_recurrence, *inputs))
+    out, got = grads_of(lambda *x: fn(fscan.linear_recurrence, *x), inputs, cot)
+    ref, want = grads_of(lambda *x: fn(reference, *x), inputs, cot)
+    torch.testing.assert_close(out, ref, equal_nan=True)
+    for g, w in zip(got, want):
+        w = torch.zeros_like(g) if w is None else w  # the loop may not touch an input
+        torch.testing.assert_close(g, w, equal_nan=True)
+
+
+def reference(a, b, dim, initial=None, reverse=False, reset=None):
+    """``fscan.linear_recurrence``'s signature (1-D ``reset``) over the loop."""
+    a = torch.as_tensor(a, dtype=b.dtype)
+    step = None if initial is None else initial.expand(b.select(dim, 0).shape)
+    return loop(full(a, b), b, dim, step, reverse, reset)
+
+
+@parametrize(
+    length=[5, 40, 130],
+    gate=["number", "0-d", "per-channel", "per-step", "full"],
+    reverse=[False, True],
+)
+def test_backward_matches_loop(length, gate, reverse):
+    """Broadcast gates get gradients summed over the dims they broadcast over."""
+    a = {
+        "number": 0.9,
+        "0-d": torch.tensor(0.9, dtype=torch.float64),
+        "per-channel": torch.rand(3, dtype=torch.float64),
+        "per-step": torch.rand(length, 1, dtype=torch.float64),
+        "full": torch.rand(2, length, 3, dtype=torch.float64),
+    }[gate]
+    b = torch.randn(2, length, 3, dtype=torch.float64)
+    h0 = torch.randn(3, dtype=torch.float64)  # lower rank than a step: broadcast
+    reset = torch.rand(length) < 0.1
+    tensors = [b, h0] if gate == "number" else [a, b, h0]
+
+    def fn(rec, *xs):
+        gate_, b_, h0_ = (a, *xs) if gate == "number" else xs
+        return rec(gate_, b_, 1, initial=h0_, reverse=reverse, reset=reset)
+
+    assert_same_grads(fn, tensors)
+
+
+def test_backward_saves_only_a_and_h():
+    a = torch.rand(200, 4, requires_grad=True)
+    b = torch.randn(200, 4, requires_grad=True)
+    h = fscan.linear_recurrence(a, b, 0)
+    saved = [t for t in h.grad_fn.saved_tensors if t is not None]
+    assert [t.data_ptr() for t in saved] == [a.data_ptr(), h.data_ptr()]
+
+
+@parametrize(length=[9, 34], reverse=[False, True])
+def test_second_order(length, reverse):
+    a = (torch.rand(length, 2, dtype=torch.float64) * 0.9).requires_grad_()
+    b = torch.randn(length, 2, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    reset = torch.rand(length) < 0.15
+
+    def run(a, b, h0):
+        return fscan.linear_recurrence(a, b, 0, initial=h0, reverse=reverse, reset=reset)
+
+    assert torch.autograd.gradgradcheck(run, (a, b, h0))
+
+
+def test_second_order_complex_per_channel():
+    a = (torch.randn(2, dtype=torch.complex128) * 0.5).requires_grad_()
+    b = torch.randn(33, 2, dtype=torch.complex128, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda a, b: fscan.linear_recurrence(a, b, 0), (a, b))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")  # torch's jvp decomps
+def test_torch_func_transforms():
+    a = torch.rand(60, 3, dtype=torch.float64)
+    b = torch.randn(60, 3, dtype=torch.float64)
+    loss = lambda a, b: fscan.linear_recurrence(a, b, 0).pow(2).sum()
+    ref = lambda a, b: loop(a, b, 0).pow(2).sum()
+    for fn in (torch.func.grad(loss, argnums=(0, 1)), torch.func.jacrev(loss, argnums=(0, 1))):
+        got, want = fn(a, b), torch.func.grad(ref, argnums=(0, 1))(a, b)
+        torch.testing.assert_close(got, want)
+    tangent = torch.randn_like(a)
+    _, jvp = torch.func.jvp(lambda a: fscan.linear_recurrence(a, b, 0), (a,), (tangent,))
+    _, want = torch.func.jvp(lambda a: loop(a, b, 0), (a,), (tangent,))
+    torch.testing.assert_close(jvp, want)
+    _, vjp_fn = torch.func.vjp(lambda a: fscan.linear_recurrence(a, b, 0), a)
+    _, want_fn = torch.func.vjp(lambda a: loop(a, b, 0), a)
+    torch.testing.assert_close(vjp_fn(tangent), want_fn(tangent))
+    batched = torch.func.vmap(torch.func.grad(loss), in_dims=(0, None))(a.expand(2, 60, 3), b)
+    torch.testing.assert_close(batched[1], torch.func.grad(ref)(a, b))
+
+
+# ---- NaN and inf (issue 10, case 6), empty dims (case 7), initial (case 9) --------
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def test_nan_does_not_cross_a_reset():
+    reset = torch.tensor([False, True, False])
+    out = fscan.linear_recurrence(0.5, torch.tensor([NAN, 1.0, 1.0]), 0, reset=reset)
+    torch.testing.assert_close(out, torch.tensor([NAN, 1.0, 1.5]), equal_nan=True)
+
+
+@parametrize(length=[3, 40, 300], reverse=[False, True], poison=[NAN, INF, -INF])
+def test_nan_inf_propagate_as_the_loop(length, reverse, poison):
+    """Values and gradients: NaN/inf reach what the loop reaches, never further."""
+    gen = torch.Generator().manual_seed(length)
+    a = torch.rand(length, 2, dtype=torch.float64, generator=gen)
+    b = torch.randn(length, 2, dtype=torch.float64, generator=gen)
+    b[length // 3, 0] = poison
+    h0 = torch.tensor([INF, 1.0], dtype=torch.float64)
+    reset = torch.rand(length, generator=gen) < 0.2
+    reset[-1 if reverse else 0] = True  # drops the inf `initial`
+    reset[(2 * length) // 3] = True
+    cot = torch.randn(length, 2, dtype=torch.float64, generator=gen)
+
+    def fn(rec, a, b, h0):
+        return rec(a, b, 0, initial=h0, reverse=reverse, reset=reset)
+
+    assert_same_grads(fn, [a, b, h0], cot)
+
+
+def test_inf_initial_dropped_by_a_first_reset():
+    reset = torch.tensor([True, False, False])
+    for n in (3, 50):
+        reset = torch.zeros(n, dtype=torch.bool)
+        reset[0] = True
+        out = fscan.linear_recurrence(0.5, torch.ones(n), 0, initial=torch.tensor(INF), reset=reset)
+        assert torch.isfinite(out).all()
+
+
+@parametrize(dim=[0, 2], gate=["per-channel", "full"], with_reset=[False, True])
+def test_empty_non_scan_dims_with_gradients(dim, gate, with_reset):
+    b = torch.randn(7, 0, 3, requires_grad=True) if dim == 0 else torch.randn(3, 0, 7)
+    b.requires_grad_()
+    a = torch.rand((3,) if gate == "per-channel" else b.shape, requires_grad=True)
+    a = a if dim == 0 or gate == "full" else torch.rand(1, 1, 7, requires_grad=True)
+    h0 = torch.randn(1, requires_grad=True)
+    reset = torch.zeros(7, dtype=torch.bool) if with_reset else None
+    out = fscan.linear_recurrence(a, b, dim, initial=h0, reset=reset)
+    assert out.shape == b.shape
+    ga, gb, gh = torch.autograd.grad(out.sum(), (a, b, h0))
+    assert ga.shape == a.shape and gb.shape == b.shape and gh.shape == h0.shape
+    assert not ga.any() and not gh.any()
+
+
+def test_length_zero_gradients_are_zeros():
+    a = torch.rand(3, requires_grad=True)
+    b = torch.randn(0, 3, requires_grad=True)
+    (ga,) = torch.autograd.grad(fscan.linear_recurrence(a, b, 0).sum(), (a,))
+    assert torch.equal(ga, torch.zeros(3))
+
+
+@parametrize(initial=["0-d", "lower rank", "size-1 dims"], length=[10, 100])
+def test_initial_broadcasts_on_every_path(initial, length):
+    """Time not dim 0 and a chunked length: `initial` as the docstring allows it."""
+    b = torch.randn(2, length, 3, dtype=torch.float64)
+    a = torch.rand(2, length, 3, dtype=torch.float64)
+    h0 = {
+        "0-d": torch.tensor(2.0, dtype=torch.float64),
+        "lower rank": torch.randn(3, dtype=torch.float64),
+        "size-1 dims": torch.randn(2, 1, dtype=torch.float64),
+    }[initial]
+
+    def fn(rec, a, b, h0):
+        return rec(a, b, 1, initial=h0)
+
+    assert_same_grads(fn, [a, b, h0])
+
+
+# ---- dtypes: acc_dtype and promotion -------------------------------------------------
+
+
+@parametrize(dtype=[torch.bfloat16, torch.float16])
+def test_acc_dtype(dtype):
+    gen = torch.Generator().manual_seed(0)
+    a = (torch.rand(2000, 16, generator=gen) * 0.1 + 0.9).to(dtype)
+    b = torch.randn(2000, 16, generator=gen).to(dtype)
+    exact = loop(a.double(), b.double(), 0)
+    low = fscan.linear_recurrence(a, b, 0)
+    wide = fscan.linear_recurrence(a, b, 0, acc_dtype=torch.float32)
+    assert wide.dtype == dtype
+    # Accumulating in float32 leaves only the final rounding: half an ulp of the output.
+    rounding = (exact.to(dtype).double() - exact).abs().max()
+    assert (wide.double() - exact).abs().max() <= rounding * 1.01
+    assert (low.double() - exact).abs().max() > 4 * rounding
+    a_ = a.clone().requires_grad_()
+    fscan.linear_recurrence(a_, b, 0, acc_dtype=torch.float32).sum().backward()
+    assert a_.grad.dtype == dtype
+
+
+def test_acc_dtype_checked():
+    with raises(fscan.ScanTypeError, "`acc_dtype` must be a floating or complex torch.dtype"):
+        fscan.linear_recurrence(0.5, torch.ones(3), 0, acc_dtype=torch.int32)
+
+
+def test_result_dtype_matches_torch():
+    from fscan._linear import _result_dtype
+
+    dtypes = [torch.bool, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64]
+    dtypes += [torch.complex64, torch.complex128]
+    for high in dtypes:
+        b = torch.zeros(2, dtype=high)
+        for low in dtypes:
+            for a in (torch.zeros((), dtype=low), torch.zeros(2, dtype=low)):
+                assert _result_dtype(b, a) == torch.result_type(b, a), (high, a)
+        for number in (True, 2, 0.5, 1j):
+            assert _result_dtype(b, number) == torch.result_type(b, number), (high, number)
