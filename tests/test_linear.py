@@ -469,3 +469,96 @@ def test_result_dtype_matches_torch():
                 assert _result_dtype(b, a) == torch.result_type(b, a), (high, a)
         for number in (True, 2, 0.5, 1j):
             assert _result_dtype(b, number) == torch.result_type(b, number), (high, number)
+
+
+# ---- torch.compile and torch.export -------------------------------------------------
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _compiled_cases(length):
+    gen = torch.Generator().manual_seed(length)
+    a = torch.rand(2, length, 3, dtype=torch.float64, generator=gen)
+    b = torch.randn(2, length, 3, dtype=torch.float64, generator=gen)
+    h0 = torch.randn(3, dtype=torch.float64, generator=gen)
+    return a, b, h0, torch.rand(length, generator=gen) < 0.2
+
+
+def _several(a, b, h0, reset):
+    """Gates full and scalar, `initial`, `reverse`, `reset=` and acc_dtype in one graph."""
+    return (
+        fscan.linear_recurrence(a, b, 1, initial=h0, reset=reset),
+        fscan.linear_recurrence(0.9, b, 1, reverse=True, acc_dtype=torch.float64),
+    )
+
+
+def _assert_matches_eager(fn, args, grad_argnums):
+    leaves = [t.clone().requires_grad_() if i in grad_argnums else t for i, t in enumerate(args)]
+    got = fn(*leaves)
+    want = _several(*[t.detach().requires_grad_() if t.is_floating_point() else t for t in args])
+    torch.testing.assert_close(got, want)
+    cot = [torch.randn_like(o) for o in got]
+    diff = [leaves[i] for i in grad_argnums]
+    got_g = torch.autograd.grad(got, diff, cot)
+    eager_leaves = [
+        t.detach().requires_grad_() if i in grad_argnums else t for i, t in enumerate(args)
+    ]
+    want_out = _several(*eager_leaves)
+    want_g = torch.autograd.grad(want_out, [eager_leaves[i] for i in grad_argnums], cot)
+    torch.testing.assert_close(got_g, want_g)
+
+
+def test_compile_has_no_graph_break(fresh_dynamo):
+    """The dtype promotion (torch.result_type once) and the scalar gate trace."""
+    explain = torch._dynamo.explain(_several)(*_compiled_cases(40))
+    assert explain.graph_break_count == 0, explain.break_reasons
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # from Inductor's own imports
+def test_compile_inductor_matches_eager(fresh_dynamo):
+    compiled = torch.compile(_several, fullgraph=True)  # the default backend: Inductor
+    _assert_matches_eager(compiled, _compiled_cases(40), grad_argnums=(0, 1, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_compile_inductor_dynamic_length(fresh_dynamo):
+    def fn(a, b, h0, reset):
+        return fscan.linear_recurrence(a, b, 1, initial=h0, reverse=True)
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    for length in (20, 45):
+        a, b, h0, _ = _compiled_cases(length)
+        a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
+        out = compiled(a_, b_, h0, None)
+        torch.testing.assert_close(out, loop(a, b, 1, h0.expand(2, 3), reverse=True))
+        cot = torch.randn_like(out)
+        got = torch.autograd.grad(out, (a_, b_), cot)
+        a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
+        want = torch.autograd.grad(loop(a_, b_, 1, h0.expand(2, 3), reverse=True), (a_, b_), cot)
+        torch.testing.assert_close(got, want)
+
+
+def test_export_with_a_dynamic_length(fresh_dynamo):
+    class Recurrence(torch.nn.Module):
+        def forward(self, a, b, h0, reset):
+            return fscan.linear_recurrence(a, b, 1, initial=h0, reverse=True, reset=reset)
+
+    n = torch.export.Dim("n", min=2)
+    a, b, h0, _ = _compiled_cases(40)
+    reset = torch.rand(2, 40, 1) < 0.2  # per-row boundaries
+    shapes = ({1: n}, {1: n}, None, {1: n})
+    program = torch.export.export(Recurrence(), (a, b, h0, reset), dynamic_shapes=shapes)
+    for length in (40, 7, 100):
+        a, b, h0, _ = _compiled_cases(length)
+        reset = torch.rand(2, length, 1) < 0.2
+        got = program.module()(a, b, h0, reset)
+        for row in range(2):
+            want = loop(a[row], b[row], 0, h0, reverse=True, reset=reset[row, :, 0])
+            torch.testing.assert_close(got[row], want)
