@@ -19,6 +19,7 @@ from ._errors import UnsupportedScanError as UnsupportedScanError
 from ._knowledge import clear_caches as clear_caches
 from ._linear import linear_recurrence as linear_recurrence
 from ._linear_matrix import linear_recurrence_matrix as linear_recurrence_matrix
+from ._log_linear import log_linear_recurrence as log_linear_recurrence
 from ._ops import cummax as cummax
 from ._ops import cummin as cummin
 from ._ops import cumprod as cumprod
@@ -52,5 +53,6 @@ __all__ = [
     "lax",
     "linear_recurrence",
     "linear_recurrence_matrix",
+    "log_linear_recurrence",
     "logcumsumexp",
 ]
