@@ -323,7 +323,7 @@ def _check_args(
         raise ScanTypeError(
             f"{_API}: `initial` must be a torch.Tensor or None, got {describe(initial)}."
         )
-    for name, t in (("log_a", log_a), ("log_b", log_b), ("initial", initial)):
+    for name, t in (("log_b", log_b), ("log_a", log_a), ("initial", initial)):
         if t is not None and not t.is_floating_point():
             raise ScanTypeError(
                 f"{_API}: `{name}` has dtype {t.dtype}, expected a real floating dtype: "
