@@ -18,7 +18,7 @@ LENGTHS = [0, 1, 3, 31, 32, 45, 300]
 
 
 def loop(la, lb, dim, initial=None, reverse=False, reset=None):
-    """The reference, one step at a time: ``log h_t = logaddexp(log a_t + log h_{t-1}, log b_t)``."""
+    """The reference, one step at a time: ``logaddexp(log a_t + log h_{t-1}, log b_t)``."""
     la = la.expand_as(lb)
     n = lb.shape[dim]
     h, out = initial, [None] * n
