@@ -20,9 +20,12 @@ Three tables:
 from __future__ import annotations
 
 import argparse
+import functools
 import math
+import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -32,9 +35,8 @@ import fscan
 from fscan._linear import _solve
 
 from ._timing import Table, fmt_ms
-from .autograd import interleaved_medians
 
-__all__ = ["BlellochScan", "accuracy_table", "heinsen", "log_table", "training_table"]
+__all__ = ["BlellochScan", "accuracy_table", "heinsen", "log_table", "main", "training_table"]
 
 SHAPES = [(2, 1024, 64, 16), (1, 4096, 32, 16), (8, 256, 64, 16)]
 QUICK_SHAPES = [(2, 256, 16, 16)]
@@ -166,40 +168,173 @@ def _probe(name: str, shape: tuple[int, ...]) -> None:
     _measure(lambda: _fwd_bwd(runner, a, b, cot), a.nbytes + b.nbytes)
 
 
-def training_table(quick: bool = False) -> Table:
+def _medians(
+    jobs: dict[str, Callable[[], object]], budget_s: float, clock: Callable[[], float]
+) -> dict[str, float]:
+    """Median ``clock`` seconds per job, timed round-robin (drifting load hits all alike)."""
+    for job in jobs.values():  # warm-up
+        job()
+    times: dict[str, list[float]] = {name: [] for name in jobs}
+    start = time.perf_counter()
+    while len(times[next(iter(jobs))]) < 5 or time.perf_counter() - start < budget_s:
+        for name, job in jobs.items():
+            begin = clock()
+            job()
+            times[name].append(clock() - begin)
+        if len(times[next(iter(jobs))]) >= 21:
+            break
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def training_table(quick: bool = False, clock: Callable[[], float] = time.perf_counter) -> Table:
     """Forward, forward+backward and peak memory per contender and shape."""
     table = Table(
         f"linear_recurrence on (B, L, D, N) float32, time along dim 1, "
-        f"{torch.get_num_threads()} threads: fwd / fwd+bwd median (ratio to fscan) / "
-        "fwd+bwd extra peak RSS",
+        f"{torch.get_num_threads()} threads: fwd / fwd+bwd, median (ratio to fscan) "
+        "[fwd+bwd / fwd] / extra peak RSS of fwd+bwd",
         list(RUNNERS),
     )
     for shape in QUICK_SHAPES if quick else SHAPES:
         a, b, cot = selective_inputs(shape)
         ga, gb = a.clone().requires_grad_(), b.clone().requires_grad_()
-        jobs = {}
+        jobs: dict[str, Callable[[], object]] = {}
         for name, runner in RUNNERS.items():
-            jobs[name + " fwd"] = lambda runner=runner: runner(a, b)
-            jobs[name] = lambda runner=runner: _fwd_bwd(runner, ga, gb, cot)
-        times = interleaved_medians(jobs, budget_s=2 if quick else 8)
-        base_f, base_fb = times[f"{next(iter(RUNNERS))} fwd"], times[next(iter(RUNNERS))]
+            jobs[name + " fwd"] = functools.partial(runner, a, b)
+            jobs[name] = functools.partial(_fwd_bwd, runner, ga, gb, cot)
+        times = _medians(jobs, 2 if quick else 10, clock)
+        first = next(iter(RUNNERS))
         cells = []
         for name in RUNNERS:
             mem = _memory(name, shape) / 2**20
             cells.append(
-                f"{fmt_ms(times[name + ' fwd'], base_f)} / {fmt_ms(times[name], base_fb)} "
-                f"[{times[name] / times[name + ' fwd']:.2f}x fwd] / {mem:.0f} MiB"
+                f"{fmt_ms(times[name + ' fwd'], times[first + ' fwd'])} / "
+                f"{fmt_ms(times[name], times[first])} "
+                f"[{times[name] / times[name + ' fwd']:.2f}x] / {mem:.0f} MiB"
             )
         table.add(str(shape), cells)
     return table
 
 
-if __name__ == "__main__":
+# ---- acc_dtype -------------------------------------------------------------------
+
+
+def _sequential(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The float64 reference along dim 0, one step at a time."""
+    h, out = torch.zeros_like(b[0]), []
+    for t in range(b.shape[0]):
+        h = a[t] * h + b[t]
+        out.append(h)
+    return torch.stack(out)
+
+
+def _relative_error(h: torch.Tensor, exact: torch.Tensor) -> str:
+    err = (h.double() - exact).abs()
+    rms = lambda x: x.pow(2).mean().sqrt()
+    return f"{err.max() / exact.abs().max():.1e} ({rms(err) / rms(exact):.1e})"
+
+
+def accuracy_table(quick: bool = False) -> Table:
+    """Error of low-precision inputs against float64, by accumulation dtype."""
+    length, width = (512, 64) if quick else ACC_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    # Slow gates (a near 1) accumulate the most: the regime of long-memory SSMs.
+    a = 1 - torch.rand(length, width, generator=gen, dtype=torch.float64) * 0.05
+    b = torch.randn(length, width, generator=gen, dtype=torch.float64)
+    choices = {"acc_dtype=None": None, "float32": torch.float32, "float64": torch.float64}
+    table = Table(
+        f"linear_recurrence ({length}, {width}), gates in [0.95, 1]: error vs float64 of "
+        "inputs rounded to the dtype, max |err| / max |h| (rms |err| / rms |h|); "
+        "'output rounding' = the float64 result rounded once",
+        [*choices, "output rounding"],
+    )
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        a_low, b_low = a.to(dtype), b.to(dtype)
+        exact = _sequential(a_low.double(), b_low.double())
+        outs = [fscan.linear_recurrence(a_low, b_low, 0, acc_dtype=acc) for acc in choices.values()]
+        cells = [_relative_error(h, exact) for h in [*outs, exact.to(dtype)]]
+        table.add(str(dtype).removeprefix("torch."), cells)
+    return table
+
+
+# ---- log space ---------------------------------------------------------------------
+
+
+def heinsen(log_a: torch.Tensor, log_b: torch.Tensor, dim: int) -> torch.Tensor:
+    """``log h`` by two prefix sums (Heinsen 2023; minGRU's ``parallel_scan_log``)."""
+    a_star = torch.cumsum(log_a, dim)
+    return a_star + torch.logcumsumexp(log_b - a_star, dim)
+
+
+def _log_loop(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """A sequential loop in log space along dim 1."""
+    h, out = log_b[:, 0], [log_b[:, 0]]
+    for t in range(1, log_b.shape[1]):
+        h = torch.logaddexp(log_a[:, t] + h, log_b[:, t])
+        out.append(h)
+    return torch.stack(out, 1)
+
+
+def log_inputs(length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """minGRU's logs: ``log(1 - z)`` and ``log z + log h~`` for a gate ``z = sigmoid(k)``."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(2, length, LOG_WIDTH, generator=gen)
+    log_values = 0.5 * torch.randn(2, length, LOG_WIDTH, generator=gen)
+    return -F.softplus(k), -F.softplus(-k) + log_values
+
+
+def log_table(quick: bool = False, clock: Callable[[], float] = time.perf_counter) -> Table:
+    """Accuracy against float64 and time, fscan vs two prefix sums vs a float32 loop."""
+    runners = {
+        "fscan.log_linear_recurrence": lambda la, lb: fscan.log_linear_recurrence(la, lb, 1),
+        "two prefix sums (Heinsen)": lambda la, lb: heinsen(la, lb, 1),
+        "float32 loop": _log_loop,
+    }
+    table = Table(
+        f"log h for h_t = a_t h_(t-1) + b_t, (2, L, {LOG_WIDTH}) float32, "
+        f"{torch.get_num_threads()} threads: max |log h - float64| (rms) / fwd / fwd+bwd, median",
+        list(runners),
+    )
+    for length in [512] if quick else LOG_LENGTHS:
+        la, lb = log_inputs(length)
+        exact = fscan.log_linear_recurrence(la.double(), lb.double(), 1)
+        ga, gb = la.clone().requires_grad_(), lb.clone().requires_grad_()
+        cot = torch.randn_like(la)
+        jobs: dict[str, Callable[[], object]] = {}
+        for name, runner in runners.items():
+            jobs[name + " fwd"] = functools.partial(runner, la, lb)
+            if name != "float32 loop":  # its autograd tape is not a contender
+                jobs[name] = functools.partial(_fwd_bwd, runner, ga, gb, cot)
+        times = _medians(jobs, 2 if quick else 8, clock)
+        cells = []
+        for name, runner in runners.items():
+            err = (runner(la, lb).double() - exact).abs()
+            fwd_bwd = fmt_ms(times[name]) if name in times else "-"
+            cells.append(
+                f"{err.max():.1e} ({err.pow(2).mean().sqrt():.1e}) / "
+                f"{fmt_ms(times[name + ' fwd'])} / {fwd_bwd}"
+            )
+        table.add(f"L={length}", cells)
+    return table
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m fscan.bench.linear", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small shapes only")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with the process's CPU time instead of wall time (a loaded machine)",
+    )
     parser.add_argument("--probe", nargs="+", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.probe:
         _probe(args.probe[0], tuple(int(s) for s in args.probe[1:]))
-    else:
-        print(training_table(quick=args.quick).render(), flush=True)
+        return
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    print(training_table(args.quick, clock).render(), end="\n\n", flush=True)
+    print(accuracy_table(args.quick).render(), end="\n\n", flush=True)
+    print(log_table(args.quick, clock).render(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
