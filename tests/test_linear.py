@@ -202,6 +202,23 @@ def test_matrix_gradcheck(reverse):
     assert torch.autograd.gradcheck(run, (A, b, h0))
 
 
+@parametrize(reverse=[False, True], per_row=[False, True])
+def test_matrix_nan_inf_do_not_cross_a_reset(reverse, per_row):
+    """Issue 10, case 6: the values of the loop, NaN and inf included. (Gradients still
+    meet ``0 * nan`` in the backward of the segmented tree scan's ``where``.)"""
+    A = torch.randn(12, 2, 2, 2, dtype=torch.float64) / 2
+    b = torch.randn(12, 2, 2, dtype=torch.float64)
+    b[3, 0, 1] = float("nan")
+    h0 = torch.tensor([float("inf"), 1.0], dtype=torch.float64)
+    reset = torch.zeros(12, dtype=torch.bool)
+    reset[[-1 if reverse else 0, 6]] = True
+    mask = reset[:, None, None].expand(12, 2, 1) if per_row else reset
+    out = fscan.linear_recurrence_matrix(A, b, 0, initial=h0, reverse=reverse, reset=mask)
+    want = loop(A, b, 0, h0.expand(2, 2), reverse, reset, step=matvec)
+    torch.testing.assert_close(out, want, equal_nan=True)
+    assert torch.isnan(out).any() and not torch.isinf(out).any()
+
+
 # ---- errors --------------------------------------------------------------------
 
 
