@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from ._autograd import _under_transform
 from ._checks import normalize_dim
 from ._errors import ScanTypeError, ScanValueError
 from ._pytree import describe
+from ._routing import where
 from ._scan import associative_scan
 from ._segmented import check_reset
 
@@ -137,11 +137,12 @@ def _recurrence(
     """
     if b.numel() == 0:
         return _empty(a, b, dim, initial)
-    if torch.compiler.is_compiling():
+    at = where([b])  # fscan._routing: tracing, transform, grad mode
+    if at.tracing:
         return _tree(a, b, dim, initial, reverse, mask)
-    if _under_transform():
+    if at.transform:
         return _solve(a, b, dim, initial, reverse, mask, fast=False)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, initial)):
+    if at.grad and any(t is not None and t.requires_grad for t in (a, b, initial)):
         return _LinearRecurrenceFn.apply(a, b, initial, mask, dim, reverse)
     return _solve(a, b, dim, initial, reverse, mask, fast=True)
 

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from ._autograd import _under_transform
 from ._checks import normalize_dim
 from ._errors import ScanTypeError, ScanValueError
 from ._linear import (
@@ -37,6 +36,7 @@ from ._linear import (
     _result_dtype,
 )
 from ._pytree import describe
+from ._routing import where
 from ._scan import associative_scan
 
 __all__ = ["log_linear_recurrence"]
@@ -104,13 +104,12 @@ def _recurrence(
     if lb.numel() == 0:  # still connected to every input: zero gradients
         out = lb + la * 0
         return out if initial is None else out + initial.unsqueeze(dim) * 0
-    if torch.compiler.is_compiling():
+    at = where([lb])  # fscan._routing: tracing, transform, grad mode
+    if at.tracing:
         return _tree(la, lb, dim, initial, reverse, mask)
-    if _under_transform():
+    if at.transform:
         return _solve(la, lb, dim, initial, reverse, mask, fast=False)
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (la, lb, initial)
-    ):
+    if at.grad and any(t is not None and t.requires_grad for t in (la, lb, initial)):
         return _LogLinearFn.apply(la, lb, initial, mask, dim, reverse)
     return _solve(la, lb, dim, initial, reverse, mask, fast=True)
 
