@@ -285,6 +285,9 @@ def assert_same_grads(fn, inputs, cot=None):
     ref, want = grads_of(lambda *x: fn(reference, *x), inputs, cot)
     torch.testing.assert_close(out, ref, equal_nan=True)
     for g, w in zip(got, want):
+        if g is None:  # an input neither uses
+            assert w is None
+            continue
         w = torch.zeros_like(g) if w is None else w  # the loop may not touch an input
         torch.testing.assert_close(g, w, equal_nan=True)
 
@@ -367,6 +370,30 @@ def test_torch_func_transforms():
     torch.testing.assert_close(vjp_fn(tangent), want_fn(tangent))
     batched = torch.func.vmap(torch.func.grad(loss), in_dims=(0, None))(a.expand(2, 60, 3), b)
     torch.testing.assert_close(batched[1], torch.func.grad(ref)(a, b))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    length=st.integers(1, 150),
+    reverse=st.booleans(),
+    gate=st.sampled_from(["per-channel", "full"]),
+    with_initial=st.booleans(),
+    reset_rate=st.sampled_from([0.0, 0.1, 0.5]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_gradients_match_loop(length, reverse, gate, with_initial, reset_rate, seed):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (2,) if gate == "per-channel" else (length, 2)
+    a = torch.rand(shape, dtype=torch.float64, generator=gen) * 1.1
+    b = torch.randn(length, 2, dtype=torch.float64, generator=gen)
+    h0 = torch.randn(2, dtype=torch.float64, generator=gen)
+    reset = torch.rand(length, generator=gen) < reset_rate
+
+    def fn(rec, a, b, h0):
+        h0 = h0 if with_initial else None
+        return rec(a, b, 0, initial=h0, reverse=reverse, reset=reset)
+
+    assert_same_grads(fn, [a, b, h0])
 
 
 # ---- NaN and inf (issue 10, case 6), empty dims (case 7), initial (case 9) --------
