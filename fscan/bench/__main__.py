@@ -7,7 +7,7 @@ import argparse
 
 import torch
 
-from . import autograd, core, extras, gpu, ops, overhead
+from . import autograd, core, extras, gpu, linear, ops, overhead
 from . import compile as compile_bench
 
 
@@ -42,6 +42,12 @@ def main(argv: list[str] | None = None) -> None:
         print(ops.cumsum_precision().render(), flush=True)
         print()
         print(core.forward_memory(), flush=True)
+        print()
+        print(linear.training_table().render(), flush=True)
+        print()
+        print(linear.accuracy_table().render(), flush=True)
+        print()
+        print(linear.log_table().render(), flush=True)
         # Compiling takes tens of seconds per workload: full runs only.
         print()
         print(compile_bench.compile_table().render(), flush=True)
