@@ -16,7 +16,13 @@ the standard chunked form instead (as in chunked SSM kernels):
 That is about four passes over memory in ``2 C + O(log n)`` sequential calls, and
 plain differentiable, vmappable torch ops. ``initial`` enters as the carry of the
 first chunk (folded into the first step of the chunk recurrence), not as an extra
-pass; ``reset`` zeroes the gate where it is set, ``h_t = 0 * h_{t-1} + b_t``.
+pass; ``reset`` selects ``h_t = b_t`` with ``torch.where`` where it is set (a zero
+gate would turn an inf or NaN before the reset into NaN after it).
+
+Gradients come from a custom autograd Function (:class:`_LinearRecurrenceFn`):
+the adjoint of a linear recurrence is a linear recurrence running the other way,
+so the backward reuses the same walk, saving only ``a`` and ``h``. Without a
+tape to feed, the walks write into preallocated memory (``out=``).
 """
 
 from __future__ import annotations
