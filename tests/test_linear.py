@@ -204,8 +204,7 @@ def test_matrix_gradcheck(reverse):
 
 @parametrize(reverse=[False, True], per_row=[False, True])
 def test_matrix_nan_inf_do_not_cross_a_reset(reverse, per_row):
-    """Issue 10, case 6: the values of the loop, NaN and inf included. (Gradients still
-    meet ``0 * nan`` in the backward of the segmented tree scan's ``where``.)"""
+    """Issue 10, case 6: values and gradients as the loop's, NaN and inf included."""
     A = torch.randn(12, 2, 2, 2, dtype=torch.float64) / 2
     b = torch.randn(12, 2, 2, dtype=torch.float64)
     b[3, 0, 1] = float("nan")
@@ -213,10 +212,17 @@ def test_matrix_nan_inf_do_not_cross_a_reset(reverse, per_row):
     reset = torch.zeros(12, dtype=torch.bool)
     reset[[-1 if reverse else 0, 6]] = True
     mask = reset[:, None, None].expand(12, 2, 1) if per_row else reset
-    out = fscan.linear_recurrence_matrix(A, b, 0, initial=h0, reverse=reverse, reset=mask)
-    want = loop(A, b, 0, h0.expand(2, 2), reverse, reset, step=matvec)
+    A_, b_, h0_ = (t.clone().requires_grad_() for t in (A, b, h0))
+    out = fscan.linear_recurrence_matrix(A_, b_, 0, initial=h0_, reverse=reverse, reset=mask)
+    cot = torch.randn_like(out)
+    got = torch.autograd.grad(out, (A_, b_, h0_), cot)
+    A_, b_, h0_ = (t.clone().requires_grad_() for t in (A, b, h0))
+    want = loop(A_, b_, 0, h0_.expand(2, 2), reverse, reset, step=matvec)
     torch.testing.assert_close(out, want, equal_nan=True)
     assert torch.isnan(out).any() and not torch.isinf(out).any()
+    ref = torch.autograd.grad(want, (A_, b_, h0_), cot, allow_unused=True)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, torch.zeros_like(g) if r is None else r, equal_nan=True)
 
 
 # ---- errors --------------------------------------------------------------------
@@ -606,3 +612,14 @@ def test_export_with_a_dynamic_length(fresh_dynamo):
         for row in range(2):
             want = loop(a[row], b[row], 0, h0, reverse=True, reset=reset[row, :, 0])
             torch.testing.assert_close(got[row], want)
+
+
+def test_benchmark_blelloch_baseline_is_the_recurrence():
+    """The benchmark's hand-written pscan computes the same values and gradients."""
+    from fscan.bench.linear import BlellochScan, selective_inputs
+
+    a, b, cot = (t.double() for t in selective_inputs((2, 37, 3, 2)))  # padded to 64
+    got, got_g = grads_of(BlellochScan.apply, [a, b], cot)
+    want, want_g = grads_of(lambda a, b: fscan.linear_recurrence(a, b, 1), [a, b], cot)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_g, want_g)
