@@ -595,6 +595,26 @@ def test_compile_inductor_dynamic_length(fresh_dynamo):
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 10, case 0: under Inductor the gradient of the gate is wrong in "
+    "fscan.associative_scan's traced scan with reverse=True (also for some graphs of "
+    "log_linear_recurrence with initial=); eager and aot_eager are right. Strict: drop "
+    "this mark once it is fixed.",
+)
+def test_compile_inductor_reverse_gate_gradient(fresh_dynamo):
+    a, b, _, _ = _compiled_cases(40)
+    fn = lambda a, b: fscan.linear_recurrence(a.exp(), b, 1, reverse=True)
+    a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
+    out = torch.compile(fn, fullgraph=True)(a_, b_)
+    cot = torch.randn_like(out)
+    got = torch.autograd.grad(out, (a_, b_), cot)
+    a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
+    torch.testing.assert_close(got, torch.autograd.grad(fn(a_, b_), (a_, b_), cot))
+
+
 def test_export_with_a_dynamic_length(fresh_dynamo):
     class Recurrence(torch.nn.Module):
         def forward(self, a, b, h0, reset):

@@ -223,3 +223,25 @@ def test_errors():
         fscan.log_linear_recurrence(torch.zeros(4), torch.zeros(5, 3), 0)
     with raises(fscan.ScanTypeError, "`log_b` must be a torch.Tensor"):
         fscan.log_linear_recurrence(0.0, [1.0], 0)
+
+
+def _compiled_against_eager(fn, tensors):
+    """Values and gradients of ``torch.compile(fn)`` (Inductor) against eager ``fn``."""
+    compiled = torch.compile(fn, fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    out = compiled(*leaves)
+    cots = [torch.randn_like(o) for o in out]
+    got = torch.autograd.grad(out, leaves, cots)
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    want_out = fn(*leaves)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(got, torch.autograd.grad(want_out, leaves, cots))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # from Inductor's own imports
+def test_compile_inductor_matches_eager(fresh_dynamo):
+    def fn(la, lb):
+        return (fscan.log_linear_recurrence(la, lb, 0),)
+
+    _compiled_against_eager(fn, inputs((40, 3)))
