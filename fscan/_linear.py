@@ -476,16 +476,6 @@ def _walk(
 # ---- shared pieces -----------------------------------------------------------
 
 
-def _fold_initial(b: torch.Tensor, dim: int, reverse: bool, carried: Any) -> torch.Tensor:
-    """``b`` with ``carried(first)`` (the initial state pushed through the first gate)
-    added to its first step in scan order: ``b_0 + a_0 h_{-1}``."""
-    n = b.shape[dim]
-    first = n - 1 if reverse else 0
-    head = (b.select(dim, first) + carried(first)).unsqueeze(dim)
-    rest = b.narrow(dim, 0, n - 1) if reverse else b.narrow(dim, 1, n - 1)
-    return torch.cat([rest, head] if reverse else [head, rest], dim)
-
-
 def _mask_for(reset: Any, b: torch.Tensor, dim: int, api: str = _API) -> torch.Tensor:
     """``reset`` checked against ``b`` and viewed with ``b``'s number of dimensions."""
     mask = check_reset(api, reset, b, [b], dim)
