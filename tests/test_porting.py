@@ -115,13 +115,8 @@ def heinsen_scan_log(log_coeffs, log_values):
 
 
 def log_space_scan(log_a, log_b, log_h0):
-    """docs/porting.md's replacement: one scan over (log a, log b) pairs."""
-
-    def compose(x, y):
-        return x[0] + y[0], torch.logaddexp(y[0] + x[1], y[1])
-
-    init = (torch.zeros_like(log_h0), log_h0)
-    return fscan.associative_scan(compose, (log_a, log_b), 1, initial=init)[1].exp()
+    """docs/porting.md's replacement: fscan.log_linear_recurrence."""
+    return fscan.log_linear_recurrence(log_a, log_b, 1, initial=log_h0).exp()
 
 
 def test_mingru_log_space_scan():
