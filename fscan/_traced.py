@@ -62,6 +62,7 @@ from torch._higher_order_ops.scan import scan
 from torch._higher_order_ops.while_loop import while_loop
 
 from ._combine import FlatCombine, check_combine_output, flat_combine
+from ._inductor_fix import undonate_subgraph_inputs
 from ._knowledge import reach
 from ._pytree import unflatten
 
@@ -120,6 +121,9 @@ def traced_scan(
     elif route == "sequential":
         ys = sequential_scan(api, combine_fn, spec_of, xs)
     else:
+        if torch.is_grad_enabled() and torch.compiler.is_dynamo_compiling():
+            # Inductor would compile the while_loop's backward wrongly: see fscan._inductor_fix
+            undonate_subgraph_inputs()
         make = lambda operands: flat_combine(api, combine_fn, spec_of(operands), combine_mode)
         ys = blocked_scan(make, xs)
     if reverse:

@@ -208,3 +208,13 @@ def test_canary_torch_hop_autograd_is_wrong_when_leaves_mix():
     got = torch.autograd.grad(h.sum(), a)[0]
     want = torch.autograd.grad(expected.sum(), a)[0]
     assert not torch.allclose(got, want)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # from Inductor's own imports
+def test_inductor_gradients_at_the_last_step_of_each_block():
+    """Issue 10 case 0: a while_loop backward reused a donated buffer (fscan._inductor_fix)."""
+    compiled = torch.compile(lambda x: fscan.associative_scan(torch.add, x, 0), fullgraph=True)
+    x = torch.randn(16, 4, dtype=torch.float64, requires_grad=True)
+    (got,) = torch.autograd.grad(compiled(x).sum(), x)
+    expected = torch.arange(16, 0, -1, dtype=torch.float64)[:, None].expand(16, 4)
+    assert_trees_close(got, expected)  # row 7 was 11, row 15 was 3
