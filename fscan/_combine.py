@@ -94,7 +94,7 @@ def check_combine_output(
 ) -> list[torch.Tensor]:
     """Flatten ``combine_fn``'s result and check it leaf by leaf against ``like``."""
     leaves, out_spec = optree.tree_flatten(out, none_is_leaf=False)
-    if out_spec != spec:
+    if out_spec != spec and not _same_structure(out_spec, spec):
         raise CombineFnError(
             f"{api}: `combine_fn` returned a pytree of structure {out_spec}, expected "
             f"{spec}, the structure of `xs`."
@@ -108,6 +108,22 @@ def check_combine_output(
         ):
             raise CombineFnError(_mismatch_message(api, spec, i, leaf, ref, combine_mode))
     return leaves
+
+
+def _same_structure(out_spec: PyTreeSpec, spec: PyTreeSpec) -> bool:
+    """Whether two specs that compare unequal still describe one structure.
+
+    That happens when one of them was made by Dynamo's optree polyfill, which
+    leaks out of frames Dynamo compiles one by one after a graph break inside
+    ``combine_fn`` (``torch.compile`` without ``fullgraph``): rebuilt here, both
+    come from the same implementation.
+    """
+    if out_spec.num_leaves != spec.num_leaves:
+        return False
+    rebuilt = optree.tree_structure(
+        optree.tree_unflatten(spec, [0] * spec.num_leaves), none_is_leaf=False
+    )
+    return rebuilt == out_spec
 
 
 def _mismatch_message(

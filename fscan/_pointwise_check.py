@@ -35,7 +35,7 @@ kernels are not used, so the first call per key runs fscan's own engine. Nothing
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._combine import FlatCombine
 from ._errors import CombineFnError, ImpureCombineError
 from ._knowledge import Knowledge
-from ._purity import _random_message, probeable
+from ._purity import _random_message, probeable, run_higher_order
 
 __all__ = ["checked_on_first_call", "is_elementwise"]
 
@@ -153,6 +153,18 @@ class _ElementwiseWatch(TorchDispatchMode):
     dimension cannot be told apart, so only the ops are checked.
     """
 
+    # torch.cond, map & co. come here too: the ops of their bodies are watched.
+    supports_higher_order_operators = True
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        # A frame Dynamo first meets under a non-infra mode is skipped for good: a
+        # torch.cond in combine_fn (whose eager front end compiles a wrapper) would then
+        # fail on every later call under vmap, and a torch.compile'd function called in
+        # combine_fn would run eagerly ever after. Compiled code still runs its ops
+        # through this mode, except those a backend fuses into kernels (Inductor).
+        return True
+
     def __init__(self, api: str, operands: Sequence[torch.Tensor], batch: int) -> None:
         super().__init__()
         self.api, self.batch = api, batch
@@ -161,6 +173,8 @@ class _ElementwiseWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return run_higher_order(self, func, args, kwargs, self._refuse(func))
         if torch.Tag.nondeterministic_seeded in func.tags:
             raise ImpureCombineError(_random_message(self.api, func))
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -205,6 +219,17 @@ class _ElementwiseWatch(TorchDispatchMode):
         if same_offset in candidates:
             return same_offset
         return candidates[0] if candidates else None
+
+    def _refuse(self, op: torch._ops.HigherOrderOperator) -> Callable[..., Any]:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            # Its body cannot be watched: elementwise is not shown, so not assumed.
+            raise CombineFnError(
+                f"{self.api}: `combine_fn` calls the higher-order operator {op.name()}, whose "
+                "body fscan cannot check for elementwise operations. "
+                "Use combine_mode='generic', where combine_fn sees one element at a time."
+            )
+
+        return refuse
 
     def returned(self, out: Sequence[torch.Tensor]) -> None:
         """``combine_fn``'s results must carry the batch first, as the operands did."""

@@ -37,7 +37,13 @@ from ._errors import ImpureCombineError
 from ._knowledge import Knowledge
 from ._pytree import unflatten
 
-__all__ = ["ensure_pure", "probe_purity", "probeable", "sample_operands"]
+__all__ = [
+    "ensure_pure",
+    "probe_purity",
+    "probeable",
+    "run_higher_order",
+    "sample_operands",
+]
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -132,6 +138,18 @@ def sample_operands(
 class _PurityWatch(TorchDispatchMode):
     """Raise at the first random op, or at the first op that writes into an operand."""
 
+    # torch.cond, map & co. come here too, and are run watched (run_higher_order).
+    supports_higher_order_operators = True
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        # A frame Dynamo first meets under a non-infra mode is skipped for good: a
+        # torch.cond in combine_fn (whose eager front end compiles a wrapper) would then
+        # fail on every later call under vmap, and a torch.compile'd function called in
+        # combine_fn would run eagerly ever after. Compiled code still runs its ops
+        # through this mode, except those a backend fuses into kernels (Inductor).
+        return True
+
     def __init__(self, api: str, spec: PyTreeSpec, operands: Sequence[torch.Tensor]) -> None:
         super().__init__()
         self.api, self.spec, self.half = api, spec, len(operands) // 2
@@ -139,6 +157,10 @@ class _PurityWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            # One whose body cannot be watched runs as it is: the version and value
+            # comparison after the call still catches writes to the operands.
+            return run_higher_order(self, func, args, kwargs, unwatched=func)
         if torch.Tag.nondeterministic_seeded in func.tags:
             raise ImpureCombineError(_random_message(self.api, func))
         if func._schema.is_mutable:
@@ -149,6 +171,51 @@ class _PurityWatch(TorchDispatchMode):
                         _mutation_message(self.api, self.spec, i, self.half, op=func)
                     )
         return func(*args, **kwargs)
+
+
+def run_higher_order(
+    mode: TorchDispatchMode,
+    op: torch._ops.HigherOrderOperator,
+    args: tuple,
+    kwargs: dict,
+    unwatched: Callable[..., Any],
+) -> Any:
+    """Run the higher-order op ``op`` (``torch.cond``, ``map``, ...) with ``mode`` watching
+    the aten ops of its bodies; ``unwatched(*args, **kwargs)`` where that cannot be done.
+
+    A dispatch mode sees a higher-order op as one call. Its dense (eager) kernel
+    calls the bodies, passed to it as callables, on real tensors: each body runs
+    here with ``mode`` re-entered, so every op inside reaches the mode like an op
+    of ``combine_fn`` itself.
+
+    Example:
+        >>> class Names(TorchDispatchMode):
+        ...     supports_higher_order_operators = True
+        ...     seen = []
+        ...     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        ...         if isinstance(func, torch._ops.HigherOrderOperator):
+        ...             return run_higher_order(self, func, args, kwargs or {}, func)
+        ...         self.seen.append(func._opname)
+        ...         return func(*args, **(kwargs or {}))
+        >>> pred, x = torch.tensor(True), torch.ones(1)
+        >>> with Names():
+        ...     _ = torch.cond(pred, torch.sin, torch.cos, (x,))
+        >>> Names.seen
+        ['sin']
+    """
+    dense = op.py_kernels.get(torch._C.DispatchKey.CompositeExplicitAutograd)
+    if dense is None:
+        return unwatched(*args, **kwargs)
+
+    def watched(body: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*body_args: Any, **body_kwargs: Any) -> Any:
+            with mode:
+                return body(*body_args, **body_kwargs)
+
+        return run
+
+    args = tuple(watched(a) if callable(a) and not isinstance(a, torch.Tensor) else a for a in args)
+    return dense(*args, **kwargs)
 
 
 def _written_tensors(func: Any, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:

@@ -64,26 +64,28 @@ def segmented_scan(
         >>> fscan.associative_scan(torch.add, x, 0, reset=reset)
         tensor([1., 2., 1., 2., 1., 2.])
     """
-    leaves, spec = flatten(xs)
+    leaves, _ = flatten(xs)
     flag = check_reset(_API, reset, xs, leaves, dim)
-    batched = combine_mode == "pointwise"
 
     def segmented(x: tuple[torch.Tensor, Any], y: tuple[torch.Tensor, Any]) -> tuple:
         (fx, vx), (fy, vy) = x, y
-        x_leaves, y_leaves = flatten(vx)[0], flatten(vy)[0]
-        flags = [_align(fy, leaf, batched) for leaf in y_leaves]
+        # The structure of vy, not `spec`: when torch.export traces this inside a HOP,
+        # the spec must be made in that trace (see fscan._traced).
+        y_leaves, y_spec = flatten(vy)
+        x_leaves = flatten(vx)[0]
+        flags = [_align(fy, leaf) for leaf in y_leaves]
         # Where y restarts, combine_fn's result is discarded; it runs on ones there, so
         # that neither a NaN/inf before the reset nor a zero cotangent times an infinite
         # partial (0 * inf = nan) reaches the values or gradients the loop would give.
-        merged = combine_fn(_masked(vx, x_leaves, flags), _masked(vy, y_leaves, flags))
-        merged = check_combine_output(_API, merged, spec, y_leaves, combine_mode)
+        masked = [_masked(y_spec, leaves, flags) for leaves in (x_leaves, y_leaves)]
+        merged = check_combine_output(_API, combine_fn(*masked), y_spec, y_leaves, combine_mode)
         chosen = [torch.where(f, yl, m) for f, m, yl in zip(flags, merged, y_leaves)]
-        return fx | fy, unflatten(spec, chosen)
+        return fx | fy, unflatten(y_spec, chosen)
 
-    def _masked(tree: Any, leaves: list[torch.Tensor], flags: list[torch.Tensor]) -> Any:
+    def _masked(tree_spec: Any, leaves: list[torch.Tensor], flags: list[torch.Tensor]) -> Any:
         one = lambda t: torch.ones((), dtype=t.dtype, device=t.device)
         ones = [torch.where(f, one(t), t) for f, t in zip(flags, leaves)]
-        return unflatten(spec, ones)
+        return unflatten(tree_spec, ones)
 
     segmented.selects_by_mask = True  # type: ignore[attr-defined]  # see fscan._routing
     return scan(segmented, (flag, xs), dim, reverse, combine_mode, **scan_options)[1]
@@ -127,13 +129,17 @@ def check_reset(
     return reset
 
 
-def _align(flag: torch.Tensor, like: torch.Tensor, batched: bool) -> torch.Tensor:
+def _align(flag: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """View ``flag`` (a batch of flags, or one element's) so it broadcasts against ``like``.
 
     A mask with the leaves' dimensions already lines up; a 1-D mask's slice has
-    size 1 everywhere but the batch dimension, so it is reshaped to ``like``'s rank.
+    size 1 everywhere but the batch dimension, so it gets trailing unit dimensions.
     """
     if flag.ndim == like.ndim:
         return flag
-    lead = list(flag.shape[:1]) if batched else []
-    return flag.reshape(lead + [1] * (like.ndim - len(lead)))
+    # Trailing unit dimensions counted from the end, not a reshape to sizes: traced on
+    # single elements, the exported combine graph of torch's associative_scan HOP is
+    # run on batches of them, where sizes or positions recorded for one would not fit.
+    for _ in range(like.ndim - flag.ndim):
+        flag = flag.unsqueeze(-1)
+    return flag

@@ -62,9 +62,10 @@ from torch._higher_order_ops.scan import scan
 from torch._higher_order_ops.while_loop import while_loop
 
 from ._combine import FlatCombine, check_combine_output, flat_combine
-from ._inductor_fix import undonate_subgraph_inputs
+from ._generic import scan_functional
 from ._knowledge import reach
 from ._pytree import unflatten
+from ._workarounds import prepare_loop_backward
 
 __all__ = [
     "BLOCK",
@@ -74,6 +75,7 @@ __all__ = [
     "doubling_scan",
     "hop_combine",
     "hop_scan",
+    "in_functorch_transform",
     "sequential_scan",
     "spec_source",
     "traced_route",
@@ -120,10 +122,12 @@ def traced_scan(
         ys = hop_scan(api, combine_fn, spec_of, xs)
     elif route == "sequential":
         ys = sequential_scan(api, combine_fn, spec_of, xs)
+    elif route == "unrolled":
+        ys = scan_functional(flat_combine(api, combine_fn, spec_of(xs), combine_mode), xs)
     else:
         if torch.is_grad_enabled() and torch.compiler.is_dynamo_compiling():
-            # Inductor would compile the while_loop's backward wrongly: see fscan._inductor_fix
-            undonate_subgraph_inputs()
+            # torch bugs in the while_loop's backward: see fscan._workarounds
+            prepare_loop_backward()
         make = lambda operands: flat_combine(api, combine_fn, spec_of(operands), combine_mode)
         ys = blocked_scan(make, xs)
     if reverse:
@@ -134,7 +138,9 @@ def traced_scan(
 def traced_route(
     combine_fn: Callable[[Any, Any], Any], xs: Sequence[torch.Tensor], combine_mode: str
 ) -> str:
-    """``"hop"``, ``"sequential"`` or ``"blocked"``: the table of the module doc."""
+    """``"hop"``, ``"sequential"``, ``"unrolled"`` or ``"blocked"``: the module doc's table."""
+    if in_functorch_transform():
+        return "unrolled"
     if torch.compiler.is_exporting():
         if combine_mode == "generic":
             return "sequential"
@@ -145,6 +151,22 @@ def traced_route(
         return "blocked"
     codegen = xs[0].device.type in CODEGEN_DEVICES and not torch.is_grad_enabled()
     return "hop" if combine_mode == "pointwise" and codegen else "blocked"
+
+
+def in_functorch_transform() -> bool:
+    """Whether this trace runs inside ``vmap``, ``grad`` & co., e.g. a nested scan.
+
+    Example:
+        >>> inside = lambda x: x * in_functorch_transform()
+        >>> in_functorch_transform(), torch.func.vmap(inside)(torch.ones(2))
+        (False, tensor([1., 1.]))
+    """
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+# Dynamo cannot trace the functorch query itself: it calls a function so marked while
+# it traces (torch.compiler.assume_constant_result, without importing Dynamo here).
+in_functorch_transform._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def spec_source(spec: PyTreeSpec) -> SpecSource:
@@ -213,15 +235,17 @@ def blocked_scan(
     # Dynamo and export): a derived size of 1 would be specialised. The tail is
     # padded by gathering with clamped indices, not with sizes to prove >= 0.
     m = n // BLOCK + 2
-    # Step j of block i is element i * BLOCK + j (gathered: splitting a symbolic
-    # dimension with a view asks export to prove divisibility, which it cannot).
-    source = torch.arange(m, device=device)[:, None] * BLOCK + torch.arange(BLOCK, device=device)
-    blocks = [x[source.clamp(max=n - 1)] for x in xs]
+    # Step j of block i is element i * BLOCK + j, gathered: splitting a symbolic
+    # dimension with a view asks export to prove divisibility, which it cannot. One
+    # gather per step, not views of one gather: combine_fn's operands must not share
+    # memory where it calls torch.cond & co. (Dynamo refuses aliased HOP inputs).
+    first = torch.arange(m, device=device) * BLOCK
+    step_j = lambda j: [x.index_select(0, (first + j).clamp(max=n - 1)) for x in xs]
     # 1. Within each block, step by step: BLOCK - 1 combines over all blocks at once.
-    running = [b[:, 0] for b in blocks]
+    running = step_j(0)
     steps = [running]
     for j in range(1, BLOCK):
-        running = combine(running, [b[:, j] for b in blocks])
+        running = combine(running, step_j(j))
         steps.append(running)
     # 2. The block totals (the last step), scanned: the prefix up to each block.
     totals = doubling_scan(make_combine, running)
