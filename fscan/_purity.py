@@ -184,9 +184,10 @@ def run_higher_order(
     the aten ops of its bodies; ``unwatched(*args, **kwargs)`` where that cannot be done.
 
     A dispatch mode sees a higher-order op as one call. Its dense (eager) kernel
-    calls the bodies, passed to it as callables, on real tensors: each body runs
-    here with ``mode`` re-entered, so every op inside reaches the mode like an op
-    of ``combine_fn`` itself.
+    runs here with ``mode`` re-entered, so every op it runs, its bodies' included,
+    reaches the mode like an op of ``combine_fn`` itself (``map``'s slicing of its
+    inputs too). ``cond``'s kernel refuses to run under a mode and only picks a
+    branch: there the bodies, passed to it as callables, run with ``mode`` re-entered.
 
     Example:
         >>> class Names(TorchDispatchMode):
@@ -206,6 +207,9 @@ def run_higher_order(
     dense = op.py_kernels.get(torch._C.DispatchKey.CompositeExplicitAutograd)
     if dense is None:
         return unwatched(*args, **kwargs)
+    if op.name() not in _MODE_REFUSING_KERNELS:
+        with mode:
+            return dense(*args, **kwargs)
 
     def watched(body: Callable[..., Any]) -> Callable[..., Any]:
         def run(*body_args: Any, **body_kwargs: Any) -> Any:
@@ -216,6 +220,10 @@ def run_higher_order(
 
     args = tuple(watched(a) if callable(a) and not isinstance(a, torch.Tensor) else a for a in args)
     return dense(*args, **kwargs)
+
+
+# Higher-order ops whose dense kernel asserts that no dispatch mode is active.
+_MODE_REFUSING_KERNELS = frozenset({"cond"})
 
 
 def _written_tensors(func: Any, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:

@@ -11,7 +11,7 @@ route          when, and what runs
 ``empty``      length 0 along ``dim``, or no element at all: copies of the leaves
 ``traced``     ``torch.compile``/``torch.export`` traces: one length-polymorphic
                op (:mod:`fscan._traced` has its own table: HOP, blocked scan,
-               sequential ``scan``)
+               sequential ``scan``; unrolled inside a ``torch.func`` transform)
 ``functional`` a ``torch.func`` transform or a dual level (forward AD) is active:
                the out-of-place engine, which those transforms differentiate
 ``triton``     pointwise, CUDA/XPU, ``combine_fn`` checked elementwise, no

@@ -9,6 +9,8 @@ symbolic. So a traced scan becomes one length-polymorphic operation instead:
 ============================================  =====================================
 case                                          route
 ============================================  =====================================
+inside ``vmap``, ``grad`` & co. (a nested     ``unrolled``: the out-of-place eager
+scan in a generic ``combine_fn``)             engine, traced (no HOP can run there)
 export, pointwise                             ``associative_scan`` HOP (*)
 export, generic                               sequential ``scan`` HOP
 compile, pointwise, CUDA/XPU, grad mode off   ``associative_scan`` HOP: Triton scan

@@ -1,5 +1,5 @@
-"""fscan under torch.compile(fullgraph=True) on CPU: no graph break, eager results, at most one
-recompile when the length changes, correct gradients (fscan._traced)."""
+"""fscan under torch.compile on CPU: no graph break, eager results, at most one recompile when
+the length changes, correct gradients (fscan._traced), with Inductor and without it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import types
 
 import pytest
 import torch
+from functorch.experimental import control_flow
 from helpers import affine_compose, assert_trees_close, linear_recurrence, sequential_scan
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -14,16 +15,22 @@ import fscan
 from fscan import _traced
 
 # Dynamo and AOT autograd without Inductor's codegen: the same graphs, compiled in
-# seconds. One test below runs the default backend, Inductor, and the broadest one
-# Dynamo alone ("eager"), which is what decides about graph breaks and recompiles.
+# seconds. The default backend, Inductor, compiles every route at once in a shared
+# fixture below (a compile takes about a minute on 2 cores), and the broadest tests
+# run Dynamo alone ("eager"), which is what decides about graph breaks and recompiles.
 BACKEND = "aot_eager"
+F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+# Every test but those sharing the module's Inductor compiles starts from a fresh Dynamo.
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def compile_counted(fn, backend=BACKEND, **options):
@@ -67,21 +74,6 @@ def test_a_new_length_recompiles_at_most_once():
         x = torch.randn(n, 4)
         assert_trees_close(compiled(x), x.cumsum(0))
     assert counter.frame_count <= 2
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # from Inductor's own imports
-def test_the_default_backend_inductor():
-    def fn(a, b):
-        _, h = fscan.associative_scan(
-            lambda x, y: (x[0] * y[0], y[0] * x[1] * W / W + y[1]), (a, b), 1, reverse=True
-        )
-        return h
-
-    compiled, counter = compile_counted(fn, backend="inductor", dynamic=True)
-    for n in (6, 50, 51):
-        a, b = torch.rand(2, n, 3), torch.randn(2, n, 3)
-        assert_trees_close(compiled(a, b), fn(a, b))
-    assert counter.frame_count == 1
 
 
 def test_gradients_through_the_compiled_scan():
@@ -210,11 +202,169 @@ def test_canary_torch_hop_autograd_is_wrong_when_leaves_mix():
     assert not torch.allclose(got, want)
 
 
+# --- Inductor, the default backend: every compiled route against eager ------------------
+
+
+def every_route(a, b, m, r, w):
+    """Each route a compiled scan can take on CPU, once: both modes, pytrees mixing leaves,
+    reverse, dims, closures over a tensor requiring grad, reset= (1-D and per-row masks),
+    the drop-in ops and linear_recurrence."""
+    _, h = fscan.associative_scan(linear_recurrence, (a, b), 0)
+    prod = fscan.associative_scan(lambda x, y: x * y, a, 0)  # issue 10's first repro
+    decayed = fscan.associative_scan(lambda x, y: x * y * w, a.T, 1, reverse=True)
+    mats = fscan.associative_scan(torch.matmul, m, 0, reverse=True, combine_mode="generic")
+    segments = fscan.associative_scan(torch.add, b, 0, reset=r)
+    rows = fscan.associative_scan(torch.maximum, b, 0, reverse=True, reset=b > 1)
+    mats_reset = fscan.associative_scan(torch.matmul, m, 0, combine_mode="generic", reset=r)
+    ops = (
+        fscan.cumsum(b, 0),
+        fscan.cumprod(a, 0, reverse=True),
+        fscan.cummax(b, 0).values,
+        fscan.logcumsumexp(b, 0, reverse=True),
+    )
+    linear = fscan.linear_recurrence(a * 0.9, b, 0, reset=r)
+    return h, prod, decayed, mats, segments, rows, mats_reset, *ops, linear
+
+
+def route_inputs(n, requires_grad=True):
+    g = torch.Generator().manual_seed(n)
+    a = torch.rand(n, 3, dtype=F64, generator=g) + 0.5
+    b = torch.randn(n, 3, dtype=F64, generator=g)
+    m = torch.randn(n, 2, 2, dtype=F64, generator=g) / 2
+    r = torch.rand(n, generator=g) < 0.3
+    w = torch.tensor(0.9, dtype=F64)
+    for t in (a, b, m, w):
+        t.requires_grad_(requires_grad)
+    return a, b, m, r, w
+
+
+def outputs_and_gradients(fn, args):
+    outs = fn(*args)
+    wrt = [t for t in args if t.requires_grad]
+    cot = [torch.linspace(-1, 1, o.numel(), dtype=F64).reshape(o.shape) for o in outs]
+    return [o.detach() for o in outs], torch.autograd.grad(outs, wrt, cot)
+
+
+@pytest.fixture(scope="module")
+def inductor_routes():
+    """every_route compiled once by Inductor with symbolic lengths. Without fullgraph, on
+    purpose: that, with gradients, crashed (issue 10); the counter shows no graph break."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    yield torch.compile(every_route, backend=counter, dynamic=True), counter
+    torch._dynamo.reset()
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # from Inductor's own imports
-def test_inductor_gradients_at_the_last_step_of_each_block():
-    """Issue 10 case 0: a while_loop backward reused a donated buffer (fscan._inductor_fix)."""
-    compiled = torch.compile(lambda x: fscan.associative_scan(torch.add, x, 0), fullgraph=True)
-    x = torch.randn(16, 4, dtype=torch.float64, requires_grad=True)
+def test_inductor_forward_and_gradients_match_eager(inductor_routes):
+    """Issue 10 case 0: Inductor's while_loop backward reused a donated buffer, so the
+    gradient at the last step of every 8-step block was wrong (rows 7 and 15 at length
+    16: fscan._workarounds); without fullgraph the backward crashed."""
+    compiled, counter = inductor_routes
+    for n in (16, 11):
+        args = route_inputs(n)
+        expected = outputs_and_gradients(every_route, args)
+        assert_trees_close(outputs_and_gradients(compiled, args), expected)
+    assert counter.frame_count == 1  # one graph for both lengths, no graph break
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_inductor_without_gradients_matches_eager(inductor_routes):
+    compiled, _ = inductor_routes
+    args = route_inputs(13, requires_grad=False)
+    with torch.no_grad():
+        assert_trees_close(compiled(*args), every_route(*args))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_inductor_with_static_shapes_matches_eager():
+    compiled = torch.compile(every_route, dynamic=False, fullgraph=True)
+    for n in (8, 17):
+        args = route_inputs(n)
+        expected = outputs_and_gradients(every_route, args)
+        assert_trees_close(outputs_and_gradients(compiled, args), expected)
+
+
+# --- issue 10 case 0: the other crashes under compile ------------------------------------
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_gradients_without_fullgraph(dynamic):
+    """The while_loop backward's .item() needs scalar outputs, which Dynamo allows only with
+    fullgraph=True: it crashed, then raised a spurious CombineFnError (fscan._workarounds)."""
+    counter = CompileCounterWithBackend(BACKEND)
+    fn = lambda x: fscan.associative_scan(lambda a, b: a * b, x, 0)
+    compiled = torch.compile(fn, backend=counter, dynamic=dynamic)
+    x = torch.randn(10, 2, dtype=F64, requires_grad=True)
     (got,) = torch.autograd.grad(compiled(x).sum(), x)
-    expected = torch.arange(16, 0, -1, dtype=torch.float64)[:, None].expand(16, 4)
-    assert_trees_close(got, expected)  # row 7 was 11, row 15 was 3
+    (expected,) = torch.autograd.grad(sequential_scan(torch.mul, x, 0).sum(), x)
+    assert_trees_close(got, expected)
+    assert counter.frame_count == 1
+
+
+def test_a_graph_break_inside_combine_fn_is_torchs_error_not_a_spurious_one():
+    def combine(a, b):
+        torch._dynamo.graph_break()
+        return a + b
+
+    compiled = torch.compile(lambda x: fscan.associative_scan(combine, x, 0), backend=BACKEND)
+    with pytest.raises(torch._dynamo.exc.UncapturedHigherOrderOpError, match="graph_break"):
+        compiled(torch.randn(10, 2))
+
+
+def nested(a, b):
+    """A generic combine_fn that itself scans: composes cumulative sums of its elements."""
+    return fscan.associative_scan(torch.add, a, 0) * 0 + a + b
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_nested_scan_compiles(grad):
+    """It failed on every backend: the inner scan's while_loop cannot run under the outer
+    scan's vmap ("Cannot access storage of BatchedTensorImpl"); it unrolls there now."""
+    fn = lambda x: fscan.associative_scan(nested, x, 0, combine_mode="generic")
+    compiled, _ = compile_counted(fn)
+    x = torch.randn(9, 3, dtype=F64, requires_grad=grad)
+    assert_trees_close(compiled(x), x.cumsum(0))
+    if grad:
+        (got,) = torch.autograd.grad(compiled(x).sum(), x)
+        assert_trees_close(got, torch.arange(9, 0, -1, dtype=F64)[:, None].expand(9, 3))
+
+
+def test_vmap_of_a_compiled_scan():
+    fn = torch.compile(
+        lambda x: fscan.associative_scan(torch.add, x, 0), backend=BACKEND, fullgraph=True
+    )
+    x = torch.randn(4, 7, 2)
+    assert_trees_close(torch.func.vmap(fn)(x), x.cumsum(1))
+
+
+W1 = torch.tensor(1.0, dtype=F64)
+
+
+def by_sign(a, b):  # data-dependent: generic mode
+    return torch.cond(a.sum() > 0, lambda a, b: a + b, lambda a, b: b + a, (a, b))
+
+
+def by_flag(a, b):
+    return torch.cond(W1 > 0, lambda a, b: a + b, lambda a, b: b - a, (a, b))
+
+
+def mapped(a, b):
+    return control_flow.map(lambda ab: ab[0] + ab[1], (a, b))
+
+
+@pytest.mark.parametrize(
+    ("combine", "mode"),
+    [(by_sign, "generic"), (by_flag, "generic"), (by_flag, "pointwise"), (mapped, "pointwise")],
+)
+def test_higher_order_ops_in_combine_fn_compile(combine, mode):
+    """torch.cond and control_flow.map in combine_fn: Dynamo refused them, since the
+    blocked scan handed combine_fn views of one tensor (aliased HOP inputs)."""
+    fn = lambda x: fscan.associative_scan(combine, x, 0, combine_mode=mode)
+    compiled, _ = compile_counted(fn)
+    x = torch.randn(10, 3, dtype=F64, requires_grad=True)
+    out = compiled(x)
+    assert_trees_close(out, x.cumsum(0))
+    (got,) = torch.autograd.grad(out.sum(), x)
+    assert_trees_close(got, torch.arange(10, 0, -1, dtype=F64)[:, None].expand(10, 3))

@@ -146,3 +146,37 @@ def test_strict_export_of_a_closure_over_a_parameter_fails_at_export_time():
         torch.export.export(
             ClosesOverTensors(), (torch.randn(5, 3),), dynamic_shapes={"xs": {0: SEQ}}, strict=True
         )
+
+
+class Segmented(torch.nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+
+    def forward(self, xs, reset):
+        combine = torch.add if self.mode == "pointwise" else torch.matmul
+        return fscan.associative_scan(combine, xs, 0, combine_mode=self.mode, reset=reset)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's scan autograd imports jit
+@pytest.mark.parametrize(
+    ("mode", "element", "mask"),
+    [
+        ("pointwise", (3,), ()),  # a 1-D mask
+        ("pointwise", (2, 3), (2, 1)),  # one per row
+        ("generic", (2, 2), ()),
+    ],
+)
+def test_reset_exports_with_a_dynamic_length(mode, element, mask):
+    """Issue 10 case 8: the 1-D mask's flags were reshaped to sizes traced on one element,
+    wrong for the batches torch's HOP runs the combine on (every length but the traced one
+    failed); generic mode compared a tree spec made outside the scan HOP's trace."""
+    module = Segmented(mode)
+    ep = torch.export.export(
+        module,
+        (torch.randn(5, *element), torch.rand(5, *mask) < 0.4),
+        dynamic_shapes={"xs": {0: SEQ}, "reset": {0: SEQ}},
+    )
+    for n in LENGTHS[:4]:
+        x, r = torch.randn(n, *element) / 2, torch.rand(n, *mask) < 0.4
+        assert_trees_close(ep.module()(x, r), module(x, r))
