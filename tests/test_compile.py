@@ -292,6 +292,7 @@ def test_inductor_without_gradients_matches_eager(inductor_core):
         assert_trees_close(compiled(*args), core_routes(*args))
 
 
+@pytest.mark.slow  # a large graph: about two minutes on 2 busy cores, even without Inductor
 def test_every_route_matches_eager():
     """The rest of the routes, through the same graphs without Inductor's codegen."""
     compiled = torch.compile(every_route, backend=BACKEND, dynamic=True, fullgraph=True)
