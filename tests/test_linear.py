@@ -597,14 +597,9 @@ def test_compile_inductor_dynamic_length(fresh_dynamo):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 10, case 0: under Inductor the gradient of the gate is wrong in "
-    "fscan.associative_scan's traced scan with reverse=True (also for some graphs of "
-    "log_linear_recurrence with initial=); eager and aot_eager are right. Strict: drop "
-    "this mark once it is fixed.",
-)
 def test_compile_inductor_reverse_gate_gradient(fresh_dynamo):
+    """Issue 10 case 0: the gate's gradient was wrong under Inductor (a donated buffer
+    reused by the while_loop backward; fscan._workarounds)."""
     a, b, _, _ = _compiled_cases(40)
     fn = lambda a, b: fscan.linear_recurrence(a.exp(), b, 1, reverse=True)
     a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
