@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ._checks import normalize_dim
+from ._dtensor import any_dtensor, dtensor_linear_recurrence
 from ._errors import ScanTypeError, ScanValueError
 from ._pytree import describe
 from ._routing import where
@@ -101,6 +102,9 @@ def linear_recurrence(
         >>> fscan.linear_recurrence(0.5, torch.ones(4), 0, reset=torch.tensor([0, 0, 1, 0]) > 0)
         tensor([1.0000, 1.5000, 1.0000, 1.5000])
     """
+    if any_dtensor((a, b, initial, reset)):  # sharded across ranks: see fscan._dtensor
+        args = dict(initial=initial, reverse=reverse, reset=reset, acc_dtype=acc_dtype)
+        return dtensor_linear_recurrence(a, b, dim, **args)
     a, b, initial, dim = _check_args(_API, a, b, dim, initial, reverse, matrix=False)
     dtype = b.dtype
     if acc_dtype is not None:

@@ -9,6 +9,7 @@ import torch
 
 from ._carry import fold_initial
 from ._checks import check_scan_args
+from ._dtensor import any_dtensor, dtensor_scan
 from ._knowledge import knowledge, reach
 from ._pytree import flatten, unflatten
 from ._routing import scan_flat, scan_traced
@@ -88,6 +89,17 @@ def associative_scan(
         tensor([11., 12., 13.])
     """
     leaves, spec = flatten(xs)
+    if any_dtensor(leaves):  # sharded across ranks: see fscan._dtensor
+        return dtensor_scan(
+            combine_fn,
+            xs,
+            dim,
+            reverse,
+            combine_mode,
+            validate=validate,
+            reset=reset,
+            initial=initial,
+        )
     dim = check_scan_args(_API, combine_fn, xs, leaves, dim, reverse, combine_mode)
     if initial is not None:  # folded into the first element: see fscan._carry
         xs = fold_initial(_API, combine_fn, xs, dim, reverse, combine_mode, initial, reset)

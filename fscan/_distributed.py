@@ -1,0 +1,714 @@
+"""Scans over a sequence sharded across the ranks of a ``torch.distributed`` group.
+
+Each rank holds pieces of one long sequence along ``dim`` (by default one
+contiguous piece per rank, in rank order) and gets back its pieces of the scan of
+the whole sequence. The classic block scan (MPI_Exscan):
+
+1. scan each local piece with fscan; its total is its last element (first, in
+   reverse);
+2. exchange the totals with one ``all_gather`` of one element per piece
+   (:class:`_AllGather`; its backward is one ``reduce_scatter``);
+3. fold the totals of the pieces before each local piece (after it, in reverse)
+   into its exclusive prefix ``P`` with a scan of at most ``W * K`` elements, and
+   combine ``P`` into every local result with one ``combine_fn`` call.
+
+Only totals cross ranks, so the exchange does not grow with the length.
+Gradients come from autograd: the gather's transpose returns to each piece's
+total the cotangents of the later ranks' folds.
+
+Every rank must run the backward collective, also ranks whose results do not
+depend on the gathered totals (nothing before them, or empty pieces), and also
+under ``torch.autograd.grad(..., inputs=...)``, which prunes graph nodes that do
+not lead to the requested inputs. :class:`_Tie` puts the gathered tensor into
+those ranks' graphs without arithmetic (``0 * total`` would turn an infinite
+total into NaN), empty pieces send zeros computed from the piece, and the
+tensors ``combine_fn`` closes over are extra inputs of the gather, so the
+gather leads to the same requested inputs on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from optree import PyTreeSpec
+
+from ._checks import check_scan_args
+from ._combine import check_combine_output
+from ._errors import ScanTypeError, ScanValueError
+from ._knowledge import reach
+from ._pytree import describe, flatten, unflatten
+
+__all__ = [
+    "Layout",
+    "associative_scan",
+    "exchange_bytes",
+    "linear_recurrence",
+    "resolve_group",
+    "sharded_recurrence",
+    "sharded_scan",
+]
+
+_API = "fscan.distributed.associative_scan"
+_API_LINEAR = "fscan.distributed.linear_recurrence"
+
+
+# ---- where the pieces live ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the pieces of the global sequence live: the same table on every rank.
+
+    ``order[r]`` lists the global positions (any distinct ints; only their order
+    matters) of the pieces rank ``r`` holds, concatenated along ``dim`` in that
+    order; every rank holds the same number ``K`` of pieces. ``lengths[r][p]`` is
+    the length of rank ``r``'s piece ``p``, known statically; it is required
+    when ``K > 1``. With ``lengths=None`` (one piece per rank) the lengths are
+    exchanged with the totals and read on the host (a device sync on GPUs), so
+    that empty pieces can be skipped; give them to avoid that.
+
+    Example:
+        >>> Layout.contiguous(3, lengths=[4, 0, 4]).order
+        ((0,), (1,), (2,))
+        >>> Layout.head_tail(2, local_length=6)  # torch context parallel's order
+        Layout(order=((0, 3), (1, 2)), lengths=((3, 3), (3, 3)))
+    """
+
+    order: tuple[tuple[int, ...], ...]
+    lengths: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        order = tuple(tuple(int(k) for k in row) for row in self.order)
+        object.__setattr__(self, "order", order)
+        pieces = {len(row) for row in order}
+        if not order or len(pieces) != 1 or 0 in pieces:
+            raise ScanValueError(
+                f"fscan.distributed.Layout: `order` must list the same number (>= 1) of "
+                f"pieces for every rank, got {order}."
+            )
+        keys = [k for row in order for k in row]
+        if len(set(keys)) != len(keys):
+            raise ScanValueError(
+                f"fscan.distributed.Layout: the positions in `order` must be distinct, got {order}."
+            )
+        if self.lengths is None:
+            if pieces != {1}:
+                raise ScanValueError(
+                    "fscan.distributed.Layout: `lengths` is required with several pieces "
+                    "per rank (each rank splits its tensor by them)."
+                )
+            return
+        lengths = tuple(tuple(int(n) for n in row) for row in self.lengths)
+        if [len(row) for row in lengths] != [len(row) for row in order] or any(
+            n < 0 for row in lengths for n in row
+        ):
+            raise ScanValueError(
+                f"fscan.distributed.Layout: `lengths` {lengths} must give a length >= 0 for "
+                f"each piece of `order` {order}."
+            )
+        object.__setattr__(self, "lengths", lengths)
+
+    @classmethod
+    def contiguous(cls, world_size: int, lengths: Sequence[int] | None = None) -> Layout:
+        """One piece per rank, in rank order, with static ``lengths`` if given."""
+        rows = None if lengths is None else tuple((n,) for n in lengths)
+        return cls(tuple((r,) for r in range(world_size)), rows)
+
+    @classmethod
+    def head_tail(cls, world_size: int, local_length: int) -> Layout:
+        """torch context parallel's load-balanced order: the sequence in ``2 W`` equal
+        chunks, rank ``r`` holding chunk ``r`` then chunk ``2 W - 1 - r``."""
+        if local_length % 2:
+            raise ScanValueError(
+                f"fscan.distributed.Layout.head_tail: `local_length` {local_length} must be "
+                "even (two equal chunks per rank)."
+            )
+        half = local_length // 2
+        order = tuple((r, 2 * world_size - 1 - r) for r in range(world_size))
+        return cls(order, tuple((half, half) for _ in range(world_size)))
+
+    @property
+    def pieces(self) -> int:
+        return len(self.order[0])
+
+
+def resolve_group(api: str, group: Any) -> Any:
+    """A ProcessGroup from ``group``: None (the default group), a ProcessGroup, a 1-D
+    DeviceMesh, or ``(mesh, mesh_dim)``."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ScanValueError(
+            f"{api}: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group() on every rank first."
+        )
+    if group is None:
+        return dist.group.WORLD
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    mesh_type = _device_mesh_type()
+    if isinstance(group, mesh_type):
+        if group.ndim != 1:
+            raise ScanValueError(
+                f"{api}: `group` is a {group.ndim}-D DeviceMesh; pass (mesh, mesh_dim) to name "
+                "the dimension that shards the sequence."
+            )
+        return group.get_group()
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], mesh_type):
+        return group[0].get_group(group[1])
+    raise ScanTypeError(
+        f"{api}: `group` must be None, a ProcessGroup, a 1-D DeviceMesh or (mesh, mesh_dim), "
+        f"got {type(group).__name__}."
+    )
+
+
+def _device_mesh_type() -> type:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh
+
+
+# ---- the exchange --------------------------------------------------------------
+
+
+def _gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
+
+
+def _reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, inp, group=group)
+
+
+class _AllGather(torch.autograd.Function):
+    """``flat`` (k,) from every rank -> (W * k,); backward: reduce-scatter of the cotangent.
+
+    ``anchors`` (the differentiable tensors ``combine_fn`` closes over) are inputs
+    only so that the gather leads to them in every rank's graph: a rank whose
+    totals do not depend on them (a one-element piece) would otherwise prune the
+    backward collective under ``autograd.grad(inputs=...)`` while the others run it.
+    """
+
+    @staticmethod
+    def forward(flat: torch.Tensor, group: Any, *anchors: torch.Tensor) -> torch.Tensor:
+        world = dist.get_world_size(group)
+        out = flat.new_empty(world * flat.numel())
+        _gather_into(out, flat.contiguous(), group)
+        return out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.group = inputs[1]
+        ctx.anchors = len(inputs) - 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        world = dist.get_world_size(ctx.group)
+        mine = grad.new_empty(grad.numel() // world)
+        _reduce_scatter_into(mine, grad.contiguous(), ctx.group)
+        return (mine, None, *([None] * ctx.anchors))
+
+
+class _Tie(torch.autograd.Function):
+    """``outs`` unchanged, with ``anchor`` (the gathered buffer) in their graph: see the
+    module docstring. Its backward hands ``anchor`` zeros, no arithmetic on values."""
+
+    @staticmethod
+    def forward(anchor: torch.Tensor, *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        anchor = inputs[0]
+        ctx.like = (anchor.shape, anchor.dtype, anchor.device)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        shape, dtype, device = ctx.like
+        return (torch.zeros(shape, dtype=dtype, device=device), *grads)
+
+
+def _tie(anchor: torch.Tensor, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    if not anchor.requires_grad or not torch.is_grad_enabled():
+        return outs
+    return list(_Tie.apply(anchor, *outs))
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one leaf's totals sit in the packed row of one rank."""
+
+    start: int
+    stop: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    as_bytes: bool
+
+
+def _carrier_dtype(totals: Sequence[torch.Tensor]) -> torch.dtype:
+    """One dtype for the whole exchange: the promoted real type of the floating leaves
+    (exact for every floating leaf), else bytes."""
+    carrier = None
+    for t in totals:
+        if t.is_floating_point() or t.is_complex():
+            real = t.real.dtype if t.is_complex() else t.dtype
+            carrier = real if carrier is None else torch.promote_types(carrier, real)
+    return torch.uint8 if carrier is None else carrier
+
+
+def _pack(totals: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[_Slot]]:
+    """Flatten every leaf's totals into one 1-D tensor of the carrier dtype.
+
+    Floating leaves are cast (exactly, to a wider or equal type) so gradients flow;
+    integer and bool leaves are bit-copied (they carry no gradient), so one
+    collective moves every dtype.
+    """
+    carrier = _carrier_dtype(totals)
+    size = torch.empty((), dtype=carrier).element_size()
+    parts, slots, start = [], [], 0
+    for t in totals:
+        shape = tuple(t.shape)
+        if t.is_floating_point() or t.is_complex():
+            part = (torch.view_as_real(t) if t.is_complex() else t).reshape(-1).to(carrier)
+            as_bytes = False
+        else:
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            pad = -raw.numel() % size
+            raw = torch.cat([raw, raw.new_zeros(pad)]) if pad else raw
+            part = raw.view(carrier) if carrier != torch.uint8 else raw
+            as_bytes = True
+        parts.append(part)
+        slots.append(_Slot(start, start + part.numel(), t.dtype, shape, as_bytes))
+        start += part.numel()
+    return torch.cat(parts) if len(parts) > 1 else parts[0], slots
+
+
+def _unpack(rows: torch.Tensor, slot: _Slot) -> torch.Tensor:
+    """One leaf's totals from every rank, shape ``(W, *slot.shape)``, from the (W, k) rows."""
+    cols = rows[:, slot.start : slot.stop]
+    world = rows.shape[0]
+    if slot.as_bytes:
+        raw = cols.contiguous().view(torch.uint8)
+        count = 1
+        for s in slot.shape:
+            count *= s
+        size = torch.empty((), dtype=slot.dtype).element_size()
+        return raw[:, : count * size].contiguous().view(slot.dtype).reshape(world, *slot.shape)
+    if slot.dtype.is_complex:
+        real = cols.to(torch.empty((), dtype=slot.dtype).real.dtype)
+        return torch.view_as_complex(real.reshape(world, *slot.shape, 2))
+    return cols.to(slot.dtype).reshape(world, *slot.shape)
+
+
+def exchange(
+    totals: Sequence[torch.Tensor], group: Any, anchors: Sequence[torch.Tensor] = ()
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """All-gather ``totals`` (tensors of any dtypes) in one collective.
+
+    Returns each leaf gathered, ``(W, *shape)``, and the gathered flat buffer (the
+    anchor that :func:`_tie` puts into results that do not depend on it).
+    """
+    flat, slots = _pack(totals)
+    world = dist.get_world_size(group)
+    needs_grad = torch.is_grad_enabled() and (
+        flat.requires_grad or any(a.requires_grad for a in anchors)
+    )
+    live = [a for a in anchors if a.requires_grad] if needs_grad else []
+    gathered = _AllGather.apply(flat, group, *live)
+    rows = gathered.view(world, flat.numel())
+    return [_unpack(rows, slot) for slot in slots], gathered
+
+
+def exchange_bytes(xs: Any, dim: int, world_size: int, pieces: int = 1) -> dict[str, int]:
+    """Bytes one rank sends and receives per forward call of the scan (the backward
+    moves as much again): one element per piece, independent of the length.
+
+    Example:
+        >>> exchange_bytes(torch.zeros(1000, 256), 0, 4)
+        {'send': 1024, 'recv': 4096}
+    """
+    leaves, _ = flatten(xs)
+    totals = [x.select(dim, 0) if x.shape[dim] else x.sum(dim) for x in leaves]
+    flat, _ = _pack(totals)
+    send = flat.numel() * flat.element_size() * pieces
+    return {"send": send, "recv": world_size * send}
+
+
+# ---- the public functions ------------------------------------------------------
+
+
+def associative_scan(
+    combine_fn: Callable[[Any, Any], Any],
+    xs: Any,
+    dim: int,
+    reverse: bool = False,
+    combine_mode: str = "pointwise",
+    *,
+    group: Any = None,
+    layout: Layout | None = None,
+    reset: torch.Tensor | None = None,
+    validate: bool | None = None,
+) -> Any:
+    """This rank's piece of the inclusive scan of a sequence sharded along ``dim``.
+
+    Every rank of ``group`` calls this with its piece ``xs`` (by default rank 0
+    holds the first piece, rank 1 the next, ...; pieces may have any length,
+    0 included) and gets back its piece of ``fscan.associative_scan`` of the
+    whole sequence. The contract is ``fscan.associative_scan``'s: pytrees, both
+    modes, ``reverse``, ``reset``, autograd. One ``all_gather`` of one element per
+    piece crosses ranks (and one ``reduce_scatter`` in backward), whatever the length.
+
+    Every rank must call it, in the same order, with leaves of the same structure,
+    dtypes and element shapes, and ``requires_grad`` set alike; in backward, every
+    rank must run backward through it (as with DDP). Tensors that ``combine_fn``
+    closes over get this rank's share of their gradient: sum it over ``group``
+    (DDP and FSDP over a mesh that includes the sequence dimension do).
+
+    Args:
+        combine_fn: as in ``fscan.associative_scan``: associative, pure.
+        xs: this rank's piece: a tensor or pytree of tensors.
+        dim (int): the sharded scan dimension.
+        reverse (bool, default False): scan from the end of the whole sequence.
+        combine_mode (str, default "pointwise"): ``"pointwise"`` or ``"generic"``.
+        group: the ranks sharing the sequence: None (the default group), a
+            ProcessGroup, a 1-D DeviceMesh or ``(mesh, mesh_dim)``.
+        layout (Layout or None): where the pieces lie in the sequence, the same on
+            every rank; None is one piece per rank in rank order, lengths unknown
+            (then read on the host: a device sync on GPUs). See :class:`Layout`.
+        reset (bool tensor or None): restart where True, as in ``fscan.associative_scan``
+            (this rank's part of the mask); a reset stops the carry from other ranks.
+        validate (bool or None): passed to each local ``fscan.associative_scan``.
+
+    Returns:
+        This rank's piece of the scan, the structure and shapes of ``xs``.
+
+    Example:
+        >>> import torch, torch.distributed as dist, fscan.distributed
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> fscan.distributed.associative_scan(torch.add, torch.arange(1.0, 5.0), 0)
+        tensor([ 1.,  3.,  6., 10.])
+        >>> dist.destroy_process_group()
+    """
+    return sharded_scan(
+        combine_fn,
+        xs,
+        dim,
+        reverse,
+        combine_mode,
+        group=group,
+        layout=layout,
+        reset=reset,
+        validate=validate,
+    )
+
+
+def linear_recurrence(
+    a: torch.Tensor | float,
+    b: torch.Tensor,
+    dim: int,
+    *,
+    initial: torch.Tensor | None = None,
+    reverse: bool = False,
+    reset: torch.Tensor | None = None,
+    group: Any = None,
+    acc_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """This rank's piece of ``h_t = a_t h_{t-1} + b_t`` over a sequence sharded along ``dim``.
+
+    The sharded ``fscan.linear_recurrence``: ``a`` (a number or a tensor
+    broadcastable to ``b``) and ``b`` are this rank's pieces in rank order, any
+    length, 0 included. Each rank reduces its piece to one affine map (the
+    product of its gates and its end state from zero), one ``all_gather`` of
+    these maps crosses ranks, and each rank runs the local recurrence once from
+    its entering state. The same duties as :func:`associative_scan` hold; the
+    gradients of tensors shared by all ranks (``initial``, a per-channel gate
+    parameter) are this rank's share: sum them over ``group``.
+
+    Args:
+        a (Tensor or number): this rank's gates, broadcastable to ``b``.
+        b (Tensor): this rank's inputs.
+        dim (int): the sharded time dimension of ``b``.
+        initial (Tensor or None): the state before the whole sequence (after it, for
+            ``reverse``), the same on every rank.
+        reverse (bool, default False): run from the end of the whole sequence.
+        reset (bool tensor or None): restart where True (this rank's part of the mask).
+        group: as in :func:`associative_scan`.
+        acc_dtype (dtype or None): accumulate in this wider dtype, as in
+            ``fscan.linear_recurrence`` (the exchanged maps too).
+
+    Returns:
+        Tensor: this rank's piece of ``h``.
+
+    Example:
+        >>> import torch, torch.distributed as dist, fscan.distributed
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> fscan.distributed.linear_recurrence(0.5, torch.ones(3), 0)
+        tensor([1.0000, 1.5000, 1.7500])
+        >>> dist.destroy_process_group()
+    """
+    return sharded_recurrence(a, b, dim, initial=initial, reverse=reverse, reset=reset, group=group)
+
+
+# ---- the scan ------------------------------------------------------------------
+
+
+def _piece_total(piece: list[torch.Tensor], dim: int, reverse: bool) -> list[torch.Tensor]:
+    """The total of a scanned piece, or zeros standing in for an empty piece's.
+
+    The zeros are computed from the piece (a sum over an empty dimension is exactly
+    0) so that the piece stays in the graph and this rank records the gather like
+    every other rank, also under ``autograd.grad(inputs=piece)``.
+    """
+    n = piece[0].shape[dim]
+    if n:
+        return [x.select(dim, 0 if reverse else n - 1) for x in piece]
+    return [
+        x.sum(dim) if x.requires_grad else x.new_zeros(x.shape[:dim] + x.shape[dim + 1 :])
+        for x in piece
+    ]
+
+
+def _fixup(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    prefix: list[torch.Tensor],
+    piece: list[torch.Tensor],
+    dim: int,
+    combine_mode: str,
+    api: str,
+) -> list[torch.Tensor]:
+    """``out[i] = combine_fn(prefix, piece[i])`` along ``dim``, in one batched call."""
+    if combine_mode == "pointwise":
+        left = [p.unsqueeze(dim).expand_as(x) for p, x in zip(prefix, piece)]
+        out = combine_fn(unflatten(spec, left), unflatten(spec, piece))
+        return check_combine_output(api, out, spec, piece, "pointwise")
+    half = len(piece)
+
+    def one(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        left, right = list(flat[:half]), list(flat[half:])
+        out = combine_fn(unflatten(spec, left), unflatten(spec, right))
+        return tuple(check_combine_output(api, out, spec, right, "generic"))
+
+    in_dims = (None,) * half + (dim,) * half
+    return list(torch.func.vmap(one, in_dims=in_dims, out_dims=dim)(*prefix, *piece))
+
+
+def _local_scan(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    piece: list[torch.Tensor],
+    dim: int,
+    reverse: bool,
+    combine_mode: str,
+    validate: bool | None,
+) -> list[torch.Tensor]:
+    from ._scan import associative_scan  # the public scan imports this module's front end
+
+    if piece[0].shape[dim] == 0:
+        return [x.clone() for x in piece]
+    out = associative_scan(
+        combine_fn, unflatten(spec, piece), dim, reverse, combine_mode, validate=validate
+    )
+    return flatten(out)[0]
+
+
+def _check_layout(api: str, layout: Layout, group: Any, n: int) -> tuple[int, ...]:
+    """This rank's piece lengths under ``layout``, checked against the group and ``n``."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if len(layout.order) != world:
+        raise ScanValueError(
+            f"{api}: `layout` describes {len(layout.order)} ranks, the group has {world}."
+        )
+    if layout.lengths is None:
+        return (n,)
+    mine = layout.lengths[rank]
+    if sum(mine) != n:
+        raise ScanValueError(
+            f"{api}: `layout` gives rank {rank} pieces of lengths {mine} (sum {sum(mine)}), "
+            f"but its leaves have length {n} along the scan dimension."
+        )
+    return mine
+
+
+def sharded_scan(
+    combine_fn: Callable[[Any, Any], Any],
+    xs: Any,
+    dim: int,
+    reverse: bool = False,
+    combine_mode: str = "pointwise",
+    *,
+    group: Any = None,
+    layout: Layout | None = None,
+    reset: torch.Tensor | None = None,
+    validate: bool | None = None,
+    api: str = _API,
+) -> Any:
+    """The body of ``fscan.distributed.associative_scan`` (see its docstring); ``api``
+    names the public function in errors."""
+    leaves, spec = flatten(xs)
+    dim = check_scan_args(api, combine_fn, xs, leaves, dim, reverse, combine_mode)
+    if layout is not None and not isinstance(layout, Layout):
+        raise ScanTypeError(
+            f"{api}: `layout` must be a fscan.distributed.Layout or None, got {describe(layout)}."
+        )
+    pg = resolve_group(api, group)
+    if reset is not None:  # a scan of (flag, value) pairs: see fscan._segmented
+        from ._segmented import segmented_scan
+
+        def scan(*args: Any, **options: Any) -> Any:
+            return sharded_scan(*args, group=pg, layout=layout, api=api, **options)
+
+        return segmented_scan(
+            scan, combine_fn, xs, dim, reverse, combine_mode, reset=reset, validate=validate
+        )
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    layout = layout or Layout.contiguous(world)
+    lengths = _check_layout(api, layout, pg, leaves[0].shape[dim])
+    starts = [sum(lengths[:p]) for p in range(len(lengths))]
+    pieces = [[x.narrow(dim, s, n) for x in leaves] for s, n in zip(starts, lengths)]
+    scanned = [
+        _local_scan(combine_fn, spec, p, dim, reverse, combine_mode, validate) for p in pieces
+    ]
+    if world == 1 and layout.pieces == 1:
+        return unflatten(spec, scanned[0])
+    totals = [_piece_total(p, dim, reverse) for p in scanned]
+    stacked = [torch.stack([t[i] for t in totals]) for i in range(len(leaves))]
+    if layout.lengths is None:  # lengths travel with the totals, read on the host
+        stacked.append(torch.tensor(lengths, dtype=torch.int64, device=leaves[0].device))
+    anchors = [t for t in reach(combine_fn).tensors if t.requires_grad]
+    gathered, anchor = exchange(stacked, pg, anchors)
+    if layout.lengths is None:
+        all_lengths = [tuple(row) for row in gathered.pop().tolist()]
+    else:
+        all_lengths = layout.lengths
+    # every non-empty piece of the whole sequence, in sequence order
+    entries = sorted(
+        (layout.order[r][p], r, p)
+        for r in range(world)
+        for p in range(layout.pieces)
+        if all_lengths[r][p]
+    )
+    prefixes = _prefixes(combine_fn, spec, gathered, entries, reverse, combine_mode, validate)
+    outs, tied = [], True
+    for p, piece in enumerate(scanned):
+        pos = next((i for i, e in enumerate(entries) if e[1:] == (rank, p)), None)
+        before = None if pos is None else (pos + 1 if reverse else pos - 1)
+        if before is None or not 0 <= before < len(entries):
+            outs.append(piece)
+            continue
+        prefix = [f[before] for f in prefixes]
+        outs.append(_fixup(combine_fn, spec, prefix, piece, dim, combine_mode, api))
+        tied = False
+    out = outs[0] if len(outs) == 1 else [torch.cat(col, dim) for col in zip(*outs)]
+    return unflatten(spec, _tie(anchor, out) if tied else out)
+
+
+def _prefixes(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    gathered: list[torch.Tensor],
+    entries: list[tuple[int, int, int]],
+    reverse: bool,
+    combine_mode: str,
+    validate: bool | None,
+) -> list[torch.Tensor]:
+    """The inclusive scan of the non-empty pieces' totals in sequence order."""
+    if len(entries) < 2:
+        return []
+    device = gathered[0].device
+    ranks = torch.tensor([e[1] for e in entries], device=device)
+    slots = torch.tensor([e[2] for e in entries], device=device)
+    seq = [g[ranks, slots] for g in gathered]
+    return _local_scan(combine_fn, spec, seq, 0, reverse, combine_mode, validate)
+
+
+# ---- linear recurrences --------------------------------------------------------
+
+
+def sharded_recurrence(
+    a: torch.Tensor | float,
+    b: torch.Tensor,
+    dim: int,
+    *,
+    initial: torch.Tensor | None = None,
+    reverse: bool = False,
+    reset: torch.Tensor | None = None,
+    group: Any = None,
+    acc_dtype: torch.dtype | None = None,
+    api: str = _API_LINEAR,
+) -> torch.Tensor:
+    """The body of ``fscan.distributed.linear_recurrence`` (see its docstring).
+
+    Each rank reduces its piece to the affine map from its entering to its leaving
+    state, ``(prod a, h_end from 0)`` (one pass, :func:`_affine_total`), exchanges
+    it, folds the earlier ranks' maps and ``initial`` into its entering state, and
+    runs the local recurrence once from there with fscan's ``initial=``. An empty
+    piece's map is the identity ``(1, 0)``, so no lengths are exchanged.
+    """
+    from ._linear import _check_args, _mask_for
+    from ._linear import linear_recurrence as local_recurrence
+
+    a, b, initial, dim = _check_args(api, a, b, dim, initial, reverse, matrix=False)
+    pg = resolve_group(api, group)
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    local = dict(reverse=reverse, reset=reset, acc_dtype=acc_dtype)
+    if world == 1:
+        return local_recurrence(a, b, dim, initial=initial, **local)
+    # The summary: a reset zeroes the gate, so the map drops whatever enters before it.
+    gate = a if reset is None else torch.where(_mask_for(reset, b, dim, api=api), 0, a)
+    gate = gate.reshape((1,) * (b.ndim - gate.ndim) + tuple(gate.shape)).expand_as(b)
+    wide = b.dtype if acc_dtype is None else torch.promote_types(b.dtype, acc_dtype)
+    total = _affine_total(gate.to(wide), b.to(wide), dim, reverse)
+    (gates, ends), anchor = exchange(total, pg)
+    before = range(rank + 1, world) if reverse else range(rank)
+    h_in = None if initial is None else initial.to(wide)
+    for r in reversed(before) if reverse else before:  # W - 1 steps at most, in scan order
+        h_in = ends[r] if h_in is None else torch.addcmul(ends[r], gates[r], h_in)
+    h_in = None if h_in is None else h_in.to(b.dtype)  # one rounding of the carry
+    out = local_recurrence(a, b, dim, initial=h_in, **local)
+    # the first rank and empty pieces do not use the gathered maps: tie them in
+    return _tie(anchor, [out])[0] if not before or b.shape[dim] == 0 else out
+
+
+_REDUCE_CHUNK = 64
+
+
+def _affine_total(a: torch.Tensor, b: torch.Tensor, dim: int, reverse: bool) -> list[torch.Tensor]:
+    """``[A, B]`` with ``h_out = A h_in + B`` over the whole piece (``a`` expanded to ``b``).
+
+    A chunked reduction: walk every chunk of ``_REDUCE_CHUNK`` steps from a zero
+    state at once (one pass over the data), then reduce the chunk maps the same way.
+    """
+    n = b.shape[dim]
+    if n <= _REDUCE_CHUNK:
+        return _walk_total(a, b, dim, reverse)
+    tail = n % _REDUCE_CHUNK
+    start = tail if reverse else 0  # whole chunks from where the scan starts
+    a_main = a.narrow(dim, start, n - tail).unflatten(dim, (-1, _REDUCE_CHUNK))
+    b_main = b.narrow(dim, start, n - tail).unflatten(dim, (-1, _REDUCE_CHUNK))
+    gates, ends = _walk_total(a_main, b_main, dim + 1, reverse)
+    main = _affine_total(gates, ends, dim, reverse)
+    if not tail:
+        return main
+    rest_start = 0 if reverse else n - tail
+    rest = _walk_total(
+        a.narrow(dim, rest_start, tail), b.narrow(dim, rest_start, tail), dim, reverse
+    )
+    # main first in scan order, then the rest: (A1, B1) then (A2, B2)
+    return [main[0] * rest[0], torch.addcmul(rest[1], rest[0], main[1])]
+
+
+def _walk_total(a: torch.Tensor, b: torch.Tensor, dim: int, reverse: bool) -> list[torch.Tensor]:
+    """``[prod a, h_end from 0]`` along ``dim`` by a sequential walk (identity if empty)."""
+    a_steps, b_steps = a.unbind(dim), b.unbind(dim)
+    order = range(len(b_steps) - 1, -1, -1) if reverse else range(len(b_steps))
+    h = None
+    for t in order:
+        h = b_steps[t] if h is None else torch.addcmul(b_steps[t], a_steps[t], h)
+    if h is None:  # an empty piece: the identity map, kept in the graph of a and b
+        return [a.prod(dim), b.sum(dim)]
+    return [a.prod(dim), h]
