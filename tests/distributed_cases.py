@@ -49,12 +49,17 @@ def worker(rank: int, world: int, port: int, queue: Any, timeout_s: float) -> No
         dist.init_process_group(
             "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
         )
+        failed = None
         for name, case in CASES.items():
+            if failed is not None:  # the ranks may be out of step: stop, do not wait
+                results[name] = f"not run: this rank stopped after case {failed!r} failed"
+                continue
             try:
                 case(rank, world)
                 results[name] = "ok"
             except Exception:
                 results[name] = traceback.format_exc(limit=-4)
+                failed = name
     except Exception:
         results["<setup>"] = traceback.format_exc()
     queue.put((rank, results))
