@@ -327,6 +327,44 @@ def _linear_case(*, gate: str, reverse: bool, initial: bool, reset: bool):
     return run
 
 
+def _torch_func(rank: int, world: int) -> None:
+    """torch.func.grad with uneven pieces; vmap and jacrev (a vmap over the backward)
+    with equal pieces: the batch folds into the one collective, so every rank must
+    map over the same batch size, and batch element b on one rank meets batch
+    element b on the others. jvp has no rule (forward mode through a collective)."""
+    torch.manual_seed(1)
+    ls = UNEVEN[world]
+    start = sum(ls[:rank])
+    whole = torch.rand(sum(ls), 2, dtype=torch.float64) + 0.5
+    piece = whole.narrow(0, start, ls[rank])
+    layout = fd.Layout.contiguous(world, ls)
+
+    def loss(x, scan):
+        return (scan(x) ** 2).sum()
+
+    want = torch.func.grad(loss)(whole, lambda x: fscan.associative_scan(torch.mul, x, 0))
+    got = torch.func.grad(loss)(
+        piece, lambda x: fd.associative_scan(torch.mul, x, 0, layout=layout)
+    )
+    _close(got, want.narrow(0, start, ls[rank]), "torch.func.grad")
+    m = 2  # equal pieces from here on
+    whole = torch.rand(m * world, 2, dtype=torch.float64) + 0.5
+    piece = whole.narrow(0, m * rank, m)
+    jac = torch.func.jacrev(lambda x: fd.linear_recurrence(0.5, x, 0))(piece)
+    want_jac = torch.func.jacrev(lambda x: fscan.linear_recurrence(0.5, x, 0))(whole)
+    # vmap runs in lockstep over ranks: basis vector b of jacrev is the cotangent e_b on
+    # every rank at once, so row b is the sum over ranks r of global row r * m + b
+    lockstep = want_jac.reshape(world, m, 2, m * world, 2).sum(0)
+    _close(jac, lockstep.narrow(2, m * rank, m), "jacrev")
+    batch = torch.stack([whole, whole.flip(0)])  # vmap over dim 0 of (2, n, 2)
+    even = fd.Layout.contiguous(world, [m] * world)  # static lengths: no host read in vmap
+    mapped = torch.func.vmap(lambda x: fd.associative_scan(torch.mul, x, 0, layout=even))(
+        batch.narrow(1, m * rank, m)
+    )
+    want_mapped = torch.func.vmap(lambda x: fscan.associative_scan(torch.mul, x, 0))(batch)
+    _close(mapped, want_mapped.narrow(1, m * rank, m), "vmap")
+
+
 # ---- DTensor --------------------------------------------------------------------------
 
 
@@ -437,6 +475,7 @@ CASES: dict[str, Callable[[int, int], None]] = {
         gate="channel", reverse=True, initial=True, reset=False
     ),
     "linear reset initial": _linear_case(gate="full", reverse=False, initial=True, reset=True),
+    "torch.func grad, jacrev, vmap": _torch_func,
     "dtensor shard": _dtensor_shard,
     "dtensor refused": _dtensor_refused,
     "dtensor 2-D mesh": _dtensor_2d,
