@@ -364,18 +364,32 @@ def exchange(
     return [_unpack(rows, slot) for slot in slots], gathered
 
 
-def exchange_bytes(xs: Any, dim: int, world_size: int, pieces: int = 1) -> dict[str, int]:
-    """Bytes one rank sends and receives per forward call of the scan (the backward
-    moves as much again): one element per piece, independent of the length.
+def exchange_bytes(
+    xs: Any, dim: int, world_size: int, layout: Layout | None = None
+) -> dict[str, int]:
+    """Bytes one rank sends and receives per forward call of
+    ``fscan.distributed.associative_scan`` (the backward moves as much again): one
+    element per piece, plus the piece lengths when ``layout`` does not give them;
+    independent of the length.
 
     Example:
-        >>> exchange_bytes(torch.zeros(1000, 256), 0, 4)
+        >>> exchange_bytes(torch.zeros(1000, 256), 0, 4, Layout.contiguous(4, [1000] * 4))
         {'send': 1024, 'recv': 4096}
+        >>> exchange_bytes(torch.zeros(1000, 256), 0, 4)  # + one int64 length
+        {'send': 1032, 'recv': 4128}
     """
     leaves, _ = flatten(xs)
-    totals = [x.select(dim, 0) if x.shape[dim] else x.sum(dim) for x in leaves]
+    pieces = 1 if layout is None else layout.pieces
+    totals = [
+        (x.select(dim, 0) if x.shape[dim] else x.sum(dim))
+        .unsqueeze(0)
+        .expand(pieces, *x.shape[:dim], *x.shape[dim + 1 :])
+        for x in leaves
+    ]
+    if layout is None or layout.lengths is None:
+        totals.append(torch.zeros(pieces, dtype=torch.int64, device=leaves[0].device))
     flat, _ = _pack(totals)
-    send = flat.numel() * flat.element_size() * pieces
+    send = flat.numel() * flat.element_size()
     return {"send": send, "recv": world_size * send}
 
 

@@ -9,6 +9,7 @@ import torch
 
 from . import autograd, core, extras, gpu, linear, ops, overhead
 from . import compile as compile_bench
+from . import distributed as distributed_bench
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> None:
         for table in (extras.initial_table, extras.reduce_table, extras.matrix_table):
             print()
             print(table().render(), flush=True)
+        # gloo ranks as processes on this machine: full runs only.
+        print()
+        print(distributed_bench.distributed_table(), flush=True)
         if torch.cuda.is_available():
             print()
             print(gpu.gpu_table().render(), flush=True)
