@@ -419,6 +419,16 @@ def _dtensor_refused(rank: int, world: int) -> None:
         except fscan.ScanTypeError:
             continue
         raise AssertionError("expected fscan.ScanTypeError")
+    sharded = distribute_tensor(torch.ones(4), mesh, [Shard(0)])
+    try:
+        fscan.associative_scan(torch.add, sharded, 0, initial=1.0)
+    except fscan.UnsupportedScanError:
+        pass
+    else:
+        raise AssertionError("expected fscan.UnsupportedScanError for initial= on Shard(dim)")
+    replicated = distribute_tensor(torch.ones(4), mesh, [Replicate()])
+    got = fscan.associative_scan(torch.add, replicated, 0, initial=1.0)
+    _close(got.full_tensor(), torch.arange(2.0, 6.0), "initial= on a Replicate() DTensor")
 
 
 def _dtensor_2d(rank: int, world: int) -> None:
