@@ -27,6 +27,7 @@ from ._ops import cumsum as cumsum
 from ._ops import logcumsumexp as logcumsumexp
 from ._reduce import associative_reduce as associative_reduce
 from ._scan import associative_scan as associative_scan
+from .engine.cpu_kernel import precompile as precompile
 
 __version__ = "0.1.0"
 
@@ -55,4 +56,5 @@ __all__ = [
     "linear_recurrence_matrix",
     "log_linear_recurrence",
     "logcumsumexp",
+    "precompile",
 ]

@@ -5,6 +5,13 @@
 ``fscan.associative_scan``: when True every scan first runs the full checks on
 ``combine_fn`` (uncached purity probe and randomized associativity check).
 A debugging aid; it costs a few combine calls per scan.
+
+``fscan.config.cpu_kernel`` (default from ``FSCAN_CPU_KERNEL``, else ``"on"``)
+governs the generated C++ kernel for pointwise scans on CPU (``fscan.engine``):
+``"on"`` compiles it in the background once a combine_fn is worth it and uses
+it when ready (fscan's torch engine answers meanwhile), ``"eager"`` compiles on
+the first call and waits for it (tests, benchmarks, services that warm up),
+``"off"`` never uses it.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from ._errors import ScanTypeError, ScanValueError
 __all__ = ["Config", "config"]
 
 ENV_VALIDATE = "FSCAN_VALIDATE"
+ENV_CPU_KERNEL = "FSCAN_CPU_KERNEL"
+CPU_KERNEL_MODES = ("on", "off", "eager")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
@@ -36,6 +45,18 @@ def _env_flag(name: str) -> bool:
     )
 
 
+def _env_mode(name: str) -> str:
+    """Read the CPU kernel mode from the environment; anything unrecognised is an error."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower() or "on"
+    if value in CPU_KERNEL_MODES:
+        return value
+    raise ScanValueError(
+        f"fscan: environment variable {name}={raw!r} is not a CPU kernel mode, expected one "
+        f"of {', '.join(CPU_KERNEL_MODES)} (or unset)."
+    )
+
+
 class Config:
     """fscan's global switches.
 
@@ -46,10 +67,11 @@ class Config:
         True
     """
 
-    __slots__ = ("_validate",)
+    __slots__ = ("_cpu_kernel", "_validate")
 
     def __init__(self) -> None:
         self._validate = _env_flag(ENV_VALIDATE)
+        self._cpu_kernel = _env_mode(ENV_CPU_KERNEL)
 
     @property
     def validate(self) -> bool:
@@ -64,21 +86,40 @@ class Config:
             )
         self._validate = value
 
-    @contextlib.contextmanager
-    def override(self, *, validate: bool) -> Iterator[Config]:
-        """Set ``validate`` inside a ``with`` block and restore it afterwards.
+    @property
+    def cpu_kernel(self) -> str:
+        """``"on"``, ``"off"`` or ``"eager"``: the generated CPU scan kernel (module doc)."""
+        return self._cpu_kernel
 
-        Process-wide, like the attribute itself: not a per-thread setting.
+    @cpu_kernel.setter
+    def cpu_kernel(self, value: str) -> None:
+        if value not in CPU_KERNEL_MODES:
+            raise ScanValueError(
+                f"fscan.config: `cpu_kernel` must be one of {', '.join(CPU_KERNEL_MODES)}, "
+                f"got {value!r}."
+            )
+        self._cpu_kernel = value
+
+    @contextlib.contextmanager
+    def override(
+        self, *, validate: bool | None = None, cpu_kernel: str | None = None
+    ) -> Iterator[Config]:
+        """Set ``validate`` and/or ``cpu_kernel`` inside a ``with`` block, then restore them.
+
+        Process-wide, like the attributes themselves: not a per-thread setting.
         """
-        previous = self._validate
-        self.validate = validate
+        previous = (self._validate, self._cpu_kernel)
         try:
+            if validate is not None:
+                self.validate = validate
+            if cpu_kernel is not None:
+                self.cpu_kernel = cpu_kernel
             yield self
         finally:
-            self._validate = previous
+            self._validate, self._cpu_kernel = previous
 
     def __repr__(self) -> str:
-        return f"fscan.config(validate={self._validate})"
+        return f"fscan.config(validate={self._validate}, cpu_kernel={self._cpu_kernel!r})"
 
 
 config = Config()

@@ -30,6 +30,7 @@ from __future__ import annotations
 from numbers import Number
 from typing import Any
 
+import optree
 import torch
 
 from ._checks import normalize_dim
@@ -48,6 +49,7 @@ _API = "fscan.linear_recurrence"
 # chunk the walks cost more than they save and the tree scan is used directly.
 _MAX_CHUNK = 64
 _MIN_CHUNK = 8
+_PAIR = optree.tree_structure((0, 0))
 
 
 def linear_recurrence(
@@ -327,11 +329,28 @@ def _solve(
     """
     n = b.shape[dim]
     a = a.expand(*(n if i == dim else s for i, s in enumerate(a.shape)))  # stride 0 if constant
+    if initial is None and (h := _kernel_solve(a, b, dim, reverse)) is not None:
+        return h
     chunk = _chunk_size(n)
     if chunk is not None:
         return _chunked(a, b, dim, initial, reverse, mask, chunk, fast, out)
     h = _tree(a, b, dim, initial, reverse, mask)
     return h if out is None else out.copy_(h)
+
+
+def _kernel_solve(a: torch.Tensor, b: torch.Tensor, dim: int, reverse: bool) -> torch.Tensor | None:
+    """The recurrence by fscan's compiled C++ kernel (fscan.engine.cpu_kernel) where it is
+    built and wins: no gradient wanted, one float dtype, enough elements, and a gate that
+    need not be materialized at a size where that costs more than it saves."""
+    from ._ops import KERNEL_MIN_NUMEL
+    from .engine.cpu_kernel import kernel_scan
+
+    if a.dtype != b.dtype or not b.is_floating_point() or b.numel() < KERNEL_MIN_NUMEL:
+        return None
+    if a.shape != b.shape or (0 in a.stride() and b.numel() > 2**22):
+        return None
+    out = kernel_scan(_API, _compose, _PAIR, [a, b], dim, reverse)
+    return None if out is None else out[1]
 
 
 def _chunk_size(n: int) -> int | None:

@@ -18,6 +18,14 @@ Each call picks the faster of two paths (:func:`parallel_wins`):
   cummax, cummin and logcumsumexp, and for cumsum and cumprod once the walk
   spans more than the L2 cache (the rule and its measurements are below).
 
+Before both, once the generated C++ kernel of :mod:`fscan.engine.cpu_kernel` is
+compiled for the op and dtype (in the background, from the second large call),
+a call it serves faster takes it (:func:`kernel_wins`): no gradient wanted, at
+least ``KERNEL_MIN_NUMEL`` elements, and ``dim`` not the innermost (there torch's
+walk is contiguous; the kernel walks its lanes side by side) unless the scan is
+reversed over a single lane (torch then pays two flips) or is ``logcumsumexp``
+(compute-bound: the kernel's vector math wins at every layout).
+
 Gradients are torch's on the native path and autograd's through the scan on
 the other; they agree (cumprod with zeros included: the scan multiplies, it
 never divides; cummax and cummin gather their values at the indices found, so
@@ -33,8 +41,18 @@ import torch
 from ._checks import normalize_dim
 from ._errors import ScanTypeError
 from ._ops_parallel import LOGSUMEXP, PRODUCT, SUM, Accumulation, blocked_scan, extremum_scan
+from ._pytree import flatten
+from .engine.cpu_kernel import kernel_scan
 
-__all__ = ["cummax", "cummin", "cumprod", "cumsum", "logcumsumexp", "parallel_wins"]
+__all__ = [
+    "cummax",
+    "cummin",
+    "cumprod",
+    "cumsum",
+    "kernel_wins",
+    "logcumsumexp",
+    "parallel_wins",
+]
 
 # The dispatch rule, measured on CPU (fscan/bench/ops.py and its sweeps over
 # shapes; a Xeon with 2 MiB of L2 per core). torch's kernel walks `dim` for one
@@ -55,6 +73,53 @@ MIN_NUMEL = 2**15
 L2_BYTES = 2 * 2**20
 _MEMORY_BOUND = (torch.cumsum, torch.cumprod)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# Measured on this repository's 2-core CI-like machine (python -m fscan.bench.kernel):
+# below ~2**15 elements torch's op (2-20 us) beats the kernel's ~15 us fixed cost.
+KERNEL_MIN_NUMEL = 2**15
+_KERNEL_INNER = 8  # the kernel's lane path needs this many contiguous lanes after dim
+_ONE_LEAF = flatten(torch.zeros(()))[1]
+
+
+def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b
+
+
+def _mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a * b
+
+
+def _logaddexp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.logaddexp(a, b)
+
+
+def kernel_wins(x: torch.Tensor, dim: int, reverse: bool, op: Any) -> bool:
+    """Whether the compiled C++ kernel beats torch's ``op`` on ``x`` (see module doc).
+
+    Example:
+        >>> kernel_wins(torch.ones(4096, 256), 0, False, torch.cumsum)
+        True
+        >>> kernel_wins(torch.ones(4096, 256), 1, False, torch.cumsum)
+        False
+    """
+    if x.device.type != "cpu" or x.ndim == 0 or x.numel() < KERNEL_MIN_NUMEL:
+        return False
+    if torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled()):
+        return False
+    inner = x[(0,) * (dim + 1)].numel() if dim + 1 < x.ndim else 1
+    single_lane = x.numel() == x.shape[dim]
+    return op is torch.logcumsumexp or inner >= _KERNEL_INNER or (reverse and single_lane)
+
+
+def _kernel(
+    api: str, combine: Any, op: Any, x: torch.Tensor, dim: int, reverse: bool
+) -> torch.Tensor | None:
+    """The kernel's scan of ``x`` where it wins and is compiled, else None."""
+    if not kernel_wins(x, dim, reverse, op):
+        return None
+    out = kernel_scan(api, combine, _ONE_LEAF, [x], dim, reverse)
+    return None if out is None else out[0]
 
 
 def parallel_wins(x: torch.Tensor, dim: int, op: Any) -> bool:
@@ -104,6 +169,8 @@ def cumsum(
         (tensor([1, 3, 6]), tensor([6, 5, 3]))
     """
     x, dim = _prepare("fscan.cumsum", input, dim, reverse, dtype, promote_integers=True)
+    if (out := _kernel("fscan.cumsum", _add, torch.cumsum, x, dim, reverse)) is not None:
+        return out
     if not parallel_wins(x, dim, torch.cumsum) or x.dtype == torch.bool:
         return _native(torch.cumsum, x, dim, reverse, dtype=x.dtype)  # already promoted
     return _accumulate(SUM, x, dim, reverse)
@@ -122,6 +189,8 @@ def cumprod(
         tensor([6., 6., 3.])
     """
     x, dim = _prepare("fscan.cumprod", input, dim, reverse, dtype, promote_integers=True)
+    if (out := _kernel("fscan.cumprod", _mul, torch.cumprod, x, dim, reverse)) is not None:
+        return out
     if not parallel_wins(x, dim, torch.cumprod) or x.dtype == torch.bool:
         return _native(torch.cumprod, x, dim, reverse, dtype=x.dtype)  # already promoted
     return _accumulate(PRODUCT, x, dim, reverse)
@@ -141,6 +210,12 @@ def logcumsumexp(input: torch.Tensor, dim: int, *, reverse: bool = False) -> tor
         tensor([0.0000, 0.0000, 0.6931])
     """
     x, dim = _prepare("fscan.logcumsumexp", input, dim, reverse)
+    if (
+        x.dtype in _FLOATS
+        and (out := _kernel("fscan.logcumsumexp", _logaddexp, torch.logcumsumexp, x, dim, reverse))
+        is not None
+    ):
+        return out
     if not parallel_wins(x, dim, torch.logcumsumexp) or x.dtype not in _FLOATS:
         return _native(torch.logcumsumexp, x, dim, reverse)
     return _accumulate(LOGSUMEXP, x, dim, reverse)

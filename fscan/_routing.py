@@ -17,9 +17,15 @@ route          when, and what runs
 ``triton``     pointwise, CUDA/XPU, ``combine_fn`` checked elementwise, no
                gradient wanted, no captured tensor: the compiled Triton kernel
                (:mod:`fscan._compiled`); falls back to ``inplace`` if it cannot
+``cpp``        pointwise, CPU, ``combine_fn`` checked elementwise, no gradient
+               wanted: the generated C++ kernel (:mod:`fscan.engine.cpu_kernel`)
+               once compiled (in the background); ``inplace`` until then, or if
+               it cannot serve
 ``adjoint``    grad mode and a leaf or captured tensor requires grad, pointwise
-               mode, and the probe says the adjoint serves: ``PointwiseScan``
-               (saves inputs and outputs only; the backward is a reverse scan).
+               mode, and the probe says the adjoint serves: on CPU, when no
+               captured tensor needs a gradient, ``KernelScan`` (C++ forward and
+               backward kernels) once compiled; else ``PointwiseScan`` (saves
+               inputs and outputs only; the backward is a reverse scan).
                Not for ``reset=`` scans: their restarts are selections, and the
                adjoint's Jacobian products would turn a zero times a NaN or inf
                from after a restart into NaN before it (``0 * inf``)
@@ -51,6 +57,7 @@ from ._generic import scan_along, scan_functional_along
 from ._knowledge import Knowledge, Reach
 from ._pointwise_check import checked_on_first_call
 from ._traced import traced_scan
+from .engine.cpu_kernel import kernel_grad_scan, kernel_scan
 
 __all__ = [
     "Where",
@@ -122,6 +129,8 @@ def pick_route(
     pointwise_ok = combine_mode == "pointwise" and entry.elementwise and not wants_grad
     if pointwise_ok and codegen_unavailable(leaves, found) is None:
         return "triton"
+    if pointwise_ok and at.device == "cpu":
+        return "cpp"
     if not wants_grad:
         return "inplace"
     if combine_mode == "pointwise" and not getattr(combine_fn, "selects_by_mask", False):
@@ -185,6 +194,11 @@ def _run(
         if out is not None:
             return out
         route = "inplace"
+    if route == "cpp":
+        out = kernel_scan(api, combine_fn, spec, leaves, dim, reverse, found, entry)
+        if out is not None:
+            return out
+        route = "inplace"
     combine = flat_combine(api, combine_fn, spec, combine_mode)
     if combine_mode == "pointwise" and not entry.elementwise:
         combine = checked_on_first_call(api, combine, entry, leaves)
@@ -194,6 +208,11 @@ def _run(
         return _inplace(combine, leaves, dim, reverse, at)
     captured = found.needing_grad()
     if route == "adjoint" and adjoint_applies(entry, combine, leaves, captured, dim):
+        if not captured:  # the C++ kernels route no gradient to captured tensors
+            args = (api, combine_fn, spec, combine, leaves, dim, reverse, found, entry)
+            out = kernel_grad_scan(*args)
+            if out is not None:
+                return out
         plan = ScanPlan(combine, len(leaves), dim, reverse)
         return list(PointwiseScan.apply(plan, *leaves, *captured))
     return scan_functional_along(combine, leaves, dim, reverse)

@@ -7,7 +7,7 @@ import argparse
 
 import torch
 
-from . import autograd, core, extras, gpu, linear, ops, overhead
+from . import autograd, core, extras, gpu, kernel, linear, ops, overhead
 from . import compile as compile_bench
 from . import distributed as distributed_bench
 
@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     print(ops.ops_table(quick=args.quick).render(), flush=True)
     print()
     print(ops.linear_table(quick=args.quick).render(), flush=True)
+    print()
+    print(kernel.kernel_table(quick=args.quick).render(), flush=True)
     if not args.quick:
         print()
         print(ops.cumsum_precision().render(), flush=True)
@@ -49,6 +51,10 @@ def main(argv: list[str] | None = None) -> None:
         print(linear.accuracy_table().render(), flush=True)
         print()
         print(linear.log_table().render(), flush=True)
+        print()
+        print(kernel.backward_table().render(), flush=True)
+        print()
+        print(kernel.latency_table().render(), flush=True)
         # Compiling takes tens of seconds per workload: full runs only.
         print()
         print(compile_bench.compile_table().render(), flush=True)

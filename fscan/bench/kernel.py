@@ -1,0 +1,229 @@
+"""``python -m fscan.bench.kernel``: the generated C++ CPU kernel (``fscan.engine``).
+
+Forward rows (float32, scan over dim 0, median times): per combine, shape and
+thread count, the engine ``fscan.associative_scan`` used, and ratios to
+``copy`` (``out.copy_(x)`` of every leaf into preallocated memory, the
+physical floor of a scan) and to ``clone()`` of the leaves (one read, one
+write into fresh memory, as any out-of-place op pays):
+
+* ``kernel/copy``: the bare kernel call into preallocated outputs;
+* ``fscan/copy`` and ``fscan/clone``: ``fscan.associative_scan`` end to end
+  (front end, cached checks, fresh outputs);
+* ``torch eng/copy``: the same call with ``fscan.config.cpu_kernel = "off"``;
+* ``native/copy``: ``torch.cumsum``/``cummax``/``logcumsumexp`` where one exists.
+
+Then the backward (the kernel has none yet: the torch engine runs), the
+first-call latency in fresh processes (cold and warm disk cache) and the cost
+of a cached call. Times on a shared machine vary by 2x between runs: compare
+columns within a row, not across runs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+
+import fscan
+from fscan.engine import cpu_kernel
+
+from ._timing import Table, median_time
+
+__all__ = ["kernel_table", "latency_table"]
+
+
+def _add(a, b):
+    return a + b
+
+
+def _linrec(x, y):
+    return (x[0] * y[0], y[0] * x[1] + y[1])
+
+
+def _max(a, b):
+    return torch.maximum(a, b)
+
+
+def _seg(x, y):
+    return (x[0] | y[0], torch.where(y[0], y[1], x[1] + y[1]))
+
+
+def _lse(a, b):
+    return torch.logaddexp(a, b)
+
+
+def _inputs(name: str, shape: tuple[int, ...]) -> Any:
+    if name == "linrec":
+        return (torch.rand(shape) * 0.5 + 0.5, torch.randn(shape))
+    if name == "seg":
+        return (torch.rand(shape) < 0.05, torch.randn(shape))
+    return torch.randn(shape)
+
+
+COMBINES: dict[str, tuple[Callable[[Any, Any], Any], Callable[..., Any] | None]] = {
+    "add": (_add, lambda x: torch.cumsum(x, 0)),
+    "linrec": (_linrec, None),
+    "max": (_max, lambda x: torch.cummax(x, 0)),
+    "seg": (_seg, None),
+    "logaddexp": (_lse, lambda x: torch.logcumsumexp(x, 0)),
+}
+SHAPES = [(16384, 1024), (4096, 256), (1024, 8, 64), (2**20,), (64,)]
+
+
+def _bare_kernel(fn, xs) -> Callable[[], object] | None:
+    """The READY kernel's own call into preallocated outputs, or None if it does not serve."""
+    leaves, spec = optree.tree_flatten(xs)
+    with torch.no_grad():
+        if cpu_kernel.kernel_scan("bench", fn, spec, leaves, 0, False) is None:
+            return None
+    lookup = cpu_kernel._lookup(fn, spec, leaves, None, None)
+    assert lookup is not None
+    holder, aliases, _ = lookup
+    entry = holder.kernels[("cpp", aliases, False)]
+    shape = leaves[0].shape
+    outer, steps, inner = 1, shape[0], int(torch.tensor(shape[1:]).prod().item())
+    ys = [torch.empty_like(x) for x in leaves]
+    return lambda: entry.kernel(*leaves, *ys, outer, steps, inner, 0, torch.get_num_threads())
+
+
+def _ratio(t: float | None, base: float) -> str:
+    return "-" if t is None else f"{t / base:.2f}"
+
+
+def kernel_table(quick: bool = False) -> Table:
+    """Forward scans: the kernel, fscan end to end and the torch engine, as ratios to copy."""
+    table = Table(
+        "C++ kernel, forward, float32, dim 0 (medians; ratios to copy of the leaves)",
+        [
+            *("threads", "engine", "copy ms", "kernel/copy", "fscan/copy", "fscan/clone"),
+            *("torch eng/copy", "native/copy"),
+        ],
+    )
+    shapes = SHAPES[1:] if quick else SHAPES
+    names = ["add", "linrec"] if quick else list(COMBINES)
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1,) if quick else (1, 2):
+            torch.set_num_threads(threads)
+            for shape in shapes:
+                for name in names:
+                    table.add(f"{name} {shape}", [str(threads), *_row(name, shape)])
+    finally:
+        torch.set_num_threads(previous)
+    return table
+
+
+def _row(name: str, shape: tuple[int, ...]) -> list[str]:
+    fn, native = COMBINES[name]
+    xs = _inputs(name, shape)
+    leaves = optree.tree_leaves(xs)
+    outs = [torch.empty_like(x) for x in leaves]
+    copy = median_time(lambda: [o.copy_(x) for o, x in zip(outs, leaves)])
+    clone = median_time(lambda: [x.clone() for x in leaves])
+    with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):
+        bare = _bare_kernel(fn, xs)
+        engine = "c++" if bare is not None else "torch"
+        scan = median_time(lambda: fscan.associative_scan(fn, xs, 0))
+        kernel = median_time(bare) if bare is not None else None
+    with torch.no_grad(), fscan.config.override(cpu_kernel="off"):
+        slow = median_time(lambda: fscan.associative_scan(fn, xs, 0), reps=5)
+        nat = median_time(lambda: native(xs)) if native is not None else None
+    return [
+        engine,
+        f"{copy * 1e3:.3f}",
+        _ratio(kernel, copy),
+        _ratio(scan, copy),
+        _ratio(scan, clone),
+        _ratio(slow, copy),
+        _ratio(nat, copy),
+    ]
+
+
+def backward_table() -> Table:
+    """Forward + backward through autograd (the torch engine: no kernel backward yet)."""
+    table = Table(
+        "backward, float32 (4096, 256), 1 thread (medians)",
+        ["engine", "copy ms", "fwd+bwd/copy", "fwd+bwd/fwd"],
+    )
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name in ("add", "linrec", "max", "logaddexp"):
+            fn, _ = COMBINES[name]
+            xs = optree.tree_map(lambda x: x.requires_grad_(), _inputs(name, (4096, 256)))
+            leaves = optree.tree_leaves(xs)
+            outs = [torch.empty_like(x) for x in leaves]
+            copy = median_time(
+                lambda outs=outs, leaves=leaves: [o.copy_(x.detach()) for o, x in zip(outs, leaves)]
+            )
+
+            def both(fn=fn, xs=xs, leaves=leaves) -> None:
+                ys = optree.tree_leaves(fscan.associative_scan(fn, xs, 0))
+                torch.autograd.grad(ys, leaves, [torch.ones_like(y) for y in ys])
+
+            with fscan.config.override(cpu_kernel="eager"):
+                total = median_time(both, reps=7)
+                with torch.no_grad():
+                    fwd = median_time(lambda fn=fn, xs=xs: fscan.associative_scan(fn, xs, 0))
+            table.add(
+                name,
+                ["torch", f"{copy * 1e3:.3f}", f"{total / copy:.1f}", f"{total / fwd:.1f}"],
+            )
+    finally:
+        torch.set_num_threads(previous)
+    return table
+
+
+_LATENCY = """
+import time, torch, fscan
+x = torch.randn(4096, 256)
+t = time.perf_counter()
+ok = fscan.precompile(lambda a, b: (a[0] * b[0], b[0] * a[1] + b[1]), (x, x))
+print(ok, time.perf_counter() - t)
+"""
+
+
+def latency_table() -> Table:
+    """First call in a fresh process (cold and warm disk cache), and a cached call's cost."""
+    table = Table("C++ kernel latency (linear recurrence, float32)", ["seconds / us", "note"])
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        for label in ("cold disk cache", "warm disk cache"):
+            out = subprocess.run(
+                [sys.executable, "-c", _LATENCY], env=env, capture_output=True, text=True
+            )
+            ok, seconds = [*out.stdout.split(), "False", "nan"][:2]
+            note = "built" if ok == "True" else f"no kernel: {out.stderr.strip()[-80:]}"
+            table.add(f"first call, {label}", [f"{float(seconds):.2f} s", note])
+    x = torch.randn(64)
+    with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):
+        bare = _bare_kernel(_add, x)
+        call = median_time(lambda: fscan.associative_scan(_add, x, 0), reps=200)
+    table.add("cached call, (64,) add, end to end", [f"{call * 1e6:.1f} us", "front end + kernel"])
+    if bare is not None:
+        table.add(
+            "bare kernel call, (64,) add", [f"{median_time(bare, reps=200) * 1e6:.1f} us", ""]
+        )
+    start = time.perf_counter()
+    cpu_kernel.captured_occurrences(_add)
+    table.add("captured-tensor walk", [f"{(time.perf_counter() - start) * 1e6:.1f} us", ""])
+    return table
+
+
+def main() -> None:
+    print(kernel_table().render(), flush=True)
+    print()
+    print(backward_table().render(), flush=True)
+    print()
+    print(latency_table().render(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

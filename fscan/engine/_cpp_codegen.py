@@ -1,0 +1,577 @@
+"""Trace a pointwise ``combine_fn`` to elementwise aten ops and translate it to C++.
+
+``combine_fn`` on flat leaves is traced once with ``make_fx`` (core ATen
+decompositions) on small example tensors of the leaf dtypes. Every node must be
+an elementwise op of the table below; anything else raises :class:`Unsupported`,
+and the caller runs fscan's torch engine instead. Nodes that do not depend on
+the leaves (they only read tensors ``combine_fn`` closes over, or constants)
+form a *prologue*: it is evaluated with torch at each call, on that call's
+captured tensors, and its results enter the kernel as extra inputs broadcast to
+one element. The rest becomes a C++ function ``combine(l, r, p, e)`` over one
+element position.
+
+Compute types: float64 in ``double``; float16/bfloat16 in ``float``; float32 in
+``double`` when the combine rounds (add, mul, exp...), so a sequential
+accumulation rounds once per stored output, and in ``float`` when it is exact
+(max, min, where, comparisons); integers in their own type; bool as ``bool``
+(stored as bytes).
+
+Example:
+    >>> import optree, torch
+    >>> _, spec = optree.tree_flatten(0)
+    >>> program = translate_combine(lambda a, b: a + b, spec, [torch.float64], 1, [])
+    >>> print(program.body)
+    const double v0 = static_cast<double>((static_cast<double>(l0) + static_cast<double>(r0)));
+    o0 = static_cast<double>(v0);
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+from optree import PyTreeSpec
+
+__all__ = ["DTYPES", "Program", "Unsupported", "translate_combine", "translate_vjp"]
+
+
+class Unsupported(Exception):
+    """The kernel cannot serve this ``combine_fn`` (an op, dtype or structure it lacks)."""
+
+
+# Storage C type of each supported leaf dtype (bool as bytes: GCC if-converts selects on
+# loaded bytes, not on loaded C++ bools; half types as their bits or _Float16).
+STORAGE = {
+    torch.bool: "uint8_t",
+    torch.uint8: "uint8_t",
+    torch.int8: "int8_t",
+    torch.int16: "int16_t",
+    torch.int32: "int32_t",
+    torch.int64: "int64_t",
+    torch.float16: "_Float16",
+    torch.bfloat16: "uint16_t",
+    torch.float32: "float",
+    torch.float64: "double",
+}
+DTYPES = frozenset(STORAGE)
+_COMPUTE = {**STORAGE, torch.bool: "bool", torch.float16: "float", torch.bfloat16: "float"}
+
+# Ops whose float results are exact (no rounding): a float32 combine of only these
+# (max, min, selects, comparisons...) needs no double accumulator.
+_EXACT = frozenset(
+    {
+        "maximum",
+        "minimum",
+        "fmax",
+        "fmin",
+        "where",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "logical_and",
+        "logical_or",
+        "logical_xor",
+        "logical_not",
+        "bitwise_and",
+        "bitwise_or",
+        "bitwise_xor",
+        "bitwise_not",
+        "neg",
+        "abs",
+        "clamp",
+        "clamp_min",
+        "clamp_max",
+        "relu",
+        "isnan",
+        "isinf",
+        "floor",
+        "ceil",
+        "trunc",
+        "round",
+        "sign",
+        "scalar_tensor",
+        "full",
+    }
+    | {"clone", "alias", "detach", "lift_fresh_copy", "_to_copy", "copy", "view", "expand"}
+)
+# Ops that make a combine compute-bound (libm calls).
+_EXPENSIVE = frozenset(
+    {"exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "tanh", "sin", "cos", "tan"}
+    | {"erf", "erfc", "sinh", "cosh", "asin", "acos", "atan", "asinh", "acosh", "atanh"}
+    | {"lgamma", "pow", "atan2", "sigmoid", "sqrt", "rsqrt"}
+)
+_BINARY = {
+    "add": "({a} + {b})",
+    "sub": "({a} - {b})",
+    "mul": "({a} * {b})",
+    "div": "({a} / {b})",
+    "maximum": "fscan_max({a}, {b})",
+    "minimum": "fscan_min({a}, {b})",
+    "fmax": "std::fmax({a}, {b})",
+    "fmin": "std::fmin({a}, {b})",
+    "atan2": "std::atan2({a}, {b})",
+    "pow": "std::pow({a}, {b})",
+    "bitwise_and": "({a} & {b})",
+    "bitwise_or": "({a} | {b})",
+    "bitwise_xor": "({a} ^ {b})",
+}
+_LOGICAL = {"logical_and": "&&", "logical_or": "||", "logical_xor": "!="}
+_COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+_UNARY = {
+    "neg": "(-{a})",
+    "logical_not": "(!({a} != 0))",
+    "bitwise_not": "(~{a})",
+    "reciprocal": "(1 / {a})",
+    "isnan": "({a} != {a})",
+    "isinf": "std::isinf({a})",
+    "sigmoid": "(1 / (1 + std::exp(-{a})))",
+    "relu": "fscan_max({a}, decltype({a})(0))",
+    "rsqrt": "(1 / std::sqrt({a}))",
+    "round": "std::nearbyint({a})",
+    "sign": "fscan_sign({a})",
+    "abs": "fscan_abs({a})",
+}
+_LIBM = [
+    "exp",
+    "exp2",
+    "expm1",
+    "log",
+    "log1p",
+    "log2",
+    "log10",
+    "sqrt",
+    "tanh",
+    "sin",
+    "cos",
+    "tan",
+    "erf",
+    "erfc",
+    "floor",
+    "ceil",
+    "trunc",
+    "sinh",
+    "cosh",
+    "asin",
+    "acos",
+    "atan",
+    "asinh",
+    "acosh",
+    "atanh",
+    "lgamma",
+]
+_IDENTITY = frozenset({"clone", "alias", "detach", "lift_fresh_copy", "_to_copy", "copy"})
+# Views allowed on leaf-dependent values: they only broadcast, which is implicit per element.
+_BROADCASTS = frozenset({"expand", "view", "unsqueeze", "squeeze", "reshape", "_unsafe_view"})
+
+
+@dataclass(frozen=True)
+class Param:
+    """A kernel input computed by the prologue: broadcast to one element, of ``dtype``."""
+
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Program:
+    """The C++ translation of a traced function over one element position.
+
+    ``body`` assigns outputs ``o0..`` from inputs ``l0.., r0..`` (and ``c0..`` for a
+    VJP) of the compute types and params ``p0[e]..``. ``prologue(captured)`` returns
+    the params' values for one call, from that call's captured tensors.
+    """
+
+    body: str
+    params: tuple[Param, ...]
+    prologue: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+    wide: bool
+    expensive: bool
+
+
+def compute_ctype(dtype: torch.dtype, wide: bool) -> str:
+    """The C type ``dtype`` values are computed in."""
+    if wide and dtype == torch.float32:
+        return "double"
+    try:
+        return _COMPUTE[dtype]
+    except KeyError:
+        raise Unsupported(f"dtype {dtype}") from None
+
+
+# make_fx and the decompositions share process-wide tracing state: one trace at a time.
+_trace_lock = threading.Lock()
+
+
+def _examples(dtypes: Sequence[torch.dtype], ndim: int) -> list[torch.Tensor]:
+    # Distinct tensors (make_fx maps identity to graph inputs); leading 2 so shape changes
+    # show, ones elsewhere so tensors captured at any element shape broadcast.
+    shape = (2,) + (1,) * max(0, ndim - 1)
+    return [torch.ones(shape, dtype=d) for d in dtypes]
+
+
+def _make_fx(fn: Callable[..., Any], examples: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with _trace_lock, torch.no_grad():
+        return make_fx(fn, decomposition_table=core_aten_decompositions())(*examples)
+
+
+def translate_combine(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    dtypes: Sequence[torch.dtype],
+    ndim: int,
+    captured: Sequence[torch.Tensor],
+) -> Program:
+    """Trace ``combine_fn`` on flat leaves of ``dtypes`` (``ndim`` dims) and translate it.
+
+    ``captured`` are the tensors ``combine_fn`` closes over, in a fixed walk order; the
+    prologue takes a list in the same order at each call.
+    """
+    n = len(dtypes)
+
+    def flat(*args: torch.Tensor) -> list[torch.Tensor]:
+        left = optree.tree_unflatten(spec, list(args[:n]))
+        right = optree.tree_unflatten(spec, list(args[n:]))
+        out, out_spec = optree.tree_flatten(combine_fn(left, right), none_is_leaf=False)
+        if out_spec != spec:
+            raise Unsupported("combine_fn returned another pytree structure")
+        return out
+
+    gm = _make_fx(flat, _examples(dtypes, ndim) + _examples(dtypes, ndim))
+    names = [f"l{k}" for k in range(n)] + [f"r{k}" for k in range(n)]
+    wide = _rounds(gm) and torch.float32 in dtypes
+    return _Translator(gm, names, captured, wide).program(list(dtypes))
+
+
+def translate_vjp(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    dtypes: Sequence[torch.dtype],
+    ndim: int,
+    captured: Sequence[torch.Tensor],
+) -> tuple[Program, list[int]]:
+    """The VJP of ``combine_fn`` w.r.t. both operands' float leaves, translated.
+
+    Inputs ``l0.., r0..`` (all leaves) and ``c0..`` (cotangents of the float leaves);
+    outputs ``o0..`` (left cotangents) then the right ones. Returns the program and
+    the indices of the float leaves. Compute types as for the forward.
+    """
+    n = len(dtypes)
+    floats = [k for k, d in enumerate(dtypes) if d.is_floating_point]
+    if not floats:
+        raise Unsupported("no float leaf to differentiate")
+
+    def flat(*args: torch.Tensor) -> list[torch.Tensor]:
+        ls, rs, cs = list(args[:n]), list(args[n : 2 * n]), list(args[2 * n :])
+
+        def f(lf: list[torch.Tensor], rf: list[torch.Tensor]) -> list[torch.Tensor]:
+            lft, rgt = list(ls), list(rs)
+            for j, k in enumerate(floats):
+                lft[k], rgt[k] = lf[j], rf[j]
+            out = optree.tree_leaves(
+                combine_fn(optree.tree_unflatten(spec, lft), optree.tree_unflatten(spec, rgt)),
+                none_is_leaf=False,
+            )
+            return [out[k] for k in floats]
+
+        _, pull = torch.func.vjp(f, [ls[k] for k in floats], [rs[k] for k in floats])
+        lbar, rbar = pull(cs)
+        return [*lbar, *rbar]
+
+    examples = _examples(dtypes, ndim) + _examples(dtypes, ndim)
+    examples += _examples([dtypes[k] for k in floats], ndim)
+    functional = torch.func.functionalize(flat, remove="mutations_and_views")
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with _trace_lock:
+        gm = make_fx(functional, decomposition_table=core_aten_decompositions())(*examples)
+    names = [f"l{k}" for k in range(n)] + [f"r{k}" for k in range(n)]
+    names += [f"c{k}" for k in floats]
+    out_dtypes = [dtypes[k] for k in floats] * 2
+    wide = _rounds(gm) and torch.float32 in dtypes
+    return _Translator(gm, names, captured, wide).program(out_dtypes), floats
+
+
+def _rounds(gm: torch.fx.GraphModule) -> bool:
+    """Whether any op of ``gm`` may round a float result."""
+    return any(
+        node.op == "call_function" and _op_name(node.target) not in _EXACT
+        for node in gm.graph.nodes
+    )
+
+
+def _op_name(target: Any) -> str:
+    return getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
+
+
+def _cpp_const(value: Any, ctype: str) -> str:
+    if isinstance(value, bool):
+        return f"static_cast<{ctype}>({'true' if value else 'false'})"
+    if isinstance(value, int):
+        if not -(2**63) <= value < 2**63:
+            raise Unsupported(f"integer constant {value} out of range")
+        return f"static_cast<{ctype}>(INT64_C({value}))" if value != -(2**63) else "INT64_MIN"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return f"std::numeric_limits<{ctype}>::quiet_NaN()"
+        if math.isinf(value):
+            sign = "-" if value < 0 else ""
+            return f"({sign}std::numeric_limits<{ctype}>::infinity())"
+        return f"static_cast<{ctype}>({float.hex(value)})"  # exact, in C++17 hex float
+    raise Unsupported(f"constant {value!r} of type {type(value).__name__}")
+
+
+class _Translator:
+    """One pass over a traced graph: split the prologue off, then emit C++ statements."""
+
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        input_names: Sequence[str],
+        captured: Sequence[torch.Tensor],
+        wide: bool,
+    ) -> None:
+        self.gm = gm
+        self.wide = wide
+        self.names: dict[torch.fx.Node, str] = {}
+        placeholders = [nd for nd in gm.graph.nodes if nd.op == "placeholder"]
+        for node, name in zip(placeholders, input_names):
+            self.names[node] = name
+        self.dynamic = set(placeholders)
+        self.captured_ids = {id(t): i for i, t in enumerate(captured)}
+        self.lines: list[str] = []
+        self.expensive = False
+
+    def program(self, out_dtypes: Sequence[torch.dtype]) -> Program:
+        static: list[torch.fx.Node] = []
+        params: list[torch.fx.Node] = []
+        constants: dict[torch.fx.Node, Any] = {}
+        for node in self.gm.graph.nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            if node.op == "get_attr":
+                constants[node] = self._constant(node)
+                static.append(node)
+                continue
+            if node.op != "call_function":
+                raise Unsupported(f"graph node {node.op} {node.target}")
+            if _op_name(node.target) == "_local_scalar_dense":
+                raise Unsupported("combine_fn reads a tensor's value into Python (.item())")
+            if not any(a in self.dynamic for a in node.all_input_nodes):
+                static.append(node)
+                continue
+            for a in node.all_input_nodes:
+                if a not in self.dynamic and a not in self.names and _fill_value(a) is None:
+                    self.names[a] = f"P{len(params)}"
+                    params.append(a)
+            self.dynamic.add(node)
+            self._emit(node)
+        self._emit_outputs(out_dtypes)
+        param_specs = tuple(Param(_dtype(p)) for p in params)
+        prologue = _Prologue(static, params, constants)
+        self._release_constants(constants)
+        return Program("\n".join(self.lines), param_specs, prologue, self.wide, self.expensive)
+
+    def _constant(self, node: torch.fx.Node) -> Any:
+        value = getattr(self.gm, node.target)
+        if isinstance(value, torch.Tensor) and id(value) in self.captured_ids:
+            return ("captured", self.captured_ids[id(value)])
+        made_inside = all(_op_name(user.target) == "lift_fresh_copy" for user in node.users)
+        if (
+            made_inside
+            and isinstance(value, torch.Tensor)
+            and value.numel() <= 1
+            and value.device.type == "cpu"
+        ):
+            # torch.tensor(...) inside combine_fn, from its code and captured numbers
+            # (which key the kernel): fixed for this key. A tensor reached some other way
+            # (a module attribute, say) may change between calls: not baked in.
+            return ("value", value.detach().clone())
+        raise Unsupported("combine_fn uses a tensor that is neither captured nor a scalar")
+
+    def _release_constants(self, constants: dict[torch.fx.Node, Any]) -> None:
+        # The graph must not keep the user's captured tensors alive once the kernel is cached.
+        for node, kind in constants.items():
+            if kind[0] == "captured":
+                setattr(self.gm, node.target, None)
+
+    def _val(self, node: Any) -> Any:
+        return node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+
+    def _ctype(self, dtype: torch.dtype) -> str:
+        return compute_ctype(dtype, self.wide)
+
+    def _arg(self, a: Any, ctype: str) -> str:
+        if isinstance(a, torch.fx.Node) and a not in self.dynamic and _fill_value(a) is not None:
+            return _cpp_const(_fill_value(a), ctype)  # a constant tensor (zeros, full...)
+        if isinstance(a, torch.fx.Node):
+            name = self.names[a]
+            if name.startswith("P"):
+                name = f"static_cast<{self._ctype(_dtype(a))}>(p.{name.lower()}[e])"
+            return f"static_cast<{ctype}>({name})"
+        return _cpp_const(a, ctype)
+
+    def _emit(self, node: torch.fx.Node) -> None:
+        out = self._val(node)
+        if not isinstance(out, torch.Tensor):
+            raise Unsupported(f"{node.target} returns {type(out).__name__}")
+        name = _op_name(node.target)
+        oc = self._ctype(out.dtype)
+        expr = self._expression(node, name, out, oc)
+        if name in _EXPENSIVE or name in _LIBM:
+            self.expensive = True
+        var = f"v{len(self.lines)}"
+        self.names[node] = var
+        self.lines.append(f"const {oc} {var} = static_cast<{oc}>({expr});")
+
+    def _expression(self, node: torch.fx.Node, name: str, out: torch.Tensor, oc: str) -> str:
+        args, kwargs = list(node.args), dict(node.kwargs)
+        if name in _BROADCASTS:
+            return self._arg(args[0], oc)
+        if name in _IDENTITY:
+            if name == "copy":  # copy(dst, src): the value of src
+                return self._arg(args[1], oc)
+            return self._arg(args[0], oc)
+        if name in _COMPARE or name in ("isnan", "isinf"):
+            operands = [self._val(a) for a in args[: 1 if name in ("isnan", "isinf") else 2]]
+            cc = self._ctype(_result_type(operands))
+            if name in _COMPARE:
+                return f"({self._arg(args[0], cc)} {_COMPARE[name]} {self._arg(args[1], cc)})"
+            return _UNARY[name].format(a=self._arg(args[0], cc))
+        if name in _LOGICAL:
+            a, b = (f"({self._arg(x, self._ctype(_dtype_of(self._val(x))))} != 0)" for x in args)
+            return f"({a} {_LOGICAL[name]} {b})"
+        if name == "logical_not":
+            return f"!({self._arg(args[0], self._ctype(_dtype_of(self._val(args[0]))))} != 0)"
+        if name in _BINARY:
+            if name == "div" and kwargs.get("rounding_mode") is not None:
+                raise Unsupported("div with rounding_mode")
+            b = self._arg(args[1], oc)
+            alpha = kwargs.get("alpha", 1)
+            if name in ("add", "sub") and alpha != 1:
+                b = f"({b} * {_cpp_const(alpha, oc)})"
+            return _BINARY[name].format(a=self._arg(args[0], oc), b=b)
+        if name == "where":
+            cond, a, b = self._arg(args[0], "bool"), self._arg(args[1], oc), self._arg(args[2], oc)
+            return f"({cond} ? {a} : {b})"
+        if name in _UNARY:
+            return _UNARY[name].format(a=self._arg(args[0], oc))
+        if name in _LIBM and out.is_floating_point():
+            return f"std::{name}({self._arg(args[0], oc)})"
+        if name in ("clamp", "clamp_min", "clamp_max"):
+            return self._clamp(name, args, oc)
+        if name == "scalar_tensor":
+            return _cpp_const(args[0], oc)
+        if name == "full" and len(args) > 1:
+            return _cpp_const(args[1], oc)
+        raise Unsupported(f"op aten.{name}")
+
+    def _clamp(self, name: str, args: list[Any], oc: str) -> str:
+        expr = self._arg(args[0], oc)
+        lo = args[1] if name in ("clamp", "clamp_min") and len(args) > 1 else None
+        hi = args[2] if name == "clamp" and len(args) > 2 else None
+        hi = args[1] if name == "clamp_max" else hi
+        if lo is not None:
+            expr = f"fscan_max({expr}, {self._arg(lo, oc)})"
+        if hi is not None:
+            expr = f"fscan_min({expr}, {self._arg(hi, oc)})"
+        return expr
+
+    def _emit_outputs(self, out_dtypes: Sequence[torch.dtype]) -> None:
+        (output,) = [nd for nd in self.gm.graph.nodes if nd.op == "output"]
+        outs = output.args[0]
+        if len(outs) != len(out_dtypes):
+            raise Unsupported("combine_fn returned another number of leaves")
+        for k, (o, dtype) in enumerate(zip(outs, out_dtypes)):
+            oc = self._ctype(dtype)
+            if isinstance(o, torch.fx.Node):
+                if o not in self.dynamic:
+                    raise Unsupported("an output does not depend on the operands")
+                val = self._val(o)
+                if val.dtype != dtype:
+                    raise Unsupported("combine_fn changes a leaf's dtype")
+                self.lines.append(f"o{k} = {self._arg(o, oc)};")
+            else:
+                self.lines.append(f"o{k} = {_cpp_const(o, oc)};")
+
+
+def _fill_value(node: torch.fx.Node) -> Any:
+    """The scalar a ``full``/``scalar_tensor`` node fills with, or None for any other node."""
+    if node.op != "call_function":
+        return None
+    name = _op_name(node.target)
+    if name == "scalar_tensor" and node.args and isinstance(node.args[0], (bool, int, float)):
+        return node.args[0]
+    if name == "full" and len(node.args) > 1 and isinstance(node.args[1], (bool, int, float)):
+        return node.args[1]
+    return None
+
+
+def _dtype(node: torch.fx.Node) -> torch.dtype:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise Unsupported(f"{node.target} is not a tensor")
+    return val.dtype
+
+
+def _dtype_of(value: Any) -> torch.dtype:
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    if isinstance(value, bool):
+        return torch.bool
+    if isinstance(value, int):
+        return torch.int64
+    if isinstance(value, float):
+        return torch.float64
+    raise Unsupported(f"operand {value!r}")
+
+
+def _result_type(operands: Sequence[Any]) -> torch.dtype:
+    tensors = [o for o in operands if isinstance(o, torch.Tensor)]
+    if not tensors:
+        raise Unsupported("an op without tensor operands")
+    if len(operands) == 1:
+        return tensors[0].dtype
+    return torch.result_type(*operands[:2])
+
+
+class _Prologue:
+    """Evaluate the leaf-independent nodes on one call's captured tensors (torch ops)."""
+
+    def __init__(
+        self,
+        static: list[torch.fx.Node],
+        params: list[torch.fx.Node],
+        constants: dict[torch.fx.Node, Any],
+    ) -> None:
+        needed = set(params)
+        for node in reversed(static):  # keep only what the params depend on
+            if node in needed:
+                needed.update(node.all_input_nodes)
+        self.steps = [
+            (node, constants.get(node), node.target, node.args, node.kwargs)
+            for node in static
+            if node in needed
+        ]
+        self.params = params
+
+    def __call__(self, captured: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        env: dict[torch.fx.Node, Any] = {}
+        for node, constant, target, args, kwargs in self.steps:
+            if constant is not None:
+                kind, value = constant
+                env[node] = captured[value] if kind == "captured" else value
+                continue
+            load = lambda a: env[a] if isinstance(a, torch.fx.Node) else a
+            env[node] = target(*torch.fx.node.map_aggregate(args, load), **kwargs)
+        return [env[p] for p in self.params]

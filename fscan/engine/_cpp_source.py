@@ -1,0 +1,565 @@
+# ruff: noqa: E501  (C++ templates keep their own line lengths)
+"""C++ source of the scan kernels, around a translated combine (or its VJP).
+
+The generated part is small: structs holding one element's values (``Vals``),
+the leaf pointers (``In``/``Out``), the broadcast inputs (``Par``) and scratch
+buffers (``Buf``), with ``load``/``store``/``get``/``put`` and ``combine``.
+The algorithms are fixed C++ written once against those names. The kernel
+works on the ``(outer, T, inner)`` view of contiguous leaves (any ``dim``);
+``reverse`` and the thread count are runtime arguments, so one compiled kernel
+serves every shape.
+
+* Lane path (``inner >= 8``): columns (outer index, tile of up to 1024
+  contiguous lanes) run in parallel with OpenMP; each walks T sequentially
+  with ``#pragma omp simd`` over its lanes, its running values in a local
+  buffer of the compute type.
+* Chain path (``inner < 8``: 1-D, or a scan over the last dim): each lane is a
+  chain; 8 chains run interleaved (instruction-level parallelism).
+* Either path splits T into chunks when there are too few columns or chains
+  for the threads (and, on the chain path, for the 8-way interleave):
+  reduce-then-scan (chunk totals, a short scan of the totals, then each chunk
+  scanned from its carry-in).
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Sequence
+
+import torch
+
+from ._cpp_codegen import STORAGE, Program, compute_ctype
+
+__all__ = ["forward_argtypes", "forward_source", "mvec_declarations", "param_dtype"]
+
+PRELUDE = r"""
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+#include <omp.h>
+
+#define FSCAN_INLINE __attribute__((always_inline)) inline
+
+// torch.maximum/minimum: NaN wins from either side.
+template <typename T> static FSCAN_INLINE T fscan_max(T a, T b) { if (a != a) return a; return a > b ? a : b; }
+template <typename T> static FSCAN_INLINE T fscan_min(T a, T b) { if (a != a) return a; return a < b ? a : b; }
+template <typename T> static FSCAN_INLINE T fscan_sign(T a) { return (T)((T(0) < a) - (a < T(0))) + (a != a ? a : T(0)); }
+template <typename T> static FSCAN_INLINE T fscan_abs(T a) { return a < T(0) ? -a : a; }
+static FSCAN_INLINE bool fscan_abs(bool a) { return a; }
+static FSCAN_INLINE float fscan_abs(float a) { return std::fabs(a); }
+static FSCAN_INLINE double fscan_abs(double a) { return std::fabs(a); }
+// bfloat16 stored as its bits; rounding to nearest even as torch does.
+static FSCAN_INLINE float fscan_bf16_load(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; std::memcpy(&f, &u, 4); return f; }
+static FSCAN_INLINE uint16_t fscan_bf16_store(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+"""
+
+_GLIBC = platform.libc_ver()
+_GLIBC_VERSION = (
+    tuple(int(p) for p in _GLIBC[1].split(".")[:2])
+    if _GLIBC[0] == "glibc" and _GLIBC[1]
+    else (0, 0)
+)
+MVEC = platform.machine() == "x86_64" and _GLIBC_VERSION >= (2, 22)
+_MVEC_222 = ["exp", "log", "sin", "cos"]
+_MVEC_235 = [
+    "log1p",
+    "expm1",
+    "exp2",
+    "log2",
+    "log10",
+    "tanh",
+    "tan",
+    "sinh",
+    "cosh",
+    "erf",
+    "atan",
+    "asin",
+    "acos",
+]
+
+
+def mvec_declarations() -> str:
+    """glibc's vector math (libmvec) variants: glibc declares them only under -ffast-math."""
+    if not MVEC:
+        return ""
+    names = _MVEC_222 + (_MVEC_235 if _GLIBC_VERSION >= (2, 35) else [])
+    decls = []
+    for n in names:
+        decls.append(f'__attribute__((__simd__("notinbranch"))) double {n}(double) noexcept;')
+        decls.append(f'__attribute__((__simd__("notinbranch"))) float {n}f(float) noexcept;')
+    body = "\n".join(decls)
+    return (
+        "#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__)\n"
+        f'extern "C" {{\n{body}\n}}\n#endif\n'
+    )
+
+
+def _load(dtype: torch.dtype, expr: str, ctype: str) -> str:
+    if dtype == torch.bfloat16:
+        return f"static_cast<{ctype}>(fscan_bf16_load({expr}))"
+    if dtype == torch.bool:
+        return f"({expr} != 0)"
+    return f"static_cast<{ctype}>({expr})"
+
+
+def _store(dtype: torch.dtype, expr: str) -> str:
+    if dtype == torch.bfloat16:
+        return f"fscan_bf16_store(static_cast<float>({expr}))"
+    return f"static_cast<{STORAGE[dtype]}>({expr})"
+
+
+def _structs(
+    dtypes: Sequence[torch.dtype], compute: Sequence[str], program: Program, prefix: str = ""
+) -> str:
+    """Vals/In/Out/Buf/Par and their accessors for leaves of ``dtypes``."""
+    R = range(len(dtypes))
+    st = [STORAGE[d] for d in dtypes]
+    lines = [
+        "struct Vals { " + " ".join(f"{compute[k]} v{k};" for k in R) + " };",
+        "struct In { " + " ".join(f"const {st[k]}* x{k};" for k in R) + " };",
+        "struct Out { " + " ".join(f"{st[k]}* y{k};" for k in R) + " };",
+        "struct Buf { " + " ".join(f"{compute[k]}* v{k};" for k in R) + " };",
+        "struct Par { "
+        + " ".join(f"const {_param_ctype(p.dtype)}* p{j};" for j, p in enumerate(program.params))
+        + " };",
+        "static FSCAN_INLINE Vals load(const In x, int64_t i) { Vals v; "
+        + " ".join(f"v.v{k} = {_load(dtypes[k], f'x.x{k}[i]', compute[k])};" for k in R)
+        + " return v; }",
+        "static FSCAN_INLINE void store(const Out y, int64_t i, const Vals& v) { "
+        + " ".join(f"y.y{k}[i] = {_store(dtypes[k], f'v.v{k}')};" for k in R)
+        + " }",
+        "static FSCAN_INLINE Vals get(const Buf b, int64_t i) { Vals v; "
+        + " ".join(f"v.v{k} = b.v{k}[i];" for k in R)
+        + " return v; }",
+        "static FSCAN_INLINE void put(const Buf b, int64_t i, const Vals& v) { "
+        + " ".join(f"b.v{k}[i] = v.v{k};" for k in R)
+        + " }",
+        "static FSCAN_INLINE Buf offset(const Buf b, int64_t i) { return Buf{"
+        + ", ".join(f"b.v{k} + i" for k in R)
+        + "}; }",
+        "struct Store { "
+        + " ".join(f"std::unique_ptr<{compute[k]}[]> v{k};" for k in R)
+        + " explicit Store(int64_t n) : "
+        + ", ".join(f"v{k}(new {compute[k]}[n > 0 ? n : 1])" for k in R)
+        + " {} Buf buf() { return Buf{"
+        + ", ".join(f"v{k}.get()" for k in R)
+        + "}; } };",
+    ]
+    return "\n".join(lines)
+
+
+def _param_ctype(dtype: torch.dtype) -> str:
+    """Params enter as float64, int64 or bool bytes (see :func:`param_dtype`)."""
+    if dtype.is_floating_point:
+        return "double"
+    return "uint8_t" if dtype == torch.bool else "int64_t"
+
+
+def param_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a param of ``dtype`` is passed in (exact for every supported dtype)."""
+    if dtype.is_floating_point:
+        return torch.float64
+    return torch.bool if dtype == torch.bool else torch.int64
+
+
+def _signature(dtypes: Sequence[torch.dtype], program: Program, extra: Sequence[str]) -> list[str]:
+    st = [STORAGE[d] for d in dtypes]
+    args = [f"const {c}* x{k}" for k, c in enumerate(st)]
+    args += extra
+    args += [f"const {_param_ctype(p.dtype)}* p{j}" for j, p in enumerate(program.params)]
+    return args
+
+
+def forward_argtypes(dtypes: Sequence[torch.dtype], program: Program) -> list[str]:
+    """C types of the forward kernel's arguments (for the Python binding)."""
+    st = [STORAGE[d] for d in dtypes]
+    types = [f"const {c}*" for c in st] + [f"{c}*" for c in st]
+    types += [f"const {_param_ctype(p.dtype)}*" for p in program.params]
+    return types + ["int64_t"] * 5
+
+
+def forward_source(dtypes: Sequence[torch.dtype], program: Program) -> str:
+    """The complete forward kernel: ``kernel(x.., y.., p.., outer, T, inner, rev, threads)``."""
+    compute = [compute_ctype(d, program.wide) for d in dtypes]
+    R = range(len(dtypes))
+    st = [STORAGE[d] for d in dtypes]
+    combine = (
+        "static FSCAN_INLINE Vals combine(const Vals& l, const Vals& r, const Par p, int64_t e) {\n"
+        + "".join(f"  const {compute[k]} l{k} = l.v{k};\n" for k in R)
+        + "".join(f"  const {compute[k]} r{k} = r.v{k};\n" for k in R)
+        + "  (void)p; (void)e;\n  Vals o;\n"
+        + "".join(f"  {compute[k]}& o{k} = o.v{k};\n" for k in R)
+        + "".join(f"  {line}\n" for line in program.body.splitlines())
+        + "  return o;\n}\n"
+    )
+    args = _signature(dtypes, program, [f"{c}* y{k}" for k, c in enumerate(st)])
+    entry = (
+        'extern "C" void kernel('
+        + ", ".join(args)
+        + ", int64_t outer, int64_t T, int64_t inner, int64_t rev, int64_t threads) {\n"
+        + "  const In x{"
+        + ", ".join(f"x{k}" for k in R)
+        + "}; const Out y{"
+        + ", ".join(f"y{k}" for k in R)
+        + "}; const Par p{"
+        + ", ".join(f"p{j}" for j in range(len(program.params)))
+        + "};\n  scan(x, y, p, outer, T, inner, rev != 0, (int)threads);\n}\n"
+    )
+    return "\n".join(
+        [
+            PRELUDE,
+            mvec_declarations(),
+            _structs(dtypes, compute, program),
+            combine,
+            FORWARD_TEMPLATE,
+            entry,
+        ]
+    )
+
+
+FORWARD_TEMPLATE = r"""
+static constexpr int64_t TILE = 1024;      // lanes per column of the lane path
+static constexpr int64_t VEC_MIN = 8;      // inner sizes below this take the chain path
+static constexpr int64_t MIN_CHUNK = 2048; // steps per chunk, at least, when T is split
+static constexpr int64_t PER_THREAD = 16384; // elements per thread, at least
+static constexpr int G = 8;                // chains interleaved on the chain path
+
+// Steps [s0, s1) (in scan order) of lanes [i0, i0 + w) of outer index o. The running
+// values live in acc (w entries); carry (or nullptr) holds the inclusive result before s0.
+template <bool WRITE>
+static void lane_run(const In x, const Out y, const Par p, int64_t o, int64_t i0, int64_t w,
+                     int64_t s0, int64_t s1, int64_t T, int64_t inner, bool rev,
+                     const Buf* carry, const Buf acc) {
+  const int64_t base = o * T * inner + i0, e0 = o * inner + i0;
+  for (int64_t s = s0; s < s1; ++s) {
+    const int64_t off = base + (rev ? T - 1 - s : s) * inner;
+    if (s == s0 && carry == nullptr) {
+#pragma GCC ivdep
+      for (int64_t i = 0; i < w; ++i) {
+        const Vals v = load(x, off + i);
+        put(acc, i, v);
+        if (WRITE) store(y, off + i, v);
+      }
+    } else {
+      const Buf left = s == s0 ? *carry : acc;
+#pragma GCC ivdep
+      for (int64_t i = 0; i < w; ++i) {
+        const Vals v = combine(get(left, i), load(x, off + i), p, e0 + i);
+        put(acc, i, v);
+        if (WRITE) store(y, off + i, v);
+      }
+    }
+  }
+}
+
+static void lane_path(const In x, const Out y, const Par p, int64_t outer, int64_t T,
+                      int64_t inner, bool rev, int nt) {
+  int64_t W = std::min<int64_t>(inner, TILE);
+  while (outer * ((inner + W - 1) / W) < nt && W > 16) W = (W / 2 + 15) / 16 * 16;
+  const int64_t ntiles = (inner + W - 1) / W, ncols = outer * ntiles;
+  int64_t C = 1;  // chunks per column
+  if (ncols < nt) C = std::min<int64_t>((nt + ncols - 1) / ncols * 2, std::max<int64_t>(1, T / MIN_CHUNK));
+  const int64_t L = (T + C - 1) / C;
+  C = (T + L - 1) / L;
+  // Totals of chunks 0..C-2 of every column, W lanes each, then their inclusive scan.
+  Store tot(C > 1 ? ncols * (C - 1) * W : 0);
+  const Buf tb = tot.buf();
+#pragma omp parallel num_threads(nt)
+  {
+    Store scratch(W);
+    const Buf acc = scratch.buf();
+    if (C > 1) {
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < ncols * (C - 1); ++k) {
+        const int64_t col = k / (C - 1), c = k % (C - 1);
+        const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
+        lane_run<false>(x, y, p, o, i0, w, c * L, (c + 1) * L, T, inner, rev, nullptr, offset(tb, k * W));
+      }
+#pragma omp for schedule(static)
+      for (int64_t col = 0; col < ncols; ++col) {
+        const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
+        for (int64_t c = 1; c < C - 1; ++c) {
+          const Buf prev = offset(tb, (col * (C - 1) + c - 1) * W), cur = offset(tb, (col * (C - 1) + c) * W);
+#pragma GCC ivdep
+          for (int64_t i = 0; i < w; ++i) put(cur, i, combine(get(prev, i), get(cur, i), p, o * inner + i0 + i));
+        }
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < ncols * C; ++k) {
+      const int64_t col = k / C, c = k % C;
+      const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
+      const Buf carry = c > 0 ? offset(tb, (col * (C - 1) + c - 1) * W) : tb;
+      lane_run<true>(x, y, p, o, i0, w, c * L, std::min(T, (c + 1) * L), T, inner, rev,
+                     c == 0 ? nullptr : &carry, acc);
+    }
+  }
+}
+
+// NG chains interleaved: chain g starts at offset start[g], runs len[g] steps of `step`
+// elements, at element position elem[g]; carry[g] (if has[g]) is its inclusive carry-in.
+// WRITE: store every output; else only the final values, into last[g].
+template <int NG, bool WRITE>
+static FSCAN_INLINE void chains(const In x, const Out y, const Par p, const int64_t* start,
+                                const int64_t* len, const int64_t* elem, int64_t step,
+                                const Vals* carry, const bool* has, Vals* last) {
+  Vals acc[NG];
+  int64_t common = len[0];
+  for (int g = 1; g < NG; ++g) common = std::min(common, len[g]);
+#pragma GCC unroll 8
+  for (int g = 0; g < NG; ++g) {
+    const Vals v = load(x, start[g]);
+    acc[g] = has[g] ? combine(carry[g], v, p, elem[g]) : v;
+    if (WRITE) store(y, start[g], acc[g]);
+  }
+  for (int64_t s = 1; s < common; ++s) {
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; ++g) {
+      const int64_t pos = start[g] + s * step;
+      acc[g] = combine(acc[g], load(x, pos), p, elem[g]);
+      if (WRITE) store(y, pos, acc[g]);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    for (int64_t s = common; s < len[g]; ++s) {
+      const int64_t pos = start[g] + s * step;
+      acc[g] = combine(acc[g], load(x, pos), p, elem[g]);
+      if (WRITE) store(y, pos, acc[g]);
+    }
+    if (!WRITE) last[g] = acc[g];
+  }
+}
+
+template <bool WRITE>
+static void chain_group(const In x, const Out y, const Par p, int ng, const int64_t* start,
+                        const int64_t* len, const int64_t* elem, int64_t step, const Vals* carry,
+                        const bool* has, Vals* last) {
+  if (ng == G) {
+    chains<G, WRITE>(x, y, p, start, len, elem, step, carry, has, last);
+    return;
+  }
+  for (int g = 0; g < ng; ++g)
+    chains<1, WRITE>(x, y, p, start + g, len + g, elem + g, step, carry + g, has + g, last + g);
+}
+
+static void chain_path(const In x, const Out y, const Par p, int64_t outer, int64_t T,
+                       int64_t inner, bool rev, int nt) {
+  const int64_t lanes = outer * inner;
+  int64_t C = 1;  // chunks per lane
+  if (lanes < (int64_t)nt * G) {
+    C = std::min<int64_t>(((int64_t)nt * G + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
+    if (C >= G) C = C / G * G;
+  }
+  int64_t L = (T + C - 1) / C;
+  // Interleaved chunks of one lane at power-of-two distances share cache sets: skew them.
+  if (C > 1 && inner == 1) L = (L + 15) / 16 * 16 + 16;
+  C = (T + L - 1) / L;
+  const int64_t step = rev ? -inner : inner, items = lanes * C, groups = (items + G - 1) / G;
+  auto describe = [&](int64_t k, int64_t& start, int64_t& len, int64_t& elem) {
+    const int64_t lane = k / C, c = k % C, o = lane / inner, i = lane % inner;
+    const int64_t s = c * L;
+    start = o * T * inner + i + (rev ? T - 1 - s : s) * inner;
+    len = std::min(T, s + L) - s;
+    elem = lane;
+  };
+  std::vector<Vals> tot(C > 1 ? items : 0);
+#pragma omp parallel num_threads(nt)
+  {
+    int64_t start[G], len[G], elem[G];
+    Vals carry[G];
+    bool has[G];
+    if (C > 1) {
+#pragma omp for schedule(static)
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const int ng = (int)std::min<int64_t>(G, items - gi * G);
+        for (int g = 0; g < ng; ++g) { describe(gi * G + g, start[g], len[g], elem[g]); has[g] = false; }
+        chain_group<false>(x, y, p, ng, start, len, elem, step, carry, has, tot.data() + gi * G);
+      }
+#pragma omp for schedule(static)
+      for (int64_t lane = 0; lane < lanes; ++lane)
+        for (int64_t c = 1; c < C - 1; ++c)
+          tot[lane * C + c] = combine(tot[lane * C + c - 1], tot[lane * C + c], p, lane);
+    }
+#pragma omp for schedule(static)
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int ng = (int)std::min<int64_t>(G, items - gi * G);
+      for (int g = 0; g < ng; ++g) {
+        const int64_t k = gi * G + g;
+        describe(k, start[g], len[g], elem[g]);
+        has[g] = k % C != 0;
+        if (has[g]) carry[g] = tot[k - 1];
+      }
+      chain_group<true>(x, y, p, ng, start, len, elem, step, carry, has, nullptr);
+    }
+  }
+}
+
+static void scan(const In x, const Out y, const Par p, int64_t outer, int64_t T, int64_t inner,
+                 bool rev, int threads) {
+  if (T <= 0 || outer <= 0 || inner <= 0) return;
+  const int64_t total = outer * T * inner;
+  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, total / PER_THREAD));
+  if (inner >= VEC_MIN)
+    lane_path(x, y, p, outer, T, inner, rev, nt);
+  else
+    chain_path(x, y, p, outer, T, inner, rev, nt);
+}
+"""
+
+
+def backward_argtypes(
+    dtypes: Sequence[torch.dtype], floats: Sequence[int], program: Program
+) -> list[str]:
+    """C types of the backward kernel's arguments: x.., y.., g.., xbar.., p.., sizes."""
+    st = [STORAGE[d] for d in dtypes]
+    types = [f"const {c}*" for c in st] * 2
+    types += [f"const {st[k]}*" for k in floats] + [f"{st[k]}*" for k in floats]
+    types += [f"const {_param_ctype(p.dtype)}*" for p in program.params]
+    return types + ["int64_t"] * 5
+
+
+def backward_source(dtypes: Sequence[torch.dtype], floats: Sequence[int], program: Program) -> str:
+    """The backward kernel: one reverse pass per lane through the traced VJP of combine.
+
+    ``kernel(x.., y.., g.., xbar.., p.., outer, T, inner, rev, threads)``: for
+    ``y[s] = f(y[s-1], x[s])`` (s in scan order) the cotangents pull back as
+    ``lam[T-1] = g[T-1]``, ``(lb, rb) = vjp_f(y[s-1], x[s]; lam[s])``,
+    ``xbar[s] = rb``, ``lam[s-1] = g[s-1] + lb`` and ``xbar[0] = lam[0]``;
+    ``lam`` lives in a per-column buffer of the compute type.
+    """
+    compute = [compute_ctype(d, program.wide) for d in dtypes]
+    F = list(floats)
+    R = range(len(dtypes))
+    st = [STORAGE[d] for d in dtypes]
+    lam_types = [compute[k] for k in F]
+    J = range(len(F))
+    structs = [
+        _structs(dtypes, compute, program),
+        "struct Lam { " + " ".join(f"{lam_types[j]} v{j};" for j in J) + " };",
+        "struct Grad { " + " ".join(f"const {st[k]}* g{j};" for j, k in enumerate(F)) + " };",
+        "struct Bar { " + " ".join(f"{st[k]}* b{j};" for j, k in enumerate(F)) + " };",
+        "struct LamBuf { " + " ".join(f"{lam_types[j]}* v{j};" for j in J) + " };",
+        "static FSCAN_INLINE Lam load_g(const Grad g, int64_t i) { Lam v; "
+        + " ".join(
+            f"v.v{j} = {_load(dtypes[k], f'g.g{j}[i]', lam_types[j])};" for j, k in enumerate(F)
+        )
+        + " return v; }",
+        "static FSCAN_INLINE void store_bar(const Bar b, int64_t i, const Lam& v) { "
+        + " ".join(f"b.b{j}[i] = {_store(dtypes[k], f'v.v{j}')};" for j, k in enumerate(F))
+        + " }",
+        "static FSCAN_INLINE Lam get_lam(const LamBuf b, int64_t i) { Lam v; "
+        + " ".join(f"v.v{j} = b.v{j}[i];" for j in J)
+        + " return v; }",
+        "static FSCAN_INLINE void put_lam(const LamBuf b, int64_t i, const Lam& v) { "
+        + " ".join(f"b.v{j}[i] = v.v{j};" for j in J)
+        + " }",
+        "static FSCAN_INLINE Lam lam_add(const Lam& a, const Lam& b) { Lam v; "
+        + " ".join(f"v.v{j} = a.v{j} + b.v{j};" for j in J)
+        + " return v; }",
+        "struct LamStore { "
+        + " ".join(f"std::unique_ptr<{lam_types[j]}[]> v{j};" for j in J)
+        + " explicit LamStore(int64_t n) : "
+        + ", ".join(f"v{j}(new {lam_types[j]}[n > 0 ? n : 1])" for j in J)
+        + " {} LamBuf buf() { return LamBuf{"
+        + ", ".join(f"v{j}.get()" for j in J)
+        + "}; } };",
+    ]
+    nf = len(F)
+    vjp = (
+        "static FSCAN_INLINE void vjp(const Vals& l, const Vals& r, const Lam& c, const Par p,"
+        " int64_t e, Lam& lb, Lam& rb) {\n"
+        + "".join(f"  const {compute[k]} l{k} = l.v{k};\n" for k in R)
+        + "".join(f"  const {compute[k]} r{k} = r.v{k};\n" for k in R)
+        + "".join(f"  const {lam_types[j]} c{k} = c.v{j};\n" for j, k in enumerate(F))
+        + "  (void)p; (void)e;\n"
+        + "".join(f"  {lam_types[j]}& o{j} = lb.v{j};\n" for j in J)
+        + "".join(f"  {lam_types[j]}& o{nf + j} = rb.v{j};\n" for j in J)
+        + "".join(f"  {line}\n" for line in program.body.splitlines())
+        + "}\n"
+    )
+    args = [f"const {c}* x{k}" for k, c in enumerate(st)]
+    args += [f"const {c}* y{k}" for k, c in enumerate(st)]
+    args += [f"const {st[k]}* g{j}" for j, k in enumerate(F)]
+    args += [f"{st[k]}* b{j}" for j, k in enumerate(F)]
+    args += [f"const {_param_ctype(p.dtype)}* p{j}" for j, p in enumerate(program.params)]
+    entry = (
+        'extern "C" void kernel('
+        + ", ".join(args)
+        + ", int64_t outer, int64_t T, int64_t inner, int64_t rev, int64_t threads) {\n"
+        + "  const In x{"
+        + ", ".join(f"x{k}" for k in R)
+        + "};"
+        + " const In y{"
+        + ", ".join(f"y{k}" for k in R)
+        + "};"
+        + " const Grad g{"
+        + ", ".join(f"g{j}" for j in J)
+        + "};"
+        + " const Bar b{"
+        + ", ".join(f"b{j}" for j in J)
+        + "};"
+        + " const Par p{"
+        + ", ".join(f"p{j}" for j in range(len(program.params)))
+        + "};\n"
+        + "  backward(x, y, g, b, p, outer, T, inner, rev != 0, (int)threads);\n}\n"
+    )
+    return "\n".join([PRELUDE, mvec_declarations(), *structs, vjp, BACKWARD_TEMPLATE, entry])
+
+
+BACKWARD_TEMPLATE = r"""
+static constexpr int64_t TILE = 1024;
+static constexpr int64_t VEC_MIN = 8;
+static constexpr int64_t PER_THREAD = 16384;
+
+// Lanes [i0, i0 + w) of outer index o, all T steps backwards in scan order.
+static void lane_bwd(const In x, const In y, const Grad g, const Bar b, const Par p, int64_t o,
+                     int64_t i0, int64_t w, int64_t T, int64_t inner, bool rev, const LamBuf lam) {
+  const int64_t base = o * T * inner + i0, e0 = o * inner + i0;
+  const int64_t last = base + (rev ? 0 : T - 1) * inner;
+#pragma GCC ivdep
+  for (int64_t i = 0; i < w; ++i) put_lam(lam, i, load_g(g, last + i));
+  for (int64_t s = T - 1; s >= 1; --s) {
+    const int64_t cur = base + (rev ? T - 1 - s : s) * inner;
+    const int64_t prev = base + (rev ? T - s : s - 1) * inner;
+#pragma GCC ivdep
+    for (int64_t i = 0; i < w; ++i) {
+      Lam lb, rb;
+      vjp(load(y, prev + i), load(x, cur + i), get_lam(lam, i), p, e0 + i, lb, rb);
+      store_bar(b, cur + i, rb);
+      put_lam(lam, i, lam_add(load_g(g, prev + i), lb));
+    }
+  }
+  const int64_t first = base + (rev ? T - 1 : 0) * inner;
+#pragma GCC ivdep
+  for (int64_t i = 0; i < w; ++i) store_bar(b, first + i, get_lam(lam, i));
+}
+
+static void backward(const In x, const In y, const Grad g, const Bar b, const Par p, int64_t outer,
+                     int64_t T, int64_t inner, bool rev, int threads) {
+  if (T <= 0 || outer <= 0 || inner <= 0) return;
+  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, outer * T * inner / PER_THREAD));
+  // Columns of up to TILE contiguous lanes (halved until every thread has one), or, for
+  // inner < VEC_MIN, single lanes walking a stride of inner.
+  int64_t W = inner >= VEC_MIN ? std::min<int64_t>(inner, TILE) : 1;
+  while (W > 16 && outer * ((inner + W - 1) / W) < nt) W = (W / 2 + 15) / 16 * 16;
+  const int64_t ntiles = (inner + W - 1) / W, ncols = outer * ntiles;
+#pragma omp parallel num_threads(nt)
+  {
+    LamStore store(W);
+#pragma omp for schedule(static)
+    for (int64_t col = 0; col < ncols; ++col) {
+      const int64_t o = col / ntiles, i0 = (col % ntiles) * W;
+      lane_bwd(x, y, g, b, p, o, i0, std::min(W, inner - i0), T, inner, rev, store.buf());
+    }
+  }
+}
+"""

@@ -1,0 +1,608 @@
+"""The generated C++ scan kernel for pointwise ``combine_fn``s on CPU.
+
+:func:`kernel_scan` serves a pointwise scan on CPU with a kernel generated from
+``combine_fn`` (see :mod:`._cpp_codegen` and :mod:`._cpp_source`) and compiled
+with Inductor's C++ code cache (:mod:`._cpp_build`), or returns None, and the
+caller runs fscan's torch engine with the same results. One kernel serves
+every length, ``dim``, ``reverse`` and thread count; it is compiled once per
+:class:`fscan._knowledge.Knowledge` entry (the key of :func:`fscan._knowledge.reach`:
+the code of ``combine_fn`` and the values of the numbers it reaches, which become
+constants of the kernel; the pytree structure; each leaf's dtype, device, ndim
+and requires_grad) and per pattern of which captured tensors are the same object.
+Captured tensors are inputs of the kernel, read at every call. The entries live
+in ``Knowledge.kernels``: bounded with the knowledge cache, cleared by
+``fscan.clear_caches()``.
+
+Latency. Compiling costs seconds (about 1-3 s warm, 5-13 s cold on a loaded
+2-core machine), so by default (``fscan.config.cpu_kernel == "on"``) a key is
+compiled in a background thread from its second call, or its first one that
+scans at least ``MIN_ELEMENTS`` elements; fscan's torch engine answers until
+the kernel is ready. ``"eager"`` compiles on the first call and waits;
+``"off"`` never uses the kernel. Compiled kernels persist in Inductor's disk
+cache, so a new process only loads them. :func:`precompile` builds one ahead.
+
+Fallbacks: not CPU, a dtype or op the kernel lacks, leaves of different shapes,
+gradients wanted, a ``torch.func`` transform, no C++ compiler: None, with one
+debug log per reason (logger ``fscan``). A failed compile warns once per key.
+Never an error of the user's call, never a different result beyond rounding.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import os
+import queue
+import threading
+import types
+import warnings
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from optree import PyTreeSpec
+
+from .._adjoint import ScanPlan, adjoint
+from .._combine import FlatCombine
+from .._config import config
+from .._generic import scan_along
+from .._knowledge import Knowledge, Reach, _references, knowledge, reach
+from .._purity import probeable
+from .._pytree import flatten
+from ._cpp_build import compiler_problem, load_kernel
+from ._cpp_codegen import DTYPES, Program, Unsupported, translate_combine, translate_vjp
+from ._cpp_source import (
+    backward_argtypes,
+    backward_source,
+    forward_argtypes,
+    forward_source,
+    param_dtype,
+)
+
+__all__ = [
+    "MIN_CALLS",
+    "MIN_ELEMENTS",
+    "KernelScan",
+    "kernel_entries",
+    "kernel_grad_scan",
+    "kernel_scan",
+    "precompile",
+]
+
+logger = logging.getLogger("fscan")
+
+MIN_CALLS = 2  # a key is compiled from this call on (counted once the pointwise check passed)...
+MIN_ELEMENTS = 2**15  # ...or from its first call that scans this many elements per leaf
+
+
+class State(enum.Enum):
+    NEW = "new"
+    PENDING = "compiling"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass
+class Entry:
+    """One compiled kernel (or why there is none) for one key."""
+
+    backward: bool = False  # the VJP kernel of the forward entry of the same key
+    state: State = State.NEW
+    calls: int = 0
+    floats: tuple[int, ...] = ()  # backward: the leaves it differentiates
+    kernel: Callable[..., None] | None = None
+    program: Program | None = None
+    reason: str = ""
+    warning: str | None = None  # a compile failure, to be shown once on a user's call
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_logged: set[str] = set()
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What a build needs from the call that triggered it."""
+
+    combine_fn: Callable[[Any, Any], Any]
+    spec: PyTreeSpec
+    dtypes: tuple[torch.dtype, ...]
+    ndim: int
+    captured: tuple[torch.Tensor, ...]
+
+    def weak(self) -> Callable[[], _Call | None]:
+        """A reference that does not keep ``combine_fn`` or the captured tensors alive
+        while the build waits in the queue; it returns None once any of them died."""
+        refs = [_weak(self.combine_fn), *map(_weak, self.captured)]
+        rest = (self.spec, self.dtypes, self.ndim)
+
+        def strong() -> _Call | None:
+            objects = [ref() for ref in refs]
+            if any(o is None for o in objects):
+                return None
+            return _Call(objects[0], *rest, tuple(objects[1:]))
+
+        return strong
+
+
+def _weak(obj: Any) -> Callable[[], Any]:
+    if isinstance(obj, types.MethodType):
+        return weakref.WeakMethod(obj)
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # builtins such as torch.add live as long as their module
+        return lambda: obj
+
+
+def kernel_scan(
+    api: str,
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    reverse: bool,
+    found: Reach | None = None,
+    entry: Knowledge | None = None,
+) -> list[torch.Tensor] | None:
+    """The scan of ``leaves`` along ``dim`` by the compiled kernel, or None (module doc).
+
+    ``found``/``entry``: this call's :func:`~fscan._knowledge.reach` and knowledge
+    entry if the caller has them (the routing does), else computed here.
+
+    Example:
+        >>> import fscan, optree
+        >>> _, spec = optree.tree_flatten(0)
+        >>> x = torch.arange(1.0, 5.0)
+        >>> with fscan.config.override(cpu_kernel="off"):
+        ...     kernel_scan("demo", torch.add, spec, [x], 0, False) is None
+        True
+    """
+    if config.cpu_kernel == "off":
+        return None
+    reason = _unavailable(leaves) or _grad_wanted(leaves)
+    if reason is not None:
+        _log_once(reason)
+        return None
+    lookup = _lookup(combine_fn, spec, leaves, found, entry)
+    if lookup is None:
+        return None
+    holder, aliases, captured = lookup
+    if torch.is_grad_enabled() and any(t.requires_grad for t in captured):
+        _log_once("combine_fn captures tensors that require grad: the autograd engine runs")
+        return None
+    call = _Call(combine_fn, spec, tuple(x.dtype for x in leaves), leaves[0].ndim, captured)
+    kernel = _ready(holder, aliases, call, leaves[0].numel(), backward=False)
+    if kernel is None:
+        return None
+    return run_kernel(kernel, leaves, dim, reverse, captured)
+
+
+def _lookup(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: Sequence[torch.Tensor],
+    found: Reach | None,
+    entry: Knowledge | None,
+) -> tuple[Knowledge, Hashable, tuple[torch.Tensor, ...]] | None:
+    """The knowledge entry holding this call's kernels, the aliasing pattern of the
+    captured tensors, and those tensors (distinct, in walk order); None if uncacheable."""
+    if found is None:
+        found = reach(combine_fn)
+    if found.key is None:
+        _log_once("combine_fn reaches state fscan cannot key: no kernel is cached for it")
+        return None
+    if entry is None:
+        entry = knowledge(found, spec, "pointwise", leaves)
+    occurrences = captured_occurrences(combine_fn)
+    if occurrences is None:
+        return None
+    first: dict[int, int] = {}
+    aliases = tuple(first.setdefault(id(t), len(first)) for t in occurrences)
+    distinct = tuple({id(t): t for t in occurrences}.values())
+    return entry, aliases, distinct
+
+
+def kernel_entries(holder: Knowledge) -> list[Entry]:
+    """The kernel entries a knowledge entry holds (for tests and benchmarks)."""
+    return [v for k, v in holder.kernels.items() if isinstance(k, tuple) and k[:1] == ("cpp",)]
+
+
+def _ready(
+    holder: Knowledge, aliases: Hashable, call: _Call, numel: int, backward: bool
+) -> Entry | None:
+    """The READY kernel entry, or None after counting the call and, per the mode,
+    building it now or queueing its build."""
+    slot = ("cpp", aliases, backward)
+    entry = holder.kernels.get(slot)
+    if entry is None:
+        with holder.lock:
+            entry = holder.kernels.setdefault(slot, Entry(backward=backward))
+    eager = config.cpu_kernel == "eager"
+    if entry.state is State.NEW or (eager and entry.state is State.PENDING):
+        entry.calls += 1
+        if eager:  # waits for a background build of this key too
+            _build(entry, call)
+        elif entry.calls >= MIN_CALLS or numel >= MIN_ELEMENTS:
+            _submit(entry, call)
+    if entry.state is State.FAILED:
+        _warn_once(entry)
+        return None
+    return entry if entry.state is State.READY else None
+
+
+def precompile(
+    combine_fn: Callable[[Any, Any], Any], xs: Any, dim: int = 0, *, backward_too: bool = False
+) -> bool:
+    """Build the kernel for scans of leaves like ``xs`` now, and say whether it serves them.
+
+    For services that should not compile while answering: call it at start-up with
+    example data (any length; ``dim`` only picks the example's layout), with
+    ``backward_too=True`` to also build the gradient kernel. A second
+    process finds the kernel in Inductor's disk cache and only loads it.
+
+    Example:
+        >>> import fscan
+        >>> ok = fscan.precompile(lambda a, b: a + b, torch.ones(8))
+        >>> ok in (True, False)  # False where no C++ compiler is installed
+        True
+    """
+    leaves, spec = flatten(xs)
+    if not leaves or config.cpu_kernel == "off" or _unavailable(leaves) is not None:
+        return False
+    lookup = _lookup(combine_fn, spec, leaves, None, None)
+    if lookup is None:
+        return False
+    holder, aliases, captured = lookup
+    call = _Call(combine_fn, spec, tuple(x.dtype for x in leaves), leaves[0].ndim, captured)
+    ready = True
+    for backward in (False, True) if backward_too else (False,):
+        slot = ("cpp", aliases, backward)
+        with holder.lock:
+            entry = holder.kernels.setdefault(slot, Entry(backward=backward))
+        _build(entry, call)
+        ready = ready and entry.state is State.READY
+    return ready
+
+
+def _unavailable(leaves: Sequence[torch.Tensor]) -> str | None:
+    """Why the kernel cannot serve leaves like these (gradients aside), or None."""
+    first = leaves[0]
+    if first.device.type != "cpu":
+        return f"no C++ kernel on {first.device.type}"
+    if any(x.dtype not in DTYPES for x in leaves):
+        bad = next(x.dtype for x in leaves if x.dtype not in DTYPES)
+        return f"dtype {bad} has no C++ kernel"
+    if any(x.shape != first.shape or x.device != first.device for x in leaves):
+        return "leaves of different shapes: the C++ kernel takes one shape"
+    if not probeable(leaves) or _under_transform():
+        return "tensor subclasses or torch.func transforms: the torch engine runs"
+    return compiler_problem()
+
+
+def _grad_wanted(leaves: Sequence[torch.Tensor]) -> str | None:
+    if torch.is_grad_enabled() and any(x.requires_grad for x in leaves):
+        return "gradients are wanted: the autograd engine runs"
+    return None
+
+
+def _under_transform() -> bool:
+    from .._routing import under_transform  # the routing imports this module
+
+    return under_transform()
+
+
+def captured_occurrences(fn: Callable[..., Any]) -> list[torch.Tensor] | None:
+    """Every tensor ``fn`` reaches, once per place it is reached from, in walk order (the
+    edges of :func:`fscan._knowledge.reach`); None where that order is not fixed (a set
+    holding tensors).
+
+    Example:
+        >>> w = torch.ones(2)
+        >>> [t is w for t in captured_occurrences(lambda a, b: a * w + b * w)]
+        [True]
+        >>> pair = lambda a, b: a * w + b * v
+        >>> v = w
+        >>> len(captured_occurrences(pair))
+        2
+    """
+    tensors: list[torch.Tensor] = []
+    seen: set[int] = set()
+    names: set[str] = set()
+    todo: list[Any] = [fn]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+            continue
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, complex, type(None))):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (set, frozenset)) and any(isinstance(v, torch.Tensor) for v in obj):
+            return None
+        todo.extend(_references(obj, names))
+    return tensors
+
+
+# --- building ------------------------------------------------------------------
+
+
+def _build(entry: Entry, call: _Call) -> None:
+    """Trace, translate, compile and load; leaves ``entry`` READY or FAILED."""
+    with entry.lock:
+        if entry.state in (State.READY, State.FAILED):
+            return
+        entry.state = State.PENDING
+        try:
+            if entry.backward:
+                program, floats = translate_vjp(
+                    call.combine_fn, call.spec, call.dtypes, call.ndim, call.captured
+                )
+                source = backward_source(call.dtypes, floats, program)
+                argtypes = backward_argtypes(call.dtypes, floats, program)
+                entry.floats = tuple(floats)
+            else:
+                program = translate_combine(
+                    call.combine_fn, call.spec, call.dtypes, call.ndim, call.captured
+                )
+                source = forward_source(call.dtypes, program)
+                argtypes = forward_argtypes(call.dtypes, program)
+            kernel = load_kernel(source, argtypes)
+        except Unsupported as err:
+            entry.reason = f"unsupported: {err}"
+            entry.state = State.FAILED
+            logger.debug("fscan: no C++ kernel for this combine_fn: %s", err)
+            return
+        except Exception as err:  # a compiler or loader failure: the torch engine serves
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            entry.reason = f"{type(err).__name__}: {first}"
+            entry.warning = (
+                f"fscan: compiling the C++ scan kernel failed ({entry.reason}); this "
+                "combine_fn runs on fscan's torch engine instead, with the same results. "
+                "Shown once per combine_fn and leaf layout; fscan.config.cpu_kernel = 'off' "
+                "turns the kernel off."
+            )
+            entry.state = State.FAILED
+            return
+        entry.program, entry.kernel = program, kernel
+        entry.state = State.READY
+
+
+class _Worker:
+    """One daemon thread compiling queued entries, one at a time (compiles are CPU-heavy)."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[tuple[Entry, Callable[[], _Call | None]]] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def submit(self, entry: Entry, call: _Call) -> None:
+        self.jobs.put((entry, call.weak()))
+        with self.lock:
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._loop, name="fscan-kernel", daemon=True)
+                self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            entry, ref = self.jobs.get()
+            call = ref()
+            if call is None:  # the combine_fn or a captured tensor died meanwhile: retry later
+                entry.state = State.NEW
+            else:
+                _build(entry, call)
+            del entry, ref, call  # do not keep the last combine_fn and its tensors alive
+
+
+_worker = _Worker()
+
+
+def _submit(entry: Entry, call: _Call) -> None:
+    with entry.lock:
+        if entry.state is not State.NEW:
+            return
+        entry.state = State.PENDING
+    _worker.submit(entry, call)
+
+
+def _after_fork_in_child() -> None:
+    """The compile thread does not survive a fork: requeue what it was doing."""
+    global _worker
+    _worker = _Worker()
+    from .. import _knowledge
+
+    for key in list(_knowledge.entries._data):
+        holder = _knowledge.entries.get(key)
+        for entry in kernel_entries(holder) if holder is not None else ():
+            entry.lock = threading.Lock()
+            if entry.state is State.PENDING:
+                entry.state = State.NEW
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# --- running -------------------------------------------------------------------
+
+
+def run_kernel(
+    entry: Entry,
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    reverse: bool,
+    captured: Sequence[torch.Tensor],
+) -> list[torch.Tensor] | None:
+    """Run a READY entry's kernel into fresh outputs, or None where its params do not fit."""
+    program, kernel = entry.program, entry.kernel
+    assert program is not None and kernel is not None
+    shape = leaves[0].shape
+    dim = dim % len(shape)
+    outer, steps, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
+    ys = [torch.empty(shape, dtype=x.dtype) for x in leaves]
+    if outer * steps * inner == 0:
+        return ys
+    params = _params(program, captured, shape[:dim] + shape[dim + 1 :])
+    if params is None:
+        return None
+    xs = [x.contiguous() for x in leaves]
+    kernel(*xs, *ys, *params, outer, steps, inner, int(reverse), torch.get_num_threads())
+    return ys
+
+
+def _params(
+    program: Program, captured: Sequence[torch.Tensor], element: Sequence[int]
+) -> list[torch.Tensor] | None:
+    """The prologue's values, broadcast to one element (scan dim first, as combine_fn sees it)."""
+    if not program.params:
+        return []
+    try:
+        with torch.no_grad():
+            values = program.prologue(captured)
+            out = []
+            for value, param in zip(values, program.params):
+                value = torch.as_tensor(value)
+                if value.ndim > len(element) + 1:
+                    return None
+                full = torch.broadcast_to(value, (1, *element))
+                out.append(full.to(param_dtype(param.dtype)).contiguous())
+            return out
+    except RuntimeError:  # the captured tensors do not broadcast to this call's elements
+        return None
+
+
+def _log_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.debug("fscan: pointwise scan without the C++ kernel: %s", reason)
+
+
+def _warn_once(entry: Entry) -> None:
+    message, entry.warning = entry.warning, None
+    if message is not None:
+        warnings.warn(message, UserWarning, stacklevel=5)
+
+
+# --- gradients -----------------------------------------------------------------
+
+
+def kernel_grad_scan(
+    api: str,
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    combine: FlatCombine,
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    reverse: bool,
+    found: Reach | None = None,
+    entry: Knowledge | None = None,
+) -> list[torch.Tensor] | None:
+    """A differentiable scan whose forward and first-order backward are C++ kernels, or
+    None where they cannot serve (then ``PointwiseScan`` runs).
+
+    For the ``adjoint`` route once its probe agreed (float leaves of one dtype, a probed
+    combine_fn), where no captured tensor needs a gradient. A backward that must itself
+    be differentiable (``create_graph=True``) runs fscan's adjoint scan instead.
+
+    Example:
+        >>> import fscan, optree
+        >>> _, spec = optree.tree_flatten(0)
+        >>> x = torch.ones(4, requires_grad=True)
+        >>> with fscan.config.override(cpu_kernel="off"):
+        ...     kernel_grad_scan("demo", torch.add, spec, None, [x], 0, False) is None
+        True
+    """
+    if config.cpu_kernel == "off" or not torch.is_grad_enabled():
+        return None
+    reason = _unavailable(leaves)
+    if reason is not None:
+        _log_once(reason)
+        return None
+    lookup = _lookup(combine_fn, spec, leaves, found, entry)
+    if lookup is None:
+        return None
+    holder, aliases, captured = lookup
+    if any(t.requires_grad for t in captured):
+        _log_once("captured tensors need gradients: the adjoint scan runs")
+        return None
+    call = _Call(combine_fn, spec, tuple(x.dtype for x in leaves), leaves[0].ndim, captured)
+    numel = leaves[0].numel()
+    forward = _ready(holder, aliases, call, numel, backward=False)
+    backward = _ready(holder, aliases, call, numel, backward=True)
+    if forward is None or backward is None:
+        return None
+    info = _GradInfo(forward, backward, ScanPlan(combine, len(leaves), dim, reverse), captured)
+    return list(KernelScan.apply(info, *leaves))
+
+
+@dataclass(frozen=True)
+class _GradInfo:
+    forward: Entry
+    backward: Entry
+    plan: ScanPlan
+    captured: tuple[torch.Tensor, ...]
+
+
+class KernelScan(torch.autograd.Function):
+    """Forward and backward by the generated kernels; saves the inputs and outputs only."""
+
+    @staticmethod
+    def forward(ctx: Any, info: _GradInfo, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        plan = info.plan
+        ys = run_kernel(info.forward, xs, plan.dim, plan.reverse, info.captured)
+        if ys is None:  # captured tensors that do not broadcast: the torch engine decides
+            ys = scan_along(plan.combine, xs, plan.dim, plan.reverse)
+        ctx.info = info
+        ctx.save_for_backward(*xs, *ys)
+        ctx.mark_non_differentiable(*[y for y in ys if not y.is_floating_point()])
+        ctx.set_materialize_grads(False)
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        info: _GradInfo = ctx.info
+        saved = ctx.saved_tensors
+        n = info.plan.n_leaves
+        xs, ys = saved[:n], saved[n:]
+        needs = ctx.needs_input_grad[1:]
+        xbar = None
+        if not torch.is_grad_enabled():  # first order: the kernel
+            xbar = run_backward(info, xs, ys, grads)
+        if xbar is None:  # create_graph=True, or params that do not fit: the adjoint scan
+            xbar, _ = adjoint(info.plan, xs, ys, grads, [], needs)
+        return (None, *(b if need else None for b, need in zip(xbar, needs)))
+
+
+def run_backward(
+    info: _GradInfo,
+    xs: Sequence[torch.Tensor],
+    ys: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+) -> list[torch.Tensor | None] | None:
+    """The input cotangents by the backward kernel, or None where its params do not fit."""
+    entry, plan = info.backward, info.plan
+    assert entry.program is not None and entry.kernel is not None
+    shape = xs[0].shape
+    dim = plan.dim % len(shape)
+    outer, steps, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
+    params = _params(entry.program, info.captured, shape[:dim] + shape[dim + 1 :])
+    if params is None:
+        return None
+    floats = entry.floats
+    gs = [
+        torch.zeros(shape, dtype=xs[k].dtype) if grads[k] is None else grads[k].contiguous()
+        for k in floats
+    ]
+    bars = [torch.empty(shape, dtype=xs[k].dtype) for k in floats]
+    if outer * steps * inner:
+        args = [x.contiguous() for x in xs] + [y.contiguous() for y in ys]
+        entry.kernel(
+            *args, *gs, *bars, *params, outer, steps, inner, int(plan.reverse),
+            torch.get_num_threads(),
+        )  # fmt: skip
+    xbar: list[torch.Tensor | None] = [None] * len(xs)
+    for k, bar in zip(floats, bars):
+        xbar[k] = bar
+    return xbar

@@ -1,0 +1,474 @@
+"""The generated C++ scan kernel (fscan.engine.cpu_kernel) against fscan's torch engine
+and a float64 sequential oracle; its fallbacks, key, cache and threads.
+
+Each combine below compiles once per test run (module-level cache, warm on reruns
+through Inductor's disk cache). Without a C++ compiler the kernel tests skip and the
+fallback tests still run.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import optree
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fscan
+from fscan.engine import cpu_kernel
+from fscan.engine._cpp_build import compiler_problem
+from fscan.engine.cpu_kernel import State, kernel_scan
+
+needs_compiler = pytest.mark.skipif(
+    compiler_problem() is not None, reason=f"no C++ kernel here: {compiler_problem()}"
+)
+
+
+def add(a, b):
+    return a + b
+
+
+def linrec(x, y):
+    return (x[0] * y[0], y[0] * x[1] + y[1])
+
+
+def cmax(a, b):
+    return torch.maximum(a, b)
+
+
+def seg(x, y):  # (reset flag, value): restart where the right flag is set
+    return (x[0] | y[0], torch.where(y[0], y[1], x[1] + y[1]))
+
+
+def lse(a, b):
+    return torch.logaddexp(a, b)
+
+
+def mixed(x, y):  # int count, half sum, bf16 max, over a dict
+    return {
+        "n": x["n"] + y["n"],
+        "h": x["h"] + y["h"],
+        "b": torch.maximum(x["b"], y["b"]),
+    }
+
+
+def small_ints(x, y):  # int8 wraps, bool or, uint8 max
+    return (x[0] + y[0], x[1] | y[1], torch.maximum(x[2], y[2]))
+
+
+def _leaves(name: str, shape: tuple[int, ...], gen: torch.Generator):
+    def f32():
+        return torch.randn(shape, generator=gen)
+
+    if name == "add":
+        return f32().double()
+    if name == "linrec":
+        return (torch.rand(shape, generator=gen) * 0.5 + 0.5, f32())
+    if name == "max":
+        x = f32()
+        if x.numel() > 4:
+            x.view(-1)[1] = float("nan")
+            x.view(-1)[3] = float("inf")
+        return x
+    if name == "seg":
+        return (torch.rand(shape, generator=gen) < 0.1, f32())
+    if name == "lse":
+        return f32()
+    if name == "mixed":
+        return {
+            "n": torch.randint(-5, 5, shape, generator=gen),
+            "h": (torch.rand(shape, generator=gen) * 0.01).half(),
+            "b": f32().bfloat16(),
+        }
+    if name == "small_ints":
+        return (
+            torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8),
+            torch.rand(shape, generator=gen) < 0.01,
+            torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8),
+        )
+    raise AssertionError(name)
+
+
+COMBINES = {
+    "add": (add, 3),
+    "linrec": (linrec, 2),
+    "max": (cmax, 2),
+    "seg": (seg, 1),
+    "lse": (lse, 2),
+    "mixed": (mixed, 2),
+    "small_ints": (small_ints, 2),
+}
+
+
+def oracle(fn, xs, dim: int, reverse: bool):
+    """Sequential scan, floats in float64 (ints and bools as they are)."""
+    leaves, spec = optree.tree_flatten(xs)
+    wide = [x.double() if x.is_floating_point() else x for x in leaves]
+    moved = [x.movedim(dim, 0) for x in wide]
+    n = moved[0].shape[0]
+    out = [torch.empty_like(x) for x in moved]
+    order = range(n - 1, -1, -1) if reverse else range(n)
+    acc = None
+    for t in order:
+        cur = [x[t] for x in moved]
+        if acc is None:
+            acc = cur
+        else:
+            acc = optree.tree_leaves(
+                fn(optree.tree_unflatten(spec, acc), optree.tree_unflatten(spec, cur))
+            )
+            acc = [a.to(c.dtype) for a, c in zip(acc, cur)]
+        for o, a in zip(out, acc):
+            o[t] = a
+    return [o.movedim(0, dim).to(x.dtype) for o, x in zip(out, leaves)]
+
+
+def assert_close_to(out, ref, name: str) -> None:
+    for o, r in zip(out, ref):
+        assert o.dtype == r.dtype and o.shape == r.shape
+        if not o.is_floating_point():
+            assert torch.equal(o, r), name
+            continue
+        tol = {torch.float16: 2e-3, torch.bfloat16: 1e-2}.get(o.dtype, 1e-5)
+        torch.testing.assert_close(o.double(), r.double(), rtol=tol, atol=tol, equal_nan=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def eager_kernel():
+    with fscan.config.override(cpu_kernel="eager"):
+        yield
+
+
+def run_kernel(name: str, xs, dim: int, reverse: bool):
+    fn = COMBINES[name][0]
+    leaves, spec = optree.tree_flatten(xs)
+    with torch.no_grad():
+        out = kernel_scan("test", fn, spec, leaves, dim, reverse)
+    assert out is not None, f"the kernel did not serve {name}"
+    return out
+
+
+@needs_compiler
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    name=st.sampled_from(sorted(COMBINES)),
+    length=st.one_of(st.integers(0, 40), st.sampled_from([2047, 2048, 2049, 4113, 5000])),
+    other=st.sampled_from([1, 3, 8, 17]),
+    dim_pick=st.integers(0, 2),
+    reverse=st.booleans(),
+    threads=st.sampled_from([1, 2, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_kernel_matches_oracle(name, length, other, dim_pick, reverse, threads, seed):
+    fn, ndim = COMBINES[name]
+    dim = dim_pick % ndim
+    shape = [other, 2, other][:ndim]
+    shape[dim] = length
+    if length * other > 20000 and name in ("mixed", "small_ints"):
+        shape[dim] = 40  # the oracle loop is slow; lengths near chunk edges come from others
+    xs = _leaves(name, tuple(shape), torch.Generator().manual_seed(seed))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = run_kernel(name, xs, dim, reverse)
+    finally:
+        torch.set_num_threads(previous)
+    assert_close_to(out, oracle(fn, xs, dim, reverse), name)
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("shape,dim", [((70001,), 0), ((3, 9001), 1), ((9001, 3), 0)])
+def test_long_chunked_scans_match_torch(shape, dim, threads):
+    x = torch.randn(shape, dtype=torch.float64)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for reverse in (False, True):
+            (out,) = run_kernel("add", x, dim, reverse)
+            ref = x.flip(dim).cumsum(dim).flip(dim) if reverse else x.cumsum(dim)
+            torch.testing.assert_close(out, ref)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_compiler
+def test_front_end_uses_the_kernel_and_matches_the_torch_engine():
+    x = (torch.rand(300, 4, 9), torch.randn(300, 4, 9))
+    with torch.no_grad():
+        with fscan.config.override(cpu_kernel="off"):
+            ref = fscan.associative_scan(linrec, x, 1, reverse=True)
+        for _ in range(2):  # the first call runs the pointwise check on the torch engine
+            out = fscan.associative_scan(linrec, x, 1, reverse=True)
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+    assert State.READY in {e.state for e in _all_kernel_entries()}
+
+
+@needs_compiler
+def test_float32_sum_accumulates_in_double():
+    x = torch.rand(2**22)
+    (out,) = kernel_scan("test", add, optree.tree_flatten(0)[1], [x], 0, False) or [None]
+    assert out is not None
+    exact = x.double().cumsum(0)
+    err = ((out.double() - exact).abs() / exact).max().item()
+    torch_err = ((x.cumsum(0).double() - exact).abs() / exact).max().item()
+    assert err <= 2 * max(torch_err, 1e-7)
+
+
+@needs_compiler
+def test_captured_tensors_are_inputs_read_at_each_call():
+    def make(w, k):
+        return lambda a, b: torch.maximum(a * w, b) + k
+
+    x = torch.randn(64, 3, 5)
+    _, spec = optree.tree_flatten(0)
+    for w in (torch.rand(3, 5), torch.rand(5), torch.rand(()), torch.rand(1, 3, 1)):
+        fn = make(w, 0.25)
+        with torch.no_grad():
+            (out,) = kernel_scan("test", fn, spec, [x], 0, False)
+        assert_close_to([out], oracle(fn, x, 0, False), "captured")
+
+
+@needs_compiler
+def test_captured_numbers_key_the_kernel():
+    _, spec = optree.tree_flatten(0)
+    x = torch.randn(50, 8)
+    outs = []
+    for k in (1.0, 2.0):
+        fn = lambda a, b, k=k: a * 0.5 + b * k
+        with torch.no_grad():
+            outs.append(kernel_scan("test", fn, spec, [x], 0, False)[0])
+        assert_close_to([outs[-1]], oracle(fn, x, 0, False), "numbers")
+    assert not torch.allclose(outs[0], outs[1])
+
+
+@needs_compiler
+def test_concurrent_threads_with_fresh_closures():
+    x = torch.randn(500, 16, dtype=torch.float64)
+    make = lambda w: lambda a, b: a + b * w
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            for _ in range(5):
+                w = torch.full((16,), float(i))
+                fn = make(w)
+                with torch.no_grad():
+                    out = fscan.associative_scan(fn, x, 0)
+                torch.testing.assert_close(out, (x * float(i)).cumsum(0) + x[:1] * (1 - i))
+        except BaseException as err:  # reported in the main thread
+            errors.append(err)
+
+    # One call first, so that the threads exercise the kernel: the first call of a key
+    # runs the pointwise check on the torch engine.
+    with torch.no_grad():
+        fscan.associative_scan(make(torch.ones(16)), x, 0)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+# --- fallbacks: these run with or without a compiler --------------------------------
+
+
+def _front_end(fn, xs, dim=0):
+    with torch.no_grad():
+        return [fscan.associative_scan(fn, xs, dim) for _ in range(2)][-1]
+
+
+def _off(fn, xs, dim=0):
+    with fscan.config.override(cpu_kernel="off"), torch.no_grad():
+        return fscan.associative_scan(fn, xs, dim)
+
+
+def test_no_compiler_falls_back_with_identical_results(monkeypatch):
+    monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: "no compiler (test)")
+    x = torch.randn(40, 3)
+    fn = lambda a, b: a * 0.5 + b
+    assert torch.equal(_front_end(fn, x), _off(fn, x))
+    _, spec = optree.tree_flatten(0)
+    assert kernel_scan("test", fn, spec, [x], 0, False) is None
+
+
+def test_unsupported_op_falls_back_silently(monkeypatch):
+    monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: None)
+    x = torch.randn(40, 3)
+    fn = lambda a, b: torch.remainder(a + b, 3.0)  # no C++ translation
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = _front_end(fn, x)
+    assert torch.equal(out, _off(fn, x))
+
+
+def test_compile_failure_warns_once_and_falls_back(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("compiler exploded (test)")
+
+    monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: None)
+    monkeypatch.setattr(cpu_kernel, "load_kernel", broken)
+    x = torch.randn(40, 3)
+    fn = lambda a, b: a * 0.25 + b  # a code object no other test compiled
+    with pytest.warns(UserWarning, match="compiling the C\\+\\+ scan kernel failed"):
+        out = _front_end(fn, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = _front_end(fn, x)
+    assert torch.equal(out, _off(fn, x)) and torch.equal(again, out)
+
+
+def test_gradients_take_the_autograd_engine():
+    x = torch.randn(30, 4, requires_grad=True)
+    fn = lambda a, b: a * 0.5 + b
+    _, spec = optree.tree_flatten(0)
+    assert kernel_scan("test", fn, spec, [x], 0, False) is None
+    y = fscan.associative_scan(fn, x, 0)
+    y.sum().backward()
+    assert x.grad is not None and y.requires_grad
+
+
+def _all_kernel_entries() -> list[cpu_kernel.Entry]:
+    from fscan import _knowledge
+
+    holders = map(_knowledge.entries.get, list(_knowledge.entries._data))
+    return [e for h in holders if h is not None for e in cpu_kernel.kernel_entries(h)]
+
+
+def test_entry_cache_is_bounded(monkeypatch):
+    from fscan import _knowledge
+    from fscan._cache import BoundedCache
+
+    monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: None)
+    monkeypatch.setattr(_knowledge, "entries", BoundedCache(maxsize=2))
+    monkeypatch.setattr(cpu_kernel, "MIN_CALLS", 10**9)
+    monkeypatch.setattr(cpu_kernel, "MIN_ELEMENTS", 10**18)
+    _, spec = optree.tree_flatten(0)
+    with fscan.config.override(cpu_kernel="on"):
+        for k in range(5):  # five keys: captured numbers are part of the key
+            fn = lambda a, b, k=k: a + b * k
+            assert kernel_scan("test", fn, spec, [torch.ones(4)], 0, False) is None
+    assert len(_knowledge.entries) == 2 and len(_all_kernel_entries()) == 2
+
+
+def test_config_and_environment_modes(monkeypatch):
+    from fscan._config import Config
+
+    monkeypatch.setenv("FSCAN_CPU_KERNEL", "off")
+    assert Config().cpu_kernel == "off"
+    monkeypatch.setenv("FSCAN_CPU_KERNEL", "sometimes")
+    with pytest.raises(fscan.ScanValueError, match="FSCAN_CPU_KERNEL"):
+        Config()
+    with pytest.raises(fscan.ScanValueError, match="cpu_kernel"):
+        fscan.config.cpu_kernel = "always"
+    with fscan.config.override(cpu_kernel="off"):
+        assert fscan.config.cpu_kernel == "off"
+    assert fscan.config.cpu_kernel == "eager"  # this module's fixture
+
+
+# --- gradients ------------------------------------------------------------------------
+
+
+def _scan_fn(name: str, dim: int, reverse: bool):
+    fn = COMBINES[name][0]
+    return lambda *xs: fscan.associative_scan(fn, xs if len(xs) > 1 else xs[0], dim, reverse)
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", ["linrec", "lse", "max"])
+def test_gradcheck_through_the_backward_kernel(name):
+    nd = COMBINES[name][1]
+    gen = torch.Generator().manual_seed(1)
+    xs = _leaves(name, (6, 5)[:nd], gen) if name != "max" else torch.randn(6, 5, generator=gen)
+    xs = tuple(x.double().requires_grad_() for x in optree.tree_leaves(xs))
+    for dim in range(nd):
+        for reverse in (False, True):
+            f = _scan_fn(name, dim, reverse)
+            f(*xs)  # the pointwise check runs on this first call
+            out = optree.tree_leaves(f(*xs))
+            assert type(out[0].grad_fn).__name__ == "KernelScanBackward"
+            assert torch.autograd.gradcheck(f, xs)
+    assert torch.autograd.gradgradcheck(_scan_fn(name, 0, False), xs)  # the adjoint scan
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape,dim", [((5000,), 0), ((300, 3, 20), 1), ((7, 2100), 1)])
+def test_backward_kernel_matches_the_torch_engine(shape, dim):
+    a = (torch.rand(shape) * 0.5 + 0.5).requires_grad_()
+    b = torch.randn(shape, requires_grad=True)
+    g = [torch.randn(shape), torch.randn(shape)]
+    grads = []
+    for mode in ("eager", "off"):
+        with fscan.config.override(cpu_kernel=mode):
+            outs = [fscan.associative_scan(linrec, (a, b), dim, reverse=True) for _ in range(2)]
+            grads.append(torch.autograd.grad(outs[-1], (a, b), g))
+    for k, r in zip(*grads):
+        torch.testing.assert_close(k, r, rtol=1e-4, atol=1e-4)
+
+
+@needs_compiler
+def test_captured_tensor_needing_grad_takes_the_adjoint_scan():
+    w = torch.rand(4, requires_grad=True)
+    x = torch.randn(30, 4, requires_grad=True)
+    fn = lambda a, b: a * w + b
+    ys = [fscan.associative_scan(fn, x, 0) for _ in range(2)][-1]
+    assert type(ys.grad_fn).__name__ != "KernelScanBackward"
+    gw, gx = torch.autograd.grad(ys.sum(), (w, x))
+    with fscan.config.override(cpu_kernel="off"):
+        rw, rx = torch.autograd.grad(fscan.associative_scan(fn, x, 0).sum(), (w, x))
+    torch.testing.assert_close(gw, rw)
+    torch.testing.assert_close(gx, rx)
+
+
+# --- drop-ins -------------------------------------------------------------------------
+
+
+@needs_compiler
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize(
+    ("op", "torch_op", "dtype"),
+    [
+        (fscan.cumsum, torch.cumsum, torch.float32),
+        (fscan.cumsum, torch.cumsum, torch.int64),
+        (fscan.cumprod, torch.cumprod, torch.float64),
+        (fscan.logcumsumexp, torch.logcumsumexp, torch.float32),
+    ],
+)
+def test_drop_ins_ride_on_the_kernel(op, torch_op, dtype, reverse):
+    from fscan import _ops
+
+    x = torch.randn(300, 128) if dtype.is_floating_point else torch.randint(-9, 9, (300, 128))
+    x = x.to(dtype) if dtype != torch.float64 else (1 + torch.rand(300, 128) * 1e-3).double()
+    assert _ops.kernel_wins(x, 0, reverse, torch_op)
+    with torch.no_grad():
+        out = op(x, 0, reverse=reverse)
+    flip = (lambda t: t.flip(0)) if reverse else (lambda t: t)
+    ref = flip(torch_op(flip(x), 0))
+    if dtype.is_floating_point:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(out, ref)
+    assert _ops._kernel("t", _ops._add, torch.cumsum, x, 0, reverse) is not None
+
+
+@needs_compiler
+@pytest.mark.parametrize("reverse", [False, True])
+def test_linear_recurrence_rides_on_the_kernel(reverse, monkeypatch):
+    from fscan import _linear
+
+    a, b = torch.rand(600, 64, dtype=torch.float64), torch.randn(600, 64, dtype=torch.float64)
+    with torch.no_grad():
+        assert _linear._kernel_solve(a, b, 0, reverse) is not None
+        out = fscan.linear_recurrence(a, b, 0, reverse=reverse)
+        monkeypatch.setattr(_linear, "_kernel_solve", lambda *args: None)
+        ref = fscan.linear_recurrence(a, b, 0, reverse=reverse)
+    torch.testing.assert_close(out, ref)
