@@ -103,9 +103,12 @@ def kernel_wins(x: torch.Tensor, dim: int, reverse: bool, op: Any) -> bool:
         >>> kernel_wins(torch.ones(4096, 256), 1, False, torch.cumsum)
         False
     """
-    if x.device.type != "cpu" or x.ndim == 0 or x.numel() < KERNEL_MIN_NUMEL:
+    # First, before any size is read: under torch.compile a read size is a guard.
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or x.ndim == 0:
         return False
-    if torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled()):
+    if x.numel() < KERNEL_MIN_NUMEL or (x.requires_grad and torch.is_grad_enabled()):
+        return False
+    if not x.is_contiguous():  # the kernel would copy it first; torch's walk may not need to
         return False
     inner = x[(0,) * (dim + 1)].numel() if dim + 1 < x.ndim else 1
     single_lane = x.numel() == x.shape[dim]

@@ -568,9 +568,12 @@ class KernelScan(torch.autograd.Function):
         xs, ys = saved[:n], saved[n:]
         needs = ctx.needs_input_grad[1:]
         xbar = None
-        if not torch.is_grad_enabled():  # first order: the kernel
+        given = [g for g in grads if g is not None]
+        # First order on plain tensors: the kernel. Under vmap (batched cotangents, e.g.
+        # jacobian(vectorize=True)) the cotangents are wrappers without data pointers.
+        if not torch.is_grad_enabled() and not _under_transform() and probeable(given or xs):
             xbar = run_backward(info, xs, ys, grads)
-        if xbar is None:  # create_graph=True, or params that do not fit: the adjoint scan
+        if xbar is None:  # create_graph=True, a transform, params that do not fit: adjoint
             xbar, _ = adjoint(info.plan, xs, ys, grads, [], needs)
         return (None, *(b if need else None for b, need in zip(xbar, needs)))
 
