@@ -12,7 +12,8 @@ write into fresh memory, as any out-of-place op pays):
 * ``torch eng/copy``: the same call with ``fscan.config.cpu_kernel = "off"``;
 * ``native/copy``: ``torch.cumsum``/``cummax``/``logcumsumexp`` where one exists.
 
-Then the backward (the kernel has none yet: the torch engine runs), the
+Then the backward (the C++ forward and backward kernels against the torch
+engine's adjoint scan), the
 first-call latency in fresh processes (cold and warm disk cache) and the cost
 of a cached call. Times on a shared machine vary by 2x between runs: compare
 columns within a row, not across runs.
@@ -147,38 +148,46 @@ def _row(name: str, shape: tuple[int, ...]) -> list[str]:
 
 
 def backward_table() -> Table:
-    """Forward + backward through autograd (the torch engine: no kernel backward yet)."""
+    """Forward + backward through autograd: the C++ kernels (``KernelScan``) where they
+    serve, against the torch engine's adjoint scan (``cpu_kernel="off"``)."""
     table = Table(
-        "backward, float32 (4096, 256), 1 thread (medians)",
-        ["engine", "copy ms", "fwd+bwd/copy", "fwd+bwd/fwd"],
+        "backward, float32 (4096, 256), dim 0, 1 thread (medians; ratios to copy of the leaves)",
+        ["engine", "copy ms", "fwd+bwd/copy", "fwd+bwd/fwd", "torch eng fwd+bwd/copy"],
     )
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for name in ("add", "linrec", "max", "logaddexp"):
-            fn, _ = COMBINES[name]
-            xs = optree.tree_map(lambda x: x.requires_grad_(), _inputs(name, (4096, 256)))
-            leaves = optree.tree_leaves(xs)
-            outs = [torch.empty_like(x) for x in leaves]
-            copy = median_time(
-                lambda outs=outs, leaves=leaves: [o.copy_(x.detach()) for o, x in zip(outs, leaves)]
-            )
-
-            def both(fn=fn, xs=xs, leaves=leaves) -> None:
-                ys = optree.tree_leaves(fscan.associative_scan(fn, xs, 0))
-                torch.autograd.grad(ys, leaves, [torch.ones_like(y) for y in ys])
-
-            with fscan.config.override(cpu_kernel="eager"):
-                total = median_time(both, reps=7)
-                with torch.no_grad():
-                    fwd = median_time(lambda fn=fn, xs=xs: fscan.associative_scan(fn, xs, 0))
-            table.add(
-                name,
-                ["torch", f"{copy * 1e3:.3f}", f"{total / copy:.1f}", f"{total / fwd:.1f}"],
-            )
+        for name in ("add", "linrec", "max", "seg", "logaddexp"):
+            table.add(name, _backward_row(name))
     finally:
         torch.set_num_threads(previous)
     return table
+
+
+def _backward_row(name: str) -> list[str]:
+    fn, _ = COMBINES[name]
+    xs = _inputs(name, (4096, 256))
+    xs = optree.tree_map(lambda x: x.requires_grad_() if x.is_floating_point() else x, xs)
+    leaves = optree.tree_leaves(xs)
+    floats = [x for x in leaves if x.requires_grad]
+    outs = [torch.empty_like(x) for x in leaves]
+    copy = median_time(lambda: [o.copy_(x.detach()) for o, x in zip(outs, leaves)])
+
+    def both() -> None:
+        ys = [y for y in optree.tree_leaves(fscan.associative_scan(fn, xs, 0)) if y.requires_grad]
+        torch.autograd.grad(ys, floats, [torch.ones_like(y) for y in ys])
+
+    with fscan.config.override(cpu_kernel="eager"):
+        both()
+        out = optree.tree_leaves(fscan.associative_scan(fn, xs, 0))[-1]
+        engine = "c++" if type(out.grad_fn).__name__ == "KernelScanBackward" else "torch"
+        total = median_time(both, reps=9)
+        with torch.no_grad():
+            fwd = median_time(lambda: fscan.associative_scan(fn, xs, 0))
+    with fscan.config.override(cpu_kernel="off"):
+        slow = median_time(both, reps=5)
+    ratios = [f"{total / copy:.1f}", f"{total / fwd:.1f}", f"{slow / copy:.1f}"]
+    return [engine, f"{copy * 1e3:.3f}", *ratios]
 
 
 _LATENCY = """
