@@ -472,3 +472,37 @@ def test_linear_recurrence_rides_on_the_kernel(reverse, monkeypatch):
         monkeypatch.setattr(_linear, "_kernel_solve", lambda *args: None)
         ref = fscan.linear_recurrence(a, b, 0, reverse=reverse)
     torch.testing.assert_close(out, ref)
+
+
+# --- latency machinery ------------------------------------------------------------------
+
+
+@needs_compiler
+def test_background_build_then_switch(monkeypatch):
+    import time
+
+    monkeypatch.setattr(cpu_kernel, "MIN_CALLS", 1)
+    _, spec = optree.tree_flatten(0)
+    x = torch.randn(40, 8, dtype=torch.float64)
+    fn = lambda a, b: a - b * 0.5  # a key no other test built
+    with fscan.config.override(cpu_kernel="on"), torch.no_grad():
+        assert kernel_scan("test", fn, spec, [x], 0, False) is None  # queued; torch answers
+        deadline = time.monotonic() + 300
+        out = None
+        while out is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            out = kernel_scan("test", fn, spec, [x], 0, False)
+    assert out is not None, "the background build never finished"
+    assert_close_to(out, oracle(fn, x, 0, False), "background")
+
+
+def test_fork_hook_requeues_pending_builds():
+    from fscan import _knowledge
+
+    holder = _knowledge.Knowledge()
+    pending = cpu_kernel.Entry(state=State.PENDING)
+    holder.kernels[("cpp", (), False)] = pending
+    _knowledge.entries.put(("fork test",), holder)
+    old_worker = cpu_kernel._worker
+    cpu_kernel._after_fork_in_child()
+    assert pending.state is State.NEW and cpu_kernel._worker is not old_worker
