@@ -319,7 +319,7 @@ def test_compile_failure_warns_once_and_falls_back(monkeypatch):
     monkeypatch.setattr(cpu_kernel, "load_kernel", broken)
     x = torch.randn(40, 3)
     fn = lambda a, b: a * 0.25 + b  # a code object no other test compiled
-    with pytest.warns(UserWarning, match="compiling the C\\+\\+ scan kernel failed"):
+    with pytest.warns(UserWarning, match="building the C\\+\\+ scan kernel failed"):
         out = _front_end(fn, x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

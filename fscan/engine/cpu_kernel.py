@@ -30,14 +30,13 @@ Never an error of the user's call, never a different result beyond rounding.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import math
 import os
 import queue
 import threading
-import types
 import warnings
-import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +92,8 @@ class Entry:
     state: State = State.NEW
     calls: int = 0
     floats: tuple[int, ...] = ()  # backward: the leaves it differentiates
+    source: str | None = None  # traced and translated in the calling thread...
+    argtypes: tuple[str, ...] = ()  # ...compiled in the background
     kernel: Callable[..., None] | None = None
     program: Program | None = None
     reason: str = ""
@@ -112,29 +113,6 @@ class _Call:
     dtypes: tuple[torch.dtype, ...]
     ndim: int
     captured: tuple[torch.Tensor, ...]
-
-    def weak(self) -> Callable[[], _Call | None]:
-        """A reference that does not keep ``combine_fn`` or the captured tensors alive
-        while the build waits in the queue; it returns None once any of them died."""
-        refs = [_weak(self.combine_fn), *map(_weak, self.captured)]
-        rest = (self.spec, self.dtypes, self.ndim)
-
-        def strong() -> _Call | None:
-            objects = [ref() for ref in refs]
-            if any(o is None for o in objects):
-                return None
-            return _Call(objects[0], *rest, tuple(objects[1:]))
-
-        return strong
-
-
-def _weak(obj: Any) -> Callable[[], Any]:
-    if isinstance(obj, types.MethodType):
-        return weakref.WeakMethod(obj)
-    try:
-        return weakref.ref(obj)
-    except TypeError:  # builtins such as torch.add live as long as their module
-        return lambda: obj
 
 
 def kernel_scan(
@@ -327,88 +305,153 @@ def captured_occurrences(fn: Callable[..., Any]) -> list[torch.Tensor] | None:
 
 
 # --- building ------------------------------------------------------------------
+#
+# Tracing (make_fx) uses process-wide state of torch.fx and the dispatcher: run beside
+# a torch.compile or make_fx of another thread, either can fail. So a build traces and
+# translates in the thread of the scan that triggers it (about 0.1-0.2 s once torch's
+# tracing modules are imported), and only the C++ compile (seconds) runs in the
+# background thread, which holds the source text and nothing of the user's. The
+# imports (about 3 s, mostly torch._dynamo) are made in the background first.
 
 
 def _build(entry: Entry, call: _Call) -> None:
-    """Trace, translate, compile and load; leaves ``entry`` READY or FAILED."""
+    """Trace, translate, compile and load, all in this thread; leaves ``entry`` READY or
+    FAILED (or as it was if another thread finished it meanwhile)."""
     with entry.lock:
         if entry.state in (State.READY, State.FAILED):
             return
-        entry.state = State.PENDING
-        try:
-            if entry.backward:
-                program, floats = translate_vjp(
-                    call.combine_fn, call.spec, call.dtypes, call.ndim, call.captured
-                )
-                source = backward_source(call.dtypes, floats, program)
-                argtypes = backward_argtypes(call.dtypes, floats, program)
-                entry.floats = tuple(floats)
-            else:
-                program = translate_combine(
-                    call.combine_fn, call.spec, call.dtypes, call.ndim, call.captured
-                )
-                source = forward_source(call.dtypes, program)
-                argtypes = forward_argtypes(call.dtypes, program)
-            kernel = load_kernel(source, argtypes)
-        except Unsupported as err:
-            entry.reason = f"unsupported: {err}"
-            entry.state = State.FAILED
-            logger.debug("fscan: no C++ kernel for this combine_fn: %s", err)
+        if entry.source is None and not _translate(entry, call):
             return
-        except Exception as err:  # a compiler or loader failure: the torch engine serves
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            entry.reason = f"{type(err).__name__}: {first}"
-            entry.warning = (
-                f"fscan: compiling the C++ scan kernel failed ({entry.reason}); this "
-                "combine_fn runs on fscan's torch engine instead, with the same results. "
-                "Shown once per combine_fn and leaf layout; fscan.config.cpu_kernel = 'off' "
-                "turns the kernel off."
+        _compile(entry)
+
+
+def _translate(entry: Entry, call: _Call) -> bool:
+    """Trace ``combine_fn`` (or its VJP) and write the kernel's source into ``entry``.
+    On an op, dtype or structure the translator lacks: FAILED, one debug log."""
+    try:
+        if entry.backward:
+            program, floats = translate_vjp(
+                call.combine_fn, call.spec, call.dtypes, call.ndim, call.captured
             )
-            entry.state = State.FAILED
-            return
-        entry.program, entry.kernel = program, kernel
-        entry.state = State.READY
+            entry.source = backward_source(call.dtypes, floats, program)
+            entry.argtypes = tuple(backward_argtypes(call.dtypes, floats, program))
+            entry.floats = tuple(floats)
+        else:
+            program = translate_combine(
+                call.combine_fn, call.spec, call.dtypes, call.ndim, call.captured
+            )
+            entry.source = forward_source(call.dtypes, program)
+            entry.argtypes = tuple(forward_argtypes(call.dtypes, program))
+    except Unsupported as err:
+        entry.reason = f"unsupported: {err}"
+        entry.state = State.FAILED
+        logger.debug("fscan: no C++ kernel for this combine_fn: %s", err)
+        return False
+    except Exception as err:  # a trace that fails in torch: the torch engine serves
+        _failed(entry, err)
+        return False
+    entry.program = program
+    return True
+
+
+def _compile(entry: Entry) -> None:
+    """Compile (or load from the disk cache) the translated source: READY or FAILED."""
+    assert entry.source is not None
+    try:
+        kernel = load_kernel(entry.source, entry.argtypes)
+    except Exception as err:  # a compiler or loader failure: the torch engine serves
+        _failed(entry, err)
+        return
+    entry.kernel = kernel
+    entry.state = State.READY
+
+
+def _failed(entry: Entry, err: BaseException) -> None:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    entry.reason = f"{type(err).__name__}: {first}"
+    entry.warning = (
+        f"fscan: building the C++ scan kernel failed ({entry.reason}); this "
+        "combine_fn runs on fscan's torch engine instead, with the same results. "
+        "Shown once per combine_fn and leaf layout; fscan.config.cpu_kernel = 'off' "
+        "turns the kernel off."
+    )
+    entry.state = State.FAILED
+
+
+_warm = threading.Event()
+
+
+def _warm_up() -> None:
+    """Import what tracing and compiling need (imports are safe beside other threads)."""
+    import torch._dynamo  # noqa: F401  (make_fx imports it on first use: ~3 s)
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental import proxy_tensor  # noqa: F401
+
+    core_aten_decompositions()
+    compiler_problem()
+    _warm.set()
 
 
 class _Worker:
-    """One daemon thread compiling queued entries, one at a time (compiles are CPU-heavy)."""
+    """One daemon thread for the warm-up and the compiles, one at a time (they are
+    CPU-heavy); its jobs hold source text, never a combine_fn or a tensor."""
 
     def __init__(self) -> None:
-        self.jobs: queue.SimpleQueue[tuple[Entry, Callable[[], _Call | None]]] = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
+        self.warming = False
 
-    def submit(self, entry: Entry, call: _Call) -> None:
-        self.jobs.put((entry, call.weak()))
+    def submit(self, job: Callable[[], None]) -> None:
+        self.jobs.put(job)
         with self.lock:
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._loop, name="fscan-kernel", daemon=True)
                 self.thread.start()
 
+    def warm_up(self) -> None:
+        with self.lock:
+            if self.warming:
+                return
+            self.warming = True
+        self.submit(_warm_up)
+
     def _loop(self) -> None:
         while True:
-            entry, ref = self.jobs.get()
-            call = ref()
-            if call is None:  # the combine_fn or a captured tensor died meanwhile: retry later
-                entry.state = State.NEW
-            else:
-                _build(entry, call)
-            del entry, ref, call  # do not keep the last combine_fn and its tensors alive
+            job = self.jobs.get()
+            try:
+                job()
+            except Exception as err:  # never let the thread die: report at debug level
+                logger.debug("fscan: a background kernel job failed: %r", err)
+            del job
 
 
 _worker = _Worker()
 
 
 def _submit(entry: Entry, call: _Call) -> None:
+    """Translate now (in this thread) and queue the compile; or, while torch's tracing
+    modules are not imported yet, queue their import and leave ``entry`` for a later call."""
+    if not _warm.is_set():
+        _worker.warm_up()
+        return
     with entry.lock:
         if entry.state is not State.NEW:
             return
+        if entry.source is None and not _translate(entry, call):
+            return
         entry.state = State.PENDING
-    _worker.submit(entry, call)
+    _worker.submit(functools.partial(_compile_queued, entry))
+
+
+def _compile_queued(entry: Entry) -> None:
+    with entry.lock:
+        if entry.state is State.PENDING:
+            _compile(entry)
 
 
 def _after_fork_in_child() -> None:
-    """The compile thread does not survive a fork: requeue what it was doing."""
+    """The compile thread does not survive a fork: its queued compiles start again."""
     global _worker
     _worker = _Worker()
     from .. import _knowledge
