@@ -123,11 +123,14 @@ def _structs(
     """Vals/In/Out/Buf/Par and their accessors for leaves of ``dtypes``."""
     R = range(len(dtypes))
     st = [STORAGE[d] for d in dtypes]
+    # Values and buffers hold compute values, but bools as bytes: C++ bools kept in memory
+    # (a struct, a buffer) block GCC's vectorisation.
+    bt = ["uint8_t" if c == "bool" else c for c in compute]
     lines = [
-        "struct Vals { " + " ".join(f"{compute[k]} v{k};" for k in R) + " };",
+        "struct Vals { " + " ".join(f"{bt[k]} v{k};" for k in R) + " };",
         "struct In { " + " ".join(f"const {st[k]}* x{k};" for k in R) + " };",
         "struct Out { " + " ".join(f"{st[k]}* y{k};" for k in R) + " };",
-        "struct Buf { " + " ".join(f"{compute[k]}* v{k};" for k in R) + " };",
+        "struct Buf { " + " ".join(f"{bt[k]}* v{k};" for k in R) + " };",
         "struct Par { "
         + " ".join(f"const {_param_ctype(p.dtype)}* p{j};" for j, p in enumerate(program.params))
         + " };",
@@ -147,9 +150,9 @@ def _structs(
         + ", ".join(f"b.v{k} + i" for k in R)
         + "}; }",
         "struct Store { "
-        + " ".join(f"std::unique_ptr<{compute[k]}[]> v{k};" for k in R)
+        + " ".join(f"std::unique_ptr<{bt[k]}[]> v{k};" for k in R)
         + " explicit Store(int64_t n) : "
-        + ", ".join(f"v{k}(new {compute[k]}[n > 0 ? n : 1])" for k in R)
+        + ", ".join(f"v{k}(new {bt[k]}[n > 0 ? n : 1])" for k in R)
         + " {} Buf buf() { return Buf{"
         + ", ".join(f"v{k}.get()" for k in R)
         + "}; } };",
@@ -196,9 +199,11 @@ def forward_source(dtypes: Sequence[torch.dtype], program: Program) -> str:
         "static FSCAN_INLINE Vals combine(const Vals& l, const Vals& r, const Par p, int64_t e) {\n"
         + "".join(f"  const {compute[k]} l{k} = l.v{k};\n" for k in R)
         + "".join(f"  const {compute[k]} r{k} = r.v{k};\n" for k in R)
-        + "  (void)p; (void)e;\n  Vals o;\n"
-        + "".join(f"  {compute[k]}& o{k} = o.v{k};\n" for k in R)
+        + "  (void)p; (void)e;\n"
+        + "".join(f"  {compute[k]} o{k};\n" for k in R)
         + "".join(f"  {line}\n" for line in program.body.splitlines())
+        + "  Vals o;\n"
+        + "".join(f"  o.v{k} = o{k};\n" for k in R)
         + "  return o;\n}\n"
     )
     args = _signature(dtypes, program, [f"{c}* y{k}" for k, c in enumerate(st)])
