@@ -501,8 +501,20 @@ def test_fork_hook_requeues_pending_builds():
 
     holder = _knowledge.Knowledge()
     pending = cpu_kernel.Entry(state=State.PENDING)
-    holder.kernels[("cpp", (), False)] = pending
+    cpu_kernel._slots(holder).put(((), (), False), pending)
     _knowledge.entries.put(("fork test",), holder)
     old_worker = cpu_kernel._worker
     cpu_kernel._after_fork_in_child()
     assert pending.state is State.NEW and cpu_kernel._worker is not old_worker
+
+
+@needs_compiler
+def test_within_element_indexing_is_traced_per_element_shape():
+    _, spec = optree.tree_flatten(0)
+    for fn in (lambda a, b: torch.maximum(a[..., :1], b), lambda a, b: a[..., -1:] + b):
+        for width in (1, 3):  # [..., -1:] covers all of 1 (traced as an alias), not of 3
+            x = torch.randn(20, width, dtype=torch.float64)
+            with torch.no_grad():
+                out = kernel_scan("test", fn, spec, [x], 0, False)
+            ref = oracle(fn, x, 0, False)
+            assert out is None or torch.allclose(out[0], ref[0]), (fn, width)

@@ -19,7 +19,7 @@ accumulation rounds once per stored output, and in ``float`` when it is exact
 Example:
     >>> import optree, torch
     >>> _, spec = optree.tree_flatten(0)
-    >>> program = translate_combine(lambda a, b: a + b, spec, [torch.float64], 1, [])
+    >>> program = translate_combine(lambda a, b: a + b, spec, [torch.float64], (), [])
     >>> print(program.body)
     const double v0 = static_cast<double>((static_cast<double>(l0) + static_cast<double>(r0)));
     o0 = static_cast<double>(v0);
@@ -209,11 +209,11 @@ def compute_ctype(dtype: torch.dtype, wide: bool) -> str:
 _trace_lock = threading.Lock()
 
 
-def _examples(dtypes: Sequence[torch.dtype], ndim: int) -> list[torch.Tensor]:
-    # Distinct tensors (make_fx maps identity to graph inputs); leading 2 so shape changes
-    # show, ones elsewhere so tensors captured at any element shape broadcast.
-    shape = (2,) + (1,) * max(0, ndim - 1)
-    return [torch.ones(shape, dtype=d) for d in dtypes]
+def _examples(dtypes: Sequence[torch.dtype], element: Sequence[int]) -> list[torch.Tensor]:
+    # Distinct tensors (make_fx maps identity to graph inputs), two elements of the call's
+    # element shape: the trace holds what combine_fn does at exactly this shape (a slice
+    # over a whole dimension, say, traces as an alias), so the kernel is keyed by it.
+    return [torch.ones((2, *element), dtype=d) for d in dtypes]
 
 
 def _make_fx(fn: Callable[..., Any], examples: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
@@ -228,10 +228,11 @@ def translate_combine(
     combine_fn: Callable[[Any, Any], Any],
     spec: PyTreeSpec,
     dtypes: Sequence[torch.dtype],
-    ndim: int,
+    element: Sequence[int],
     captured: Sequence[torch.Tensor],
 ) -> Program:
-    """Trace ``combine_fn`` on flat leaves of ``dtypes`` (``ndim`` dims) and translate it.
+    """Trace ``combine_fn`` on flat leaves of ``dtypes`` (elements of shape ``element``)
+    and translate it.
 
     ``captured`` are the tensors ``combine_fn`` closes over, in a fixed walk order; the
     prologue takes a list in the same order at each call.
@@ -246,17 +247,17 @@ def translate_combine(
             raise Unsupported("combine_fn returned another pytree structure")
         return out
 
-    gm = _make_fx(flat, _examples(dtypes, ndim) + _examples(dtypes, ndim))
+    gm = _make_fx(flat, _examples(dtypes, element) + _examples(dtypes, element))
     names = [f"l{k}" for k in range(n)] + [f"r{k}" for k in range(n)]
     wide = _rounds(gm) and torch.float32 in dtypes
-    return _Translator(gm, names, captured, wide).program(list(dtypes))
+    return _Translator(gm, names, captured, wide, element).program(list(dtypes))
 
 
 def translate_vjp(
     combine_fn: Callable[[Any, Any], Any],
     spec: PyTreeSpec,
     dtypes: Sequence[torch.dtype],
-    ndim: int,
+    element: Sequence[int],
     captured: Sequence[torch.Tensor],
 ) -> tuple[Program, list[int]]:
     """The VJP of ``combine_fn`` w.r.t. both operands' float leaves, translated.
@@ -287,8 +288,8 @@ def translate_vjp(
         lbar, rbar = pull(cs)
         return [*lbar, *rbar]
 
-    examples = _examples(dtypes, ndim) + _examples(dtypes, ndim)
-    examples += _examples([dtypes[k] for k in floats], ndim)
+    examples = _examples(dtypes, element) + _examples(dtypes, element)
+    examples += _examples([dtypes[k] for k in floats], element)
     functional = torch.func.functionalize(flat, remove="mutations_and_views")
     from torch._decomp import core_aten_decompositions
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -299,7 +300,7 @@ def translate_vjp(
     names += [f"c{k}" for k in floats]
     out_dtypes = [dtypes[k] for k in floats] * 2
     wide = _rounds(gm) and torch.float32 in dtypes
-    return _Translator(gm, names, captured, wide).program(out_dtypes), floats
+    return _Translator(gm, names, captured, wide, element).program(out_dtypes), floats
 
 
 def _rounds(gm: torch.fx.GraphModule) -> bool:
@@ -340,9 +341,11 @@ class _Translator:
         input_names: Sequence[str],
         captured: Sequence[torch.Tensor],
         wide: bool,
+        element: Sequence[int],
     ) -> None:
         self.gm = gm
         self.wide = wide
+        self.full = (2, *element)  # every value that depends on the operands has this shape
         self.names: dict[torch.fx.Node, str] = {}
         placeholders = [nd for nd in gm.graph.nodes if nd.op == "placeholder"]
         for node, name in zip(placeholders, input_names):
@@ -425,6 +428,8 @@ class _Translator:
         out = self._val(node)
         if not isinstance(out, torch.Tensor):
             raise Unsupported(f"{node.target} returns {type(out).__name__}")
+        if tuple(out.shape) != self.full:  # indexing, reshaping or reducing an element
+            raise Unsupported(f"{node.target} changes the shape of the operands")
         name = _op_name(node.target)
         oc = self._ctype(out.dtype)
         expr = self._expression(node, name, out, oc)

@@ -45,6 +45,7 @@ import torch
 from optree import PyTreeSpec
 
 from .._adjoint import ScanPlan, adjoint
+from .._cache import BoundedCache
 from .._combine import FlatCombine
 from .._config import config
 from .._generic import scan_along
@@ -75,6 +76,7 @@ logger = logging.getLogger("fscan")
 
 MIN_CALLS = 2  # a key is compiled from this call on (counted once the pointwise check passed)...
 MIN_ELEMENTS = 2**15  # ...or from its first call that scans this many elements per leaf
+SHAPES_PER_KEY = 16  # element shapes with a kernel entry, per knowledge entry
 
 
 class State(enum.Enum):
@@ -111,7 +113,7 @@ class _Call:
     combine_fn: Callable[[Any, Any], Any]
     spec: PyTreeSpec
     dtypes: tuple[torch.dtype, ...]
-    ndim: int
+    element: tuple[int, ...]  # the shape of one element: the leaves' without the scan dim
     captured: tuple[torch.Tensor, ...]
 
 
@@ -151,7 +153,7 @@ def kernel_scan(
     if torch.is_grad_enabled() and any(t.requires_grad for t in captured):
         _log_once("combine_fn captures tensors that require grad: the autograd engine runs")
         return None
-    call = _Call(combine_fn, spec, tuple(x.dtype for x in leaves), leaves[0].ndim, captured)
+    call = _Call(combine_fn, spec, tuple(x.dtype for x in leaves), _element(leaves, dim), captured)
     kernel = _ready(holder, aliases, call, leaves[0].numel(), backward=False)
     if kernel is None:
         return None
@@ -183,9 +185,32 @@ def _lookup(
     return entry, aliases, distinct
 
 
+def _element(leaves: Sequence[torch.Tensor], dim: int) -> tuple[int, ...]:
+    shape = tuple(leaves[0].shape)
+    dim = dim % max(1, len(shape))
+    return shape[:dim] + shape[dim + 1 :]
+
+
+def _slots(holder: Knowledge) -> BoundedCache[Entry]:
+    """The kernel entries of a knowledge entry, by (aliasing of the captured tensors,
+    element shape, backward). The trace is exact for one element shape only (Python
+    code may read sizes: a slice over a whole dimension traces as an alias), so each
+    shape gets its own entry; shapes that translate to the same source share one
+    compiled library (Inductor's cache is keyed by source), so a new shape costs a
+    trace (about 0.1-0.2 s), not a compile."""
+    slots = holder.kernels.get("cpp")
+    if slots is None:
+        with holder.lock:
+            slots = holder.kernels.setdefault("cpp", BoundedCache(maxsize=SHAPES_PER_KEY))
+    return slots
+
+
 def kernel_entries(holder: Knowledge) -> list[Entry]:
     """The kernel entries a knowledge entry holds (for tests and benchmarks)."""
-    return [v for k, v in holder.kernels.items() if isinstance(k, tuple) and k[:1] == ("cpp",)]
+    slots = holder.kernels.get("cpp")
+    if slots is None:
+        return []
+    return [e for e in (slots.get(k) for k in list(slots._data)) if e is not None]
 
 
 def _ready(
@@ -193,11 +218,9 @@ def _ready(
 ) -> Entry | None:
     """The READY kernel entry, or None after counting the call and, per the mode,
     building it now or queueing its build."""
-    slot = ("cpp", aliases, backward)
-    entry = holder.kernels.get(slot)
-    if entry is None:
-        with holder.lock:
-            entry = holder.kernels.setdefault(slot, Entry(backward=backward))
+    entry = _slots(holder).get_or_compute(
+        (aliases, call.element, backward), lambda: Entry(backward=backward)
+    )
     eager = config.cpu_kernel == "eager"
     if entry.state is State.NEW or (eager and entry.state is State.PENDING):
         entry.calls += 1
@@ -217,7 +240,8 @@ def precompile(
     """Build the kernel for scans of leaves like ``xs`` now, and say whether it serves them.
 
     For services that should not compile while answering: call it at start-up with
-    example data (any length; ``dim`` only picks the example's layout), with
+    example data of the element shape to serve (any length; the kernel entry is per
+    element shape, the leaves' shape without ``dim``), with
     ``backward_too=True`` to also build the gradient kernel. A second
     process finds the kernel in Inductor's disk cache and only loads it.
 
@@ -234,12 +258,13 @@ def precompile(
     if lookup is None:
         return False
     holder, aliases, captured = lookup
-    call = _Call(combine_fn, spec, tuple(x.dtype for x in leaves), leaves[0].ndim, captured)
+    dim = dim % max(1, leaves[0].ndim)
+    call = _Call(combine_fn, spec, tuple(x.dtype for x in leaves), _element(leaves, dim), captured)
     ready = True
     for backward in (False, True) if backward_too else (False,):
-        slot = ("cpp", aliases, backward)
-        with holder.lock:
-            entry = holder.kernels.setdefault(slot, Entry(backward=backward))
+        entry = _slots(holder).get_or_compute(
+            (aliases, call.element, backward), lambda b=backward: Entry(backward=b)
+        )
         _build(entry, call)
         ready = ready and entry.state is State.READY
     return ready
@@ -331,14 +356,14 @@ def _translate(entry: Entry, call: _Call) -> bool:
     try:
         if entry.backward:
             program, floats = translate_vjp(
-                call.combine_fn, call.spec, call.dtypes, call.ndim, call.captured
+                call.combine_fn, call.spec, call.dtypes, call.element, call.captured
             )
             entry.source = backward_source(call.dtypes, floats, program)
             entry.argtypes = tuple(backward_argtypes(call.dtypes, floats, program))
             entry.floats = tuple(floats)
         else:
             program = translate_combine(
-                call.combine_fn, call.spec, call.dtypes, call.ndim, call.captured
+                call.combine_fn, call.spec, call.dtypes, call.element, call.captured
             )
             entry.source = forward_source(call.dtypes, program)
             entry.argtypes = tuple(forward_argtypes(call.dtypes, program))
@@ -347,8 +372,11 @@ def _translate(entry: Entry, call: _Call) -> bool:
         entry.state = State.FAILED
         logger.debug("fscan: no C++ kernel for this combine_fn: %s", err)
         return False
-    except Exception as err:  # a trace that fails in torch: the torch engine serves
-        _failed(entry, err)
+    except Exception as err:  # combine_fn fails on these examples: the torch engine runs
+        # it and reports the user's error itself, if it is one.
+        entry.reason = f"trace failed: {type(err).__name__}: {err}"
+        entry.state = State.FAILED
+        logger.debug("fscan: tracing combine_fn for the C++ kernel failed: %r", err)
         return False
     entry.program = program
     return True
@@ -570,7 +598,7 @@ def kernel_grad_scan(
     if any(t.requires_grad for t in captured):
         _log_once("captured tensors need gradients: the adjoint scan runs")
         return None
-    call = _Call(combine_fn, spec, tuple(x.dtype for x in leaves), leaves[0].ndim, captured)
+    call = _Call(combine_fn, spec, tuple(x.dtype for x in leaves), _element(leaves, dim), captured)
     numel = leaves[0].numel()
     forward = _ready(holder, aliases, call, numel, backward=False)
     backward = _ready(holder, aliases, call, numel, backward=True)
