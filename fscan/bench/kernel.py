@@ -98,7 +98,7 @@ def _ratio(t: float | None, base: float) -> str:
     return "-" if t is None else f"{t / base:.2f}"
 
 
-def kernel_table(quick: bool = False) -> Table:
+def kernel_table(quick: bool = False, threads: tuple[int, ...] = (1, 2)) -> Table:
     """Forward scans: the kernel, fscan end to end and the torch engine, as ratios to copy."""
     table = Table(
         "C++ kernel, forward, float32, dim 0 (medians; ratios to copy of the leaves)",
@@ -111,11 +111,11 @@ def kernel_table(quick: bool = False) -> Table:
     names = ["add", "linrec"] if quick else list(COMBINES)
     previous = torch.get_num_threads()
     try:
-        for threads in (1,) if quick else (1, 2):
-            torch.set_num_threads(threads)
+        for count in (1,) if quick else threads:
+            torch.set_num_threads(count)
             for shape in shapes:
                 for name in names:
-                    table.add(f"{name} {shape}", [str(threads), *_row(name, shape)])
+                    table.add(f"{name} {shape}", [str(count), *_row(name, shape)])
     finally:
         torch.set_num_threads(previous)
     return table
@@ -226,8 +226,17 @@ def latency_table() -> Table:
     return table
 
 
-def main() -> None:
-    print(kernel_table().render(), flush=True)
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m fscan.bench.kernel", description=__doc__)
+    parser.add_argument("--threads", default="1,2", help="thread counts of the forward table")
+    parser.add_argument("--forward-only", action="store_true", help="skip backward and latency")
+    args = parser.parse_args(argv)
+    threads = tuple(int(t) for t in args.threads.split(","))
+    print(kernel_table(threads=threads).render(), flush=True)
+    if args.forward_only:
+        return
     print()
     print(backward_table().render(), flush=True)
     print()
