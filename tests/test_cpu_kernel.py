@@ -352,6 +352,7 @@ def test_entry_cache_is_bounded(monkeypatch):
     monkeypatch.setattr(_knowledge, "entries", BoundedCache(maxsize=2))
     monkeypatch.setattr(cpu_kernel, "MIN_CALLS", 10**9)
     monkeypatch.setattr(cpu_kernel, "MIN_ELEMENTS", 10**18)
+    cpu_kernel._warm_up()  # what the background thread does first: imports, compiler lookup
     _, spec = optree.tree_flatten(0)
     with fscan.config.override(cpu_kernel="on"):
         for k in range(5):  # five keys: captured numbers are part of the key

@@ -252,7 +252,7 @@ def precompile(
         True
     """
     leaves, spec = flatten(xs)
-    if not leaves or config.cpu_kernel == "off" or _unavailable(leaves) is not None:
+    if not leaves or config.cpu_kernel == "off" or _unavailable(leaves, wait=True) is not None:
         return False
     lookup = _lookup(combine_fn, spec, leaves, None, None)
     if lookup is None:
@@ -270,8 +270,9 @@ def precompile(
     return ready
 
 
-def _unavailable(leaves: Sequence[torch.Tensor]) -> str | None:
-    """Why the kernel cannot serve leaves like these (gradients aside), or None."""
+def _unavailable(leaves: Sequence[torch.Tensor], wait: bool = False) -> str | None:
+    """Why the kernel cannot serve leaves like these (gradients aside), or None. Unless
+    ``wait`` (or the mode is "eager"), the compiler lookup is left to the background."""
     first = leaves[0]
     if first.device.type != "cpu":
         return f"no C++ kernel on {first.device.type}"
@@ -282,6 +283,10 @@ def _unavailable(leaves: Sequence[torch.Tensor]) -> str | None:
         return "leaves of different shapes: the C++ kernel takes one shape"
     if not probeable(leaves) or _under_transform():
         return "tensor subclasses or torch.func transforms: the torch engine runs"
+    if not (wait or _warm.is_set() or config.cpu_kernel == "eager"):
+        # Finding the compiler imports Inductor (about a second): done in the background.
+        _worker.warm_up()
+        return "the C++ toolchain is being looked up in the background"
     return compiler_problem()
 
 
