@@ -329,8 +329,8 @@ def _solve(
     """
     n = b.shape[dim]
     a = a.expand(*(n if i == dim else s for i, s in enumerate(a.shape)))  # stride 0 if constant
-    if initial is None and (h := _kernel_solve(a, b, dim, reverse)) is not None:
-        return h
+    if initial is None and mask is None and (h := _kernel_solve(a, b, dim, reverse)) is not None:
+        return h if out is None else out.copy_(h)
     chunk = _chunk_size(n)
     if chunk is not None:
         return _chunked(a, b, dim, initial, reverse, mask, chunk, fast, out)
