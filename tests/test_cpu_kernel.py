@@ -467,12 +467,16 @@ def test_linear_recurrence_rides_on_the_kernel(reverse, monkeypatch):
     from fscan import _linear
 
     a, b = torch.rand(600, 64, dtype=torch.float64), torch.randn(600, 64, dtype=torch.float64)
+    reset = torch.rand(600) < 0.05
     with torch.no_grad():
         assert _linear._kernel_solve(a, b, 0, reverse) is not None
         out = fscan.linear_recurrence(a, b, 0, reverse=reverse)
+        out_reset = fscan.linear_recurrence(a, b, 0, reverse=reverse, reset=reset)
         monkeypatch.setattr(_linear, "_kernel_solve", lambda *args: None)
         ref = fscan.linear_recurrence(a, b, 0, reverse=reverse)
+        ref_reset = fscan.linear_recurrence(a, b, 0, reverse=reverse, reset=reset)
     torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(out_reset, ref_reset)
 
 
 # --- latency machinery ------------------------------------------------------------------
