@@ -27,8 +27,9 @@ tape to feed, the walks write into preallocated memory (``out=``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from numbers import Number
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -410,6 +411,16 @@ def _step(
     return out
 
 
+class Algebra(NamedTuple):
+    """The operations of the chunked walk: plain (``a h + b``) or log space (see
+    :mod:`fscan._log_linear`), where products of gates become sums of logs."""
+
+    step: Callable[..., torch.Tensor]  # one step: ``_step``'s signature
+    solve: Callable[..., torch.Tensor]  # the recurrence over chunk ends: ``_solve``'s
+    toward_end: Callable[..., torch.Tensor]  # ``_toward_end``'s
+    total: Callable[[torch.Tensor, int], torch.Tensor]  # the gates of a chunk composed
+
+
 def _chunked(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -420,7 +431,11 @@ def _chunked(
     chunk: int,
     fast: bool,
     out: torch.Tensor | None = None,
+    algebra: Algebra | None = None,
 ) -> torch.Tensor:
+    """Walk chunks of ``chunk`` steps from a zero state, solve the chunk ends as a
+    shorter recurrence, then walk every chunk again from its entering state."""
+    step, solve, toward_end, total = algebra or _PLAIN
     n = b.shape[dim]
     tail = n % chunk
     # Whole chunks, aligned to where the scan starts; the short tail comes last.
@@ -439,37 +454,38 @@ def _chunked(
     ends = b_steps[steps[0]]
     for i, t in enumerate(steps[1:]):
         # In fast mode the first step allocates and the others update it in place.
-        ends = _step(a_steps[t], b_steps[t], m_steps[t], ends, ends if fast and i else None)
-    gates = chunks(a).prod(within)
+        ends = step(a_steps[t], b_steps[t], m_steps[t], ends, ends if fast and i else None)
+    gates = total(chunks(a), within)
     # A chunk holding a reset restarts the chunk-level recurrence (its gate is not used).
     chunk_mask = None if mask is None else chunks(mask).any(within)
     # Step 2: the true end state of every chunk, a recurrence over chunks.
-    ends = _solve(gates, ends, dim, initial, reverse, chunk_mask, fast)
-    entering = _toward_end(ends, dim, reverse, initial)
+    ends = solve(gates, ends, dim, initial, reverse, chunk_mask, fast)
+    entering = toward_end(ends, dim, reverse, initial)
     # Step 3: walk every chunk again from its entering state, keeping all steps.
     if fast and out is None:
         out = torch.empty(b.shape, dtype=b.dtype, device=b.device)
     out_steps = chunks(out).unbind(within) if fast else [None] * chunk
     states, h = [], entering
     for t in steps:
-        h = _step(a_steps[t], b_steps[t], m_steps[t], h, out_steps[t])
+        h = step(a_steps[t], b_steps[t], m_steps[t], h, out_steps[t])
         states.append(h)
     last = ends.select(dim, 0 if reverse else ends.shape[dim] - 1)
     span = range(tail - 1, -1, -1) if reverse else range(n - tail, n)
     if fast:
         if tail:
-            _walk(a, b, dim, mask, span, last, out)
+            _walk(step, a, b, dim, mask, span, last, out)
         return out
     if reverse:
         states.reverse()
     main = torch.stack(states, within).flatten(dim, within)
     if not tail:
         return main
-    rest = _walk(a, b, dim, mask, span, last, None)
+    rest = _walk(step, a, b, dim, mask, span, last, None)
     return torch.cat([rest, main] if reverse else [main, rest], dim)
 
 
 def _walk(
+    step: Callable[..., torch.Tensor],
     a: torch.Tensor,
     b: torch.Tensor,
     dim: int,
@@ -492,8 +508,11 @@ def _walk(
     states = {}
     for t in steps:
         i = t - low
-        h = states[t] = _step(a_steps[i], b_steps[i], m_steps[i], h, out_steps[i])
+        h = states[t] = step(a_steps[i], b_steps[i], m_steps[i], h, out_steps[i])
     return torch.stack([states[t] for t in sorted(states)], dim) if out is None else out
+
+
+_PLAIN = Algebra(_step, _solve, _toward_end, torch.prod)
 
 
 # ---- shared pieces -----------------------------------------------------------

@@ -28,10 +28,12 @@ import torch
 from ._checks import normalize_dim
 from ._errors import ScanTypeError, ScanValueError
 from ._linear import (
+    Algebra,
     _adjoint,
     _adjoint_differentiable,
     _broadcasts_to,
     _chunk_size,
+    _chunked,
     _mask_for,
     _result_dtype,
 )
@@ -208,7 +210,7 @@ def _solve(
     chunk = _chunk_size(n)
     if chunk is None:
         return _tree(la, lb, dim, initial, reverse, mask)
-    return _chunked(la, lb, dim, initial, reverse, mask, chunk, fast)
+    return _chunked(la, lb, dim, initial, reverse, mask, chunk, fast, algebra=_LOG)
 
 
 def _step(
@@ -229,79 +231,7 @@ def _step(
     return out
 
 
-def _chunked(
-    la: torch.Tensor,
-    lb: torch.Tensor,
-    dim: int,
-    initial: torch.Tensor | None,
-    reverse: bool,
-    mask: torch.Tensor | None,
-    chunk: int,
-    fast: bool,
-) -> torch.Tensor:
-    """:func:`fscan._linear._chunked` in log space (sums for products, ``logaddexp`` for sums)."""
-    n = lb.shape[dim]
-    tail = n % chunk
-    start = tail if reverse else 0
-    within = dim + 1
-
-    def chunks(x: torch.Tensor) -> torch.Tensor:
-        return x.narrow(dim, start, n - tail).unflatten(dim, (-1, chunk))
-
-    steps = range(chunk - 1, -1, -1) if reverse else range(chunk)
-    a_steps, b_steps = chunks(la).unbind(within), chunks(lb).unbind(within)
-    m_steps = [None] * chunk if mask is None else chunks(mask).unbind(within)
-    ends = b_steps[steps[0]]
-    for i, t in enumerate(steps[1:]):
-        ends = _step(a_steps[t], b_steps[t], m_steps[t], ends, ends if fast and i else None)
-    gates = chunks(la).sum(within)
-    chunk_mask = None if mask is None else chunks(mask).any(within)
-    ends = _solve(gates, ends, dim, initial, reverse, chunk_mask, fast)
-    entering = _toward_end(ends, dim, reverse, initial)
-    out = torch.empty(lb.shape, dtype=lb.dtype, device=lb.device) if fast else None
-    out_steps = chunks(out).unbind(within) if fast else [None] * chunk
-    states, h = [], entering
-    for t in steps:
-        h = _step(a_steps[t], b_steps[t], m_steps[t], h, out_steps[t])
-        states.append(h)
-    last = ends.select(dim, 0 if reverse else ends.shape[dim] - 1)
-    span = range(tail - 1, -1, -1) if reverse else range(n - tail, n)
-    if fast:
-        if tail:
-            _walk(la, lb, dim, mask, span, last, out)
-        return out
-    if reverse:
-        states.reverse()
-    main = torch.stack(states, within).flatten(dim, within)
-    if not tail:
-        return main
-    rest = _walk(la, lb, dim, mask, span, last, None)
-    return torch.cat([rest, main] if reverse else [main, rest], dim)
-
-
-def _walk(
-    la: torch.Tensor,
-    lb: torch.Tensor,
-    dim: int,
-    mask: torch.Tensor | None,
-    steps: range,
-    h: torch.Tensor,
-    out: torch.Tensor | None,
-) -> torch.Tensor:
-    """A sequential walk over ``steps`` from ``h``: into ``out``, or stacked in index order."""
-    low = min(steps)
-
-    def span(x: torch.Tensor | None) -> list:
-        if x is None:
-            return [None] * len(steps)
-        return list(x.narrow(dim, low, len(steps)).unbind(dim))
-
-    a_steps, b_steps, m_steps, out_steps = span(la), span(lb), span(mask), span(out)
-    states = {}
-    for t in steps:
-        i = t - low
-        h = states[t] = _step(a_steps[i], b_steps[i], m_steps[i], h, out_steps[i])
-    return torch.stack([states[t] for t in sorted(states)], dim) if out is None else out
+_LOG = Algebra(_step, _solve, _toward_end, torch.sum)
 
 
 def _check_args(
