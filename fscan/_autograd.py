@@ -20,10 +20,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._adjoint import jacobian_blocks
 from ._combine import FlatCombine
 from ._knowledge import Knowledge
+from ._pointwise_check import is_elementwise
+from ._purity import run_higher_order
 
 __all__ = ["adjoint_applies"]
 
@@ -71,7 +75,10 @@ def _probe(
     with torch.enable_grad():
         left = [operand(x[:steps]) for x in moved]
         right = [operand(x[1 : steps + 1]) for x in moved]
-        outs = combine(left, right)
+        with _PositionsWatch([t for t in (*left, *right) if t.requires_grad]) as watch:
+            outs = combine(left, right)
+    if not watch.apart:
+        return False
     floats = [i for i, x in enumerate(moved) if x.is_floating_point()]
     differentiable = [outs[i] for i in floats if outs[i].requires_grad]
     if not _reaches_only(differentiable, [*left, *right, *captured]):
@@ -96,6 +103,65 @@ def _reaches_only(outs: Sequence[torch.Tensor], allowed: Sequence[torch.Tensor])
             continue
         todo.extend(node.next_functions)
     return True
+
+
+class _PositionsWatch(TorchDispatchMode):
+    """Whether every op keeps each position of the float operands apart, whatever the values.
+
+    The numeric probe below sees only the Jacobian at the probe's values, and some ops'
+    Jacobians depend on them: ``torch.maximum(a[..., :1], b)`` mixes column 0 of ``a``
+    into every column only where ``a[..., 0]`` wins, which the first steps may not show.
+    So the probe call also runs under this mode: a tensor computed from a float operand
+    must keep the operands' shape, be made by an elementwise op, and a view of one must be
+    the identity (same shape, strides and offset). Slicing, broadcasting, reductions or
+    indexing of such a tensor set ``apart`` to False, and the call takes the out-of-place
+    engine. Tensors not computed from the operands (captured, constants) are free.
+    """
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        return True  # as fscan._pointwise_check._ElementwiseWatch: Dynamo must not skip frames
+
+    def __init__(self, operands: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.apart = True
+        self.shape = operands[0].shape if operands else None
+        # id -> tensor, kept alive so that an id names one tensor while the mode runs.
+        self.derived: dict[int, torch.Tensor] = {id(t): t for t in operands}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return run_higher_order(self, func, args, kwargs, self._unwatched(func))
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        sources = [t for t in tensors if id(t) in self.derived]
+        out = func(*args, **kwargs)
+        if sources and self.apart:
+            results = [r for r in pytree.tree_leaves(out) if isinstance(r, torch.Tensor)]
+            self.apart = self._keeps_positions(func, sources, results)
+            self.derived.update((id(r), r) for r in results)
+        return out
+
+    def _keeps_positions(
+        self, func: Any, sources: list[torch.Tensor], results: list[torch.Tensor]
+    ) -> bool:
+        if not is_elementwise(func) or any(t.shape != self.shape for t in sources):
+            return False
+        if any(r.shape != self.shape for r in results):
+            return False
+        if not func.is_view:
+            return True
+        layout = lambda t: (t.stride(), t.storage_offset())
+        return all(layout(r) == layout(sources[0]) for r in results)
+
+    def _unwatched(self, op: torch._ops.HigherOrderOperator) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.apart = False  # its body cannot be watched: keeping positions apart is not shown
+            return op(*args, **kwargs)
+
+        return run
 
 
 def _positions_do_not_mix(outs: list[torch.Tensor], lefts: list[torch.Tensor]) -> bool:

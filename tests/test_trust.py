@@ -59,6 +59,17 @@ def test_closures_of_one_lambda_with_different_flags_get_their_own_gradients():
     assert_same_grads(fscan_grads(make(True), x, x), oracle_grads(make(True), x, x))
 
 
+def test_mixing_that_the_first_steps_values_hide_still_takes_the_exact_gradient():
+    # Column 0 of the first rows loses every maximum, so the Jacobian at the adjoint
+    # probe's steps is diagonal; later rows win and spread column 0 over the row.
+    fn = lambda a, b: torch.maximum(a[..., :1], b)
+    x = torch.randn(8, 3, dtype=F64).abs() + 1.0
+    x[:3, 0] = -10.0
+    x[4, 0] = 10.0
+    x.requires_grad_(True)
+    assert_same_grads(fscan_grads(fn, x, x), oracle_grads(fn, x, x))
+
+
 def test_within_element_views_are_elementwise_in_pointwise_mode():
     # `a[..., :1]` keeps the batch of elements in place: allowed, and exact.
     fn = lambda a, b: a[..., :1] + b
