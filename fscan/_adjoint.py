@@ -86,6 +86,8 @@ class PointwiseScan(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: this backward is differentiated too
             return (None, *_differentiable_backward(plan, xs, captured, grads, needs))
         xbar, capbar = adjoint(plan, xs, ys, grads, captured, needs)
+        if not _all_finite([*xbar, *capbar]):
+            xbar, capbar = stepwise_adjoint(plan, xs, ys, grads, captured, needs)
         return (None, *xbar, *capbar)
 
 
@@ -182,6 +184,70 @@ def adjoint(
                 capbar[k] = grad if capbar[k] is None else capbar[k] + grad
     xbar = _scatter(len(xs), want_x, [xbar_rows[i].result() for i in want_x])
     return _moved_back(xbar, plan.dim), capbar
+
+
+def stepwise_adjoint(
+    plan: ScanPlan,
+    xs: Sequence[torch.Tensor],
+    ys: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    captured: Sequence[torch.Tensor],
+    needs: Sequence[bool],
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """The cotangents :func:`adjoint` gives, computed as autograd through the sequential
+    loop computes them: one vector-Jacobian product of ``combine`` per step, last first.
+
+    Where an inf or NaN meets a zero the two differ. The adjoint carries products of
+    Jacobians, so a cotangent of NaN times a block that is zero because ``torch.where``
+    selected the other branch gives NaN; the loop's ``where`` backward selects a zero
+    instead and the NaN stops there. The backward takes this walk (exact, one
+    ``combine_fn`` call per step) only when the adjoint's result is not finite.
+
+    Example:
+        >>> mul = lambda a, b: [a[0] * b[0]]
+        >>> x = torch.tensor([2.0, 3.0, 4.0])
+        >>> ys = [torch.cumprod(x, 0)]
+        >>> stepwise_adjoint(ScanPlan(mul, 1, 0, False), [x], ys, [torch.ones(3)], [], [True])[0]
+        [tensor([16.,  10.,  6.])]
+    """
+    xs = [x.movedim(plan.dim, 0) for x in xs]
+    ys = [y.movedim(plan.dim, 0) for y in ys]
+    floats = [i for i, x in enumerate(xs) if x.is_floating_point()]
+    lam = [_cotangent(grads[i], ys[i].movedim(0, plan.dim)).movedim(plan.dim, 0) for i in floats]
+    want_x = [i for i in floats if needs[i]]
+    want_c = [k for k, c in enumerate(captured) if needs[len(xs) + k] and c.requires_grad]
+    n = xs[0].shape[0]
+    xbar = {i: torch.zeros_like(xs[i]) for i in want_x}
+    capbar: list[torch.Tensor | None] = [None] * len(captured)
+    order = range(n - 1) if plan.reverse else range(n - 1, 0, -1)
+    step = 1 if plan.reverse else -1  # where the step's left operand, the previous output, sits
+    # The running cotangent of each output: its own plus what later steps pulled back.
+    carry = [lm[n - 1 if not plan.reverse else 0].clone() for lm in lam]
+    for t in order:
+        prev = t + step
+        with torch.enable_grad():
+            left = [_variable(y[prev], False) for y in ys]
+            right = [_variable(x[t], False) for x in xs]
+            outs = plan.combine(left, right)
+        inputs = [left[i] for i in floats] + [right[i] for i in want_x]
+        inputs += [captured[k] for k in want_c]
+        pulled = _vjp([outs[i] for i in floats], inputs, carry, False)
+        back = [torch.zeros_like(left[i]) if g is None else g for i, g in zip(floats, pulled)]
+        for i, g in zip(want_x, pulled[len(floats) : len(floats) + len(want_x)]):
+            xbar[i][t] = 0 if g is None else g
+        for k, g in zip(want_c, pulled[len(floats) + len(want_x) :]):
+            if g is not None:
+                capbar[k] = g if capbar[k] is None else capbar[k] + g
+        carry = [lm[prev] + b for lm, b in zip(lam, back)]
+    edge = 0 if not plan.reverse else n - 1
+    for i in want_x:  # the edge output is the input itself
+        xbar[i][edge] = carry[floats.index(i)]
+    full = _scatter(len(xs), want_x, [xbar[i] for i in want_x])
+    return _moved_back(full, plan.dim), capbar
+
+
+def _all_finite(ts: Sequence[torch.Tensor | None]) -> bool:
+    return all(t is None or bool(torch.isfinite(t).all()) for t in ts)
 
 
 def _shifted(span: slice, by: int) -> slice:

@@ -206,6 +206,41 @@ def test_specials_never_cross_a_reset(n, data, special, kind, mode):
     torch.testing.assert_close(g, w, equal_nan=True)
 
 
+# A segmented scan written by hand with torch.where: under the Jacobian adjoint, a NaN
+# cotangent times a block that is zero by selection would leak NaN before the restart.
+SELECTING = {
+    "mul": lambda a, b: (a[0] | b[0], torch.where(b[0], b[1], a[1] * b[1])),
+    "linrec": lambda a, b: (
+        a[0] | b[0],
+        torch.where(b[0], b[1], a[1] * b[1]),
+        torch.where(b[0], b[2], a[2] * b[1] + b[2]),
+    ),
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    kind=st.sampled_from(sorted(SELECTING)),
+    reverse=st.booleans(),
+    resets=st.lists(st.booleans(), min_size=7, max_size=7),
+    specials=st.lists(st.sampled_from([None, math.nan, math.inf, 0.0]), min_size=7, max_size=7),
+)
+def test_hand_written_where_resets_stop_specials_as_the_loop_does(kind, reverse, resets, specials):
+    combine_fn = SELECTING[kind]
+    n_values = 2 if kind == "linrec" else 1
+    values = torch.randn(n_values, 7, 2, dtype=F64)
+    for i, special in enumerate(specials):
+        if special is not None:
+            values[i % n_values, i, 0] = special
+    leaves = [v.clone().requires_grad_() for v in values]
+    xs = (torch.tensor(resets)[:, None].expand(7, 2), *leaves)
+    got = fscan.associative_scan(combine_fn, xs, 0, reverse)[1:]
+    want = sequential_scan(combine_fn, xs, 0, reverse, "pointwise")[1:]
+    cot = [torch.rand_like(w) for w in want]
+    for g, w in zip(torch.autograd.grad(got, leaves, cot), torch.autograd.grad(want, leaves, cot)):
+        torch.testing.assert_close(g, w, equal_nan=True)
+
+
 # --- case 7: empty non-scan dimensions with gradients ------------------------------
 
 
