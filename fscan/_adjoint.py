@@ -25,11 +25,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import optree
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from . import _compiled
 from ._combine import FlatCombine
 from ._generic import scan_along, scan_functional_along
+from ._knowledge import Reach, knowledge, reach
 
 __all__ = ["CHUNK_ELEMENTS", "PointwiseScan", "ScanPlan", "jacobian_blocks"]
 
@@ -430,9 +433,30 @@ def _adjoint_scan(
     zero = torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
     ms = [blocks.pop(e) if e in blocks else zero for e in pattern]
     del like
-    scan = scan_functional_along if create_graph else scan_along
-    out = scan(_affine_combine(pattern, len(gs)), [*ms, *gs], 0, not reverse)
+    combine = _affine_combine(pattern, len(gs))
+    leaves = [*ms, *gs]
+    out = None if create_graph else _on_compiled_kernel(combine, leaves, not reverse)
+    if out is None:
+        scan = scan_functional_along if create_graph else scan_along
+        out = scan(combine, leaves, 0, not reverse)
     return out[len(ms) :]
+
+
+def _on_compiled_kernel(
+    combine: FlatCombine, leaves: list[torch.Tensor], reverse: bool
+) -> list[torch.Tensor] | None:
+    """The adjoint recurrence as one compiled scan kernel (Triton on CUDA/XPU), or None.
+
+    The adjoint of a pointwise scan is itself a pointwise scan: composing affine maps
+    is elementwise, so the forward's compiled engine takes it, keyed like any
+    ``combine_fn`` (the block pattern and leaf count are its captured values).
+    """
+    if _compiled.codegen_unavailable(leaves, Reach(None, ())) is not None:
+        return None  # a CPU backward: no kernel to look up (the usual case, kept cheap)
+    spec = optree.tree_structure(list(leaves))
+    found = reach(combine)
+    entry = knowledge(found, spec, "pointwise", leaves)
+    return _compiled.codegen_scan("fscan backward", combine, spec, leaves, 0, reverse, found, entry)
 
 
 def _closed_pattern(entries: set[Entry]) -> list[Entry]:
