@@ -32,7 +32,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from . import _compiled
 from ._combine import FlatCombine
 from ._generic import scan_along, scan_functional_along
-from ._knowledge import Reach, knowledge, reach
+from ._knowledge import Reach, knowledge
 
 __all__ = ["CHUNK_ELEMENTS", "PointwiseScan", "ScanPlan", "jacobian_blocks"]
 
@@ -435,7 +435,8 @@ def _adjoint_scan(
     del like
     combine = _affine_combine(pattern, len(gs))
     leaves = [*ms, *gs]
-    out = None if create_graph else _on_compiled_kernel(combine, leaves, not reverse)
+    key = ("fscan adjoint", tuple(pattern), len(gs))  # all that `combine` depends on
+    out = None if create_graph else _on_compiled_kernel(combine, key, leaves, not reverse)
     if out is None:
         scan = scan_functional_along if create_graph else scan_along
         out = scan(combine, leaves, 0, not reverse)
@@ -443,18 +444,19 @@ def _adjoint_scan(
 
 
 def _on_compiled_kernel(
-    combine: FlatCombine, leaves: list[torch.Tensor], reverse: bool
+    combine: FlatCombine, key: tuple, leaves: list[torch.Tensor], reverse: bool
 ) -> list[torch.Tensor] | None:
     """The adjoint recurrence as one compiled scan kernel (Triton on CUDA/XPU), or None.
 
     The adjoint of a pointwise scan is itself a pointwise scan: composing affine maps
-    is elementwise, so the forward's compiled engine takes it, keyed like any
-    ``combine_fn`` (the block pattern and leaf count are its captured values).
+    is elementwise, so the forward's compiled engine takes it. ``combine`` is made
+    afresh per backward from the block pattern and the leaf count alone, so ``key``
+    names them instead of a walk over its closure (which gives up on long patterns).
     """
     if _compiled.codegen_unavailable(leaves, Reach(None, ())) is not None:
         return None  # a CPU backward: no kernel to look up (the usual case, kept cheap)
     spec = optree.tree_structure(list(leaves))
-    found = reach(combine)
+    found = Reach(key, ())
     entry = knowledge(found, spec, "pointwise", leaves)
     return _compiled.codegen_scan("fscan backward", combine, spec, leaves, 0, reverse, found, entry)
 

@@ -161,6 +161,19 @@ def test_the_backward_recurrence_runs_on_the_compiled_engine(cpu_codegen, op, re
     assert_trees_close(grads, torch.autograd.grad(optree.tree_leaves(want), oracle, cot))
 
 
+def test_the_backward_recurrence_compiles_once_for_many_leaves(cpu_codegen):
+    # Products of upper triangular 2 x 2 matrices [[p, q], [0, r]]: three leaves that
+    # mix, a block pattern of several entries, a fresh backward combine per call.
+    mix = lambda a, b: (a[0] * b[0], a[0] * b[1] + a[1] * b[2], a[2] * b[2])
+    frames = []
+    for _ in range(2):
+        xs = [(torch.rand(8, 2, dtype=torch.float64) + 0.5).requires_grad_() for _ in range(3)]
+        out = fscan.associative_scan(mix, tuple(xs), 0)
+        torch.autograd.grad(out, xs, [torch.ones_like(o) for o in out])
+        frames.append(cpu_codegen.frame_count)
+    assert frames[0] >= 1 and frames[1] == frames[0]
+
+
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.bool, torch.uint8])
 def test_dtypes_without_scan_codegen_fall_back(cpu_codegen, dtype):
     x = torch.ones(5, dtype=dtype)
