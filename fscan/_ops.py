@@ -7,24 +7,25 @@ casts first), shapes (0-d inputs, empty dimensions), ``(values, indices)``
 structs with torch's tie-breaking and NaN rules, and the same precision
 (accumulation in float64 for float32, in float32 for half types).
 
-Each call picks the faster of two paths (:func:`parallel_wins`):
+Each call takes the fastest of three paths, as measured (:func:`path` says which):
 
+* the generated C++ kernel of :mod:`fscan.engine.cpu_kernel`, once it is compiled
+  for the op and dtype (in the background, from the second large call), where it
+  wins (:func:`kernel_wins`): no gradient wanted, at least ``KERNEL_MIN_NUMEL``
+  elements, and ``dim`` not the innermost (there torch's walk is contiguous; the
+  kernel walks lanes side by side) unless the scan is reversed over a single lane
+  (torch then pays two flips) or is ``logcumsumexp`` over more than one lane
+  (compute-bound: the kernel's math, vectorised or interleaved, wins there).
+  cummax/cummin scan (value, index) pairs; the kernel makes the indices from each
+  element's position, reading only the values.
 * torch's native kernel, which walks ``dim`` sequentially for every other index.
   When ``dim`` is the innermost (stride-1) dimension that walk is contiguous
   and vectorized, and nothing beats it. ``reverse=True`` is flip, op, flip.
 * fscan's parallel scan (:mod:`fscan._ops_parallel`), which combines whole
   contiguous slices at a time. When ``dim`` has a large stride, every step of
   torch's walk lands on a new cache line; then the parallel scan is faster for
-  cummax, cummin and logcumsumexp, and for cumsum and cumprod once the walk
-  spans more than the L2 cache (the rule and its measurements are below).
-
-Before both, once the generated C++ kernel of :mod:`fscan.engine.cpu_kernel` is
-compiled for the op and dtype (in the background, from the second large call),
-a call it serves faster takes it (:func:`kernel_wins`): no gradient wanted, at
-least ``KERNEL_MIN_NUMEL`` elements, and ``dim`` not the innermost (there torch's
-walk is contiguous; the kernel walks its lanes side by side) unless the scan is
-reversed over a single lane (torch then pays two flips) or is ``logcumsumexp``
-(compute-bound: the kernel's vector math wins at every layout).
+  logcumsumexp, and for the others once the walk spans more memory than the
+  caches hold (:func:`parallel_wins`; the rule and its measurements are below).
 
 Gradients are torch's on the native path and autograd's through the scan on
 the other; they agree (cumprod with zeros included: the scan multiplies, it
@@ -34,6 +35,7 @@ the whole gradient goes to the chosen element, as in torch).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -42,7 +44,7 @@ from ._checks import normalize_dim
 from ._errors import ScanTypeError
 from ._ops_parallel import LOGSUMEXP, PRODUCT, SUM, Accumulation, blocked_scan, extremum_scan
 from ._pytree import flatten
-from .engine.cpu_kernel import kernel_scan
+from .engine.cpu_kernel import kernel_ready, kernel_scan
 
 __all__ = [
     "cummax",
@@ -52,34 +54,44 @@ __all__ = [
     "kernel_wins",
     "logcumsumexp",
     "parallel_wins",
+    "path",
 ]
 
-# The dispatch rule, measured on CPU (fscan/bench/ops.py and its sweeps over
-# shapes; a Xeon with 2 MiB of L2 per core). torch's kernel walks `dim` for one
-# column after another. When `dim` is contiguous that walk streams and nothing
-# beats it. When consecutive steps are >= MIN_STRIDE elements apart, every step
-# lands on a new cache line, and the cost depends on the op:
-# * cumsum and cumprod are memory-bound: their walk costs ~3-5 ns per element
-#   while the lines of one column walk (n * stride bytes) stay in L2 for the
-#   next columns, and 8-20 ns once that span passes L2. The parallel scan costs
-#   ~6-8 ns per element (one thread; two threads halve both): it wins only past L2.
-# * cummax, cummin and logcumsumexp cost 20-40 ns per element in torch's strided
-#   walk at any span; the parallel scan costs 20-25 (cummax) and ~10 (log-sum-exp).
+# The parallel-scan rule, measured on CPU (fscan/bench/ops.py and sweeps over shapes,
+# one thread, float32). torch's kernel walks `dim` for one column after another. When
+# `dim` is contiguous that walk streams and nothing beats it. When consecutive steps
+# are >= MIN_STRIDE elements apart, every step lands on a new cache line, and the cost
+# depends on the op and on the span of one column's walk (n * stride bytes):
+# * logcumsumexp costs 20-40 ns per element in torch's strided walk at any span; the
+#   parallel scan ~10 (0.25-0.35x torch at 1-16 MiB spans, on a Xeon and an AMD EPYC).
+# * cumsum, cumprod, cummax and cummin: on a Xeon (2 MiB L2 per core) the parallel
+#   scan won once the span passed L2; on an AMD EPYC (1 MiB L2 per core, 32 MiB L3)
+#   it lost at 1-4 MiB spans (1.1-2.5x torch; (4096, 256) and (8, 1024, 256)) and
+#   won from 16 MiB on (0.33-0.81x at (4096, 1024) and (16384, 1024) dim 0, cummax
+#   and cumprod also at (65536, 64)), except cumsum at strides below 1024 elements
+#   (1.6x at (65536, 64)): its carries are float64. So: spans of SPAN_BYTES.
 # Below MIN_LENGTH steps or MIN_NUMEL elements, the scan's ~0.1-0.3 ms of Python
-# calls are not repaid.
+# calls are not repaid. Where the C++ kernel is compiled it beats both (kernel_wins).
 MIN_STRIDE = 64
 MIN_LENGTH = 32
 MIN_NUMEL = 2**15
-L2_BYTES = 2 * 2**20
-_MEMORY_BOUND = (torch.cumsum, torch.cumprod)
+SPAN_BYTES = 16 * 2**20
+CUMSUM_MIN_STRIDE = 1024
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-# Measured on this repository's 2-core CI-like machine (python -m fscan.bench.kernel):
-# below ~2**15 elements torch's op (2-20 us) beats the kernel's ~15 us fixed cost.
+# Measured on this repository's 2-core CI-like machine (AMD EPYC; python -m fscan.bench.kernel
+# and fscan.bench.ops, one thread): below ~2**15 elements torch's op (2-20 us) beats the
+# kernel's ~15 us fixed cost. Above it, at a dim with >= 8 contiguous lanes after it, the
+# kernel ran 0.05-0.25x torch (cumsum, cumprod, cummax, cummin at (4096, 256) dim 0,
+# (8, 1024, 256) dim 1, (65536, 64) dim 0); over the innermost dim it ran 1.3-2x torch
+# (cumsum) and 1.3-8x (cummax: torch's branchy walk predicts well), except reversed
+# over one lane (0.25-0.65x: torch flips twice). logcumsumexp: 0.1-0.6x at every layout
+# but a single lane (1-D), where the kernel's chunked scan does the math twice: 0.95-1.02x.
 KERNEL_MIN_NUMEL = 2**15
 _KERNEL_INNER = 8  # the kernel's lane path needs this many contiguous lanes after dim
 _ONE_LEAF = flatten(torch.zeros(()))[1]
+_PAIR = flatten((torch.zeros(()), torch.zeros(())))[1]
 
 
 def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -92,6 +104,27 @@ def _mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _logaddexp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.logaddexp(a, b)
+
+
+# (value, index) pairs for cummax/cummin, as torch breaks ties: the right operand (the
+# later one in scan order) wins ties, and a NaN, once met, stays until a later NaN.
+def _take_max(left: Any, right: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    take = (right[0] >= left[0]) | torch.isnan(right[0])
+    return torch.where(take, right[0], left[0]), torch.where(take, right[1], left[1])
+
+
+def _take_min(left: Any, right: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    take = (right[0] <= left[0]) | torch.isnan(right[0])
+    return torch.where(take, right[0], left[0]), torch.where(take, right[1], left[1])
+
+
+_KERNEL_COMBINES = {
+    torch.cumsum: _add,
+    torch.cumprod: _mul,
+    torch.logcumsumexp: _logaddexp,
+    torch.cummax: _take_max,
+    torch.cummin: _take_min,
+}
 
 
 def kernel_wins(x: torch.Tensor, dim: int, reverse: bool, op: Any) -> bool:
@@ -110,19 +143,48 @@ def kernel_wins(x: torch.Tensor, dim: int, reverse: bool, op: Any) -> bool:
         return False
     if not x.is_contiguous():  # the kernel would copy it first; torch's walk may not need to
         return False
-    inner = x[(0,) * (dim + 1)].numel() if dim + 1 < x.ndim else 1
+    inner = math.prod(x.shape[dim + 1 :])
     single_lane = x.numel() == x.shape[dim]
-    return op is torch.logcumsumexp or inner >= _KERNEL_INNER or (reverse and single_lane)
+    if op is torch.logcumsumexp:  # one lane: a chunked scan, twice the math; a tie
+        return not single_lane
+    return inner >= _KERNEL_INNER or (reverse and single_lane)
 
 
-def _kernel(
-    api: str, combine: Any, op: Any, x: torch.Tensor, dim: int, reverse: bool
-) -> torch.Tensor | None:
-    """The kernel's scan of ``x`` where it wins and is compiled, else None."""
+def _kernel_call(op: Any, x: torch.Tensor) -> tuple[Any, Any, list[torch.Tensor], tuple[int, ...]]:
+    """The combine, pytree spec, leaves and position leaves of ``op``'s kernel scan:
+    cummax/cummin scan (value, index) pairs whose indices the kernel makes itself."""
+    combine = _KERNEL_COMBINES[op]
+    if op in (torch.cummax, torch.cummin):
+        index = torch.zeros((), dtype=torch.int64).expand(x.shape)  # never read
+        return combine, _PAIR, [x, index], (1,)
+    return combine, _ONE_LEAF, [x], ()
+
+
+def _kernel(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool) -> Any:
+    """The kernel's scan of ``x`` (a tensor, or (values, indices)) where it wins and is
+    compiled, else None."""
     if not kernel_wins(x, dim, reverse, op):
         return None
-    out = kernel_scan(api, combine, _ONE_LEAF, [x], dim, reverse)
-    return None if out is None else out[0]
+    combine, spec, leaves, positions = _kernel_call(op, x)
+    out = kernel_scan(api, combine, spec, leaves, dim, reverse, positions=positions)
+    if out is None:
+        return None
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def path(op: Any, x: torch.Tensor, dim: int, reverse: bool = False) -> str:
+    """The path a drop-in for torch's ``op`` takes on ``x`` now: ``"c++"`` (the compiled
+    kernel, once loaded), ``"parallel"`` (fscan's parallel scan) or ``"native"`` (torch's).
+
+    Example:
+        >>> path(torch.cumsum, torch.ones(4096, 256), 1)
+        'native'
+    """
+    if kernel_wins(x, dim, reverse, op):
+        combine, spec, leaves, positions = _kernel_call(op, x)
+        if kernel_ready(combine, spec, leaves, dim, positions):
+            return "c++"
+    return "parallel" if parallel_wins(x, dim, op) else "native"
 
 
 def parallel_wins(x: torch.Tensor, dim: int, op: Any) -> bool:
@@ -135,10 +197,10 @@ def parallel_wins(x: torch.Tensor, dim: int, op: Any) -> bool:
 
     Example:
         >>> x = torch.ones(4096, 256)
-        >>> parallel_wins(x, 0, torch.cumsum), parallel_wins(x, 1, torch.cumsum)
+        >>> parallel_wins(x, 0, torch.logcumsumexp), parallel_wins(x, 1, torch.logcumsumexp)
         (True, False)
-        >>> y = torch.ones(8, 1024, 256)  # a 1 MiB walk: stays in L2
-        >>> parallel_wins(y, 1, torch.cumsum), parallel_wins(y, 1, torch.cummax)
+        >>> y = torch.ones(16384, 1024)  # a 64 MiB walk: past the caches
+        >>> parallel_wins(x, 0, torch.cummax), parallel_wins(y, 0, torch.cummax)
         (False, True)
     """
     if torch.compiler.is_compiling() or x.device.type != "cpu" or x.ndim == 0:
@@ -146,7 +208,11 @@ def parallel_wins(x: torch.Tensor, dim: int, op: Any) -> bool:
     n, stride = x.shape[dim], x.stride(dim)
     if stride < MIN_STRIDE or n < MIN_LENGTH or x.numel() < MIN_NUMEL:
         return False
-    return op not in _MEMORY_BOUND or n * stride * x.element_size() >= L2_BYTES
+    if op is torch.logcumsumexp:
+        return True
+    if op is torch.cumsum and stride < CUMSUM_MIN_STRIDE:
+        return False
+    return n * stride * x.element_size() >= SPAN_BYTES
 
 
 def cumsum(
@@ -172,7 +238,9 @@ def cumsum(
         (tensor([1, 3, 6]), tensor([6, 5, 3]))
     """
     x, dim = _prepare("fscan.cumsum", input, dim, reverse, dtype, promote_integers=True)
-    if (out := _kernel("fscan.cumsum", _add, torch.cumsum, x, dim, reverse)) is not None:
+    if _small(x):
+        return _native(torch.cumsum, x, dim, reverse, dtype=x.dtype)
+    if (out := _kernel("fscan.cumsum", torch.cumsum, x, dim, reverse)) is not None:
         return out
     if not parallel_wins(x, dim, torch.cumsum) or x.dtype == torch.bool:
         return _native(torch.cumsum, x, dim, reverse, dtype=x.dtype)  # already promoted
@@ -192,7 +260,9 @@ def cumprod(
         tensor([6., 6., 3.])
     """
     x, dim = _prepare("fscan.cumprod", input, dim, reverse, dtype, promote_integers=True)
-    if (out := _kernel("fscan.cumprod", _mul, torch.cumprod, x, dim, reverse)) is not None:
+    if _small(x):
+        return _native(torch.cumprod, x, dim, reverse, dtype=x.dtype)
+    if (out := _kernel("fscan.cumprod", torch.cumprod, x, dim, reverse)) is not None:
         return out
     if not parallel_wins(x, dim, torch.cumprod) or x.dtype == torch.bool:
         return _native(torch.cumprod, x, dim, reverse, dtype=x.dtype)  # already promoted
@@ -213,10 +283,11 @@ def logcumsumexp(input: torch.Tensor, dim: int, *, reverse: bool = False) -> tor
         tensor([0.0000, 0.0000, 0.6931])
     """
     x, dim = _prepare("fscan.logcumsumexp", input, dim, reverse)
+    if _small(x):
+        return _native(torch.logcumsumexp, x, dim, reverse)
     if (
         x.dtype in _FLOATS
-        and (out := _kernel("fscan.logcumsumexp", _logaddexp, torch.logcumsumexp, x, dim, reverse))
-        is not None
+        and (out := _kernel("fscan.logcumsumexp", torch.logcumsumexp, x, dim, reverse)) is not None
     ):
         return out
     if not parallel_wins(x, dim, torch.logcumsumexp) or x.dtype not in _FLOATS:
@@ -284,6 +355,12 @@ def _prepare(
     return input, dim
 
 
+def _small(x: torch.Tensor) -> bool:
+    """Too small for anything but torch's op (the kernel and the parallel scan need
+    MIN_NUMEL elements); and under torch.compile, always torch's op."""
+    return torch.compiler.is_compiling() or x.numel() < min(MIN_NUMEL, KERNEL_MIN_NUMEL)
+
+
 def _native(op: Any, x: torch.Tensor, dim: int, reverse: bool, **kw: Any) -> torch.Tensor:
     if not reverse or x.ndim == 0:
         return op(x, dim, **kw)
@@ -305,8 +382,16 @@ def _accumulate(how: Accumulation, x: torch.Tensor, dim: int, reverse: bool) -> 
 
 def _extremum(api: str, native: Any, result: Any, input: Any, dim: Any, reverse: Any) -> Any:
     x, dim = _prepare(api, input, dim, reverse)
-    if parallel_wins(x, dim, native) and not x.is_complex():
+    if _small(x) or x.is_complex():
+        return _native_extremum(native, result, x, dim, reverse)
+    if (out := _kernel(api, native, x, dim, reverse)) is not None:
+        return result(out)
+    if parallel_wins(x, dim, native):
         return result(extremum_scan(x, dim, reverse, largest=native is torch.cummax))
+    return _native_extremum(native, result, x, dim, reverse)
+
+
+def _native_extremum(native: Any, result: Any, x: torch.Tensor, dim: int, reverse: bool) -> Any:
     if not reverse or x.ndim == 0:
         return native(x, dim)
     values, indices = native(x.flip(dim), dim)

@@ -442,6 +442,8 @@ def test_captured_tensor_needing_grad_takes_the_adjoint_scan():
         (fscan.cumsum, torch.cumsum, torch.int64),
         (fscan.cumprod, torch.cumprod, torch.float64),
         (fscan.logcumsumexp, torch.logcumsumexp, torch.float32),
+        (fscan.cummax, torch.cummax, torch.float32),
+        (fscan.cummin, torch.cummin, torch.int32),
     ],
 )
 def test_drop_ins_ride_on_the_kernel(op, torch_op, dtype, reverse):
@@ -452,13 +454,83 @@ def test_drop_ins_ride_on_the_kernel(op, torch_op, dtype, reverse):
     assert _ops.kernel_wins(x, 0, reverse, torch_op)
     with torch.no_grad():
         out = op(x, 0, reverse=reverse)
+    assert _ops.path(torch_op, x, 0, reverse) == "c++"
+    if torch_op in (torch.cummax, torch.cummin):
+        assert type(out) is type(torch_op(x, 0))
+        values, indices = _ops._native_extremum(torch_op, tuple, x, 0, reverse)
+        assert torch.equal(out.values, values) and torch.equal(out.indices, indices)
+        return
     flip = (lambda t: t.flip(0)) if reverse else (lambda t: t)
     ref = flip(torch_op(flip(x), 0))
     if dtype.is_floating_point:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     else:
         assert torch.equal(out, ref)
-    assert _ops._kernel("t", _ops._add, torch.cumsum, x, 0, reverse) is not None
+
+
+def _ties_and_nans(shape, dtype, gen):
+    """Few distinct values (many ties); NaN and +-inf sprinkled into floats."""
+    x = torch.randint(-3, 4, shape, generator=gen)
+    if dtype == torch.bool:
+        return x > 0
+    x = x.to(dtype)
+    if dtype.is_floating_point and x.numel():
+        special = torch.rand(shape, generator=gen)
+        x[special < 0.02] = float("nan")
+        x[(special > 0.02) & (special < 0.04)] = float("inf")
+        x[(special > 0.04) & (special < 0.06)] = float("-inf")
+    return x
+
+
+@needs_compiler
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    op=st.sampled_from([torch.cummax, torch.cummin]),
+    dtype=st.sampled_from([torch.float32, torch.int32, torch.bool]),
+    length=st.one_of(st.integers(1, 40), st.sampled_from([2047, 2049, 4113, 5000])),
+    other=st.sampled_from([1, 3, 8, 17]),
+    dim=st.integers(0, 1),
+    reverse=st.booleans(),
+    threads=st.sampled_from([1, 2, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_cummax_cummin_kernel_indices_and_ties_match_torch(
+    op, dtype, length, other, dim, reverse, threads, seed
+):
+    """The kernel's (value, index) scan, indices made from positions: torch's ties (the
+    later index; the earlier one in reverse), NaN sticking, over chunked 1-D scans too."""
+    from fscan import _ops
+
+    shape = [other, other]
+    shape[dim] = length
+    x = _ties_and_nans(tuple(shape), dtype, torch.Generator().manual_seed(seed))
+    combine, spec, leaves, positions = _ops._kernel_call(op, x)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            out = kernel_scan("test", combine, spec, leaves, dim, reverse, positions=positions)
+    finally:
+        torch.set_num_threads(previous)
+    assert out is not None
+    values, indices = _ops._native_extremum(op, tuple, x, dim, reverse)
+    torch.testing.assert_close(out[0], values, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(out[1], indices)
+
+
+@needs_compiler
+def test_position_leaves_key_their_own_kernel():
+    """The same combine over the same leaves, with and without a position leaf: two
+    kernels (the slot key holds the positions), each with its own result."""
+    from fscan import _ops
+
+    x = torch.tensor([1.0, 3.0, 3.0, 2.0])
+    given = torch.tensor([7, 8, 9, 10])
+    combine, spec, _, _ = _ops._kernel_call(torch.cummax, x)
+    with torch.no_grad():
+        made = kernel_scan("t", combine, spec, [x, given], 0, False, positions=(1,))
+        read = kernel_scan("t", combine, spec, [x, given], 0, False)
+    assert made[1].tolist() == [0, 1, 2, 2] and read[1].tolist() == [7, 8, 9, 9]
 
 
 @needs_compiler

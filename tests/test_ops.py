@@ -153,8 +153,8 @@ def test_gradients_match_torch(force, name, path, reverse):
 
 
 def test_cumprod_gradient_with_zeros_is_exact():
-    steps = torch.tensor([2.0, 0.0, 3.0, 0.0, 5.0, 1.5, -1.0, 0.5] * 40, dtype=torch.float64)
-    x = (steps[:, None] * torch.rand(1, 1024, dtype=torch.float64)).requires_grad_()
+    steps = torch.tensor([2.0, 0.0, 3.0, 0.0, 5.0, 1.5, -1.0, 0.5] * 64, dtype=torch.float64)
+    x = (steps[:, None] * torch.rand(1, 4096, dtype=torch.float64)).requires_grad_()
     assert _ops.parallel_wins(x, 0, torch.cumprod)  # the scan path, on its own merits
     (got,) = torch.autograd.grad(fscan.cumprod(x, 0).sum(), x)
     (expected,) = torch.autograd.grad(torch.cumprod(x, 0).sum(), x)
@@ -178,14 +178,18 @@ def test_dispatch_rule_on_the_benchmark_workloads():
     for op in (torch.cumsum, torch.cumprod, torch.cummax, torch.cummin, torch.logcumsumexp):
         assert not wins(torch.empty(2**20), 0, op)  # contiguous: torch's kernel
         assert not wins(torch.empty(4096, 256), 1, op)
-        assert wins(torch.empty(4096, 256), 0, op)  # 256 apart, a 4 MiB walk
         assert not wins(torch.empty(16, 64), 0, op)  # too small to repay the calls
         assert not wins(torch.empty(16, 4096), 0, op)  # too short
-        assert wins(torch.empty(256, 4096).T, 1, op)  # layout, not shape, decides
-    # A 1 MiB walk stays in L2: torch's memory-bound kernels keep up there.
-    assert not wins(torch.empty(8, 1024, 256), 1, torch.cumsum)
-    assert wins(torch.empty(8, 1024, 256), 1, torch.cummax)
-    assert wins(torch.empty(8, 1024, 256, dtype=torch.float64), 1, torch.cumsum)
+        assert wins(torch.empty(4096, 1024), 0, op)  # 1024 apart, a 16 MiB walk
+        assert wins(torch.empty(1024, 4096).T, 1, op)  # layout, not shape, decides
+    # logcumsumexp wins at any span; the others only past the caches (16 MiB).
+    for shape, dim in [((4096, 256), 0), ((8, 1024, 256), 1)]:
+        assert wins(torch.empty(shape), dim, torch.logcumsumexp)
+        for op in (torch.cumsum, torch.cumprod, torch.cummax, torch.cummin):
+            assert not wins(torch.empty(shape), dim, op)
+    # A 16 MiB walk with steps 64 apart: cumsum's float64 carries do not pay there.
+    assert wins(torch.empty(65536, 64), 0, torch.cummax)
+    assert not wins(torch.empty(65536, 64), 0, torch.cumsum)
 
 
 def rms_error(values, exact):
@@ -193,9 +197,11 @@ def rms_error(values, exact):
 
 
 @parametrize(dtype=[torch.float32, torch.float16, torch.bfloat16], shape=[(2**22,), (2**16, 64)])
-def test_cumsum_precision_against_torch(dtype, shape):
+def test_cumsum_precision_against_torch(dtype, shape, force):
     """No worse than 2x torch's error (it accumulates in float64 / float32) at n = 2**22
-    elements: 1-D runs torch's kernel, (2**16, 64) over dim 0 the parallel scan."""
+    elements: 1-D runs torch's kernel, (2**16, 64) over dim 0 the parallel scan (forced:
+    by speed, torch's kernel takes it on this layout)."""
+    force("parallel" if len(shape) == 2 else "native")
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
     exact = x.double().cumsum(0)
     torch_error = rms_error(torch.cumsum(x, 0), exact)

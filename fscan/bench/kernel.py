@@ -87,7 +87,7 @@ def _bare_kernel(fn, xs) -> Callable[[], object] | None:
     lookup = cpu_kernel._lookup(fn, spec, leaves, None, None)
     assert lookup is not None
     holder, aliases, _ = lookup
-    entry = cpu_kernel._slots(holder).get((aliases, tuple(leaves[0].shape[1:]), False))
+    entry = cpu_kernel._slots(holder).get((aliases, tuple(leaves[0].shape[1:]), (), False))
     shape = leaves[0].shape
     outer, steps, inner = 1, shape[0], int(torch.tensor(shape[1:]).prod().item())
     ys = [torch.empty_like(x) for x in leaves]

@@ -14,7 +14,12 @@ Compute types: float64 in ``double``; float16/bfloat16 in ``float``; float32 in
 ``double`` when the combine rounds (add, mul, exp...), so a sequential
 accumulation rounds once per stored output, and in ``float`` when it is exact
 (max, min, where, comparisons); integers in their own type; bool as ``bool``
-(stored as bytes).
+(stored as bytes). In a float32 combine computed in double, transcendental
+functions (exp, log1p, tanh...) still run in float, on their argument rounded
+to float, as eager float32 runs them: their vector versions are twice as wide,
+and the accumulation, which is what grows the error of a long scan, stays double
+(``logaddexp``'s scan stays as accurate as ``torch.logcumsumexp``, which
+accumulates in double).
 
 Example:
     >>> import optree, torch
@@ -167,6 +172,9 @@ _LIBM = [
     "atanh",
     "lgamma",
 ]
+# Functions a float32 combine evaluates in float even when it computes in double:
+# everything of _LIBM but the correctly rounded (sqrt) and exact (floor...) ones.
+_FLOAT_MATH = frozenset(_LIBM) - {"sqrt", "floor", "ceil", "trunc"}
 _IDENTITY = frozenset({"clone", "alias", "detach", "lift_fresh_copy", "_to_copy", "copy"})
 # Views allowed on leaf-dependent values: they only broadcast, which is implicit per element.
 _BROADCASTS = frozenset({"expand", "view", "unsqueeze", "squeeze", "reshape", "_unsafe_view"})
@@ -461,6 +469,10 @@ class _Translator:
         if name in _BINARY:
             if name == "div" and kwargs.get("rounding_mode") is not None:
                 raise Unsupported("div with rounding_mode")
+            if name == "div" and out.is_floating_point():
+                scale = _power_of_two_reciprocal(self._constant_value(args[1]))
+                if scale is not None:  # exact, and a division costs 10-20x a product
+                    return f"({self._arg(args[0], oc)} * {_cpp_const(scale, oc)})"
             b = self._arg(args[1], oc)
             alpha = kwargs.get("alpha", 1)
             if name in ("add", "sub") and alpha != 1:
@@ -472,6 +484,10 @@ class _Translator:
         if name in _UNARY:
             return _UNARY[name].format(a=self._arg(args[0], oc))
         if name in _LIBM and out.is_floating_point():
+            if self.wide and out.dtype == torch.float32 and name in _FLOAT_MATH:
+                # As eager float32 does, at float precision (libmvec's float variants are
+                # twice as wide); the carry and the arithmetic around it stay double.
+                return f"static_cast<double>(std::{name}({self._arg(args[0], 'float')}))"
             return f"std::{name}({self._arg(args[0], oc)})"
         if name in ("clamp", "clamp_min", "clamp_max"):
             return self._clamp(name, args, oc)
@@ -480,6 +496,12 @@ class _Translator:
         if name == "full" and len(args) > 1:
             return _cpp_const(args[1], oc)
         raise Unsupported(f"op aten.{name}")
+
+    def _constant_value(self, a: Any) -> Any:
+        """The Python number ``a`` stands for, if it is a constant, else None."""
+        if isinstance(a, torch.fx.Node):
+            return _fill_value(a) if a not in self.dynamic else None
+        return a if isinstance(a, (int, float)) and not isinstance(a, bool) else None
 
     def _clamp(self, name: str, args: list[Any], oc: str) -> str:
         expr = self._arg(args[0], oc)
@@ -508,6 +530,19 @@ class _Translator:
                 self.lines.append(f"o{k} = {self._arg(o, oc)};")
             else:
                 self.lines.append(f"o{k} = {_cpp_const(o, oc)};")
+
+
+def _power_of_two_reciprocal(value: Any) -> float | None:
+    """``1 / value`` where ``value`` is a power of two whose reciprocal is a normal float32
+    (then ``x / value == x * (1 / value)`` exactly, in every float type), else None."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value == 0:
+        return None
+    if not math.isfinite(value):
+        return None
+    mantissa, exponent = math.frexp(abs(value))
+    if mantissa != 0.5 or not -125 <= 1 - exponent <= 126:
+        return None
+    return 1.0 / value
 
 
 def _fill_value(node: torch.fx.Node) -> Any:

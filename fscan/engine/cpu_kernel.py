@@ -68,6 +68,7 @@ __all__ = [
     "KernelScan",
     "kernel_entries",
     "kernel_grad_scan",
+    "kernel_ready",
     "kernel_scan",
     "precompile",
 ]
@@ -115,6 +116,11 @@ class _Call:
     dtypes: tuple[torch.dtype, ...]
     element: tuple[int, ...]  # the shape of one element: the leaves' without the scan dim
     captured: tuple[torch.Tensor, ...]
+    positions: tuple[int, ...] = ()  # leaves that are not read: their position along dim
+
+    def slot(self, aliases: Hashable, backward: bool) -> Hashable:
+        """The key of this call's kernel entry within its knowledge entry."""
+        return (aliases, self.element, self.positions, backward)
 
 
 def kernel_scan(
@@ -126,11 +132,15 @@ def kernel_scan(
     reverse: bool,
     found: Reach | None = None,
     entry: Knowledge | None = None,
+    positions: tuple[int, ...] = (),
 ) -> list[torch.Tensor] | None:
     """The scan of ``leaves`` along ``dim`` by the compiled kernel, or None (module doc).
 
     ``found``/``entry``: this call's :func:`~fscan._knowledge.reach` and knowledge
     entry if the caller has them (the routing does), else computed here.
+    ``positions``: leaves whose values are not read but are each element's index along
+    ``dim`` (int64; pass any tensor of the right shape and dtype, e.g. an expanded
+    scalar): the kernel makes them on the fly, as ``cummax`` needs for its indices.
 
     Example:
         >>> import fscan, optree
@@ -153,11 +163,33 @@ def kernel_scan(
     if torch.is_grad_enabled() and any(t.requires_grad for t in captured):
         _log_once("combine_fn captures tensors that require grad: the autograd engine runs")
         return None
-    call = _Call(combine_fn, spec, tuple(x.dtype for x in leaves), _element(leaves, dim), captured)
+    dtypes = tuple(x.dtype for x in leaves)
+    call = _Call(combine_fn, spec, dtypes, _element(leaves, dim), captured, positions)
     kernel = _ready(holder, aliases, call, leaves[0].numel(), backward=False)
     if kernel is None:
         return None
-    return run_kernel(kernel, leaves, dim, reverse, captured)
+    return run_kernel(kernel, leaves, dim, reverse, captured, positions)
+
+
+def kernel_ready(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    positions: tuple[int, ...] = (),
+) -> bool:
+    """Whether a compiled kernel for scans like this one is loaded (counts no call and
+    builds nothing: for benchmarks and tests that report which engine ran)."""
+    if config.cpu_kernel == "off" or _unavailable(leaves) is not None:
+        return False
+    lookup = _lookup(combine_fn, spec, leaves, None, None)
+    if lookup is None:
+        return False
+    holder, aliases, captured = lookup
+    dtypes = tuple(x.dtype for x in leaves)
+    call = _Call(combine_fn, spec, dtypes, _element(leaves, dim), captured, positions)
+    entry = _slots(holder).get(call.slot(aliases, False))
+    return entry is not None and entry.state is State.READY
 
 
 def _lookup(
@@ -219,7 +251,7 @@ def _ready(
     """The READY kernel entry, or None after counting the call and, per the mode,
     building it now or queueing its build."""
     entry = _slots(holder).get_or_compute(
-        (aliases, call.element, backward), lambda: Entry(backward=backward)
+        call.slot(aliases, backward), lambda: Entry(backward=backward)
     )
     eager = config.cpu_kernel == "eager"
     if entry.state is State.NEW or (eager and entry.state is State.PENDING):
@@ -263,7 +295,7 @@ def precompile(
     ready = True
     for backward in (False, True) if backward_too else (False,):
         entry = _slots(holder).get_or_compute(
-            (aliases, call.element, backward), lambda b=backward: Entry(backward=b)
+            call.slot(aliases, backward), lambda b=backward: Entry(backward=b)
         )
         _build(entry, call)
         ready = ready and entry.state is State.READY
@@ -370,8 +402,8 @@ def _translate(entry: Entry, call: _Call) -> bool:
             program = translate_combine(
                 call.combine_fn, call.spec, call.dtypes, call.element, call.captured
             )
-            entry.source = forward_source(call.dtypes, program)
-            entry.argtypes = tuple(forward_argtypes(call.dtypes, program))
+            entry.source = forward_source(call.dtypes, program, call.positions)
+            entry.argtypes = tuple(forward_argtypes(call.dtypes, program, call.positions))
     except Unsupported as err:
         entry.reason = f"unsupported: {err}"
         entry.state = State.FAILED
@@ -510,6 +542,7 @@ def run_kernel(
     dim: int,
     reverse: bool,
     captured: Sequence[torch.Tensor],
+    positions: tuple[int, ...] = (),
 ) -> list[torch.Tensor] | None:
     """Run a READY entry's kernel into fresh outputs, or None where its params do not fit."""
     program, kernel = entry.program, entry.kernel
@@ -523,7 +556,7 @@ def run_kernel(
     params = _params(program, captured, shape[:dim] + shape[dim + 1 :])
     if params is None:
         return None
-    xs = [x.contiguous() for x in leaves]
+    xs = [x.contiguous() for k, x in enumerate(leaves) if k not in positions]
     kernel(*xs, *ys, *params, outer, steps, inner, int(reverse), torch.get_num_threads())
     return ys
 
