@@ -595,3 +595,20 @@ def test_within_element_indexing_is_traced_per_element_shape():
                 out = kernel_scan("test", fn, spec, [x], 0, False)
             ref = oracle(fn, x, 0, False)
             assert out is None or torch.allclose(out[0], ref[0]), (fn, width)
+
+
+@needs_compiler
+@pytest.mark.parametrize("fn", [cmax, add], ids=["max", "add"])
+def test_float32_backward_sums_cotangents_in_double(fn):
+    """The gradient of the first element of a constant-max (or sum) chain is the sum of
+    all cotangents: the backward kernel accumulates it in double (float32 summation of
+    2**18 terms is ~1e-5 off), even where the VJP itself computes in float (max)."""
+    x = torch.full((2**18,), -1.0)
+    x[0] = 5.0
+    x.requires_grad_()
+    g = torch.rand(2**18, generator=torch.Generator().manual_seed(0))
+    y = fscan.associative_scan(fn, x, 0)
+    assert type(y.grad_fn).__name__ == "KernelScanBackward"
+    (gx,) = torch.autograd.grad(y, x, g)
+    exact = g.double().sum().item()
+    assert abs(gx[0].item() - exact) <= 1e-6 * exact

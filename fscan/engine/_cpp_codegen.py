@@ -308,15 +308,29 @@ def translate_vjp(
     names += [f"c{k}" for k in floats]
     out_dtypes = [dtypes[k] for k in floats] * 2
     wide = _rounds(gm) and torch.float32 in dtypes
-    return _Translator(gm, names, captured, wide, element).program(out_dtypes), floats
+    # The cotangents of float32 leaves sum in double (the backward kernel's lam): keep
+    # what is computed from them in double too.
+    wide_c = [f"c{k}" for k in floats if dtypes[k] == torch.float32]
+    translator = _Translator(gm, names, captured, wide, element, wide_c)
+    return translator.program(out_dtypes), floats
 
 
 def _rounds(gm: torch.fx.GraphModule) -> bool:
-    """Whether any op of ``gm`` may round a float result."""
+    """Whether any op of ``gm`` may round a float result (a division by a power of two
+    only scales, as in the backward of ``maximum``, which splits ties in halves)."""
     return any(
-        node.op == "call_function" and _op_name(node.target) not in _EXACT
+        node.op == "call_function" and _op_name(node.target) not in _EXACT and not _halves(node)
         for node in gm.graph.nodes
     )
+
+
+def _halves(node: torch.fx.Node) -> bool:
+    if _op_name(node.target) != "div" or len(node.args) != 2 or node.kwargs:
+        return False
+    divisor = node.args[1]
+    if isinstance(divisor, torch.fx.Node):
+        divisor = _fill_value(divisor)
+    return _power_of_two_reciprocal(divisor) is not None
 
 
 def _op_name(target: Any) -> str:
@@ -350,14 +364,23 @@ class _Translator:
         captured: Sequence[torch.Tensor],
         wide: bool,
         element: Sequence[int],
+        wide_inputs: Sequence[str] = (),
     ) -> None:
         self.gm = gm
         self.wide = wide
+        # Values computed in double even when the rest is not (float32 only): those
+        # derived from the inputs named in wide_inputs (a VJP's cotangents, which sum
+        # along the whole scan in a double buffer: rounding them to float each step
+        # would make that sum a float32 accumulation).
+        self.wide_nodes: set[torch.fx.Node] = set()
+        self.node_wide = False  # whether the node being emitted is one of them
         self.full = (2, *element)  # every value that depends on the operands has this shape
         self.names: dict[torch.fx.Node, str] = {}
         placeholders = [nd for nd in gm.graph.nodes if nd.op == "placeholder"]
         for node, name in zip(placeholders, input_names):
             self.names[node] = name
+            if name in wide_inputs:
+                self.wide_nodes.add(node)
         self.dynamic = set(placeholders)
         self.captured_ids = {id(t): i for i, t in enumerate(captured)}
         self.lines: list[str] = []
@@ -420,7 +443,7 @@ class _Translator:
         return node.meta.get("val") if isinstance(node, torch.fx.Node) else node
 
     def _ctype(self, dtype: torch.dtype) -> str:
-        return compute_ctype(dtype, self.wide)
+        return compute_ctype(dtype, self.wide or self.node_wide)
 
     def _arg(self, a: Any, ctype: str) -> str:
         if isinstance(a, torch.fx.Node) and a not in self.dynamic and _fill_value(a) is not None:
@@ -439,8 +462,12 @@ class _Translator:
         if tuple(out.shape) != self.full:  # indexing, reshaping or reducing an element
             raise Unsupported(f"{node.target} changes the shape of the operands")
         name = _op_name(node.target)
+        self.node_wide = any(a in self.wide_nodes for a in node.all_input_nodes)
+        if self.node_wide:
+            self.wide_nodes.add(node)
         oc = self._ctype(out.dtype)
         expr = self._expression(node, name, out, oc)
+        self.node_wide = False
         if name in _EXPENSIVE or name in _LIBM:
             self.expensive = True
         var = f"v{len(self.lines)}"
@@ -484,7 +511,7 @@ class _Translator:
         if name in _UNARY:
             return _UNARY[name].format(a=self._arg(args[0], oc))
         if name in _LIBM and out.is_floating_point():
-            if self.wide and out.dtype == torch.float32 and name in _FLOAT_MATH:
+            if oc == "double" and out.dtype == torch.float32 and name in _FLOAT_MATH:
                 # As eager float32 does, at float precision (libmvec's float variants are
                 # twice as wide); the carry and the arithmetic around it stay double.
                 return f"static_cast<double>(std::{name}({self._arg(args[0], 'float')}))"
@@ -520,7 +547,7 @@ class _Translator:
         if len(outs) != len(out_dtypes):
             raise Unsupported("combine_fn returned another number of leaves")
         for k, (o, dtype) in enumerate(zip(outs, out_dtypes)):
-            oc = self._ctype(dtype)
+            oc = compute_ctype(dtype, self.wide or o in self.wide_nodes)
             if isinstance(o, torch.fx.Node):
                 if o not in self.dynamic:
                     raise Unsupported("an output does not depend on the operands")
