@@ -35,7 +35,7 @@ def force(monkeypatch):
 
     def pin(path):
         wins = path == "parallel"
-        monkeypatch.setattr(_ops, "parallel_wins", lambda x, dim, op: wins and x.ndim > 0)
+        monkeypatch.setattr(_ops, "_route", lambda op, x, dim, rev: (False, wins and x.ndim > 0))
 
     return pin
 
@@ -225,7 +225,7 @@ def test_property_random_shapes(shape, data, name, path, reverse, seed):
     x = sample(shape, torch.float64, generator=torch.Generator().manual_seed(seed))
     with pytest.MonkeyPatch.context() as patch:
         wins = path == "parallel"
-        patch.setattr(_ops, "parallel_wins", lambda x, dim, op: wins)
+        patch.setattr(_ops, "_route", lambda op, x, dim, rev: (False, wins))
         assert_same(*run_both(name, x, dim, reverse))
 
 
