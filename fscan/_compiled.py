@@ -117,7 +117,8 @@ def codegen_unavailable(leaves: Sequence[torch.Tensor], found: Reach) -> str | N
 
     ``found`` is what :func:`fscan._knowledge.reach` found of ``combine_fn``.
     """
-    device = leaves[0].device.type
+    first = leaves[0]
+    device = "cpu" if first.is_cpu else first.device.type  # asked on every CPU call: keep it cheap
     if device not in CODEGEN_DEVICES:
         return f"no scan codegen on {device}"
     dtypes = {x.dtype for x in leaves} - SCAN_DTYPES

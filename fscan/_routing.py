@@ -56,6 +56,7 @@ from ._errors import ImpureCombineError
 from ._generic import scan_along, scan_functional_along
 from ._knowledge import Knowledge, Reach
 from ._pointwise_check import checked_on_first_call
+from ._purity import under_transform
 from ._traced import traced_scan
 from .engine.cpu_kernel import kernel_grad_scan, kernel_scan
 
@@ -80,19 +81,6 @@ class Where(NamedTuple):
     device: str
 
 
-def under_transform() -> bool:
-    """A ``torch.func`` transform (``grad``, ``vmap``, ...) or a dual level is active.
-
-    Example:
-        >>> inside = lambda x: torch.tensor(under_transform())
-        >>> under_transform(), torch.func.vmap(inside)(torch.ones(1))
-        (False, tensor([True]))
-    """
-    if torch._C._functorch.peek_interpreter_stack() is not None:
-        return True
-    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
-
-
 def where(leaves: Sequence[torch.Tensor]) -> Where:
     """Read where this call runs.
 
@@ -103,7 +91,9 @@ def where(leaves: Sequence[torch.Tensor]) -> Where:
     """
     tracing = torch.compiler.is_compiling()
     transform = not tracing and under_transform()
-    return Where(tracing, transform, torch.is_grad_enabled(), leaves[0].device.type)
+    first = leaves[0]
+    device = "cpu" if first.is_cpu else first.device.type  # is_cpu: no torch.device made
+    return Where(tracing, transform, torch.is_grad_enabled(), device)
 
 
 def pick_route(

@@ -39,7 +39,7 @@ import threading
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from optree import PyTreeSpec
@@ -50,7 +50,7 @@ from .._combine import FlatCombine
 from .._config import config
 from .._generic import scan_along
 from .._knowledge import Knowledge, Reach, _references, knowledge, reach
-from .._purity import probeable
+from .._purity import probeable, under_transform
 from .._pytree import flatten
 from ._cpp_build import compiler_problem, load_kernel
 from ._cpp_codegen import DTYPES, Program, Unsupported, translate_combine, translate_vjp
@@ -107,9 +107,9 @@ class Entry:
 _logged: set[str] = set()
 
 
-@dataclass(frozen=True)
-class _Call:
-    """What a build needs from the call that triggered it."""
+class _Call(NamedTuple):
+    """What a build needs from the call that triggered it (a NamedTuple: made on every
+    call, and a frozen dataclass costs ~2 us to make)."""
 
     combine_fn: Callable[[Any, Any], Any]
     spec: PyTreeSpec
@@ -208,7 +208,9 @@ def _lookup(
         return None
     if entry is None:
         entry = knowledge(found, spec, "pointwise", leaves)
-    occurrences = captured_occurrences(combine_fn)
+    # The walk for each place a tensor is reached from (aliasing is part of the kernel's
+    # key) is needed only where reach found tensors at all.
+    occurrences = captured_occurrences(combine_fn) if found.tensors else []
     if occurrences is None:
         return None
     first: dict[int, int] = {}
@@ -306,14 +308,14 @@ def _unavailable(leaves: Sequence[torch.Tensor], wait: bool = False) -> str | No
     """Why the kernel cannot serve leaves like these (gradients aside), or None. Unless
     ``wait`` (or the mode is "eager"), the compiler lookup is left to the background."""
     first = leaves[0]
-    if first.device.type != "cpu":
+    if not first.is_cpu:  # is_cpu, not device.type: a torch.device costs ~0.3 us per call
         return f"no C++ kernel on {first.device.type}"
     if any(x.dtype not in DTYPES for x in leaves):
         bad = next(x.dtype for x in leaves if x.dtype not in DTYPES)
         return f"dtype {bad} has no C++ kernel"
-    if any(x.shape != first.shape or x.device != first.device for x in leaves):
+    if any(x.shape != first.shape or not x.is_cpu for x in leaves):
         return "leaves of different shapes: the C++ kernel takes one shape"
-    if not probeable(leaves) or _under_transform():
+    if not probeable(leaves) or under_transform():
         return "tensor subclasses or torch.func transforms: the torch engine runs"
     if not (wait or _warm.is_set() or config.cpu_kernel == "eager"):
         # Finding the compiler imports Inductor (about a second): done in the background.
@@ -326,12 +328,6 @@ def _grad_wanted(leaves: Sequence[torch.Tensor]) -> str | None:
     if torch.is_grad_enabled() and any(x.requires_grad for x in leaves):
         return "gradients are wanted: the autograd engine runs"
     return None
-
-
-def _under_transform() -> bool:
-    from .._routing import under_transform  # the routing imports this module
-
-    return under_transform()
 
 
 def captured_occurrences(fn: Callable[..., Any]) -> list[torch.Tensor] | None:
@@ -550,7 +546,8 @@ def run_kernel(
     shape = leaves[0].shape
     dim = dim % len(shape)
     outer, steps, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
-    ys = [torch.empty(shape, dtype=x.dtype) for x in leaves]
+    # empty_like is ~1 us cheaper per leaf than torch.empty(torch.Size): it matters at (64,).
+    ys = [torch.empty_like(x) if x.is_contiguous() else _empty(x) for x in leaves]
     if outer * steps * inner == 0:
         return ys
     params = _params(program, captured, shape[:dim] + shape[dim + 1 :])
@@ -559,6 +556,10 @@ def run_kernel(
     xs = [x.contiguous() for k, x in enumerate(leaves) if k not in positions]
     kernel(*xs, *ys, *params, outer, steps, inner, int(reverse), torch.get_num_threads())
     return ys
+
+
+def _empty(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tuple(x.shape), dtype=x.dtype)
 
 
 def _params(
@@ -680,7 +681,7 @@ class KernelScan(torch.autograd.Function):
         given = [g for g in grads if g is not None]
         # First order on plain tensors: the kernel. Under vmap (batched cotangents, e.g.
         # jacobian(vectorize=True)) the cotangents are wrappers without data pointers.
-        if not torch.is_grad_enabled() and not _under_transform() and probeable(given or xs):
+        if not torch.is_grad_enabled() and not under_transform() and probeable(given or xs):
             xbar = run_backward(info, xs, ys, grads)
         if xbar is None:  # create_graph=True, a transform, params that do not fit: adjoint
             xbar, _ = adjoint(info.plan, xs, ys, grads, [], needs)
