@@ -241,6 +241,31 @@ def test_hand_written_where_resets_stop_specials_as_the_loop_does(kind, reverse,
         torch.testing.assert_close(g, w, equal_nan=True)
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_the_stepwise_backward_agrees_with_the_adjoint_and_the_loop(reverse):
+    from fscan._adjoint import ScanPlan, adjoint, stepwise_adjoint
+
+    w = torch.rand(3, dtype=F64, requires_grad=True)
+    combine_fn = lambda a, b: (a[0] | b[0], torch.where(b[0], b[1], a[1] * b[1] * w))
+    flat = lambda a, b: list(combine_fn(tuple(a), tuple(b)))
+    reset, v = torch.rand(2, 7, 3) < 0.3, torch.randn(2, 7, 3, dtype=F64)
+    ys = [y.detach() for y in sequential_scan(combine_fn, (reset, v), 1, reverse, "pointwise")]
+    plan, grads = ScanPlan(flat, 2, 1, reverse), [None, torch.randn(2, 7, 3, dtype=F64)]
+    args = (plan, [reset, v], ys, grads, [w], [False, True, True])
+    assert_same_grads(
+        [*adjoint(*args)[0][1:], *adjoint(*args)[1]],
+        stepwise_adjoint(*args)[0][1:] + stepwise_adjoint(*args)[1],
+    )
+    # With a NaN and an inf inside, the backward takes the walk: the loop's gradients,
+    # the closed-over tensor's included, through a scan along dim 1.
+    v[0, 3, 1], v[1, 2, 0] = math.nan, math.inf
+    v.requires_grad_()
+    got = fscan.associative_scan(combine_fn, (reset, v), 1, reverse)[1]
+    want = sequential_scan(combine_fn, (reset, v), 1, reverse, "pointwise")[1]
+    cot = torch.randn_like(want)
+    assert_same_grads(torch.autograd.grad(got, (v, w), cot), torch.autograd.grad(want, (v, w), cot))
+
+
 # --- case 7: empty non-scan dimensions with gradients ------------------------------
 
 
