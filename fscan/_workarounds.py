@@ -1,9 +1,10 @@
-"""Workarounds for two torch bugs met by the ``while_loop`` of fscan's traced scan.
+"""Workarounds for three torch bugs met by the backward of fscan's traced scan.
 
 A differentiable scan traced by Dynamo runs through the blocked scan of
-``fscan._traced``, whose ``while_loop`` gets its backward from torch. Two torch
-bugs (2.13) break that backward; :func:`prepare_loop_backward` works around both,
-while Dynamo traces, before the graph reaches AOT autograd and the backend.
+``fscan._traced``: gathers (``index_select``) around a ``while_loop`` that gets
+its backward from torch. Three torch bugs (2.13) break that backward;
+:func:`prepare_loop_backward` works around them while Dynamo traces, before
+the graph reaches AOT autograd and the backend.
 
 1. **Wrong gradients under Inductor** (upstream pytorch/pytorch#192840, #193960).
    AOT autograd marks some inputs of a compiled *backward* graph "donated": saved
@@ -31,6 +32,22 @@ while Dynamo traces, before the graph reaches AOT autograd and the backend.
    lets the graph being traced hold them, as ``fullgraph=True`` would; Dynamo
    still graph-breaks on a user's own ``.item()`` as configured.
 
+3. **Wrong gradients (and out-of-bounds writes) from Inductor's C++ backend**
+   (upstream pytorch/pytorch#191837; fix proposed in #191861). The backward
+   of a gather is a scatter-add, which the C++ backend writes with ``atomic_add``
+   when it runs on more than one thread. When that scatter shares a loop with
+   a transposed read, Inductor makes a 2-D tiled kernel, which shifts every
+   index by the tile's inner loop variable (``x0 -> x0 + x0_inner``):
+   ``CppTile2DKernel.store`` shifts the index, then the vectorised store
+   rebuilds it through ``CppTile2DOverrides.index_expr``, which shifts it
+   again (``x0 + 2*x0_inner``). fscan met it with symbolic lengths on reverse
+   scans along a dimension other than 0: the scatter of the last gather read
+   the flipped, transposed output gradient, and every column but the first
+   of each 16-wide tile was scattered to the wrong place.
+   :func:`shift_tile_indices_once` makes the shift idempotent (an index that
+   already holds the inner loop variable is left as it is), which is right
+   whether a given torch shifts once or twice.
+
 ``tests/test_compile.py`` has canaries that tell when torch no longer needs these.
 """
 
@@ -46,21 +63,25 @@ import torch
 __all__ = [
     "allow_loop_scalars",
     "prepare_loop_backward",
+    "shift_tile_indices_once",
     "subgraph_inputs_undonated",
+    "tile_indices_shifted_once",
     "undonate_subgraph_inputs",
 ]
 
 _MARK = "_fscan_inputs_undonated"
+_TILE_MARK = "_fscan_shifts_once"
 
 
 def prepare_loop_backward() -> bool:
-    """Both workarounds of the module doc, called while Dynamo traces; True.
+    """The workarounds of the module doc, called while Dynamo traces; True.
 
     Example:
-        >>> prepare_loop_backward()  # outside a trace: only the Inductor patch applies
+        >>> prepare_loop_backward()  # outside a trace: only the Inductor patches apply
         True
     """
     undonate_subgraph_inputs()
+    shift_tile_indices_once()
     allow_loop_scalars()
     return True
 
@@ -105,6 +126,43 @@ def subgraph_inputs_undonated() -> bool:
     """Whether :func:`undonate_subgraph_inputs` has patched this process's Inductor."""
     graph = sys.modules.get("torch._inductor.graph")
     return bool(graph is not None and getattr(graph.SubgraphLowering, _MARK, False))
+
+
+def shift_tile_indices_once() -> bool:
+    """Make Inductor's 2-D tiled C++ kernels shift an index by the tile once (bug 3); idempotent.
+
+    Returns whether the fix is in place (False only where this torch has no
+    ``CppTile2DKernel`` to fix).
+
+    Example:
+        >>> shift_tile_indices_once() and tile_indices_shifted_once()
+        True
+    """
+    try:
+        from torch._inductor.codegen.cpp import CppTile2DKernel
+    except ImportError:  # a torch without Inductor's C++ backend has no such bug
+        return False
+    if getattr(CppTile2DKernel, _TILE_MARK, False):
+        return True
+    shift = CppTile2DKernel.transform_indexing
+
+    @functools.wraps(shift)
+    def transform_indexing(self: Any, index: Any) -> Any:
+        # The inner loop variable enters an index only through this shift: an
+        # index holding it is already shifted, and shifting it again is the bug.
+        if self.inner_itervar() in index.free_symbols:
+            return index
+        return shift(self, index)
+
+    CppTile2DKernel.transform_indexing = transform_indexing
+    setattr(CppTile2DKernel, _TILE_MARK, True)
+    return True
+
+
+def tile_indices_shifted_once() -> bool:
+    """Whether :func:`shift_tile_indices_once` has patched this process's Inductor."""
+    cpp = sys.modules.get("torch._inductor.codegen.cpp")
+    return bool(cpp is not None and getattr(cpp.CppTile2DKernel, _TILE_MARK, False))
 
 
 def allow_loop_scalars() -> bool:
