@@ -312,34 +312,8 @@ def test_every_route_matches_eager():
     assert_matches_eager(compiled, every_route, (12,))
 
 
-def three_scans_of_b(a, b, r):
-    """The smallest set of fscan calls found to meet the Inductor bug below."""
-    _, h = fscan.associative_scan(linear_recurrence, (a, b), 0)
-    segments = fscan.associative_scan(torch.add, b, 0, reset=r)
-    rows = fscan.associative_scan(torch.maximum, b, 0, reverse=True, reset=b > 1)
-    return h, segments, rows
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.xfail(
-    strict=True,
-    reason="open, torch 2.13: with several blocked scans of `b` in one backward graph, "
-    "Inductor's scheduler fuses the sum of b's gradient into a kernel that runs before "
-    "the scatter-adds (index_put, accumulate) of one scan's step gradients: that kernel "
-    "reads their buffers zero-filled. Right with max_fusion_size=1 or aot_eager; not "
-    "buffer reuse, vectorisation, index_put reinplacing or fscan._workarounds. Each pair "
-    "of these scans is right. Strict: drop the mark once it passes.",
-)
-def test_inductor_several_scans_of_one_input():
-    a, b, _, r, _ = route_inputs(11)  # static shapes; the gradient of b is wrong
-    with torch._inductor.config.patch(TWO_THREADS):
-        got = outputs_and_gradients(torch.compile(three_scans_of_b, fullgraph=True), (a, b, r))
-    assert_trees_close(got, outputs_and_gradients(three_scans_of_b, (a, b, r)))
-
-
-def static_routes(x):
-    """Issue 10's reports, compiled with static shapes: sums and products along dim 0, and
-    a product in reverse along dim 1."""
+def several_scans_of_x(x):
+    """The smallest function found to meet the Inductor bug below: three scans of x."""
     total = fscan.associative_scan(lambda a, b: a + b, x, 0)
     prod = fscan.associative_scan(lambda a, b: a * b, x, 0)
     prod_rev = fscan.associative_scan(lambda a, b: a * b, x.T, 1, reverse=True)
@@ -347,12 +321,34 @@ def static_routes(x):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.xfail(
+    strict=True,
+    reason="open, torch 2.13: with several blocked scans of one input in one backward "
+    "graph, Inductor's scheduler fuses the sum of that input's gradient into a kernel that "
+    "runs before the scatter-adds (index_put, accumulate) of one scan's step gradients: "
+    "the kernel reads their buffers zero-filled. Right with max_fusion_size=1 and with "
+    "aot_eager; not buffer reuse, vectorisation, index_put reinplacing or fscan's "
+    "workarounds. Strict: drop the mark once it passes.",
+)
+def test_inductor_several_scans_of_one_input():
+    x = (torch.rand(16, 4, dtype=F64) + 0.5).requires_grad_()  # static shapes
+    with torch._inductor.config.patch(TWO_THREADS):
+        got = outputs_and_gradients(torch.compile(several_scans_of_x, fullgraph=True), (x,))
+    assert_trees_close(got, outputs_and_gradients(several_scans_of_x, (x,)))
+
+
+def reversed_product(x):
+    return fscan.associative_scan(lambda a, b: a * b, x.T, 1, reverse=True)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_inductor_with_static_shapes():
-    """Issue 10: with torch.add over (16, 4) the gradient at row 7 was 11 instead of 9."""
+    """Issue 10 with static shapes: the last step of every 8-step block (rows 7 and 15 at
+    length 16) got a wrong gradient, whatever the scan."""
     x = (torch.rand(16, 4, dtype=F64) + 0.5).requires_grad_()
     with torch._inductor.config.patch(TWO_THREADS):
-        got = outputs_and_gradients(torch.compile(static_routes, fullgraph=True), (x,))
-    assert_trees_close(got, outputs_and_gradients(static_routes, (x,)))
+        got = outputs_and_gradients(torch.compile(reversed_product, fullgraph=True), (x,))
+    assert_trees_close(got, outputs_and_gradients(reversed_product, (x,)))
 
 
 @pytest.fixture
