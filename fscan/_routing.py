@@ -22,9 +22,10 @@ route          when, and what runs
                once compiled (in the background); ``inplace`` until then, or if
                it cannot serve
 ``adjoint``    grad mode and a leaf or captured tensor requires grad, pointwise
-               mode, and the probe says the adjoint serves: on CPU, when no
-               captured tensor needs a gradient, ``KernelScan`` (C++ forward and
-               backward kernels) once compiled; else ``PointwiseScan`` (saves
+               mode, and the probe says the adjoint serves: on CPU,
+               ``KernelScan`` (C++ forward and backward kernels; the backward
+               also sums the gradients of captured tensors) once compiled;
+               else ``PointwiseScan`` (saves
                inputs and outputs only; the backward is a reverse scan).
                Not for ``reset=`` scans: their restarts are selections, and the
                adjoint's Jacobian products would turn a zero times a NaN or inf
@@ -198,11 +199,10 @@ def _run(
         return _inplace(combine, leaves, dim, reverse, at)
     captured = found.needing_grad()
     if route == "adjoint" and adjoint_applies(entry, combine, leaves, captured, dim):
-        if not captured:  # the C++ kernels route no gradient to captured tensors
-            args = (api, combine_fn, spec, combine, leaves, dim, reverse, found, entry)
-            out = kernel_grad_scan(*args)
-            if out is not None:
-                return out
+        args = (api, combine_fn, spec, combine, leaves, dim, reverse, found, entry)
+        out = kernel_grad_scan(*args)
+        if out is not None:
+            return out
         plan = ScanPlan(combine, len(leaves), dim, reverse)
         return list(PointwiseScan.apply(plan, *leaves, *captured))
     return scan_functional_along(combine, leaves, dim, reverse)

@@ -42,7 +42,14 @@ import optree
 import torch
 from optree import PyTreeSpec
 
-__all__ = ["DTYPES", "Program", "Unsupported", "translate_combine", "translate_vjp"]
+__all__ = [
+    "DTYPES",
+    "Program",
+    "Unsupported",
+    "translate_combine",
+    "translate_param_vjp",
+    "translate_vjp",
+]
 
 
 class Unsupported(Exception):
@@ -245,7 +252,11 @@ def translate_combine(
     ``captured`` are the tensors ``combine_fn`` closes over, in a fixed walk order; the
     prologue takes a list in the same order at each call.
     """
-    n = len(dtypes)
+    return _forward_translator(combine_fn, spec, dtypes, element, captured)[1]
+
+
+def _flat(combine_fn: Callable[[Any, Any], Any], spec: PyTreeSpec, n: int) -> Callable[..., Any]:
+    """``combine_fn`` on ``2 n`` flat leaves (left then right), returning flat leaves."""
 
     def flat(*args: torch.Tensor) -> list[torch.Tensor]:
         left = optree.tree_unflatten(spec, list(args[:n]))
@@ -255,10 +266,23 @@ def translate_combine(
             raise Unsupported("combine_fn returned another pytree structure")
         return out
 
+    return flat
+
+
+def _forward_translator(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    dtypes: Sequence[torch.dtype],
+    element: Sequence[int],
+    captured: Sequence[torch.Tensor],
+) -> tuple[_Translator, Program]:
+    n = len(dtypes)
+    flat = _flat(combine_fn, spec, n)
     gm = _make_fx(flat, _examples(dtypes, element) + _examples(dtypes, element))
     names = [f"l{k}" for k in range(n)] + [f"r{k}" for k in range(n)]
     wide = _rounds(gm) and torch.float32 in dtypes
-    return _Translator(gm, names, captured, wide, element).program(list(dtypes))
+    translator = _Translator(gm, names, captured, wide, element)
+    return translator, translator.program(list(dtypes))
 
 
 def translate_vjp(
@@ -313,6 +337,98 @@ def translate_vjp(
     wide_c = [f"c{k}" for k in floats if dtypes[k] == torch.float32]
     translator = _Translator(gm, names, captured, wide, element, wide_c)
     return translator.program(out_dtypes), floats
+
+
+def translate_param_vjp(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    dtypes: Sequence[torch.dtype],
+    element: Sequence[int],
+    captured: Sequence[torch.Tensor],
+) -> tuple[Program, list[int], list[int]]:
+    """The VJP of ``combine_fn`` w.r.t. both operands' float leaves *and* its float
+    params (what it computes from the tensors it closes over), translated.
+
+    The forward is traced first; its prologue stays the params' source, and its
+    leaf-dependent part becomes a function of the leaves and the params, whose VJP
+    is traced on params of a whole element's shape: their cotangents are then
+    per element position (the kernel sums them over the steps, the caller over
+    the positions a param broadcasts to). Outputs ``o0..``: left cotangents, right
+    cotangents, then the params' cotangents. Returns the program (with the
+    forward's params and prologue), the float leaves and the float params.
+    """
+    forward_translator, forward = _forward_translator(combine_fn, spec, dtypes, element, captured)
+    n, npar = len(dtypes), len(forward.params)
+    floats = [k for k, d in enumerate(dtypes) if d.is_floating_point]
+    pfloats = [j for j, p in enumerate(forward.params) if p.dtype.is_floating_point]
+    if not floats or not pfloats:
+        raise Unsupported("no float leaf or float captured tensor to differentiate")
+    run = _leaf_part(forward_translator)
+
+    def flat(*args: torch.Tensor) -> list[torch.Tensor]:
+        ls, rs = list(args[:n]), list(args[n : 2 * n])
+        ps, cs = list(args[2 * n : 2 * n + npar]), list(args[2 * n + npar :])
+
+        def f(lf: list[torch.Tensor], rf: list[torch.Tensor], pf: list[torch.Tensor]) -> Any:
+            lft, rgt, pv = list(ls), list(rs), list(ps)
+            for j, k in enumerate(floats):
+                lft[k], rgt[k] = lf[j], rf[j]
+            for j, q in enumerate(pfloats):
+                pv[q] = pf[j]
+            out = run(lft + rgt, pv)
+            return [out[k] for k in floats]
+
+        primals = ([ls[k] for k in floats], [rs[k] for k in floats], [ps[q] for q in pfloats])
+        _, pull = torch.func.vjp(f, *primals)
+        lbar, rbar, pbar = pull(cs)
+        return [*lbar, *rbar, *pbar]
+
+    examples = _examples(dtypes, element) + _examples(dtypes, element)
+    examples += _examples([p.dtype for p in forward.params], element)
+    examples += _examples([dtypes[k] for k in floats], element)
+    functional = torch.func.functionalize(flat, remove="mutations_and_views")
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with _trace_lock:
+        gm = make_fx(functional, decomposition_table=core_aten_decompositions())(*examples)
+    names = [f"l{k}" for k in range(n)] + [f"r{k}" for k in range(n)]
+    names += [f"P{j}" for j in range(npar)] + [f"c{k}" for k in floats]
+    out_dtypes = [dtypes[k] for k in floats] * 2 + [forward.params[q].dtype for q in pfloats]
+    wide = _rounds(gm) and torch.float32 in dtypes
+    wide_c = [f"c{k}" for k in floats if dtypes[k] == torch.float32]
+    vjp = _Translator(gm, names, (), wide, element, wide_c).program(out_dtypes)
+    if vjp.params:  # the VJP reads nothing but its inputs and constants
+        raise Unsupported("the VJP of combine_fn reads tensors of its own")
+    program = Program(vjp.body, forward.params, forward.prologue, vjp.wide, vjp.expensive)
+    return program, floats, pfloats
+
+
+def _leaf_part(translator: _Translator) -> Callable[[list[Any], list[Any]], list[Any]]:
+    """The leaf-dependent nodes of a translated forward graph as a function of the
+    leaves and the params (the prologue's results), for tracing its VJP."""
+    nodes = list(translator.gm.graph.nodes)
+    params = {node: j for j, node in enumerate(translator.param_nodes)}
+    dynamic = translator.dynamic
+
+    def run(inputs: list[Any], ps: list[Any]) -> list[Any]:
+        env: dict[torch.fx.Node, Any] = {}
+        load = lambda a: env[a] if isinstance(a, torch.fx.Node) else a
+        feed = iter(inputs)
+        for node in nodes:
+            if node.op == "placeholder":
+                env[node] = next(feed)
+            elif node in params:
+                env[node] = ps[params[node]]
+            elif node.op == "output":
+                return [load(o) for o in node.args[0]]
+            elif node in dynamic or _fill_value(node) is not None:
+                args = torch.fx.node.map_aggregate(node.args, load)
+                kwargs = torch.fx.node.map_aggregate(node.kwargs, load)
+                env[node] = node.target(*args, **kwargs)
+        raise Unsupported("a traced graph without output")
+
+    return run
 
 
 def _rounds(gm: torch.fx.GraphModule) -> bool:
@@ -384,6 +500,7 @@ class _Translator:
         self.dynamic = set(placeholders)
         self.captured_ids = {id(t): i for i, t in enumerate(captured)}
         self.lines: list[str] = []
+        self.param_nodes: list[torch.fx.Node] = []
         self.expensive = False
 
     def program(self, out_dtypes: Sequence[torch.dtype]) -> Program:
@@ -411,6 +528,7 @@ class _Translator:
             self.dynamic.add(node)
             self._emit(node)
         self._emit_outputs(out_dtypes)
+        self.param_nodes = params
         param_specs = tuple(Param(_dtype(p)) for p in params)
         prologue = _Prologue(static, params, constants)
         self._release_constants(constants)
@@ -548,7 +666,16 @@ class _Translator:
             raise Unsupported("combine_fn returned another number of leaves")
         for k, (o, dtype) in enumerate(zip(outs, out_dtypes)):
             oc = compute_ctype(dtype, self.wide or o in self.wide_nodes)
-            if isinstance(o, torch.fx.Node):
+            if (
+                isinstance(o, torch.fx.Node)
+                and o not in self.dynamic
+                and _fill_value(o) is not None
+            ):
+                # A constant output (a VJP's zero cotangent of an input that is not used)
+                if _dtype(o) != dtype:
+                    raise Unsupported("combine_fn changes a leaf's dtype")
+                self.lines.append(f"o{k} = {_cpp_const(_fill_value(o), oc)};")
+            elif isinstance(o, torch.fx.Node):
                 if o not in self.dynamic:
                     raise Unsupported("an output does not depend on the operands")
                 val = self._val(o)

@@ -466,26 +466,38 @@ static void scan(const In x, const Out y, const Par p, int64_t outer, int64_t T,
 
 
 def backward_argtypes(
-    dtypes: Sequence[torch.dtype], floats: Sequence[int], program: Program
+    dtypes: Sequence[torch.dtype],
+    floats: Sequence[int],
+    program: Program,
+    pfloats: Sequence[int] = (),
 ) -> list[str]:
-    """C types of the backward kernel's arguments: x.., y.., g.., xbar.., p.., sizes."""
+    """C types of the backward kernel's arguments: x.., y.., g.., xbar.., pbar.., p.., sizes."""
     st = [STORAGE[d] for d in dtypes]
     types = [f"const {c}*" for c in st] * 2
     types += [f"const {st[k]}*" for k in floats] + [f"{st[k]}*" for k in floats]
+    types += ["double*"] * len(pfloats)
     types += [f"const {_param_ctype(p.dtype)}*" for p in program.params]
     return types + ["int64_t"] * 5
 
 
-def backward_source(dtypes: Sequence[torch.dtype], floats: Sequence[int], program: Program) -> str:
+def backward_source(
+    dtypes: Sequence[torch.dtype],
+    floats: Sequence[int],
+    program: Program,
+    pfloats: Sequence[int] = (),
+) -> str:
     """The backward kernel: one reverse pass per lane through the traced VJP of combine.
 
-    ``kernel(x.., y.., g.., xbar.., p.., outer, T, inner, rev, threads)``: for
+    ``kernel(x.., y.., g.., xbar.., pbar.., p.., outer, T, inner, rev, threads)``: for
     ``y[s] = f(y[s-1], x[s])`` (s in scan order) the cotangents pull back as
     ``lam[T-1] = g[T-1]``, ``(lb, rb) = vjp_f(y[s-1], x[s]; lam[s])``,
     ``xbar[s] = rb``, ``lam[s-1] = g[s-1] + lb`` and ``xbar[0] = lam[0]``;
     ``lam`` lives in a per-column buffer; it sums cotangents along the whole scan, so
     float32 leaves keep it in double whatever the VJP computes in (one rounding per
-    stored gradient, as the forward's accumulation).
+    stored gradient, as the forward's accumulation). With ``pfloats`` (the float
+    params, from :func:`translate_param_vjp`), the VJP's cotangents of those params
+    are summed over the steps per element position, in double, into ``pbar``
+    (one element each); each position is one lane, summed by one thread.
     """
     compute = [compute_ctype(d, program.wide) for d in dtypes]
     F = list(floats)
@@ -516,6 +528,14 @@ def backward_source(dtypes: Sequence[torch.dtype], floats: Sequence[int], progra
         "static FSCAN_INLINE Lam lam_add(const Lam& a, const Lam& b) { Lam v; "
         + " ".join(f"v.v{j} = a.v{j} + b.v{j};" for j in J)
         + " return v; }",
+        "struct PLam { " + " ".join(f"double v{q};" for q in range(len(pfloats))) + " };",
+        "struct PBar { " + " ".join(f"double* q{q};" for q in range(len(pfloats))) + " };",
+        "static FSCAN_INLINE void zero_pbar(const PBar q, int64_t e) { (void)q; (void)e; "
+        + " ".join(f"q.q{q}[e] = 0;" for q in range(len(pfloats)))
+        + " }",
+        "static FSCAN_INLINE void add_pbar(const PBar q, int64_t e, const PLam& v) { (void)q; (void)e; (void)v; "
+        + " ".join(f"q.q{q}[e] += v.v{q};" for q in range(len(pfloats)))
+        + " }",
         "struct LamStore { "
         + " ".join(f"std::unique_ptr<{lam_types[j]}[]> v{j};" for j in J)
         + " explicit LamStore(int64_t n) : "
@@ -527,13 +547,14 @@ def backward_source(dtypes: Sequence[torch.dtype], floats: Sequence[int], progra
     nf = len(F)
     vjp = (
         "static FSCAN_INLINE void vjp(const Vals& l, const Vals& r, const Lam& c, const Par p,"
-        " int64_t e, Lam& lb, Lam& rb) {\n"
+        " int64_t e, Lam& lb, Lam& rb, PLam& pb) {\n  (void)pb;\n"
         + "".join(f"  const {compute[k]} l{k} = l.v{k};\n" for k in R)
         + "".join(f"  const {compute[k]} r{k} = r.v{k};\n" for k in R)
         + "".join(f"  const {lam_types[j]} c{k} = c.v{j};\n" for j, k in enumerate(F))
         + "  (void)p; (void)e;\n"
         + "".join(f"  {lam_types[j]}& o{j} = lb.v{j};\n" for j in J)
         + "".join(f"  {lam_types[j]}& o{nf + j} = rb.v{j};\n" for j in J)
+        + "".join(f"  double& o{2 * nf + q} = pb.v{q};\n" for q in range(len(pfloats)))
         + "".join(f"  {line}\n" for line in program.body.splitlines())
         + "}\n"
     )
@@ -541,6 +562,7 @@ def backward_source(dtypes: Sequence[torch.dtype], floats: Sequence[int], progra
     args += [f"const {c}* y{k}" for k, c in enumerate(st)]
     args += [f"const {st[k]}* g{j}" for j, k in enumerate(F)]
     args += [f"{st[k]}* b{j}" for j, k in enumerate(F)]
+    args += [f"double* q{q}" for q in range(len(pfloats))]
     args += [f"const {_param_ctype(p.dtype)}* p{j}" for j, p in enumerate(program.params)]
     entry = (
         'extern "C" void kernel('
@@ -558,10 +580,13 @@ def backward_source(dtypes: Sequence[torch.dtype], floats: Sequence[int], progra
         + " const Bar b{"
         + ", ".join(f"b{j}" for j in J)
         + "};"
+        + " const PBar q{"
+        + ", ".join(f"q{q}" for q in range(len(pfloats)))
+        + "};"
         + " const Par p{"
         + ", ".join(f"p{j}" for j in range(len(program.params)))
         + "};\n"
-        + "  backward(x, y, g, b, p, outer, T, inner, rev != 0, (int)threads);\n}\n"
+        + "  backward(x, y, g, b, q, p, outer, T, inner, rev != 0, (int)threads);\n}\n"
     )
     return "\n".join([PRELUDE, mvec_declarations(), *structs, vjp, BACKWARD_TEMPLATE, entry])
 
@@ -572,20 +597,25 @@ static constexpr int64_t VEC_MIN = 8;
 static constexpr int64_t PER_THREAD = 16384;
 
 // Lanes [i0, i0 + w) of outer index o, all T steps backwards in scan order.
-static void lane_bwd(const In x, const In y, const Grad g, const Bar b, const Par p, int64_t o,
-                     int64_t i0, int64_t w, int64_t T, int64_t inner, bool rev, const LamBuf lam) {
+// The params' cotangents of these lanes (element positions e0..) sum into q, which
+// this column owns.
+static void lane_bwd(const In x, const In y, const Grad g, const Bar b, const PBar q, const Par p,
+                     int64_t o, int64_t i0, int64_t w, int64_t T, int64_t inner, bool rev,
+                     const LamBuf lam) {
   const int64_t base = o * T * inner + i0, e0 = o * inner + i0;
   const int64_t last = base + (rev ? 0 : T - 1) * inner;
 #pragma GCC ivdep
-  for (int64_t i = 0; i < w; ++i) put_lam(lam, i, load_g(g, last + i));
+  for (int64_t i = 0; i < w; ++i) { put_lam(lam, i, load_g(g, last + i)); zero_pbar(q, e0 + i); }
   for (int64_t s = T - 1; s >= 1; --s) {
     const int64_t cur = base + (rev ? T - 1 - s : s) * inner;
     const int64_t prev = base + (rev ? T - s : s - 1) * inner;
     fscan_lanes<LANE_BLOCK>(w, !rev, [&](int64_t i) {  // !rev: walking memory backwards
       Lam lb, rb;
-      vjp(load(y, prev + i), load(x, cur + i), get_lam(lam, i), p, e0 + i, lb, rb);
+      PLam pb;
+      vjp(load(y, prev + i), load(x, cur + i), get_lam(lam, i), p, e0 + i, lb, rb, pb);
       store_bar(b, cur + i, rb);
       put_lam(lam, i, lam_add(load_g(g, prev + i), lb));
+      add_pbar(q, e0 + i, pb);
     });
   }
   const int64_t first = base + (rev ? T - 1 : 0) * inner;
@@ -593,8 +623,8 @@ static void lane_bwd(const In x, const In y, const Grad g, const Bar b, const Pa
   for (int64_t i = 0; i < w; ++i) store_bar(b, first + i, get_lam(lam, i));
 }
 
-static void backward(const In x, const In y, const Grad g, const Bar b, const Par p, int64_t outer,
-                     int64_t T, int64_t inner, bool rev, int threads) {
+static void backward(const In x, const In y, const Grad g, const Bar b, const PBar q, const Par p,
+                     int64_t outer, int64_t T, int64_t inner, bool rev, int threads) {
   if (T <= 0 || outer <= 0 || inner <= 0) return;
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, outer * T * inner / PER_THREAD));
   // Columns of up to TILE contiguous lanes (halved until every thread has one), or, for
@@ -608,7 +638,7 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const Pa
 #pragma omp for schedule(static)
     for (int64_t col = 0; col < ncols; ++col) {
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W;
-      lane_bwd(x, y, g, b, p, o, i0, std::min(W, inner - i0), T, inner, rev, store.buf());
+      lane_bwd(x, y, g, b, q, p, o, i0, std::min(W, inner - i0), T, inner, rev, store.buf());
     }
   }
 }

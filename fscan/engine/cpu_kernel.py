@@ -44,7 +44,13 @@ from typing import Any, NamedTuple
 import torch
 from optree import PyTreeSpec
 
-from .._adjoint import ScanPlan, adjoint
+from .._adjoint import (
+    ScanPlan,
+    _all_finite,
+    _differentiable_backward,
+    adjoint,
+    stepwise_adjoint,
+)
 from .._cache import BoundedCache
 from .._combine import FlatCombine
 from .._config import config
@@ -53,7 +59,14 @@ from .._knowledge import Knowledge, Reach, _references, knowledge, reach
 from .._purity import probeable, under_transform
 from .._pytree import flatten
 from ._cpp_build import compiler_problem, load_kernel
-from ._cpp_codegen import DTYPES, Program, Unsupported, translate_combine, translate_vjp
+from ._cpp_codegen import (
+    DTYPES,
+    Program,
+    Unsupported,
+    translate_combine,
+    translate_param_vjp,
+    translate_vjp,
+)
 from ._cpp_source import (
     backward_argtypes,
     backward_source,
@@ -92,9 +105,11 @@ class Entry:
     """One compiled kernel (or why there is none) for one key."""
 
     backward: bool = False  # the VJP kernel of the forward entry of the same key
+    param_grads: bool = False  # backward: also the cotangents of the float params
     state: State = State.NEW
     calls: int = 0
     floats: tuple[int, ...] = ()  # backward: the leaves it differentiates
+    pfloats: tuple[int, ...] = ()  # backward with param_grads: the params it differentiates
     source: str | None = None  # traced and translated in the calling thread...
     argtypes: tuple[str, ...] = ()  # ...compiled in the background
     kernel: Callable[..., None] | None = None
@@ -118,9 +133,9 @@ class _Call(NamedTuple):
     captured: tuple[torch.Tensor, ...]
     positions: tuple[int, ...] = ()  # leaves that are not read: their position along dim
 
-    def slot(self, aliases: Hashable, backward: bool) -> Hashable:
+    def slot(self, aliases: Hashable, backward: bool, param_grads: bool = False) -> Hashable:
         """The key of this call's kernel entry within its knowledge entry."""
-        return (aliases, self.element, self.positions, backward)
+        return (aliases, self.element, self.positions, backward, param_grads)
 
 
 def kernel_scan(
@@ -248,12 +263,18 @@ def kernel_entries(holder: Knowledge) -> list[Entry]:
 
 
 def _ready(
-    holder: Knowledge, aliases: Hashable, call: _Call, numel: int, backward: bool
+    holder: Knowledge,
+    aliases: Hashable,
+    call: _Call,
+    numel: int,
+    backward: bool,
+    param_grads: bool = False,
 ) -> Entry | None:
     """The READY kernel entry, or None after counting the call and, per the mode,
     building it now or queueing its build."""
     entry = _slots(holder).get_or_compute(
-        call.slot(aliases, backward), lambda: Entry(backward=backward)
+        call.slot(aliases, backward, param_grads),
+        lambda: Entry(backward=backward, param_grads=param_grads),
     )
     eager = config.cpu_kernel == "eager"
     if entry.state is State.NEW or (eager and entry.state is State.PENDING):
@@ -387,7 +408,14 @@ def _translate(entry: Entry, call: _Call) -> bool:
     """Trace ``combine_fn`` (or its VJP) and write the kernel's source into ``entry``.
     On an op, dtype or structure the translator lacks: FAILED, one debug log."""
     try:
-        if entry.backward:
+        if entry.param_grads:
+            program, floats, pfloats = translate_param_vjp(
+                call.combine_fn, call.spec, call.dtypes, call.element, call.captured
+            )
+            entry.source = backward_source(call.dtypes, floats, program, pfloats)
+            entry.argtypes = tuple(backward_argtypes(call.dtypes, floats, program, pfloats))
+            entry.floats, entry.pfloats = tuple(floats), tuple(pfloats)
+        elif entry.backward:
             program, floats = translate_vjp(
                 call.combine_fn, call.spec, call.dtypes, call.element, call.captured
             )
@@ -634,17 +662,16 @@ def kernel_grad_scan(
     if lookup is None:
         return None
     holder, aliases, captured = lookup
-    if any(t.requires_grad for t in captured):
-        _log_once("captured tensors need gradients: the adjoint scan runs")
-        return None
+    needing = tuple(t for t in captured if t.requires_grad)
     call = _Call(combine_fn, spec, tuple(x.dtype for x in leaves), _element(leaves, dim), captured)
     numel = leaves[0].numel()
     forward = _ready(holder, aliases, call, numel, backward=False)
-    backward = _ready(holder, aliases, call, numel, backward=True)
+    backward = _ready(holder, aliases, call, numel, backward=True, param_grads=bool(needing))
     if forward is None or backward is None:
         return None
-    info = _GradInfo(forward, backward, ScanPlan(combine, len(leaves), dim, reverse), captured)
-    return list(KernelScan.apply(info, *leaves))
+    plan = ScanPlan(combine, len(leaves), dim, reverse)
+    info = _GradInfo(forward, backward, plan, captured, needing)
+    return list(KernelScan.apply(info, *leaves, *needing))
 
 
 @dataclass(frozen=True)
@@ -652,20 +679,25 @@ class _GradInfo:
     forward: Entry
     backward: Entry
     plan: ScanPlan
-    captured: tuple[torch.Tensor, ...]
+    captured: tuple[torch.Tensor, ...]  # every captured tensor, distinct, in walk order
+    needing: tuple[torch.Tensor, ...]  # those that require grad: inputs of KernelScan
 
 
 class KernelScan(torch.autograd.Function):
-    """Forward and backward by the generated kernels; saves the inputs and outputs only."""
+    """Forward and backward by the generated kernels; saves the inputs and outputs only.
+
+    Inputs: the leaves, then the captured tensors that require grad (so that autograd
+    routes their gradients: the backward kernel sums them over the steps)."""
 
     @staticmethod
-    def forward(ctx: Any, info: _GradInfo, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, info: _GradInfo, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         plan = info.plan
+        xs = tensors[: plan.n_leaves]
         ys = run_kernel(info.forward, xs, plan.dim, plan.reverse, info.captured)
         if ys is None:  # captured tensors that do not broadcast: the torch engine decides
             ys = scan_along(plan.combine, xs, plan.dim, plan.reverse)
         ctx.info = info
-        ctx.save_for_backward(*xs, *ys)
+        ctx.save_for_backward(*tensors, *ys)
         ctx.mark_non_differentiable(*[y for y in ys if not y.is_floating_point()])
         ctx.set_materialize_grads(False)
         return tuple(ys)
@@ -675,17 +707,23 @@ class KernelScan(torch.autograd.Function):
         info: _GradInfo = ctx.info
         saved = ctx.saved_tensors
         n = info.plan.n_leaves
-        xs, ys = saved[:n], saved[n:]
+        xs, needing, ys = saved[:n], saved[n:-n], saved[-n:]
         needs = ctx.needs_input_grad[1:]
-        xbar = None
         given = [g for g in grads if g is not None]
+        if torch.is_grad_enabled() and needing:  # create_graph=True: differentiable
+            return (None, *_differentiable_backward(info.plan, xs, needing, grads, needs))
+        found = None
         # First order on plain tensors: the kernel. Under vmap (batched cotangents, e.g.
         # jacobian(vectorize=True)) the cotangents are wrappers without data pointers.
         if not torch.is_grad_enabled() and not under_transform() and probeable(given or xs):
-            xbar = run_backward(info, xs, ys, grads)
-        if xbar is None:  # create_graph=True, a transform, params that do not fit: adjoint
-            xbar, _ = adjoint(info.plan, xs, ys, grads, [], needs)
-        return (None, *(b if need else None for b, need in zip(xbar, needs)))
+            found = run_backward(info, xs, ys, grads)
+        if found is None:  # create_graph=True, a transform, params that do not fit: adjoint
+            found = adjoint(info.plan, xs, ys, grads, needing, needs)
+            if needing and not _all_finite([*found[0], *found[1]]):
+                found = stepwise_adjoint(info.plan, xs, ys, grads, needing, needs)
+        xbar, capbar = found
+        bars = [*xbar, *capbar]
+        return (None, *(b if need else None for b, need in zip(bars, needs)))
 
 
 def run_backward(
@@ -693,14 +731,16 @@ def run_backward(
     xs: Sequence[torch.Tensor],
     ys: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor | None],
-) -> list[torch.Tensor | None] | None:
-    """The input cotangents by the backward kernel, or None where its params do not fit."""
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None:
+    """The cotangents of the leaves and of ``info.needing`` by the backward kernel, or
+    None where its params do not fit."""
     entry, plan = info.backward, info.plan
     assert entry.program is not None and entry.kernel is not None
     shape = xs[0].shape
     dim = plan.dim % len(shape)
     outer, steps, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
-    params = _params(entry.program, info.captured, shape[:dim] + shape[dim + 1 :])
+    element = shape[:dim] + shape[dim + 1 :]
+    params = _params(entry.program, info.captured, element)
     if params is None:
         return None
     floats = entry.floats
@@ -709,13 +749,41 @@ def run_backward(
         for k in floats
     ]
     bars = [torch.empty(shape, dtype=xs[k].dtype) for k in floats]
+    # Per element position, summed over the steps (zero where no step combines).
+    pbars = [torch.zeros(outer * inner, dtype=torch.float64) for _ in entry.pfloats]
     if outer * steps * inner:
         args = [x.contiguous() for x in xs] + [y.contiguous() for y in ys]
         entry.kernel(
-            *args, *gs, *bars, *params, outer, steps, inner, int(plan.reverse),
+            *args, *gs, *bars, *pbars, *params, outer, steps, inner, int(plan.reverse),
             torch.get_num_threads(),
         )  # fmt: skip
     xbar: list[torch.Tensor | None] = [None] * len(xs)
     for k, bar in zip(floats, bars):
         xbar[k] = bar
-    return xbar
+    capbar = _captured_grads(entry, info, pbars, element) if info.needing else []
+    return xbar, capbar
+
+
+def _captured_grads(
+    entry: Entry, info: _GradInfo, pbars: Sequence[torch.Tensor], element: Sequence[int]
+) -> list[torch.Tensor | None]:
+    """The captured tensors' cotangents from the params' per-position sums: each sum is
+    reduced over the positions its param broadcasts to, then pulled back through the
+    prologue (torch ops on detached copies of the captured tensors)."""
+    assert entry.program is not None
+    copies = [t.detach().requires_grad_(t.requires_grad) for t in info.captured]
+    with torch.enable_grad():
+        values = entry.program.prologue(copies)
+    outs, cots = [], []
+    for q, pbar in zip(entry.pfloats, pbars):
+        value = values[q]
+        if not (isinstance(value, torch.Tensor) and value.requires_grad):
+            continue
+        full = pbar.view(1, *element).sum_to_size(value.shape) if value.ndim else pbar.sum()
+        outs.append(value)
+        cots.append(full.reshape(value.shape).to(value.dtype))
+    inputs = [c for c, t in zip(copies, info.captured) if t.requires_grad]
+    if not outs:
+        return [torch.zeros_like(t) for t in info.needing]
+    found = torch.autograd.grad(outs, inputs, cots, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(found, info.needing)]
