@@ -87,7 +87,8 @@ def _bare_kernel(fn, xs) -> Callable[[], object] | None:
     lookup = cpu_kernel._lookup(fn, spec, leaves, None, None)
     assert lookup is not None
     holder, aliases, _ = lookup
-    entry = cpu_kernel._slots(holder).get((aliases, tuple(leaves[0].shape[1:]), (), False))
+    key = (aliases, tuple(leaves[0].shape[1:]), (), False, False)  # _Call.slot: the forward
+    entry = cpu_kernel._slots(holder).get(key)
     shape = leaves[0].shape
     outer, steps, inner = 1, shape[0], int(torch.tensor(shape[1:]).prod().item())
     ys = [torch.empty_like(x) for x in leaves]
@@ -163,21 +164,36 @@ def backward_table() -> Table:
     torch.set_num_threads(1)
     try:
         for shape in ((4096, 256), (16384, 256)):
-            for name in ("add", "linrec", "max", "seg", "logaddexp"):
+            for name in ("add", "linrec", "max", "seg", "logaddexp", "scaled", "gate"):
                 table.add(f"{name} {shape}", _backward_row(name, shape))
     finally:
         torch.set_num_threads(previous)
     return table
 
 
+def _captured_combine(name: str, channels: int) -> tuple[Callable[[Any, Any], Any], list[Any]]:
+    """Combines closing over a per-channel weight that requires grad (its gradient is
+    summed over the steps by the backward kernel): a scaled sum and a decay gate."""
+    w = (torch.rand(channels) + 0.5).requires_grad_()
+    if name == "scaled":
+        return (lambda a, b: a * w + b), [w]
+    return (lambda a, b: (a[0] * b[0], a[1] * b[0] * w + b[1])), [w]
+
+
 def _backward_row(name: str, shape: tuple[int, ...]) -> list[str]:
+    """Rows ``scaled`` and ``gate`` close over a per-channel weight needing grad: its
+    gradient is computed too (and is the only extra input of the gradient)."""
     from .ops import interleaved_medians
 
-    fn, _ = COMBINES[name]
-    xs = _inputs(name, shape)
+    if name in ("scaled", "gate"):
+        fn, extra = _captured_combine(name, shape[-1])
+        xs = _inputs("linrec" if name == "gate" else "add", shape)
+    else:
+        (fn, _), extra = COMBINES[name], []
+        xs = _inputs(name, shape)
     xs = optree.tree_map(lambda x: x.requires_grad_() if x.is_floating_point() else x, xs)
     leaves = optree.tree_leaves(xs)
-    floats = [x for x in leaves if x.requires_grad]
+    floats = [x for x in leaves if x.requires_grad] + extra
     outs = [torch.empty_like(x) for x in leaves]
 
     def copy() -> None:
