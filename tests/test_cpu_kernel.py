@@ -437,9 +437,9 @@ def test_captured_gradients_gradcheck_through_the_kernel(wshape):
     # (T, 3, 4) along dim 0 and (3, T, 4) along dim 1 share the element (3, 4): one kernel.
     gen = torch.Generator().manual_seed(3)
     w = (torch.rand(wshape, generator=gen, dtype=torch.float64) + 0.5).requires_grad_()
-    fn = lambda a, b: a * w + b
+    fn = lambda a, b: a * b * w  # associative: w * a * b scales a product
     for dim, shape in ((0, (6, 3, 4)), (1, (3, 6, 4))):
-        x = torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True)
+        x = (torch.rand(shape, generator=gen, dtype=torch.float64) + 0.5).requires_grad_()
         for reverse in (False, True):
             _through_kernel(fn, x, dim, reverse)
             f = lambda x, w: fscan.associative_scan(fn, x, dim, reverse)
@@ -451,8 +451,34 @@ def test_captured_gradients_gradcheck_through_the_kernel(wshape):
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def make_gate(w, u):  # a decay gate with a per-channel weight and a scalar bias
-    return lambda a, b: (a[0] * b[0], a[1] * b[0] * w + b[1] + u * b[0])
+def make_gate(w, u):
+    """A decay gate scaled by ``w`` beside a sum offset by ``u`` (both associative)."""
+    return lambda a, b: (a[0] * b[0] * w, a[1] * b[0] * w + b[1], a[2] + b[2] + u)
+
+
+def _gate_inputs(shape, gen, dtype):
+    gates = 1 - 1e-3 * torch.rand(shape, generator=gen, dtype=dtype)  # carries travel far
+    xs = (gates, torch.randn(shape, generator=gen, dtype=dtype))
+    xs += (torch.randn(shape, generator=gen, dtype=dtype),)
+    return tuple(x.requires_grad_() for x in xs)
+
+
+def _gate_grads(xs, w, u, dim: int, reverse: bool, cots, threads: int):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = _through_kernel(make_gate(w, u), xs, dim, reverse)
+        return torch.autograd.grad(out, (*xs, w, u), cots)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _assert_gate_matches_oracle(got, xs, w, u, dim, reverse, cots, tol):
+    wide = tuple(t.detach().double().requires_grad_() for t in (*xs, w, u))
+    gate = make_gate(*wide[3:])
+    want = _oracle_grads(gate, wide[:3], dim, reverse, wide, [c.double() for c in cots])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol * b.abs().max().item())
 
 
 @needs_compiler
@@ -461,27 +487,73 @@ def test_two_captured_tensors_match_the_oracle_and_threads_agree(threads):
     # 96000 elements: 2-3 threads split the lanes (each lane's sums stay in one thread).
     gen = torch.Generator().manual_seed(4)
     shape = (300, 8, 40)
-    w = torch.rand(40, generator=gen).requires_grad_()
+    w = (torch.rand(40, generator=gen) * 0.01 + 1).requires_grad_()
     u = torch.tensor(0.3, requires_grad=True)
-    xs = (torch.rand(shape, generator=gen) * 0.5 + 0.5, torch.randn(shape, generator=gen))
-    xs = tuple(x.requires_grad_() for x in xs)
-    cots = [torch.randn(shape, generator=gen) for _ in range(2)]
-    inputs = (*xs, w, u)
-    gate = make_gate(w, u)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        got = torch.autograd.grad(_through_kernel(gate, xs, 1, True), inputs, cots)
-        torch.set_num_threads(1)
-        one = torch.autograd.grad(_through_kernel(gate, xs, 1, True), inputs, cots)
-    finally:
-        torch.set_num_threads(before)
+    xs = _gate_inputs(shape, gen, torch.float32)
+    cots = [torch.randn(shape, generator=gen) for _ in range(3)]
+    got = _gate_grads(xs, w, u, 1, True, cots, threads)
+    one = _gate_grads(xs, w, u, 1, True, cots, 1)
     for a, b in zip(got, one):
         assert torch.equal(a, b)  # deterministic whatever the thread count
-    wide = tuple(t.detach().double().requires_grad_() for t in inputs)
-    want = _oracle_grads(make_gate(*wide[2:]), wide[:2], 1, True, wide, [c.double() for c in cots])
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-4)
+    _assert_gate_matches_oracle(got, xs, w, u, 1, True, cots, 1e-5)
+
+
+def _gate_adjoint(xs, w: float, u: float, cots, reverse: bool):
+    """The gate's gradients along one lane, by its hand-derived adjoint in Python floats
+    (float64): a sequential oracle fast enough for 10**5 steps."""
+    x0, x1 = xs[0].tolist(), xs[1].tolist()
+    g0, g1, g2 = (c.tolist() for c in cots)
+    n = len(x0)
+    order = list(range(n - 1, -1, -1)) if reverse else list(range(n))
+    y0, y1 = [0.0] * n, [0.0] * n
+    prev = None
+    for t in order:
+        if prev is None:
+            y0[t], y1[t] = x0[t], x1[t]
+        else:
+            y0[t], y1[t] = y0[prev] * x0[t] * w, y1[prev] * x0[t] * w + x1[t]
+        prev = t
+    bars = [[0.0] * n for _ in range(3)]
+    last = order[-1]
+    lam = [g0[last], g1[last], g2[last]]
+    wbar = ubar = 0.0
+    for s in range(n - 1, 0, -1):
+        t, p = order[s], order[s - 1]
+        bars[0][t] = (lam[0] * y0[p] + lam[1] * y1[p]) * w
+        bars[1][t], bars[2][t] = lam[1], lam[2]
+        wbar += (lam[0] * y0[p] + lam[1] * y1[p]) * x0[t]
+        ubar += lam[2]
+        lam = [g0[p] + lam[0] * x0[t] * w, g1[p] + lam[1] * x0[t] * w, g2[p] + lam[2]]
+    for k in range(3):
+        bars[k][order[0]] = lam[k]
+    return [torch.tensor(b, dtype=torch.float64) for b in bars], wbar, ubar
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("shape", "dim"), [((70001,), 0), ((3, 20001), 1)])
+def test_few_lane_backward_is_chunked_and_matches_the_oracle(shape, dim, threads):
+    # Chunks of >= 2048 steps, 8 interleaved per thread, carries fixed up: float64 vs a
+    # sequential oracle, both directions, captured scalars' gradients summed per chunk.
+    gen = torch.Generator().manual_seed(5)
+    w = torch.tensor(0.9999, dtype=torch.float64, requires_grad=True)
+    u = torch.tensor(0.25, dtype=torch.float64, requires_grad=True)
+    xs = _gate_inputs(shape, gen, torch.float64)
+    for reverse in (False, True):
+        cots = [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(3)]
+        got = _gate_grads(xs, w, u, dim, reverse, cots, threads)
+        rows = [x.detach().movedim(dim, 0).reshape(shape[dim], -1) for x in xs]
+        crows = [c.movedim(dim, 0).reshape(shape[dim], -1) for c in cots]
+        wbar = ubar = 0.0
+        for lane in range(rows[0].shape[1]):
+            pick = lambda ts: [t[:, lane] for t in ts]
+            bars, wb, ub = _gate_adjoint(pick(rows), w.item(), u.item(), pick(crows), reverse)
+            wbar, ubar = wbar + wb, ubar + ub
+            for k in range(3):
+                lane_got = got[k].movedim(dim, 0).reshape(shape[dim], -1)[:, lane]
+                torch.testing.assert_close(lane_got, bars[k], rtol=1e-10, atol=1e-9)
+        torch.testing.assert_close(got[3].item(), wbar, rtol=1e-10, atol=1e-9)
+        torch.testing.assert_close(got[4].item(), ubar, rtol=1e-10, atol=1e-9)
 
 
 @needs_compiler

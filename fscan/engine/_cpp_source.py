@@ -536,6 +536,25 @@ def backward_source(
         "static FSCAN_INLINE void add_pbar(const PBar q, int64_t e, const PLam& v) { (void)q; (void)e; (void)v; "
         + " ".join(f"q.q{q}[e] += v.v{q};" for q in range(len(pfloats)))
         + " }",
+        f"static constexpr int NF = {len(F)};",
+        "static FSCAN_INLINE Lam lam_zero() { Lam v; "
+        + " ".join(f"v.v{j} = 0;" for j in J)
+        + " return v; }",
+        "static FSCAN_INLINE Lam lam_unit(int u) { Lam v; "
+        + " ".join(f"v.v{j} = u == {j} ? 1 : 0;" for j in J)
+        + " return v; }",
+        "static FSCAN_INLINE Lam lam_axpy(const Lam& a, const Lam& col, const Lam& s, int u) { Lam v; "
+        + "const double k = "
+        + " + ".join(f"(u == {j} ? (double)s.v{j} : 0.0)" for j in J)
+        + "; "
+        + " ".join(f"v.v{j} = a.v{j} + col.v{j} * k;" for j in J)
+        + " return v; }",
+        "static FSCAN_INLINE PLam plam_zero() { PLam v; "
+        + " ".join(f"v.v{q} = 0;" for q in range(len(pfloats)))
+        + " return v; }",
+        "static FSCAN_INLINE PLam plam_add(const PLam& a, const PLam& b) { PLam v; (void)a; (void)b; "
+        + " ".join(f"v.v{q} = a.v{q} + b.v{q};" for q in range(len(pfloats)))
+        + " return v; }",
         "struct LamStore { "
         + " ".join(f"std::unique_ptr<{lam_types[j]}[]> v{j};" for j in J)
         + " explicit LamStore(int64_t n) : "
@@ -623,10 +642,147 @@ static void lane_bwd(const In x, const In y, const Grad g, const Bar b, const PB
   for (int64_t i = 0; i < w; ++i) store_bar(b, first + i, get_lam(lam, i));
 }
 
+// --- Few lanes (1-D, or a scan over the last dim): chunks of steps, G interleaved per
+// thread. The adjoint recurrence lam[s-1] = g[s-1] + A_s^T lam[s] is linear, so a chunk
+// [a, b) maps the lam its top step receives from above (in) to what its bottom step
+// passes down (out = M in + o). Pass 1: o and M (M's columns: the VJP of unit
+// cotangents, NF extra VJPs a step, no stores); pass 2: each lane's chunk carries, top
+// down; pass 3: each chunk again from its true carry, storing the gradients; then the
+// params' per-chunk sums are added in chunk order.
+static constexpr int64_t MIN_CHUNK = 2048;
+static constexpr int G = 8;
+
+struct Chunk { int64_t base, e, a, b; };  // lane offset, element position, steps [a, b)
+
+static FSCAN_INLINE int64_t at(const Chunk& k, int64_t s, int64_t T, int64_t inner, bool rev) {
+  return k.base + (rev ? T - 1 - s : s) * inner;
+}
+
+template <int NG>
+static FSCAN_INLINE void transfer(const In x, const In y, const Grad g, const Par p, const Chunk* k,
+                                  int64_t T, int64_t inner, bool rev, Lam* out, Lam* M) {
+  Lam lam[NG], U[NG][NF];
+  int64_t n[NG], common = INT64_MAX;
+  for (int c = 0; c < NG; ++c) {
+    lam[c] = load_g(g, at(k[c], k[c].b - 1, T, inner, rev));
+    for (int u = 0; u < NF; ++u) U[c][u] = lam_unit(u);
+    n[c] = k[c].b - std::max<int64_t>(k[c].a, 1);
+    common = std::min(common, n[c]);
+    out[c] = lam_zero();
+  }
+  auto one = [&](int c, int64_t r) {
+    const int64_t s = k[c].b - 1 - r;
+    const Vals l = load(y, at(k[c], s - 1, T, inner, rev)), v = load(x, at(k[c], s, T, inner, rev));
+    Lam lb, rb; PLam pb;
+    vjp(l, v, lam[c], p, k[c].e, lb, rb, pb);
+    for (int u = 0; u < NF; ++u) { Lam ub, urb; PLam upb; vjp(l, v, U[c][u], p, k[c].e, ub, urb, upb); U[c][u] = ub; }
+    if (s > k[c].a) lam[c] = lam_add(load_g(g, at(k[c], s - 1, T, inner, rev)), lb); else out[c] = lb;
+  };
+  for (int64_t r = 0; r < common; ++r) {
+#pragma GCC unroll 8
+    for (int c = 0; c < NG; ++c) one(c, r);
+  }
+  for (int c = 0; c < NG; ++c) {
+    for (int64_t r = common; r < n[c]; ++r) one(c, r);
+    for (int u = 0; u < NF; ++u) M[c * NF + u] = U[c][u];
+  }
+}
+
+template <int NG>
+static FSCAN_INLINE void finish(const In x, const In y, const Grad g, const Bar b, const Par p,
+                                const Chunk* k, int64_t T, int64_t inner, bool rev, const Lam* in,
+                                PLam* ptot) {
+  Lam lam[NG]; PLam pacc[NG];
+  int64_t n[NG], common = INT64_MAX;
+  for (int c = 0; c < NG; ++c) {
+    lam[c] = lam_add(load_g(g, at(k[c], k[c].b - 1, T, inner, rev)), in[c]);
+    pacc[c] = plam_zero();
+    n[c] = k[c].b - std::max<int64_t>(k[c].a, 1);
+    common = std::min(common, n[c]);
+  }
+  auto one = [&](int c, int64_t r) {
+    const int64_t s = k[c].b - 1 - r, cur = at(k[c], s, T, inner, rev);
+    Lam lb, rb; PLam pb;
+    vjp(load(y, at(k[c], s - 1, T, inner, rev)), load(x, cur), lam[c], p, k[c].e, lb, rb, pb);
+    store_bar(b, cur, rb);
+    pacc[c] = plam_add(pacc[c], pb);
+    if (s > k[c].a) lam[c] = lam_add(load_g(g, at(k[c], s - 1, T, inner, rev)), lb);
+  };
+  for (int64_t r = 0; r < common; ++r) {
+#pragma GCC unroll 8
+    for (int c = 0; c < NG; ++c) one(c, r);
+  }
+  for (int c = 0; c < NG; ++c) {
+    for (int64_t r = common; r < n[c]; ++r) one(c, r);
+    if (k[c].a == 0) store_bar(b, at(k[c], 0, T, inner, rev), lam[c]);
+    ptot[c] = pacc[c];
+  }
+}
+
+// Whether chain_bwd serves: few lanes for the threads (and the interleave), long lanes.
+static int64_t chunks_per_lane(int64_t lanes, int64_t T, int nt) {
+  if (lanes >= (int64_t)nt * G) return 1;
+  int64_t C = std::min<int64_t>(((int64_t)nt * G + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
+  if (C >= G) C = C / G * G;
+  return C;
+}
+
+static void chain_bwd(const In x, const In y, const Grad g, const Bar b, const PBar q, const Par p,
+                      int64_t outer, int64_t T, int64_t inner, bool rev, int nt, int64_t C) {
+  const int64_t lanes = outer * inner;
+  const int64_t L = (T + C - 1) / C;
+  C = (T + L - 1) / L;
+  const int64_t items = lanes * C, groups = (items + G - 1) / G;
+  auto describe = [&](int64_t item) {
+    const int64_t lane = item / C, c = item % C, o = lane / inner, i = lane % inner;
+    return Chunk{o * T * inner + i, lane, c * L, std::min(T, (c + 1) * L)};
+  };
+  std::vector<Lam> outs(items), ins(items), M(items * NF);
+  std::vector<PLam> ptot(items);
+#pragma omp parallel num_threads(nt)
+  {
+    Chunk k[G];
+#pragma omp for schedule(static)
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int ng = (int)std::min<int64_t>(G, items - gi * G);
+      for (int c = 0; c < ng; ++c) k[c] = describe(gi * G + c);
+      if (ng == G) transfer<G>(x, y, g, p, k, T, inner, rev, &outs[gi * G], &M[gi * G * NF]);
+      else for (int c = 0; c < ng; ++c) transfer<1>(x, y, g, p, k + c, T, inner, rev, &outs[gi * G + c], &M[(gi * G + c) * NF]);
+    }
+#pragma omp for schedule(static)
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      Lam carry = lam_zero();  // what the chunk above passes down
+      for (int64_t c = C - 1; c >= 0; --c) {
+        const int64_t item = lane * C + c;
+        ins[item] = carry;
+        Lam next = outs[item];
+        for (int u = 0; u < NF; ++u) next = lam_axpy(next, M[item * NF + u], carry, u);
+        carry = next;
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int ng = (int)std::min<int64_t>(G, items - gi * G);
+      for (int c = 0; c < ng; ++c) k[c] = describe(gi * G + c);
+      if (ng == G) finish<G>(x, y, g, b, p, k, T, inner, rev, &ins[gi * G], &ptot[gi * G]);
+      else for (int c = 0; c < ng; ++c) finish<1>(x, y, g, b, p, k + c, T, inner, rev, &ins[gi * G + c], &ptot[gi * G + c]);
+    }
+#pragma omp for schedule(static)
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      zero_pbar(q, lane);
+      for (int64_t c = 0; c < C; ++c) add_pbar(q, lane, ptot[lane * C + c]);
+    }
+  }
+}
+
 static void backward(const In x, const In y, const Grad g, const Bar b, const PBar q, const Par p,
                      int64_t outer, int64_t T, int64_t inner, bool rev, int threads) {
   if (T <= 0 || outer <= 0 || inner <= 0) return;
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, outer * T * inner / PER_THREAD));
+  if (inner < VEC_MIN) {
+    const int64_t C = chunks_per_lane(outer * inner, T, nt);
+    if (C > 1) { chain_bwd(x, y, g, b, q, p, outer, T, inner, rev, nt, C); return; }
+  }
   // Columns of up to TILE contiguous lanes (halved until every thread has one), or, for
   // inner < VEC_MIN, single lanes walking a stride of inner.
   int64_t W = inner >= VEC_MIN ? std::min<int64_t>(inner, TILE) : 1;
