@@ -641,8 +641,10 @@ def kernel_grad_scan(
     None where they cannot serve (then ``PointwiseScan`` runs).
 
     For the ``adjoint`` route once its probe agreed (float leaves of one dtype, a probed
-    combine_fn), where no captured tensor needs a gradient. A backward that must itself
-    be differentiable (``create_graph=True``) runs fscan's adjoint scan instead.
+    combine_fn). Captured tensors that require grad are inputs of ``KernelScan``; its
+    backward kernel sums their cotangents too (a separate kernel entry). A backward
+    that must itself be differentiable (``create_graph=True``) runs fscan's adjoint
+    scan instead.
 
     Example:
         >>> import fscan, optree
