@@ -73,6 +73,8 @@ __all__ = [
     "BLOCK",
     "CODEGEN_DEVICES",
     "SpecSource",
+    "StepGather",
+    "block_step",
     "blocked_scan",
     "doubling_scan",
     "hop_combine",
@@ -241,8 +243,7 @@ def blocked_scan(
     # dimension with a view asks export to prove divisibility, which it cannot. One
     # gather per step, not views of one gather: combine_fn's operands must not share
     # memory where it calls torch.cond & co. (Dynamo refuses aliased HOP inputs).
-    first = torch.arange(m, device=device) * BLOCK
-    step_j = lambda j: [x.index_select(0, (first + j).clamp(max=n - 1)) for x in xs]
+    step_j = lambda j: [block_step(x, j) for x in xs]
     # 1. Within each block, step by step: BLOCK - 1 combines over all blocks at once.
     running = step_j(0)
     steps = [running]
@@ -264,6 +265,60 @@ def blocked_scan(
         torch.where(first_block.view(-1, *[1] * (w.ndim - 1)), w, c).index_select(0, real)
         for w, c in zip(within, carried)
     ]
+
+
+def block_step(x: torch.Tensor, j: int) -> torch.Tensor:
+    """Step ``j`` of every block of ``x`` (element ``i * BLOCK + j`` of block ``i``; past the
+    end, the last element): ``x.index_select(0, (arange(m) * BLOCK + j).clamp(max=n - 1))``.
+
+    Where a backward is traced (compile with grad), it is ``StepGather``, whose backward
+    gathers instead of scattering (its docstring says why).
+
+    Example:
+        >>> block_step(torch.arange(10.0), 3)
+        tensor([3., 9., 9.])
+    """
+    if torch.is_grad_enabled() and torch.compiler.is_dynamo_compiling():
+        return StepGather.apply(x, j)
+    n = x.shape[0]
+    first = torch.arange(n // BLOCK + 2, device=x.device) * BLOCK
+    return x.index_select(0, (first + j).clamp(max=n - 1))
+
+
+class StepGather(torch.autograd.Function):
+    """``block_step`` whose backward is a gather and a masked sum, never a scatter.
+
+    The backward of ``index_select`` is a scatter-add (``index_put`` accumulate). With
+    several blocked scans of one tensor in one compiled backward, Inductor (torch 2.13)
+    fused the sum of that tensor's gradient with the zero-fill of one scan's scatter
+    targets into a kernel that ran before the scatters (after the ``while_loop`` they
+    wait for): the gradient read zeros. Here the gradient of element ``r`` is read
+    from its block, ``g[r // BLOCK]`` where ``r % BLOCK == j``, and the last element
+    also gets the steps clamped onto it: the same sums, with nothing to order.
+
+    Example:
+        >>> x = torch.arange(10.0, requires_grad=True)
+        >>> StepGather.apply(x, 3).backward(torch.tensor([1.0, 2.0, 4.0]))
+        >>> x.grad
+        tensor([0., 0., 0., 1., 0., 0., 0., 0., 0., 6.])
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, j: int) -> torch.Tensor:
+        n = x.shape[0]
+        ctx.n, ctx.j = n, j
+        first = torch.arange(n // BLOCK + 2, device=x.device) * BLOCK
+        return x.index_select(0, (first + j).clamp(max=n - 1))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        n, j = ctx.n, ctx.j
+        column = lambda mask: mask.view(-1, *[1] * (g.ndim - 1))
+        rows = torch.arange(n, device=g.device)
+        own = torch.where(column(rows % BLOCK == j), g.index_select(0, rows // BLOCK), 0)
+        past = torch.arange(g.shape[0], device=g.device) * BLOCK + j > n - 1
+        clamped = torch.where(column(past), g, 0).sum(0)
+        return own + torch.where(column(rows == n - 1), clamped, 0), None
 
 
 def doubling_scan(

@@ -1,8 +1,8 @@
-"""Workarounds for three torch bugs met by the backward of fscan's traced scan.
+"""Workarounds for four torch bugs met by the backward of fscan's traced scan.
 
 A differentiable scan traced by Dynamo runs through the blocked scan of
 ``fscan._traced``: gathers (``index_select``) around a ``while_loop`` that gets
-its backward from torch. Three torch bugs (2.13) break that backward;
+its backward from torch. Four torch bugs (2.13) break that backward;
 :func:`prepare_loop_backward` works around them while Dynamo traces, before
 the graph reaches AOT autograd and the backend.
 
@@ -48,6 +48,16 @@ the graph reaches AOT autograd and the backend.
    already holds the inner loop variable is left as it is), which is right
    whether a given torch shifts once or twice.
 
+4. **A spurious error where warnings are errors.** The blocked scan's step gathers
+   are a ``torch.autograd.Function`` (``fscan._traced.StepGather``, whose backward
+   gathers instead of scattering: Inductor misordered the scatters' kernels). To
+   trace one, Dynamo makes a ``torch.autograd.Function()``, whose constructor warns
+   (``DeprecationWarning``: "should not be instantiated"); Dynamo means to swallow
+   it with ``warnings.catch_warnings(record=True)``, which records warnings but
+   still applies the filters, so under ``-W error`` (pytest's ``filterwarnings =
+   error``) the trace fails. :func:`quiet_function_contexts` ignores that one
+   warning while Dynamo makes such a context.
+
 ``tests/test_compile.py`` has canaries that tell when torch no longer needs these.
 """
 
@@ -56,6 +66,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -63,6 +74,7 @@ import torch
 __all__ = [
     "allow_loop_scalars",
     "prepare_loop_backward",
+    "quiet_function_contexts",
     "shift_tile_indices_once",
     "subgraph_inputs_undonated",
     "tile_indices_shifted_once",
@@ -71,6 +83,7 @@ __all__ = [
 
 _MARK = "_fscan_inputs_undonated"
 _TILE_MARK = "_fscan_shifts_once"
+_QUIET_MARK = "_fscan_quiet_contexts"
 
 
 def prepare_loop_backward() -> bool:
@@ -83,6 +96,7 @@ def prepare_loop_backward() -> bool:
     undonate_subgraph_inputs()
     shift_tile_indices_once()
     allow_loop_scalars()
+    quiet_function_contexts()
     return True
 
 
@@ -178,4 +192,38 @@ def allow_loop_scalars() -> bool:
         return False
     if not settings.allow_scalar_outputs:
         shape_env.settings = dataclasses.replace(settings, allow_scalar_outputs=True)
+    return True
+
+
+def quiet_function_contexts() -> bool:
+    """Ignore the warning Dynamo's own ``torch.autograd.Function()`` raises (bug 4); idempotent.
+
+    Returns whether the fix is in place (False only where this torch has no
+    ``SideEffects.track_object_new`` to fix).
+
+    Example:
+        >>> quiet_function_contexts()
+        True
+    """
+    try:
+        from torch._dynamo.side_effects import SideEffects
+    except ImportError:  # a torch without Dynamo traces no autograd.Function
+        return False
+    track = getattr(SideEffects, "track_object_new", None)
+    if track is None:
+        return False
+    if getattr(track, _QUIET_MARK, False):
+        return True
+
+    @functools.wraps(track)
+    def track_object_new(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Only the constructor's warning: whatever else warns still reaches the filters.
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", r".* should not be instantiated\.", DeprecationWarning
+            )
+            return track(self, *args, **kwargs)
+
+    setattr(track_object_new, _QUIET_MARK, True)
+    SideEffects.track_object_new = track_object_new
     return True
