@@ -67,6 +67,7 @@ import dataclasses
 import functools
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -120,20 +121,17 @@ def undonate_subgraph_inputs() -> bool:
         from torch._inductor.graph import SubgraphLowering
     except ImportError:  # a torch without Inductor has no such bug
         return False
-    if getattr(SubgraphLowering, _MARK, False):
-        return True
-    init = SubgraphLowering.__init__
 
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        # Read by GraphLowering.placeholder when the subgraph's inputs are made,
-        # after __init__: the parent's positions mean nothing here.
-        self.bw_donated_idxs = None
+    def undonating(init: Callable[..., None]) -> Callable[..., None]:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            # Read by GraphLowering.placeholder when the subgraph's inputs are made,
+            # after __init__: the parent's positions mean nothing here.
+            self.bw_donated_idxs = None
 
-    SubgraphLowering.__init__ = __init__
-    setattr(SubgraphLowering, _MARK, True)
-    return True
+        return __init__
+
+    return _patch_once(SubgraphLowering, "__init__", _MARK, undonating)
 
 
 def subgraph_inputs_undonated() -> bool:
@@ -156,21 +154,18 @@ def shift_tile_indices_once() -> bool:
         from torch._inductor.codegen.cpp import CppTile2DKernel
     except ImportError:  # a torch without Inductor's C++ backend has no such bug
         return False
-    if getattr(CppTile2DKernel, _TILE_MARK, False):
-        return True
-    shift = CppTile2DKernel.transform_indexing
 
-    @functools.wraps(shift)
-    def transform_indexing(self: Any, index: Any) -> Any:
-        # The inner loop variable enters an index only through this shift: an
-        # index holding it is already shifted, and shifting it again is the bug.
-        if self.inner_itervar() in index.free_symbols:
-            return index
-        return shift(self, index)
+    def shifting_once(shift: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        def transform_indexing(self: Any, index: Any) -> Any:
+            # The inner loop variable enters an index only through this shift: an
+            # index holding it is already shifted, and shifting it again is the bug.
+            if self.inner_itervar() in index.free_symbols:
+                return index
+            return shift(self, index)
 
-    CppTile2DKernel.transform_indexing = transform_indexing
-    setattr(CppTile2DKernel, _TILE_MARK, True)
-    return True
+        return transform_indexing
+
+    return _patch_once(CppTile2DKernel, "transform_indexing", _TILE_MARK, shifting_once)
 
 
 def tile_indices_shifted_once() -> bool:
@@ -209,21 +204,31 @@ def quiet_function_contexts() -> bool:
         from torch._dynamo.side_effects import SideEffects
     except ImportError:  # a torch without Dynamo traces no autograd.Function
         return False
-    track = getattr(SideEffects, "track_object_new", None)
-    if track is None:
+    if getattr(SideEffects, "track_object_new", None) is None:
         return False
-    if getattr(track, _QUIET_MARK, False):
+
+    def quieted(track: Callable[..., Any]) -> Callable[..., Any]:
+        def track_object_new(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # Only the constructor's warning: whatever else warns still reaches the filters.
+            with warnings.catch_warnings():
+                warnings.filterwarnings(
+                    "ignore", r".* should not be instantiated\.", DeprecationWarning
+                )
+                return track(self, *args, **kwargs)
+
+        return track_object_new
+
+    return _patch_once(SideEffects, "track_object_new", _QUIET_MARK, quieted)
+
+
+def _patch_once(
+    owner: type, name: str, mark: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> bool:
+    """Replace ``owner.name`` by ``wrap(original)`` (wrapped: ``inspect.unwrap`` finds the
+    original), once per process: ``mark`` on ``owner`` says it is done. Returns True."""
+    if getattr(owner, mark, False):
         return True
-
-    @functools.wraps(track)
-    def track_object_new(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # Only the constructor's warning: whatever else warns still reaches the filters.
-        with warnings.catch_warnings():
-            warnings.filterwarnings(
-                "ignore", r".* should not be instantiated\.", DeprecationWarning
-            )
-            return track(self, *args, **kwargs)
-
-    setattr(track_object_new, _QUIET_MARK, True)
-    SideEffects.track_object_new = track_object_new
+    original = getattr(owner, name)
+    setattr(owner, name, functools.wraps(original)(wrap(original)))
+    setattr(owner, mark, True)
     return True
