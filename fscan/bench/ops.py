@@ -127,6 +127,9 @@ def linear_table(quick: bool = False) -> Table:
         "jax.jit assoc_scan": _jax_linear(a, b),
     }
     present = {k: f for k, f in runners.items() if f is not None}
+    with fscan.config.override(cpu_kernel="eager"):  # steady state: kernels built first
+        for name in ("fscan.linear_recurrence", "fscan.associative_scan"):
+            runners[name]()
     times = interleaved_medians(present, reps=3 if quick else 7, budget_s=4 if quick else 20)
     times["python loop (est.)"] *= shape[1] / LOOP_STEPS
     base = times["fscan.linear_recurrence"]
