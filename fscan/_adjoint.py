@@ -139,10 +139,7 @@ def adjoint(
     are written into preallocated outputs.
     """
     create_graph = torch.is_grad_enabled()
-    xs = [x.movedim(plan.dim, 0) for x in xs]
-    ys = [y.movedim(plan.dim, 0) for y in ys]
-    floats = [i for i, x in enumerate(xs) if x.is_floating_point()]
-    gs = [_cotangent(grads[i], ys[i].movedim(0, plan.dim)).movedim(plan.dim, 0) for i in floats]
+    xs, ys, floats, gs = _scan_dim_first(plan.dim, xs, ys, grads)
     n = xs[0].shape[0]
     if n == 1:  # no combine ran: the output is the input
         xbar = _scatter(len(xs), floats, [g if needs[i] else None for i, g in zip(floats, gs)])
@@ -169,8 +166,7 @@ def adjoint(
     # xbar[t] = K[t]^T lam[t] at every step with a left operand, summed over steps
     # for the closed-over tensors; at the edge step (first, or last if reversed)
     # the output is the input, so xbar is lam itself there.
-    want_x = [i for i in floats if needs[i]]
-    want_c = [k for k, c in enumerate(captured) if needs[len(xs) + k] and c.requires_grad]
+    want_x, want_c = _wanted(floats, captured, needs)
     edge_at = slice(n - 1, n) if plan.reverse else slice(0, 1)
     xbar_rows = {i: _Rows(n, lam[floats.index(i)], create_graph) for i in want_x}
     for i, out in xbar_rows.items():
@@ -213,12 +209,8 @@ def stepwise_adjoint(
         >>> stepwise_adjoint(ScanPlan(mul, 1, 0, False), [x], ys, [torch.ones(3)], [], [True])[0]
         [tensor([16.,  10.,  6.])]
     """
-    xs = [x.movedim(plan.dim, 0) for x in xs]
-    ys = [y.movedim(plan.dim, 0) for y in ys]
-    floats = [i for i, x in enumerate(xs) if x.is_floating_point()]
-    lam = [_cotangent(grads[i], ys[i].movedim(0, plan.dim)).movedim(plan.dim, 0) for i in floats]
-    want_x = [i for i in floats if needs[i]]
-    want_c = [k for k, c in enumerate(captured) if needs[len(xs) + k] and c.requires_grad]
+    xs, ys, floats, lam = _scan_dim_first(plan.dim, xs, ys, grads)
+    want_x, want_c = _wanted(floats, captured, needs)
     n = xs[0].shape[0]
     xbar = {i: torch.zeros_like(xs[i]) for i in want_x}
     capbar: list[torch.Tensor | None] = [None] * len(captured)
@@ -247,6 +239,31 @@ def stepwise_adjoint(
         xbar[i][edge] = carry[floats.index(i)]
     full = _scatter(len(xs), want_x, [xbar[i] for i in want_x])
     return _moved_back(full, plan.dim), capbar
+
+
+def _scan_dim_first(
+    dim: int,
+    xs: Sequence[torch.Tensor],
+    ys: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int], list[torch.Tensor]]:
+    """``xs`` and ``ys`` with the scan dim first, the float leaves' indices, and their
+    output cotangents (zeros for outputs nobody used), scan dim first too."""
+    xs = [x.movedim(dim, 0) for x in xs]
+    ys = [y.movedim(dim, 0) for y in ys]
+    floats = [i for i, x in enumerate(xs) if x.is_floating_point()]
+    gs = [_cotangent(grads[i], ys[i].movedim(0, dim)).movedim(dim, 0) for i in floats]
+    return xs, ys, floats, gs
+
+
+def _wanted(
+    floats: list[int], captured: Sequence[torch.Tensor], needs: Sequence[bool]
+) -> tuple[list[int], list[int]]:
+    """The leaves and the captured tensors whose cotangents autograd asks for."""
+    n_leaves = len(needs) - len(captured)
+    want_x = [i for i in floats if needs[i]]
+    want_c = [k for k, c in enumerate(captured) if needs[n_leaves + k] and c.requires_grad]
+    return want_x, want_c
 
 
 def _all_finite(ts: Sequence[torch.Tensor | None]) -> bool:
