@@ -73,9 +73,10 @@ class BoundedCache(Generic[V]):
 
     def get_or_compute(self, key: Hashable, compute: Callable[[], V]) -> V:
         """The value for ``key``, calling ``compute()`` (unlocked) and storing it on a miss."""
-        value = self.get(key, _MISSING)
-        if value is not _MISSING:
-            return value
+        entry = self._data.get(key)  # get(), inlined: this is the scan's hot path
+        if entry is not None:
+            entry[1] = True
+            return entry[0]
         value = compute()
         with self._lock:
             # Another thread may have stored it meanwhile: keep the first, like a setdefault.

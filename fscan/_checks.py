@@ -54,13 +54,16 @@ def check_leaves(api: str, xs: Any, leaves: list[Any]) -> None:
             f"{api}: `xs` has no tensor leaves (got {xs!r}); pass a tensor or a pytree of tensors."
         )
     for i, leaf in enumerate(leaves):
-        if not isinstance(leaf, torch.Tensor):
-            path = leaf_paths(xs)[i]
-            raise ScanTypeError(
-                f"{api}: leaf {path} is a {describe(leaf)}, expected a torch.Tensor; "
-                "convert it with torch.as_tensor()."
-            )
-        _refuse_subclass(api, xs, i, leaf)
+        if type(leaf) is not torch.Tensor:  # a plain tensor is no wrapper subclass
+            if not isinstance(leaf, torch.Tensor):
+                path = leaf_paths(xs)[i]
+                raise ScanTypeError(
+                    f"{api}: leaf {path} is a {describe(leaf)}, expected a torch.Tensor; "
+                    "convert it with torch.as_tensor()."
+                )
+            _refuse_subclass(api, xs, i, leaf)
+        elif leaf.is_nested:
+            _refuse_subclass(api, xs, i, leaf)
         if leaf.layout != torch.strided:
             path = leaf_paths(xs)[i]
             raise ScanTypeError(
@@ -73,6 +76,8 @@ def check_leaves(api: str, xs: Any, leaves: list[Any]) -> None:
                 f"{api}: leaf {path} is 0-dimensional, expected at least one dimension to "
                 "scan over; add one with .unsqueeze(0)."
             )
+    if len(leaves) == 1:
+        return
     device = leaves[0].device
     for i, leaf in enumerate(leaves[1:], start=1):
         if leaf.device != device:
@@ -107,6 +112,8 @@ def normalize_dim(
     ``what`` names the tensor in the error; it is a callable so that the name is
     only computed when there is an error to report.
     """
+    if type(dim) is int and -ndim <= dim < ndim:  # the common case, checked in one go
+        return dim % ndim
     if isinstance(dim, bool) or not hasattr(type(dim), "__index__"):
         raise ScanTypeError(f"{api}: `dim` must be an int, got {type(dim).__name__} {dim!r}.")
     dim = operator.index(dim)  # NumPy and other integer types, as torch accepts them
@@ -124,6 +131,8 @@ def check_dim_and_lengths(api: str, xs: Any, leaves: list[torch.Tensor], dim: An
     paths = None
     first = leaves[0]
     dim = normalize_dim(api, dim, first.ndim, lambda: "leaf " + leaf_paths(xs)[0])
+    if len(leaves) == 1:
+        return dim
     length = first.shape[dim]
     for i, leaf in enumerate(leaves[1:], start=1):
         if leaf.ndim <= dim or leaf.shape[dim] != length:

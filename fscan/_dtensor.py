@@ -40,7 +40,12 @@ def any_dtensor(values: Iterable[Any]) -> bool:
     """
     module = sys.modules.get("torch.distributed.tensor")
     dtensor = getattr(module, "DTensor", None)
-    return dtensor is not None and any(isinstance(v, dtensor) for v in values)
+    if dtensor is None:
+        return False
+    for v in values:  # a plain tensor is no DTensor: skip the subclass check (hot path)
+        if type(v) is not torch.Tensor and isinstance(v, dtensor):
+            return True
+    return False
 
 
 def _sequence_mesh_dim(api: str, name: str, placements: tuple, dim: int) -> int | None:

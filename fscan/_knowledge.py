@@ -89,10 +89,16 @@ _BUILTIN_CALLABLES = (
 
 
 class Reach(NamedTuple):
-    """What a walk over ``combine_fn`` found: its key (None if uncacheable) and tensors."""
+    """What a walk over ``combine_fn`` found: its key (None if uncacheable) and tensors.
+
+    ``tensors`` are distinct, in walk order. ``aliases``, where known (the plain walk),
+    numbers each place a tensor is reached from by the first of ``tensors`` it holds:
+    the pattern of which places share a tensor, for keys that depend on it.
+    """
 
     key: Hashable | None
     tensors: tuple[torch.Tensor, ...]
+    aliases: tuple[int, ...] | None = None
 
     def needing_grad(self) -> list[torch.Tensor]:
         """The captured tensors that require grad, the extra inputs of a custom Function."""
@@ -149,7 +155,7 @@ def leaf_signature(leaves: Sequence[torch.Tensor]) -> tuple[Hashable, ...]:
         >>> leaf_signature([torch.ones(4, 2)])
         ((torch.float32, device(type='cpu'), 2, False),)
     """
-    return tuple((x.dtype, x.device, x.ndim, x.requires_grad) for x in leaves)
+    return tuple([(x.dtype, x.device, x.ndim, x.requires_grad) for x in leaves])
 
 
 def on_clear(hook: Callable[[], None]) -> Callable[[], None]:
@@ -209,49 +215,74 @@ _PLAIN_SCALARS = (int, float, bool, str, type(None))
 _ABSENT = object()
 
 
-def _plain_closure(fn: types.FunctionType, depth: int = 0) -> Reach | None:
+def _plain_closure(fn: types.FunctionType) -> Reach | None:
     """The hot case, without a walk: a function that captures only tensors and plain
     scalars and names only library modules, builtins, tensors, scalars and other such
-    functions as globals (``lambda a, b: torch.maximum(a, b) * w``); else None."""
-    code = fn.__code__
-    if fn.__kwdefaults__ or depth > 2 or _is_library(fn):
+    functions as globals (``lambda a, b: torch.maximum(a, b) * w``); else None.
+
+    Its tensors are distinct (one captured by two cells is one input of autograd), and
+    ``aliases`` says which of the places they are reached from hold the same one."""
+    occurrences: list[torch.Tensor] = []
+    key = _plain_key(fn, occurrences, 0)
+    if key is None:
         return None
+    if not occurrences:
+        return Reach(key, ())
+    first: dict[int, int] = {}
+    aliases = tuple([first.setdefault(id(t), len(first)) for t in occurrences])
+    distinct = tuple({id(t): t for t in occurrences}.values())
+    return Reach(key, distinct, aliases)
+
+
+def _plain_key(fn: types.FunctionType, occurrences: list[torch.Tensor], depth: int) -> Any:
+    """``fn``'s key, appending each tensor it reaches (once per place) to ``occurrences``;
+    None if ``fn`` is not plain."""
+    if fn.__kwdefaults__ or depth > 2:
+        return None
+    if (fn.__module__ or "").partition(".")[0] in _LIBRARIES:  # _is_library, inlined
+        return None
+    code = fn.__code__
     parts: list[Hashable] = []
-    tensors: list[torch.Tensor] = []
-    for value in (*(_cell_contents(c) for c in fn.__closure__ or ()), *(fn.__defaults__ or ())):
-        if not _plain_part(value, parts, tensors, depth):
+    for cell in fn.__closure__ or ():
+        if not _plain_part(_cell_contents(cell), parts, occurrences, depth):
             return None
-    scope = fn.__globals__
-    for name in _code_names(code):
-        value = scope.get(name, _ABSENT)
-        if value is _ABSENT:  # an attribute name, or a builtin
-            continue
-        parts.append(name)
-        if type(value) is types.ModuleType and _is_library(value):
-            parts.append(value)
-        elif not _plain_part(value, parts, tensors, depth):
+    for value in fn.__defaults__ or ():
+        if not _plain_part(value, parts, occurrences, depth):
             return None
+    names = _code_names(code)
+    if names:
+        scope = fn.__globals__
+        for name in names:
+            value = scope.get(name, _ABSENT)
+            if value is _ABSENT:  # an attribute name, or a builtin
+                continue
+            parts.append(name)
+            if type(value) is types.ModuleType and _is_library(value):
+                parts.append(value)
+            elif not _plain_part(value, parts, occurrences, depth):
+                return None
     if not parts:
-        return Reach(code, ())
-    return Reach(("plain", code, tuple(parts)), tuple(tensors))
+        return code
+    return ("plain", code, tuple(parts))
 
 
-def _plain_part(value: Any, parts: list[Hashable], tensors: list[torch.Tensor], depth: int) -> bool:
+def _plain_part(
+    value: Any, parts: list[Hashable], occurrences: list[torch.Tensor], depth: int
+) -> bool:
     """Append ``value``'s key part (and tensors) if it is plain; False if it needs a walk."""
     kind = type(value)
     if kind in _PLAIN_TENSORS:
-        tensors.append(value)
+        occurrences.append(value)
         parts.append(_tensor_kind(value))
     elif kind in _PLAIN_SCALARS:
         parts.append((kind, value))
     elif kind is types.BuiltinFunctionType and _unbound(value):
         parts.append(value)
     elif kind is types.FunctionType:
-        inner = _plain_closure(value, depth + 1)
+        inner = _plain_key(value, occurrences, depth + 1)
         if inner is None:
             return False
-        parts.append(inner.key)
-        tensors.extend(inner.tensors)
+        parts.append(inner)
     else:
         return False
     return True

@@ -12,7 +12,11 @@ import optree
 import torch
 from optree import PyTreeSpec
 
-__all__ = ["flatten", "leaf_paths", "unflatten"]
+__all__ = ["LEAF", "flatten", "leaf_paths", "unflatten"]
+
+# The structure of a lone leaf, shared: a plain tensor ``xs`` (the common case) skips
+# optree's round trip (about 2 us of a 10 us scan of 64 elements).
+LEAF = optree.treespec_leaf(none_is_leaf=False)
 
 
 def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
@@ -22,13 +26,19 @@ def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
         >>> leaves, spec = flatten((torch.zeros(2), {"h": torch.ones(3)}))
         >>> [tuple(leaf.shape) for leaf in leaves]
         [(2,), (3,)]
+        >>> flatten(torch.zeros(2))[1] == optree.tree_flatten(torch.zeros(2))[1]
+        True
     """
+    if type(tree) is torch.Tensor:  # exactly: subclasses may be registered pytree nodes
+        return [tree], LEAF
     leaves, spec = optree.tree_flatten(tree, none_is_leaf=False)
     return leaves, spec
 
 
 def unflatten(spec: PyTreeSpec, leaves: list[Any]) -> Any:
     """Rebuild a pytree of structure ``spec`` from ``leaves`` (inverse of :func:`flatten`)."""
+    if spec is LEAF and len(leaves) == 1:
+        return leaves[0]
     return optree.tree_unflatten(spec, leaves)
 
 

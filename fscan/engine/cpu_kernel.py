@@ -175,14 +175,17 @@ def kernel_scan(
     if lookup is None:
         return None
     holder, aliases, captured = lookup
-    if torch.is_grad_enabled() and any(t.requires_grad for t in captured):
+    if captured and torch.is_grad_enabled() and any(t.requires_grad for t in captured):
         _log_once("combine_fn captures tensors that require grad: the autograd engine runs")
         return None
-    dtypes = tuple(x.dtype for x in leaves)
-    call = _Call(combine_fn, spec, dtypes, _element(leaves, dim), captured, positions)
-    kernel = _ready(holder, aliases, call, leaves[0].numel(), backward=False)
-    if kernel is None:
-        return None
+    element = _element(leaves, dim)
+    kernel = _slots(holder).get((aliases, element, positions, False, False))  # _Call.slot
+    if kernel is None or kernel.state is not State.READY:  # counted, built or queued
+        dtypes = tuple([x.dtype for x in leaves])
+        call = _Call(combine_fn, spec, dtypes, element, captured, positions)
+        kernel = _ready(holder, aliases, call, leaves[0].numel(), backward=False)
+        if kernel is None:
+            return None
     return run_kernel(kernel, leaves, dim, reverse, captured, positions)
 
 
@@ -223,9 +226,13 @@ def _lookup(
         return None
     if entry is None:
         entry = knowledge(found, spec, "pointwise", leaves)
+    if not found.tensors:
+        return entry, (), ()
+    if found.aliases is not None:  # the plain walk numbered the places itself
+        return entry, found.aliases, found.tensors
     # The walk for each place a tensor is reached from (aliasing is part of the kernel's
-    # key) is needed only where reach found tensors at all.
-    occurrences = captured_occurrences(combine_fn) if found.tensors else []
+    # key), where reach's general walk keeps only distinct tensors.
+    occurrences = captured_occurrences(combine_fn)
     if occurrences is None:
         return None
     first: dict[int, int] = {}
@@ -236,6 +243,8 @@ def _lookup(
 
 def _element(leaves: Sequence[torch.Tensor], dim: int) -> tuple[int, ...]:
     shape = tuple(leaves[0].shape)
+    if len(shape) == 1:
+        return ()
     dim = dim % max(1, len(shape))
     return shape[:dim] + shape[dim + 1 :]
 
@@ -331,10 +340,10 @@ def _unavailable(leaves: Sequence[torch.Tensor], wait: bool = False) -> str | No
     first = leaves[0]
     if not first.is_cpu:  # is_cpu, not device.type: a torch.device costs ~0.3 us per call
         return f"no C++ kernel on {first.device.type}"
-    if any(x.dtype not in DTYPES for x in leaves):
-        bad = next(x.dtype for x in leaves if x.dtype not in DTYPES)
-        return f"dtype {bad} has no C++ kernel"
-    if any(x.shape != first.shape or not x.is_cpu for x in leaves):
+    for x in leaves:  # loops, not any() of a generator: this runs on every scan
+        if x.dtype not in DTYPES:
+            return f"dtype {x.dtype} has no C++ kernel"
+    if len(leaves) > 1 and any(x.shape != first.shape or not x.is_cpu for x in leaves):
         return "leaves of different shapes: the C++ kernel takes one shape"
     if not probeable(leaves) or under_transform():
         return "tensor subclasses or torch.func transforms: the torch engine runs"
@@ -346,8 +355,10 @@ def _unavailable(leaves: Sequence[torch.Tensor], wait: bool = False) -> str | No
 
 
 def _grad_wanted(leaves: Sequence[torch.Tensor]) -> str | None:
-    if torch.is_grad_enabled() and any(x.requires_grad for x in leaves):
-        return "gradients are wanted: the autograd engine runs"
+    if torch.is_grad_enabled():
+        for x in leaves:
+            if x.requires_grad:
+                return "gradients are wanted: the autograd engine runs"
     return None
 
 
@@ -573,15 +584,21 @@ def run_kernel(
     assert program is not None and kernel is not None
     shape = leaves[0].shape
     dim = dim % len(shape)
-    outer, steps, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
+    if len(shape) == 1:  # the cheap common case of the sizes below (torch.Size slices)
+        outer, steps, inner = 1, shape[0], 1
+    else:
+        outer, steps, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
     # empty_like is ~1 us cheaper per leaf than torch.empty(torch.Size): it matters at (64,).
     ys = [torch.empty_like(x) if x.is_contiguous() else _empty(x) for x in leaves]
     if outer * steps * inner == 0:
         return ys
-    params = _params(program, captured, shape[:dim] + shape[dim + 1 :])
+    params = _params(program, captured, shape[:dim] + shape[dim + 1 :]) if program.params else []
     if params is None:
         return None
-    xs = [x.contiguous() for k, x in enumerate(leaves) if k not in positions]
+    if positions:
+        xs = [x.contiguous() for k, x in enumerate(leaves) if k not in positions]
+    else:
+        xs = [x.contiguous() for x in leaves]
     kernel(*xs, *ys, *params, outer, steps, inner, int(reverse), torch.get_num_threads())
     return ys
 
