@@ -46,13 +46,16 @@ def adjoint_applies(
 ) -> bool:
     """The adjoint needs real float leaves of one shape and dtype and a probed ``combine_fn``."""
     floats = [x for x in leaves if x.is_floating_point()]
-    if not floats or any(x.is_complex() for x in leaves):
+    if not floats:
         return False
-    if any(x.shape != floats[0].shape or x.dtype != floats[0].dtype for x in floats):
-        return False
+    if len(leaves) > 1:  # (a lone float leaf is neither complex nor unlike itself)
+        if any(x.is_complex() for x in leaves):
+            return False
+        if any(x.shape != floats[0].shape or x.dtype != floats[0].dtype for x in floats):
+            return False
     if leaves[0].shape[dim] == 1:  # combine_fn never runs
         return True
-    element = tuple(x.shape[:dim] + x.shape[dim + 1 :] for x in leaves)
+    element = tuple([x.shape[:dim] + x.shape[dim + 1 :] for x in leaves])
     verdict = entry.adjoint.get(element)
     if verdict is None:
         verdict = _probe(combine, leaves, captured, dim)
