@@ -22,8 +22,7 @@ all steps at once, in the backward. ``reverse=True`` mirrors every direction.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import optree
 import torch
@@ -44,12 +43,12 @@ CHUNK_ELEMENTS = 2**18
 Entry = tuple[int, int]  # (row, column) of a per-position L x L block
 
 
-@dataclass(frozen=True)
-class ScanPlan:
+class ScanPlan(NamedTuple):
     """What the backward needs besides tensors: the combine and the scan's layout.
 
     ``n_leaves`` leaves of ``xs`` come first among the Function's tensor inputs,
-    followed by the tensors ``combine`` closes over that need gradients.
+    followed by the tensors ``combine`` closes over that need gradients. (A NamedTuple,
+    immutable like a frozen dataclass: made on every call, and ~0.5 us cheaper.)
     """
 
     combine: FlatCombine
