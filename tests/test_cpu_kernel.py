@@ -765,3 +765,57 @@ def test_float32_backward_sums_cotangents_in_double(fn):
     (gx,) = torch.autograd.grad(y, x, g)
     exact = g.double().sum().item()
     assert abs(gx[0].item() - exact) <= 1e-6 * exact
+
+
+@needs_compiler
+def test_aliasing_of_captured_tensors_keys_the_kernel():
+    # Two cells holding one tensor, then two tensors: a kernel traced for the first must
+    # not serve the second (it would read one tensor for both).
+    make = lambda v, u: lambda a, b: a + b + (v - u)  # associative: adds i * (v - u)
+    x = torch.randn(40, 3, dtype=torch.float64)
+    w, other = torch.rand(3, dtype=torch.float64), torch.rand(3, dtype=torch.float64)
+    with torch.no_grad():
+        for v, u in ((w, w), (w, other), (w, w)):
+            fn = make(v, u)
+            for _ in range(2):  # the second call is the cached one
+                out = fscan.associative_scan(fn, x, 0)
+            assert_close_to([out], oracle(fn, x, 0, False), "aliasing")
+
+
+@needs_compiler
+def test_cached_calls_notice_what_changed():
+    make = lambda k, w: lambda a, b: a + b + k * w  # associative: adds i * k * w
+    w = torch.rand(5)
+    x = torch.randn(30, 5)
+    with torch.no_grad():
+        for k in (0.25, 0.5):  # a number in a closure cell: part of the kernel's key
+            fn = make(k, w)
+            for _ in range(2):
+                out = fscan.associative_scan(fn, x, 0)
+            assert_close_to([out], oracle(fn, x, 0, False), "cell")
+        w.mul_(2.0)  # a captured tensor changed in place: read at every call
+        out = fscan.associative_scan(fn, x, 0)
+        assert_close_to([out], oracle(fn, x, 0, False), "captured in place")
+        x64 = x.double()  # another dtype: another kernel
+        out = fscan.associative_scan(fn, x64, 0)
+        assert out.dtype == torch.float64
+        assert_close_to([out], oracle(fn, x64, 0, False), "dtype")
+    leaf = x.clone().requires_grad_()  # gradients wanted: the differentiable route
+    out = fscan.associative_scan(fn, leaf, 0)
+    assert out.requires_grad
+    (g,) = torch.autograd.grad(out.sum(), [leaf])
+    (ref,) = torch.autograd.grad(oracle(fn, leaf, 0, False)[0].sum(), [leaf])
+    torch.testing.assert_close(g, ref.float())
+
+
+def test_a_plain_tensor_is_still_checked_like_a_pytree():
+    import numpy as np
+
+    x = torch.randn(8)
+    torch.testing.assert_close(fscan.associative_scan(add, x, np.int64(-1)), x.cumsum(0))
+    with pytest.raises(fscan.ScanTypeError, match="`dim` must be an int, got bool True"):
+        fscan.associative_scan(add, x, True)
+    with pytest.raises(fscan.ScanIndexError, match="`dim` 1 is out of range for leaf xs"):
+        fscan.associative_scan(add, x, 1)
+    out = fscan.associative_scan(add, x, 0)
+    assert out is not x and out.data_ptr() != x.data_ptr()

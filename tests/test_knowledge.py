@@ -166,3 +166,28 @@ def test_clear_caches_forgets_every_verdict():
     assert cached_verdicts("pure") == 1
     fscan.clear_caches()
     assert cached_verdicts("pure") == 0
+
+
+def _two_cells(v, u):
+    return lambda a, b: a + b + v * u  # associative: out[i] = x[0] + ... + x[i] + i * v * u
+
+
+def test_a_tensor_in_two_cells_is_reached_once_and_their_aliasing_is_kept():
+    w, other = torch.tensor(0.5), torch.tensor(0.25)
+    shared, apart = reach(_two_cells(w, w)), reach(_two_cells(w, other))
+    assert [t is w for t in shared.tensors] == [True] and shared.aliases == (0, 0)
+    assert {id(t) for t in apart.tensors} == {id(w), id(other)} and apart.aliases == (0, 1)
+    assert shared.key == apart.key  # same kinds: the aliasing keys what depends on it
+
+
+@pytest.mark.parametrize("mode", ["off", "eager"])
+def test_a_tensor_in_two_cells_gets_its_gradient_once(mode):
+    # Reached from two cells, it was an input of the adjoint's autograd Function twice,
+    # and its gradient came out doubled.
+    w = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+    x = torch.rand(6, dtype=torch.float64, requires_grad=True)
+    with fscan.config.override(cpu_kernel=mode):
+        for _ in range(2):  # the second call finds the verdicts cached
+            out = fscan.associative_scan(_two_cells(w, w), x, 0)
+            (got,) = torch.autograd.grad(out.sum(), [w])
+            assert got.item() == pytest.approx(2 * 0.5 * sum(range(6)))
