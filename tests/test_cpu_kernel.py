@@ -768,12 +768,13 @@ def test_float32_backward_sums_cotangents_in_double(fn):
 
 
 @needs_compiler
-def test_aliasing_of_captured_tensors_keys_the_kernel():
+@pytest.mark.parametrize("element", [(3,), ()])
+def test_aliasing_of_captured_tensors_keys_the_kernel(element):
     # Two cells holding one tensor, then two tensors: a kernel traced for the first must
     # not serve the second (it would read one tensor for both).
     make = lambda v, u: lambda a, b: a + b + (v - u)  # associative: adds i * (v - u)
-    x = torch.randn(40, 3, dtype=torch.float64)
-    w, other = torch.rand(3, dtype=torch.float64), torch.rand(3, dtype=torch.float64)
+    x = torch.randn(40, *element, dtype=torch.float64)
+    w, other = torch.rand(element, dtype=torch.float64), torch.rand(element, dtype=torch.float64)
     with torch.no_grad():
         for v, u in ((w, w), (w, other), (w, w)):
             fn = make(v, u)
