@@ -29,7 +29,9 @@ def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
         >>> flatten(torch.zeros(2))[1] == optree.tree_flatten(torch.zeros(2))[1]
         True
     """
-    if type(tree) is torch.Tensor:  # exactly: subclasses may be registered pytree nodes
+    # Exactly a tensor (subclasses may be registered pytree nodes), and not while Dynamo
+    # traces: there specs come from its optree polyfill, which cannot compare to a C one.
+    if type(tree) is torch.Tensor and not torch.compiler.is_compiling():
         return [tree], LEAF
     leaves, spec = optree.tree_flatten(tree, none_is_leaf=False)
     return leaves, spec
