@@ -15,8 +15,8 @@ write into fresh memory, as any out-of-place op pays):
 Then the backward (the C++ forward and backward kernels against the torch
 engine's adjoint scan), the
 first-call latency in fresh processes (cold and warm disk cache) and the cost
-of a cached call. Times on a shared machine vary by 2x between runs: compare
-columns within a row, not across runs.
+of a cached call (with and without gradients wanted). Times on a shared machine
+vary by 2x between runs: compare columns within a row, not across runs.
 """
 
 from __future__ import annotations
@@ -246,6 +246,13 @@ def latency_table() -> Table:
         bare = _bare_kernel(_add, x)
         call = median_time(lambda: fscan.associative_scan(_add, x, 0), reps=200)
     table.add("cached call, (64,) add, end to end", [f"{call * 1e6:.1f} us", "front end + kernel"])
+    xg = torch.randn(64, requires_grad=True)
+    with fscan.config.override(cpu_kernel="eager"):
+        grad_call = median_time(lambda: fscan.associative_scan(_add, xg, 0), reps=200)
+    table.add(
+        "cached call, (64,) add requiring grad",
+        [f"{grad_call * 1e6:.1f} us", "forward only: front end + KernelScan"],
+    )
     if bare is not None:
         table.add(
             "bare kernel call, (64,) add", [f"{median_time(bare, reps=200) * 1e6:.1f} us", ""]
