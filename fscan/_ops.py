@@ -7,25 +7,31 @@ casts first), shapes (0-d inputs, empty dimensions), ``(values, indices)``
 structs with torch's tie-breaking and NaN rules, and the same precision
 (accumulation in float64 for float32, in float32 for half types).
 
-Each call takes the fastest of three paths, as measured (:func:`path` says which):
+Each call takes the fastest of three paths, as measured (:func:`path` says which;
+``_route``'s docstring has the table):
 
+* torch's native kernel, taken first and cheaply by ``_native_fast`` (a few
+  µs of checks) where nothing else can win: under ``MIN_NUMEL`` elements, and at
+  a ``dim`` with fewer than 8 contiguous elements after it (the innermost, say)
+  for cummax/cummin, and for cumsum/cumprod below ``KERNEL_MIN_NUMEL_INNERMOST``.
+  There torch's walk is contiguous and vectorized. ``reverse=True`` is flip, op,
+  flip.
 * the generated C++ kernel of :mod:`fscan.engine.cpu_kernel`, once it is compiled
   for the op and dtype (in the background, from the second large call), where it
-  wins (:func:`kernel_wins`): no gradient wanted, at least ``KERNEL_MIN_NUMEL``
-  elements, and ``dim`` not the innermost (there torch's walk is contiguous; the
-  kernel walks lanes side by side) unless the scan is reversed over a single lane
-  (torch then pays two flips) or is ``logcumsumexp`` over more than one lane
-  (compute-bound: the kernel's math, vectorised or interleaved, wins there).
+  wins (:func:`kernel_wins`): no gradient wanted, a contiguous input of at least
+  ``KERNEL_MIN_NUMEL`` elements, and a ``dim`` with at least 8 contiguous lanes
+  after it; over fewer lanes (the innermost ``dim``) for cumsum and cumprod from
+  ``KERNEL_MIN_NUMEL_INNERMOST`` elements, for logcumsumexp always (compute-bound:
+  the kernel's math wins), and for cummax/cummin only reversed over a single lane
+  (torch then pays two flips; torch's branchy walk predicts well otherwise).
   cummax/cummin scan (value, index) pairs; the kernel makes the indices from each
   element's position, reading only the values.
-* torch's native kernel, which walks ``dim`` sequentially for every other index.
-  When ``dim`` is the innermost (stride-1) dimension that walk is contiguous
-  and vectorized, and nothing beats it. ``reverse=True`` is flip, op, flip.
 * fscan's parallel scan (:mod:`fscan._ops_parallel`), which combines whole
   contiguous slices at a time. When ``dim`` has a large stride, every step of
   torch's walk lands on a new cache line; then the parallel scan is faster for
   logcumsumexp, and for the others once the walk spans more memory than the
   caches hold (:func:`parallel_wins`; the rule and its measurements are below).
+  Where the kernel is compiled it beats this path too.
 
 Gradients are torch's on the native path and autograd's through the scan on
 the other; they agree (cumprod with zeros included: the scan multiplies, it
@@ -80,16 +86,30 @@ CUMSUM_MIN_STRIDE = 1024
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-# Measured on this repository's 2-core CI-like machine (AMD EPYC; python -m fscan.bench.kernel
-# and fscan.bench.ops, one thread): below ~2**15 elements torch's op (2-20 us) beats the
-# kernel's ~15 us fixed cost. Above it, at a dim with >= 8 contiguous lanes after it, the
-# kernel ran 0.05-0.25x torch (cumsum, cumprod, cummax, cummin at (4096, 256) dim 0,
-# (8, 1024, 256) dim 1, (65536, 64) dim 0); over the innermost dim it ran 1.3-2x torch
-# (cumsum) and 1.3-8x (cummax: torch's branchy walk predicts well), except reversed
-# over one lane (0.25-0.65x: torch flips twice). logcumsumexp: 0.1-0.6x at every layout
-# but a single lane (1-D), where the kernel's chunked scan does the math twice: 0.95-1.02x.
+# Measured on this repository's 2-core machine (AMD EPYC; /tmp-style sweeps of the kernel
+# against torch's op, and python -m fscan.bench.ops, 1 and 2 threads, float32; December 2026):
+# * below ~2**15 elements torch's op (2-30 us) beats the kernel's fixed cost.
+# * at a dim with >= 8 contiguous lanes after it, the kernel ran 0.05-0.5x torch (every op,
+#   (4096, 256) dim 0, (8, 1024, 256) dim 1, (16384, 16) dim 0).
+# * over fewer lanes (the innermost dim; the kernel's chained path): cumsum and cumprod
+#   0.6-0.85x torch from 2**17-2**18 elements ((2**17,), (512, 512) and (4096, 256) dim 1,
+#   (2**20,)), a tie at 2**16 (0.94-1.02x), 1.2-1.4x at 2**15; cummax/cummin 1.5-2.7x
+#   (torch's branchy walk predicts well) except reversed over one lane (0.1-0.7x: torch
+#   flips twice); logcumsumexp 0.4-0.9x at every size from 2**15 (compute-bound).
 KERNEL_MIN_NUMEL = 2**15
+KERNEL_MIN_NUMEL_INNERMOST = 2**18  # cumsum/cumprod over < 8 lanes: past the tie at 2**16-2**17
 _KERNEL_INNER = 8  # the kernel's lane path needs this many contiguous lanes after dim
+# Where torch's op is certain to win at a dim with < _KERNEL_INNER elements after it (and
+# no reverse): below this many elements (see _native_fast). Under MIN_NUMEL it always wins.
+_INNERMOST_NATIVE_BELOW = {
+    torch.cumsum: KERNEL_MIN_NUMEL_INNERMOST,
+    torch.cumprod: KERNEL_MIN_NUMEL_INNERMOST,
+    torch.cummax: math.inf,
+    torch.cummin: math.inf,
+    torch.logcumsumexp: 0,
+}
+_NATIVE_BELOW = min(MIN_NUMEL, KERNEL_MIN_NUMEL)  # every op is torch's below this size
+_is_compiling = torch.compiler.is_compiling  # bound once: Dynamo folds it by identity
 _ONE_LEAF = flatten(torch.zeros(()))[1]
 _PAIR = flatten((torch.zeros(()), torch.zeros(())))[1]
 
@@ -140,22 +160,47 @@ def kernel_wins(x: torch.Tensor, dim: int, reverse: bool, op: Any) -> bool:
 
 
 def _route(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, bool]:
-    """(:func:`kernel_wins`, :func:`parallel_wins`) for a drop-in of ``op`` on ``x``,
-    the tensor's facts read once: on the ~1 ms calls where torch's op wins, each extra
-    check measured about 2% (of 5-8% over torch, down to 1-3% this way)."""
+    """(:func:`kernel_wins`, :func:`parallel_wins`) for a drop-in of ``op`` on ``x``.
+
+    The routing table (CPU, no ``torch.compile`` tracing; else always torch's op;
+    ``inner`` = the elements after ``dim``, ``n`` its length, ``stride`` its stride):
+
+    ============================  ==========================  ===================
+    call                          kernel (once compiled)      else
+    ============================  ==========================  ===================
+    numel < 2**15 (``MIN_NUMEL``)  never                       native
+    contiguous, no grad wanted,   inner >= 8: every op;       parallel if it
+    numel >= 2**15                inner < 8: cumsum/cumprod   wins, else native
+                                  from 2**18 elements,
+                                  logcumsumexp always,
+                                  cummax/cummin reversed
+                                  over one lane only
+    not contiguous, or grad       never                       parallel if it
+    wanted                                                    wins, else native
+    ============================  ==========================  ===================
+
+    The parallel scan wins (:func:`parallel_wins`) at ``stride >= 64``, ``n >= 32``:
+    logcumsumexp always, cumsum from ``stride >= 1024`` and a 16 MiB walk (``n *
+    stride`` bytes), the others from a 16 MiB walk. Measurements: the comments above
+    the constants. :func:`_native_fast` takes the ``native`` cells it can prove
+    from ``numel`` and ``stride`` alone before anything else is read.
+
+    The tensor's facts are read once: each read costs about 1-3 µs on a cache
+    cold from the op before (the calls routed to torch's op pay it).
+    """
     # First, before any size is read: under torch.compile a read size is a guard.
     # (`is_cpu`, not `device.type`: making a torch.device slowed the op after it by 2-3%.)
-    if torch.compiler.is_compiling() or not x.is_cpu or x.ndim == 0:
+    if _is_compiling() or not x.is_cpu or x.ndim == 0:
         return False, False
     shape = x.shape
     numel = math.prod(shape)
-    if numel < min(MIN_NUMEL, KERNEL_MIN_NUMEL):
+    if numel < _NATIVE_BELOW:
         return False, False
     n, stride = shape[dim], x.stride(dim)
     kernel = numel >= KERNEL_MIN_NUMEL and not (x.requires_grad and torch.is_grad_enabled())
     if kernel:  # not contiguous: the kernel would copy it first; torch's walk need not
         inner = math.prod(shape[dim + 1 :])
-        kernel = x.is_contiguous() and _kernel_rule(op, inner, n == numel, reverse)
+        kernel = x.is_contiguous() and _kernel_rule(op, inner, numel, n == numel, reverse)
     parallel = stride >= MIN_STRIDE and n >= MIN_LENGTH and numel >= MIN_NUMEL
     if parallel and op is not torch.logcumsumexp:
         if op is torch.cumsum and stride < CUMSUM_MIN_STRIDE:
@@ -165,10 +210,31 @@ def _route(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, boo
     return kernel, parallel
 
 
-def _kernel_rule(op: Any, inner: int, single_lane: bool, reverse: bool) -> bool:
-    if op is torch.logcumsumexp:  # one lane: a chunked scan, twice the math; a tie
-        return not single_lane
-    return inner >= _KERNEL_INNER or (reverse and single_lane)
+def _kernel_rule(op: Any, inner: int, numel: int, single_lane: bool, reverse: bool) -> bool:
+    """The kernel column of ``_route``'s table, for a contiguous input without grad."""
+    if inner >= _KERNEL_INNER or op is torch.logcumsumexp:
+        return True
+    if op is torch.cumsum or op is torch.cumprod:
+        return numel >= KERNEL_MIN_NUMEL_INNERMOST
+    return reverse and single_lane  # cummax, cummin: torch's walk wins unless it flips
+
+
+def _native_fast(op: Any, x: Any, dim: Any) -> Any:
+    """torch's ``op(x, dim)`` where ``_route``'s table certainly picks it (a forward call
+    with a plain int ``dim``), else None: the front end of a call that torch's op serves
+    costs a few µs on top of it (about 3 here, against ~30 for the checks and the full
+    route, whose code is cold in the cache after the op before)."""
+    if type(dim) is not int or not isinstance(x, torch.Tensor) or _is_compiling():
+        return None
+    try:
+        numel = x.numel()
+        if numel < _NATIVE_BELOW or (
+            x.stride(dim) < _KERNEL_INNER and numel < _INNERMOST_NATIVE_BELOW[op]
+        ):
+            return op(x, dim)
+    except IndexError:  # dim out of range: the checked path says so in fscan's words
+        return None
+    return None
 
 
 def _kernel_call(op: Any, x: torch.Tensor) -> tuple[Any, Any, list[torch.Tensor], tuple[int, ...]]:
@@ -247,6 +313,12 @@ def cumsum(
         >>> fscan.cumsum(x, 0), fscan.cumsum(x, 0, reverse=True)
         (tensor([1, 3, 6]), tensor([6, 5, 3]))
     """
+    if (
+        dtype is None
+        and reverse is False
+        and (out := _native_fast(torch.cumsum, input, dim)) is not None
+    ):
+        return out  # torch promotes integers and bool to int64 itself
     x, dim = _prepare("fscan.cumsum", input, dim, reverse, dtype, promote_integers=True)
     kernel, parallel = _route(torch.cumsum, x, dim, reverse)
     if kernel and (out := _kernel("fscan.cumsum", torch.cumsum, x, dim, reverse)) is not None:
@@ -268,6 +340,12 @@ def cumprod(
         >>> fscan.cumprod(torch.tensor([1.0, 2.0, 3.0]), 0, reverse=True)
         tensor([6., 6., 3.])
     """
+    if (
+        dtype is None
+        and reverse is False
+        and (out := _native_fast(torch.cumprod, input, dim)) is not None
+    ):
+        return out  # torch promotes integers and bool to int64 itself
     x, dim = _prepare("fscan.cumprod", input, dim, reverse, dtype, promote_integers=True)
     kernel, parallel = _route(torch.cumprod, x, dim, reverse)
     if kernel and (out := _kernel("fscan.cumprod", torch.cumprod, x, dim, reverse)) is not None:
@@ -290,6 +368,8 @@ def logcumsumexp(input: torch.Tensor, dim: int, *, reverse: bool = False) -> tor
         >>> fscan.logcumsumexp(torch.tensor([0.0, float("-inf"), 0.0]), 0)
         tensor([0.0000, 0.0000, 0.6931])
     """
+    if reverse is False and (out := _native_fast(torch.logcumsumexp, input, dim)) is not None:
+        return out
     x, dim = _prepare("fscan.logcumsumexp", input, dim, reverse)
     kernel, parallel = _route(torch.logcumsumexp, x, dim, reverse)
     if x.dtype not in _FLOATS:
@@ -382,6 +462,8 @@ def _accumulate(how: Accumulation, x: torch.Tensor, dim: int, reverse: bool) -> 
 
 
 def _extremum(api: str, native: Any, result: Any, input: Any, dim: Any, reverse: Any) -> Any:
+    if reverse is False and (out := _native_fast(native, input, dim)) is not None:
+        return out
     x, dim = _prepare(api, input, dim, reverse)
     kernel, parallel = _route(native, x, dim, reverse)
     if x.is_complex() or not (kernel or parallel):

@@ -351,10 +351,15 @@ def _unavailable(leaves: Sequence[torch.Tensor], wait: bool = False) -> str | No
         return "leaves of different shapes: the C++ kernel takes one shape"
     if not probeable(leaves) or under_transform():
         return "tensor subclasses or torch.func transforms: the torch engine runs"
-    if not (wait or _warm.is_set() or config.cpu_kernel == "eager"):
-        # Finding the compiler imports Inductor (about a second): done in the background.
-        _worker.warm_up()
-        return "the C++ toolchain is being looked up in the background"
+    if not _warm.is_set():
+        if not (wait or config.cpu_kernel == "eager"):
+            # Finding the compiler imports Inductor (about a second): done in the background.
+            _worker.warm_up()
+            return "the C++ toolchain is being looked up in the background"
+        # A caller that waits for its build imports all of it now: else the next call in
+        # mode "on" would start the warm-up over in the background (seconds of CPU beside
+        # the caller) and answer with the torch engine meanwhile, kernel built or not.
+        _warm_up()
     return compiler_problem()
 
 
