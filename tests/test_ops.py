@@ -193,6 +193,130 @@ def test_dispatch_rule_on_the_benchmark_workloads():
     assert not wins(torch.empty(65536, 64), 0, torch.cumsum)
 
 
+# (op, shape, dim, reverse, (kernel_wins, parallel_wins)): one call per cell of _route's table.
+ROUTES = [
+    (torch.cumsum, (2**15 - 1,), 0, False, (False, False)),  # small: torch's op
+    (torch.cumsum, (2**17,), 0, False, (False, False)),  # innermost, below 2**18
+    (torch.cumsum, (2**18,), 0, False, (True, False)),  # innermost, from 2**18
+    (torch.cumprod, (512, 512), 1, False, (True, False)),
+    (torch.cumsum, (65536, 4), 0, False, (True, False)),  # 4 lanes: innermost rule
+    (torch.cumprod, (8192, 4), 0, False, (False, False)),
+    (torch.cumsum, (4096, 256), 0, False, (True, False)),  # 256 lanes: every op
+    (torch.cummax, (4096, 256), 0, False, (True, False)),
+    (torch.cummax, (2**20,), 0, False, (False, False)),  # torch's walk wins innermost
+    (torch.cummax, (2**20,), 0, True, (True, False)),  # ... unless it flips twice
+    (torch.cummin, (4096, 256), 1, True, (False, False)),  # reversed, not one lane
+    (torch.logcumsumexp, (2**15,), 0, False, (True, False)),  # compute-bound: always
+    (torch.logcumsumexp, (4096, 256), 1, False, (True, False)),
+    (torch.logcumsumexp, (4096, 256), 0, False, (True, True)),
+    (torch.cummax, (16384, 1024), 0, False, (True, True)),  # a 64 MiB walk
+]
+
+
+@pytest.mark.parametrize(("op", "shape", "dim", "reverse", "route"), ROUTES)
+def test_routing_table(op, shape, dim, reverse, route):
+    """Each cell of ``_route``'s table; the fast path takes torch's op exactly where the
+    table says native, and its result is torch's."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    assert _ops._route(op, x, dim, reverse) == route
+    assert _ops.kernel_wins(x, dim, reverse, op) == route[0]
+    fast = _ops._native_fast(op, x, dim)  # forward calls only: reverse is not its case
+    assert (fast is not None) == (_ops._route(op, x, dim, False) == (False, False))
+    if fast is not None:
+        assert_same(fast, op(x, dim))
+    if not route[0]:
+        assert _ops.path(op, x, dim, reverse) == ("parallel" if route[1] else "native")
+
+
+@parametrize(name=OPS, dtype=[torch.float32, torch.int32, torch.bool])
+def test_fast_path_only_where_the_table_says_native(name, dtype):
+    """Over layouts, dims, grad and dtypes, ``_native_fast`` answers only for calls that
+    ``_route`` sends to torch's op, and with torch's result (int and bool sums in int64)."""
+    op = getattr(torch, name)
+    base = sample((2, 64, 512), dtype, specials=False)
+    if name == "logcumsumexp" and not dtype.is_floating_point:
+        with pytest.raises(RuntimeError, match="not implemented"):  # torch's refusal, as before
+            fscan.logcumsumexp(base, -1)
+        return
+    layouts = [
+        base,
+        base.transpose(0, 2),
+        base[:, :, ::2],
+        base[:, :, :1],
+        base[:1].expand(4, -1, -1),
+    ]
+    for x in layouts:
+        for dim in range(-x.ndim, x.ndim):
+            for grad in (False, True) if dtype.is_floating_point else (False,):
+                x = x.detach().requires_grad_(grad)
+                fast = _ops._native_fast(op, x, dim)
+                if fast is None:
+                    continue
+                assert _ops._route(op, x, dim % x.ndim, False) == (False, False)
+                assert_same(fast, getattr(fscan, name)(x, dim))
+                with torch.no_grad():
+                    assert_same(fast, op(x, dim))
+
+
+def test_fast_path_leaves_checks_and_tracing_to_the_checked_path(monkeypatch):
+    x = torch.ones(8)
+    assert _ops._native_fast(torch.cumsum, x, 1) is None  # out of range: fscan's error
+    assert _ops._native_fast(torch.cumsum, x, True) is None  # a bool is no dim
+    assert _ops._native_fast(torch.cumsum, [1.0], 0) is None
+    monkeypatch.setattr(_ops, "_is_compiling", lambda: True)
+    assert _ops._native_fast(torch.cumsum, x, 0) is None
+
+
+def kernel_or_skip(op, x, dim, reverse=False):
+    """The drop-in's kernel route, built now; skip where this machine cannot build it."""
+    from fscan.engine._cpp_build import compiler_problem
+
+    if compiler_problem() is not None:
+        pytest.skip(f"no C++ kernel here: {compiler_problem()}")
+    assert _ops.kernel_wins(x, dim, reverse, op)
+    with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):  # the suite runs "off"
+        out = getattr(fscan, op.__name__)(x, dim, reverse=reverse)
+        assert _ops.path(op, x, dim, reverse) == "c++"
+    return out
+
+
+@parametrize(
+    case=[
+        (torch.float32, (2**18,), 0),
+        (torch.float32, (512, 512), 1),
+        (torch.float16, (65536, 4), 0),
+        (torch.int64, (2**18,), 0),
+    ]
+)
+def test_innermost_kernel_route_of_cumsum_matches_a_float64_oracle(case):
+    """The innermost-dim kernel route: no less accurate than torch's op (the kernel sums
+    float32 in float64 and rounds once), exact for integers, forward and reversed."""
+    dtype, shape, dim = case
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen) if dtype.is_floating_point else None
+    x = x.to(dtype) if x is not None else torch.randint(-9, 9, shape, generator=gen)
+    for reverse in (False, True):
+        out = kernel_or_skip(torch.cumsum, x, dim, reverse)
+        flip = (lambda t: t.flip(dim)) if reverse else (lambda t: t)
+        exact, theirs = flip(flip(x).double().cumsum(dim)), flip(torch.cumsum(flip(x), dim))
+        assert out.dtype == theirs.dtype
+        if not dtype.is_floating_point:
+            assert torch.equal(out, theirs)
+            continue
+        assert rms_error(out, exact) <= 2 * rms_error(theirs, exact)
+
+
+def test_innermost_kernel_routes_of_cumprod_and_logcumsumexp_match_torch():
+    gen = torch.Generator().manual_seed(0)
+    x = 1 + (torch.rand(512, 512, generator=gen, dtype=torch.float64) - 0.5) * 1e-2
+    torch.testing.assert_close(kernel_or_skip(torch.cumprod, x, 1), torch.cumprod(x, 1))
+    y = torch.randn(2**15, generator=gen)
+    exact = torch.logcumsumexp(y.double(), 0)
+    torch.testing.assert_close(kernel_or_skip(torch.logcumsumexp, y, 0).double(), exact)
+    ours = kernel_or_skip(torch.logcumsumexp, y, 0, reverse=True).double()
+    torch.testing.assert_close(ours, torch.logcumsumexp(y.double().flip(0), 0).flip(0))
+
+
 def rms_error(values, exact):
     return (values.double() - exact).pow(2).mean().sqrt().item()
 
@@ -251,3 +375,12 @@ def test_errors():
         fscan.logcumsumexp(torch.ones(()), 1)
     with raises(fscan.ScanTypeError, "fscan.cumprod: `dtype` must be a torch.dtype or None"):
         fscan.cumprod(torch.ones(3), 0, dtype="float32")
+    # The calls the fast path would take to torch's op still fail in fscan's words.
+    with raises(fscan.ScanIndexError, "fscan.cumsum: `dim` 1 is out of range for `input`"):
+        fscan.cumsum(torch.ones(3), 1)
+    with raises(fscan.ScanIndexError, "fscan.cummax: `dim` -3 is out of range for `input`"):
+        fscan.cummax(torch.ones(3, 2), -3)
+    with raises(fscan.ScanTypeError, "fscan.cummin: `input` must be a torch.Tensor, got list."):
+        fscan.cummin([1, 2], 0)
+    with raises(fscan.ScanTypeError, "fscan.logcumsumexp: `dim` must be an int, got bool True."):
+        fscan.logcumsumexp(torch.ones(3), True)
