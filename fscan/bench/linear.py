@@ -36,7 +36,15 @@ from fscan._linear import _solve
 
 from ._timing import Table, fmt_ms
 
-__all__ = ["BlellochScan", "accuracy_table", "heinsen", "log_table", "main", "training_table"]
+__all__ = [
+    "BlellochScan",
+    "accuracy_table",
+    "engines_of",
+    "heinsen",
+    "log_table",
+    "main",
+    "training_table",
+]
 
 SHAPES = [(2, 1024, 64, 16), (1, 4096, 32, 16), (8, 256, 64, 16)]
 QUICK_SHAPES = [(2, 256, 16, 16)]
@@ -168,6 +176,37 @@ def _probe(name: str, shape: tuple[int, ...]) -> None:
     _measure(lambda: _fwd_bwd(runner, a, b, cot), a.nbytes + b.nbytes)
 
 
+def engines_of(job: Callable[[], object]) -> str:
+    """Run ``job`` once with fscan's kernels built first (``cpu_kernel="eager"``, as a
+    service's warm-up would) and name the engines its recurrences ran on, in order:
+    ``c++`` (the compiled kernel), ``walk`` (the chunked walk in torch ops), ``tree``
+    (the tree scan); ``torch ops`` where fscan solved none."""
+    from fscan import _linear
+
+    ran: list[str] = []
+
+    def spy(name: str, original: Callable) -> Callable:
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            out = original(*args, **kwargs)
+            if out is not None:
+                ran.append(name)
+            return out
+
+        return call
+
+    originals = {"_kernel_solve": "c++", "_chunked": "walk", "_tree": "tree"}
+    saved = {attr: getattr(_linear, attr) for attr in originals}
+    try:
+        for attr, name in originals.items():
+            setattr(_linear, attr, spy(name, saved[attr]))
+        with fscan.config.override(cpu_kernel="eager"):
+            job()
+    finally:
+        for attr, original in saved.items():
+            setattr(_linear, attr, original)
+    return ", ".join(dict.fromkeys(ran)) or "torch ops"
+
+
 def _medians(
     jobs: dict[str, Callable[[], object]], budget_s: float, clock: Callable[[], float]
 ) -> dict[str, float]:
@@ -201,6 +240,7 @@ def training_table(quick: bool = False, clock: Callable[[], float] = time.perf_c
         for name, runner in RUNNERS.items():
             jobs[name + " fwd"] = functools.partial(runner, a, b)
             jobs[name] = functools.partial(_fwd_bwd, runner, ga, gb, cot)
+        engines = {name: engines_of(job) for name, job in jobs.items()}  # kernels built here
         times = _medians(jobs, 2 if quick else 10, clock)
         first = next(iter(RUNNERS))
         cells = []
@@ -212,6 +252,10 @@ def training_table(quick: bool = False, clock: Callable[[], float] = time.perf_c
                 f"[{times[name] / times[name + ' fwd']:.2f}x] / {mem:.0f} MiB"
             )
         table.add(str(shape), cells)
+        table.add(
+            "  engines: fwd / fwd+bwd",
+            [f"{engines[name + ' fwd']} / {engines[name]}" for name in RUNNERS],
+        )
     return table
 
 

@@ -18,7 +18,7 @@ from fscan._ops import path
 
 from ._timing import Table, fmt_ms, optional_jax
 
-__all__ = ["cumsum_precision", "linear_table", "ops_table"]
+__all__ = ["cumsum_precision", "linear_engines", "linear_table", "ops_table"]
 
 OPS = ["cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"]
 WORKLOADS = [((2**20,), 0), ((4096, 256), 0), ((4096, 256), 1), ((8, 1024, 256), 1)]
@@ -133,13 +133,26 @@ def linear_table(quick: bool = False) -> Table:
     times = interleaved_medians(present, reps=3 if quick else 7, budget_s=4 if quick else 20)
     times["python loop (est.)"] *= shape[1] / LOOP_STEPS
     base = times["fscan.linear_recurrence"]
+    engines = linear_engines(a, b)
     table = Table(
         f"linear_recurrence, float32 forward, {torch.get_num_threads()} threads "
-        "(median; ratio = time / fscan.linear_recurrence)",
-        list(runners),
+        "(median; ratio = time / fscan.linear_recurrence; [engine])",
+        [f"{k} [{engines[k]}]" if k in engines else k for k in runners],
     )
     table.add(f"{shape} dim 1", [fmt_ms(times.get(k), base) for k in runners])
     return table
+
+
+def linear_engines(a: torch.Tensor, b: torch.Tensor, dim: int = 1) -> dict[str, str]:
+    """The engine each fscan column of :func:`linear_table` ran on, asked after its
+    warm-up: ``c++`` where the compiled kernel serves the call, else ``torch engine``."""
+    from fscan._linear import _kernel_solve
+
+    with torch.no_grad():
+        linear = _kernel_solve(a, b, dim, False) is not None
+        pair = fscan.precompile(_compose, (a, b), dim)  # built already: only says so
+    name = lambda kernel: "c++" if kernel else "torch engine"
+    return {"fscan.linear_recurrence": name(linear), "fscan.associative_scan": name(pair)}
 
 
 def cumsum_precision() -> Table:
