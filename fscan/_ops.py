@@ -21,8 +21,9 @@ Each call takes the fastest of three paths, as measured (:func:`path` says which
   wins (:func:`kernel_wins`): no gradient wanted, a contiguous input of at least
   ``KERNEL_MIN_NUMEL`` elements, and a ``dim`` with at least 8 contiguous lanes
   after it; over fewer lanes (the innermost ``dim``) for cumsum and cumprod from
-  ``KERNEL_MIN_NUMEL_INNERMOST`` elements, for logcumsumexp always (compute-bound:
-  the kernel's math wins), and for cummax/cummin only reversed over a single lane
+  ``KERNEL_MIN_NUMEL_INNERMOST`` elements, for logcumsumexp over more than one lane
+  (compute-bound: the kernel's math wins; over one it is a tie, and torch's op
+  runs), and for cummax/cummin only reversed over a single lane
   (torch then pays two flips; torch's branchy walk predicts well otherwise).
   cummax/cummin scan (value, index) pairs; the kernel makes the indices from each
   element's position, reading only the values.
@@ -95,7 +96,8 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #   0.6-0.85x torch from 2**17-2**18 elements ((2**17,), (512, 512) and (4096, 256) dim 1,
 #   (2**20,)), a tie at 2**16 (0.94-1.02x), 1.2-1.4x at 2**15; cummax/cummin 1.5-2.7x
 #   (torch's branchy walk predicts well) except reversed over one lane (0.1-0.7x: torch
-#   flips twice); logcumsumexp 0.4-0.9x at every size from 2**15 (compute-bound).
+#   flips twice); logcumsumexp 0.4-0.8x over several lanes (compute-bound), but over a
+#   single lane (1-D) the chunked scan does the math twice: 0.8-1.1x, a tie, torch's.
 KERNEL_MIN_NUMEL = 2**15
 KERNEL_MIN_NUMEL_INNERMOST = 2**18  # cumsum/cumprod over < 8 lanes: past the tie at 2**16-2**17
 _KERNEL_INNER = 8  # the kernel's lane path needs this many contiguous lanes after dim
@@ -172,7 +174,7 @@ def _route(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, boo
     contiguous, no grad wanted,   inner >= 8: every op;       parallel if it
     numel >= 2**15                inner < 8: cumsum/cumprod   wins, else native
                                   from 2**18 elements,
-                                  logcumsumexp always,
+                                  logcumsumexp over > 1 lane,
                                   cummax/cummin reversed
                                   over one lane only
     not contiguous, or grad       never                       parallel if it
@@ -212,8 +214,10 @@ def _route(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, boo
 
 def _kernel_rule(op: Any, inner: int, numel: int, single_lane: bool, reverse: bool) -> bool:
     """The kernel column of ``_route``'s table, for a contiguous input without grad."""
-    if inner >= _KERNEL_INNER or op is torch.logcumsumexp:
+    if inner >= _KERNEL_INNER:
         return True
+    if op is torch.logcumsumexp:  # one lane: a chunked scan, twice the math; a tie
+        return not single_lane
     if op is torch.cumsum or op is torch.cumprod:
         return numel >= KERNEL_MIN_NUMEL_INNERMOST
     return reverse and single_lane  # cummax, cummin: torch's walk wins unless it flips
