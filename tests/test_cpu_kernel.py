@@ -820,3 +820,17 @@ def test_a_plain_tensor_is_still_checked_like_a_pytree():
         fscan.associative_scan(add, x, 1)
     out = fscan.associative_scan(add, x, 0)
     assert out is not x and out.data_ptr() != x.data_ptr()
+
+
+def test_a_waiting_build_leaves_the_toolchain_warm(monkeypatch):
+    """An eager build finishes the toolchain warm-up itself: the next call in mode "on"
+    runs the kernel, rather than restart the warm-up in the background and answer with
+    the torch engine meanwhile (which made benchmarks time a busy core)."""
+    monkeypatch.setattr(cpu_kernel, "_warm", threading.Event())  # as in a fresh process
+    leaves, spec = optree.tree_flatten(torch.arange(64.0))
+    with torch.no_grad():
+        with fscan.config.override(cpu_kernel="eager"):
+            assert kernel_scan("t", torch.add, spec, leaves, 0, False) is not None
+        assert cpu_kernel._warm.is_set()
+        with fscan.config.override(cpu_kernel="on"):
+            assert kernel_scan("t", torch.add, spec, leaves, 0, False) is not None
