@@ -12,19 +12,21 @@ Each call takes the fastest of three paths, as measured (:func:`path` says which
 
 * torch's native kernel, taken first and cheaply by ``_native_fast`` (a few
   µs of checks) where nothing else can win: under ``MIN_NUMEL`` elements, and at
-  a ``dim`` with fewer than 8 contiguous elements after it (the innermost, say)
-  for cummax/cummin, and for cumsum/cumprod below ``KERNEL_MIN_NUMEL_INNERMOST``.
-  There torch's walk is contiguous and vectorized. ``reverse=True`` is flip, op,
-  flip.
+  a ``dim`` with fewer than 8 contiguous elements after it (the innermost, say):
+  over several such lanes for every op but logcumsumexp, and over a single lane
+  (1-D, say) for cummax/cummin/logcumsumexp and for cumsum/cumprod below
+  ``KERNEL_MIN_NUMEL_ONE_LANE``. There torch's walk is contiguous (and torch
+  spreads the lanes over its threads). ``reverse=True`` is flip, op, flip.
 * the generated C++ kernel of :mod:`fscan.engine.cpu_kernel`, once it is compiled
   for the op and dtype (in the background, from the second large call), where it
   wins (:func:`kernel_wins`): no gradient wanted, a contiguous input of at least
   ``KERNEL_MIN_NUMEL`` elements, and a ``dim`` with at least 8 contiguous lanes
-  after it; over fewer lanes (the innermost ``dim``) for cumsum and cumprod from
-  ``KERNEL_MIN_NUMEL_INNERMOST`` elements, for logcumsumexp over more than one lane
-  (compute-bound: the kernel's math wins; over one it is a tie, and torch's op
-  runs), and for cummax/cummin only reversed over a single lane
-  (torch then pays two flips; torch's branchy walk predicts well otherwise).
+  after it; over fewer lanes (the innermost ``dim``) for logcumsumexp over more
+  than one lane (compute-bound: the kernel's math wins; over one it is a tie, and
+  torch's op runs), for cumsum and cumprod over a single lane from
+  ``KERNEL_MIN_NUMEL_ONE_LANE`` elements (torch's 1-D walk uses one thread), and
+  for every op but logcumsumexp reversed over a single lane (torch then pays two
+  flips; torch's branchy cummax/cummin walk predicts well otherwise).
   cummax/cummin scan (value, index) pairs; the kernel makes the indices from each
   element's position, reading only the values.
 * fscan's parallel scan (:mod:`fscan._ops_parallel`), which combines whole
@@ -93,22 +95,22 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # * at a dim with >= 8 contiguous lanes after it, the kernel ran 0.05-0.5x torch (every op,
 #   (4096, 256) dim 0, (8, 1024, 256) dim 1, (16384, 16) dim 0).
 # * over fewer lanes (the innermost dim; the kernel's chained path): cumsum and cumprod
-#   0.6-0.85x torch from 2**17-2**18 elements ((2**17,), (512, 512) and (4096, 256) dim 1,
-#   (2**20,)), a tie at 2**16 (0.94-1.02x), 1.2-1.4x at 2**15; cummax/cummin 1.5-2.7x
+#   over one lane (1-D) 0.7-0.85x torch at 1 thread and 0.45-0.55x at 2 from 2**17-2**18
+#   elements ((2**17,), (2**18,), (2**20,)), a tie at 2**16, 1.2-1.4x at 2**15. Over
+#   several lanes torch spreads the rows over its threads: the kernel won at 1 thread
+#   ((4096, 256) dim 1 0.6x, (512, 512) 0.82x) but not at 2 ((1024, 1024) dim 1 1.2-1.3x,
+#   (65536, 4) dim 0 2.8-3.3x, (16384, 64) dim 1 a tie): torch's. cummax/cummin 1.5-2.7x
 #   (torch's branchy walk predicts well) except reversed over one lane (0.1-0.7x: torch
 #   flips twice); logcumsumexp 0.4-0.8x over several lanes (compute-bound), but over a
 #   single lane (1-D) the chunked scan does the math twice: 0.8-1.1x, a tie, torch's.
 KERNEL_MIN_NUMEL = 2**15
-KERNEL_MIN_NUMEL_INNERMOST = 2**18  # cumsum/cumprod over < 8 lanes: past the tie at 2**16-2**17
+KERNEL_MIN_NUMEL_ONE_LANE = 2**18  # cumsum/cumprod over one lane: past the tie at 2**16-2**17
 _KERNEL_INNER = 8  # the kernel's lane path needs this many contiguous lanes after dim
-# Where torch's op is certain to win at a dim with < _KERNEL_INNER elements after it (and
-# no reverse): below this many elements (see _native_fast). Under MIN_NUMEL it always wins.
-_INNERMOST_NATIVE_BELOW = {
-    torch.cumsum: KERNEL_MIN_NUMEL_INNERMOST,
-    torch.cumprod: KERNEL_MIN_NUMEL_INNERMOST,
-    torch.cummax: math.inf,
-    torch.cummin: math.inf,
-    torch.logcumsumexp: 0,
+# Forward over a single lane (and < _KERNEL_INNER elements after dim), the kernel's
+# minimum size per op; the others stay torch's there (logcumsumexp: a tie).
+_ONE_LANE_KERNEL_FROM = {
+    torch.cumsum: KERNEL_MIN_NUMEL_ONE_LANE,
+    torch.cumprod: KERNEL_MIN_NUMEL_ONE_LANE,
 }
 _NATIVE_BELOW = min(MIN_NUMEL, KERNEL_MIN_NUMEL)  # every op is torch's below this size
 _is_compiling = torch.compiler.is_compiling  # bound once: Dynamo folds it by identity
@@ -172,11 +174,12 @@ def _route(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, boo
     ============================  ==========================  ===================
     numel < 2**15 (``MIN_NUMEL``)  never                       native
     contiguous, no grad wanted,   inner >= 8: every op;       parallel if it
-    numel >= 2**15                inner < 8: cumsum/cumprod   wins, else native
-                                  from 2**18 elements,
-                                  logcumsumexp over > 1 lane,
-                                  cummax/cummin reversed
-                                  over one lane only
+    numel >= 2**15                inner < 8, several lanes:   wins, else native
+                                  logcumsumexp only;
+                                  one lane: cumsum/cumprod
+                                  from 2**18 elements, and
+                                  reversed: all but
+                                  logcumsumexp
     not contiguous, or grad       never                       parallel if it
     wanted                                                    wins, else native
     ============================  ==========================  ===================
@@ -184,8 +187,8 @@ def _route(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, boo
     The parallel scan wins (:func:`parallel_wins`) at ``stride >= 64``, ``n >= 32``:
     logcumsumexp always, cumsum from ``stride >= 1024`` and a 16 MiB walk (``n *
     stride`` bytes), the others from a 16 MiB walk. Measurements: the comments above
-    the constants. :func:`_native_fast` takes the ``native`` cells it can prove
-    from ``numel`` and ``stride`` alone before anything else is read.
+    the constants. :func:`_native_fast` takes the forward ``native`` cells it can
+    prove from ``numel``, ``stride`` and the length alone before anything else is read.
 
     The tensor's facts are read once: each read costs about 1-3 µs on a cache
     cold from the op before (the calls routed to torch's op pay it).
@@ -218,9 +221,9 @@ def _kernel_rule(op: Any, inner: int, numel: int, single_lane: bool, reverse: bo
         return True
     if op is torch.logcumsumexp:  # one lane: a chunked scan, twice the math; a tie
         return not single_lane
-    if op is torch.cumsum or op is torch.cumprod:
-        return numel >= KERNEL_MIN_NUMEL_INNERMOST
-    return reverse and single_lane  # cummax, cummin: torch's walk wins unless it flips
+    # Several lanes: torch's threads split them. One lane: torch's walk is serial, and
+    # reversed it flips twice.
+    return single_lane and (reverse or numel >= _ONE_LANE_KERNEL_FROM.get(op, math.inf))
 
 
 def _native_fast(op: Any, x: Any, dim: Any) -> Any:
@@ -232,10 +235,13 @@ def _native_fast(op: Any, x: Any, dim: Any) -> Any:
         return None
     try:
         numel = x.numel()
-        if numel < _NATIVE_BELOW or (
-            x.stride(dim) < _KERNEL_INNER and numel < _INNERMOST_NATIVE_BELOW[op]
-        ):
+        if numel < _NATIVE_BELOW:
             return op(x, dim)
+        if x.stride(dim) < _KERNEL_INNER:  # no parallel scan; the kernel only as below
+            if x.size(dim) != numel:  # several lanes
+                return None if op is torch.logcumsumexp else op(x, dim)
+            if numel < _ONE_LANE_KERNEL_FROM.get(op, math.inf):
+                return op(x, dim)
     except IndexError:  # dim out of range: the checked path says so in fscan's words
         return None
     return None

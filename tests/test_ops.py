@@ -196,11 +196,12 @@ def test_dispatch_rule_on_the_benchmark_workloads():
 # (op, shape, dim, reverse, (kernel_wins, parallel_wins)): one call per cell of _route's table.
 ROUTES = [
     (torch.cumsum, (2**15 - 1,), 0, False, (False, False)),  # small: torch's op
-    (torch.cumsum, (2**17,), 0, False, (False, False)),  # innermost, below 2**18
-    (torch.cumsum, (2**18,), 0, False, (True, False)),  # innermost, from 2**18
-    (torch.cumprod, (512, 512), 1, False, (True, False)),
-    (torch.cumsum, (65536, 4), 0, False, (True, False)),  # 4 lanes: innermost rule
-    (torch.cumprod, (8192, 4), 0, False, (False, False)),
+    (torch.cumsum, (2**17,), 0, False, (False, False)),  # one lane, below 2**18
+    (torch.cumsum, (2**18,), 0, False, (True, False)),  # one lane, from 2**18
+    (torch.cumprod, (1, 2**18), 1, False, (True, False)),
+    (torch.cumprod, (2**17,), 0, True, (True, False)),  # one lane, reversed: torch flips
+    (torch.cumprod, (512, 512), 1, False, (False, False)),  # several lanes: torch's threads
+    (torch.cumsum, (65536, 4), 0, False, (False, False)),
     (torch.cumsum, (4096, 256), 0, False, (True, False)),  # 256 lanes: every op
     (torch.cummax, (4096, 256), 0, False, (True, False)),
     (torch.cummax, (2**20,), 0, False, (False, False)),  # torch's walk wins innermost
@@ -222,9 +223,7 @@ def test_routing_table(op, shape, dim, reverse, route):
     assert _ops._route(op, x, dim, reverse) == route
     assert _ops.kernel_wins(x, dim, reverse, op) == route[0]
     fast = _ops._native_fast(op, x, dim)  # forward calls only: reverse is not its case
-    native = _ops._route(op, x, dim, False) == (False, False)
-    # logcumsumexp over one lane (tens of ms of compute) is left to the checked path.
-    assert (fast is not None) == (native and (op is not torch.logcumsumexp or x.numel() < 2**15))
+    assert (fast is not None) == (_ops._route(op, x, dim, False) == (False, False))
     if fast is not None:
         assert_same(fast, op(x, dim))
     if not route[0]:
@@ -286,13 +285,13 @@ def kernel_or_skip(op, x, dim, reverse=False):
 @parametrize(
     case=[
         (torch.float32, (2**18,), 0),
-        (torch.float32, (512, 512), 1),
-        (torch.float16, (65536, 4), 0),
+        (torch.float32, (1, 2**18), 1),
+        (torch.float16, (2**18,), 0),
         (torch.int64, (2**18,), 0),
     ]
 )
-def test_innermost_kernel_route_of_cumsum_matches_a_float64_oracle(case):
-    """The innermost-dim kernel route: no less accurate than torch's op (the kernel sums
+def test_one_lane_kernel_route_of_cumsum_matches_a_float64_oracle(case):
+    """The one-lane kernel route: no less accurate than torch's op (the kernel sums
     float32 in float64 and rounds once), exact for integers, forward and reversed."""
     dtype, shape, dim = case
     gen = torch.Generator().manual_seed(0)
@@ -311,8 +310,8 @@ def test_innermost_kernel_route_of_cumsum_matches_a_float64_oracle(case):
 
 def test_innermost_kernel_routes_of_cumprod_and_logcumsumexp_match_torch():
     gen = torch.Generator().manual_seed(0)
-    x = 1 + (torch.rand(512, 512, generator=gen, dtype=torch.float64) - 0.5) * 1e-2
-    torch.testing.assert_close(kernel_or_skip(torch.cumprod, x, 1), torch.cumprod(x, 1))
+    x = 1 + (torch.rand(2**18, generator=gen, dtype=torch.float64) - 0.5) * 1e-3
+    torch.testing.assert_close(kernel_or_skip(torch.cumprod, x, 0), torch.cumprod(x, 0))
     y = torch.randn(4, 8192, generator=gen)
     exact = torch.logcumsumexp(y.double(), 1)
     torch.testing.assert_close(kernel_or_skip(torch.logcumsumexp, y, 1).double(), exact)
