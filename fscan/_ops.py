@@ -95,8 +95,9 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # * at a dim with >= 8 contiguous lanes after it, the kernel ran 0.05-0.5x torch (every op,
 #   (4096, 256) dim 0, (8, 1024, 256) dim 1, (16384, 16) dim 0).
 # * over fewer lanes (the innermost dim; the kernel's chained path): cumsum and cumprod
-#   over one lane (1-D) 0.7-0.85x torch at 1 thread and 0.45-0.55x at 2 from 2**17-2**18
-#   elements ((2**17,), (2**18,), (2**20,)), a tie at 2**16, 1.2-1.4x at 2**15. Over
+#   over one lane (1-D) on one kernel thread (see _kernel) 0.67-0.85x torch at (2**20,)
+#   with 1 or 2 torch threads; below, ties that went either way between runs: 0.79-1.10x
+#   at 2**18 and 0.81-1.00x at 2**19, 0.85-1.25x at 2**17, 1.2-1.4x at 2**15. Over
 #   several lanes torch spreads the rows over its threads: the kernel won at 1 thread
 #   ((4096, 256) dim 1 0.6x, (512, 512) 0.82x) but not at 2 ((1024, 1024) dim 1 1.2-1.3x,
 #   (65536, 4) dim 0 2.8-3.3x, (16384, 64) dim 1 a tie): torch's. cummax/cummin 1.5-2.7x
@@ -104,7 +105,7 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #   flips twice); logcumsumexp 0.4-0.8x over several lanes (compute-bound), but over a
 #   single lane (1-D) the chunked scan does the math twice: 0.8-1.1x, a tie, torch's.
 KERNEL_MIN_NUMEL = 2**15
-KERNEL_MIN_NUMEL_ONE_LANE = 2**18  # cumsum/cumprod over one lane: past the tie at 2**16-2**17
+KERNEL_MIN_NUMEL_ONE_LANE = 2**20  # cumsum/cumprod over one lane: past the ties below
 _KERNEL_INNER = 8  # the kernel's lane path needs this many contiguous lanes after dim
 # Forward over a single lane (and < _KERNEL_INNER elements after dim), the kernel's
 # minimum size per op; the others stay torch's there (logcumsumexp: a tie).
@@ -177,7 +178,7 @@ def _route(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, boo
     numel >= 2**15                inner < 8, several lanes:   wins, else native
                                   logcumsumexp only;
                                   one lane: cumsum/cumprod
-                                  from 2**18 elements, and
+                                  from 2**20 elements, and
                                   reversed: all but
                                   logcumsumexp
     not contiguous, or grad       never                       parallel if it
@@ -259,9 +260,18 @@ def _kernel_call(op: Any, x: torch.Tensor) -> tuple[Any, Any, list[torch.Tensor]
 
 def _kernel(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool) -> Any:
     """The kernel's scan of ``x`` (a tensor, or (values, indices)) if it is compiled,
-    else None (the caller checked that it wins)."""
+    else None (the caller checked that it wins).
+
+    Over a single lane the kernel runs on one thread: torch's walk there is serial, and
+    the kernel alone beats it (0.7-0.85x). Its threads would double that margin on an idle
+    machine, but each of its reduce-then-scan steps waits for every thread, and on a
+    shared one a descheduled thread cost 10-25x torch's time (2 threads, another process
+    busy), where torch's serial walk does not wait."""
     combine, spec, leaves, positions = _kernel_call(op, x)
-    out = kernel_scan(api, combine, spec, leaves, dim, reverse, positions=positions)
+    threads = 1 if x.shape[dim] == x.numel() else None
+    out = kernel_scan(
+        api, combine, spec, leaves, dim, reverse, positions=positions, threads=threads
+    )
     if out is None:
         return None
     return out[0] if len(out) == 1 else tuple(out)

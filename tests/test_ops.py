@@ -196,9 +196,9 @@ def test_dispatch_rule_on_the_benchmark_workloads():
 # (op, shape, dim, reverse, (kernel_wins, parallel_wins)): one call per cell of _route's table.
 ROUTES = [
     (torch.cumsum, (2**15 - 1,), 0, False, (False, False)),  # small: torch's op
-    (torch.cumsum, (2**17,), 0, False, (False, False)),  # one lane, below 2**18
-    (torch.cumsum, (2**18,), 0, False, (True, False)),  # one lane, from 2**18
-    (torch.cumprod, (1, 2**18), 1, False, (True, False)),
+    (torch.cumsum, (2**19,), 0, False, (False, False)),  # one lane, below 2**20
+    (torch.cumsum, (2**20,), 0, False, (True, False)),  # one lane, from 2**20
+    (torch.cumprod, (1, 2**20), 1, False, (True, False)),
     (torch.cumprod, (2**17,), 0, True, (True, False)),  # one lane, reversed: torch flips
     (torch.cumprod, (512, 512), 1, False, (False, False)),  # several lanes: torch's threads
     (torch.cumsum, (65536, 4), 0, False, (False, False)),
@@ -284,10 +284,10 @@ def kernel_or_skip(op, x, dim, reverse=False):
 
 @parametrize(
     case=[
-        (torch.float32, (2**18,), 0),
-        (torch.float32, (1, 2**18), 1),
-        (torch.float16, (2**18,), 0),
-        (torch.int64, (2**18,), 0),
+        (torch.float32, (2**20,), 0),
+        (torch.float32, (1, 2**20), 1),
+        (torch.float16, (2**20,), 0),
+        (torch.int64, (2**20,), 0),
     ]
 )
 def test_one_lane_kernel_route_of_cumsum_matches_a_float64_oracle(case):
@@ -310,7 +310,7 @@ def test_one_lane_kernel_route_of_cumsum_matches_a_float64_oracle(case):
 
 def test_innermost_kernel_routes_of_cumprod_and_logcumsumexp_match_torch():
     gen = torch.Generator().manual_seed(0)
-    x = 1 + (torch.rand(2**18, generator=gen, dtype=torch.float64) - 0.5) * 1e-3
+    x = 1 + (torch.rand(2**20, generator=gen, dtype=torch.float64) - 0.5) * 1e-3
     torch.testing.assert_close(kernel_or_skip(torch.cumprod, x, 0), torch.cumprod(x, 0))
     y = torch.randn(4, 8192, generator=gen)
     exact = torch.logcumsumexp(y.double(), 1)

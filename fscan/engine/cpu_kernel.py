@@ -148,6 +148,7 @@ def kernel_scan(
     found: Reach | None = None,
     entry: Knowledge | None = None,
     positions: tuple[int, ...] = (),
+    threads: int | None = None,
 ) -> list[torch.Tensor] | None:
     """The scan of ``leaves`` along ``dim`` by the compiled kernel, or None (module doc).
 
@@ -156,6 +157,7 @@ def kernel_scan(
     ``positions``: leaves whose values are not read but are each element's index along
     ``dim`` (int64; pass any tensor of the right shape and dtype, e.g. an expanded
     scalar): the kernel makes them on the fly, as ``cummax`` needs for its indices.
+    ``threads``: at most this many threads (default ``torch.get_num_threads()``).
 
     Example:
         >>> import fscan, optree
@@ -186,7 +188,7 @@ def kernel_scan(
         kernel = _ready(holder, aliases, call, leaves[0].numel(), backward=False)
         if kernel is None:
             return None
-    return run_kernel(kernel, leaves, dim, reverse, captured, positions)
+    return run_kernel(kernel, leaves, dim, reverse, captured, positions, threads)
 
 
 def kernel_ready(
@@ -587,8 +589,10 @@ def run_kernel(
     reverse: bool,
     captured: Sequence[torch.Tensor],
     positions: tuple[int, ...] = (),
+    threads: int | None = None,
 ) -> list[torch.Tensor] | None:
-    """Run a READY entry's kernel into fresh outputs, or None where its params do not fit."""
+    """Run a READY entry's kernel into fresh outputs, or None where its params do not fit;
+    on ``threads`` threads at most (default ``torch.get_num_threads()``)."""
     program, kernel = entry.program, entry.kernel
     assert program is not None and kernel is not None
     shape = leaves[0].shape
@@ -608,7 +612,8 @@ def run_kernel(
         xs = [x.contiguous() for k, x in enumerate(leaves) if k not in positions]
     else:
         xs = [x.contiguous() for x in leaves]
-    kernel(*xs, *ys, *params, outer, steps, inner, int(reverse), torch.get_num_threads())
+    threads = torch.get_num_threads() if threads is None else min(threads, torch.get_num_threads())
+    kernel(*xs, *ys, *params, outer, steps, inner, int(reverse), threads)
     return ys
 
 
