@@ -834,3 +834,23 @@ def test_a_waiting_build_leaves_the_toolchain_warm(monkeypatch):
         assert cpu_kernel._warm.is_set()
         with fscan.config.override(cpu_kernel="on"):
             assert kernel_scan("t", torch.add, spec, leaves, 0, False) is not None
+
+
+@needs_compiler
+def test_threads_caps_the_kernel_threads():
+    """``threads=1`` runs the scan as a one-thread process does, bit for bit (the chunking
+    of a 1-D scan, and so its float64 rounding, follows the thread count)."""
+    x = torch.randn(2**17, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    leaves, spec = optree.tree_flatten(x)
+    previous = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            (alone,) = kernel_scan("t", torch.add, spec, leaves, 0, False)
+            torch.set_num_threads(2)
+            (capped,) = kernel_scan("t", torch.add, spec, leaves, 0, False, threads=1)
+            (two,) = kernel_scan("t", torch.add, spec, leaves, 0, False)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(capped, alone)
+    assert not torch.equal(two, alone)  # the thread count shows: the check above can fail
