@@ -92,7 +92,9 @@ def _bare_kernel(fn, xs) -> Callable[[], object] | None:
     shape = leaves[0].shape
     outer, steps, inner = 1, shape[0], int(torch.tensor(shape[1:]).prod().item())
     ys = [torch.empty_like(x) for x in leaves]
-    return lambda: entry.kernel(*leaves, *ys, outer, steps, inner, 0, torch.get_num_threads())
+    xs, nb, strides = cpu_kernel.strided_view(leaves, 0)
+    threads = torch.get_num_threads()
+    return lambda: entry.kernel(*xs, *ys, outer, steps, inner, 0, threads, nb, *strides)
 
 
 def _ratio(t: float | None, base: float) -> str:

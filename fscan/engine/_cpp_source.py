@@ -71,6 +71,24 @@ template <int64_t B, typename F> static FSCAN_INLINE void fscan_lanes(int64_t w,
     for (int64_t i = lo; i < hi; ++i) f(i);
   }
 }
+// A leaf in memory: its data and the strides (in elements) of the (outer, T, inner) view,
+// outer split in two dims (o / nb, o % nb) so that a permuted (B, C, T) view of (B, T, C)
+// data needs no copy. Inputs come with their own strides (views: transposes, step slices,
+// stride-0 broadcasts); outputs are fresh and contiguous.
+template <typename P> struct Ptr { P* p; int64_t sa, sb, st, si; };
+// Where a lane (o, i) is at step t.
+template <typename P> static FSCAN_INLINE Ptr<P> shift(Ptr<P> q, int64_t o, int64_t nb, int64_t t, int64_t i) {
+  q.p += (o / nb) * q.sa + (o % nb) * q.sb + t * q.st + i * q.si; return q; }
+template <typename P> static FSCAN_INLINE Ptr<P> row(Ptr<P> q, int64_t t) { q.p += t * q.st; return q; }
+// Lane i of a row (U: unit inner stride, the contiguous case, kept a plain vector load);
+// step t of a lane.
+template <bool U, typename P> static FSCAN_INLINE P& lane(const Ptr<P>& q, int64_t i) { return q.p[U ? i : i * q.si]; }
+template <typename P> static FSCAN_INLINE P& step(const Ptr<P>& q, int64_t t) { return q.p[t * q.st]; }
+template <typename P> static FSCAN_INLINE Ptr<P> dense(P* p, int64_t nb, int64_t T, int64_t inner) {
+  return Ptr<P>{p, nb * T * inner, T * inner, inner, 1}; }
+template <typename P> static FSCAN_INLINE int64_t mag(const Ptr<P>& q, bool t) { const int64_t s = t ? q.st : q.si; return s < 0 ? -s : s; }
+// The shape of the scan: outer lanes (in two dims of nb inner ones), T steps, inner lanes.
+struct Geo { int64_t outer, nb, T, inner; };
 // bfloat16 stored as its bits; rounding to nearest even as torch does.
 static FSCAN_INLINE float fscan_bf16_load(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; std::memcpy(&f, &u, 4); return f; }
 static FSCAN_INLINE uint16_t fscan_bf16_store(float f) {
@@ -136,6 +154,31 @@ def _store(dtype: torch.dtype, expr: str) -> str:
     return f"static_cast<{STORAGE[dtype]}>({expr})"
 
 
+def _strided(name: str, fields: Sequence[tuple[str, str]]) -> list[str]:
+    """A struct ``name`` of strided pointers (``fields``: member name, pointee C type) and
+    its placement helpers: ``at`` (a lane at a step), ``row`` (step t from a lane's
+    start), ``unit`` (every inner stride is 1) and ``along`` (some member is laid out
+    along T: its T stride, nonzero, is below its inner stride)."""
+    members = " ".join(f"Ptr<{c}> {f};" for f, c in fields)
+    each = lambda expr: " ".join(f"r.{f} = {expr.format(f=f)};" for f, _ in fields)
+    return [
+        f"struct {name} {{ {members} }};",
+        f"static FSCAN_INLINE {name} at(const {name} x, const Geo& G, int64_t o, int64_t t, int64_t i) "
+        f"{{ {name} r = x; (void)G; (void)o; (void)t; (void)i; "
+        + each("shift(x.{f}, o, G.nb, t, i)")
+        + " return r; }",
+        f"static FSCAN_INLINE {name} row(const {name} x, int64_t t) {{ {name} r = x; (void)t; "
+        + each("row(x.{f}, t)")
+        + " return r; }",
+        f"static FSCAN_INLINE bool unit(const {name} x) {{ (void)x; return true"
+        + "".join(f" && x.{f}.si == 1" for f, _ in fields)
+        + "; }",
+        f"static FSCAN_INLINE bool along(const {name} x) {{ (void)x; return false"
+        + "".join(f" || (x.{f}.st != 0 && mag(x.{f}, true) < mag(x.{f}, false))" for f, _ in fields)
+        + "; }",
+    ]
+
+
 def _structs(
     dtypes: Sequence[torch.dtype],
     compute: Sequence[str],
@@ -143,7 +186,11 @@ def _structs(
     positions: Sequence[int] = (),
 ) -> str:
     """Vals/In/Out/Buf/Par and their accessors for leaves of ``dtypes``; the leaves in
-    ``positions`` are not read: ``load`` gives them the position ``t`` along the scan dim."""
+    ``positions`` are not read: loads give them the position ``t`` along the scan dim.
+
+    ``load_i<U>(x, i, t)``/``store_i(y, i, v)``: lane i of a row (see ``row``), with
+    unit inner strides if U (outputs are dense: always); ``load_t(x, t)``/``store_t``:
+    step t of a lane (see ``at``)."""
     R = range(len(dtypes))
     read = [k for k in R if k not in positions]
     st = [STORAGE[d] for d in dtypes]
@@ -151,25 +198,34 @@ def _structs(
     # (a struct, a buffer) block GCC's vectorisation.
     bt = ["uint8_t" if c == "bool" else c for c in compute]
     narrowest = min(torch.empty((), dtype=d).element_size() for d in dtypes)
+
+    def loads(ref: str) -> str:
+        return " ".join(
+            f"v.v{k} = static_cast<{compute[k]}>(t);"
+            if k in positions
+            else f"v.v{k} = {_load(dtypes[k], ref.format(f=f'x.x{k}'), compute[k])};"
+            for k in R
+        )
+
     lines = [
         f"static constexpr int64_t LANE_BLOCK = {max(16, 64 // narrowest)};",
         "struct Vals { " + " ".join(f"{bt[k]} v{k};" for k in R) + " };",
-        "struct In { " + " ".join(f"const {st[k]}* x{k};" for k in read) + " };",
-        "struct Out { " + " ".join(f"{st[k]}* y{k};" for k in R) + " };",
+        *_strided("In", [(f"x{k}", f"const {st[k]}") for k in read]),
+        *_strided("Out", [(f"y{k}", st[k]) for k in R]),
         "struct Buf { " + " ".join(f"{bt[k]}* v{k};" for k in R) + " };",
         "struct Par { "
         + " ".join(f"const {_param_ctype(p.dtype)}* p{j};" for j, p in enumerate(program.params))
         + " };",
-        "static FSCAN_INLINE Vals load(const In x, int64_t i, int64_t t = 0) { Vals v; (void)t; "
-        + " ".join(
-            f"v.v{k} = static_cast<{compute[k]}>(t);"
-            if k in positions
-            else f"v.v{k} = {_load(dtypes[k], f'x.x{k}[i]', compute[k])};"
-            for k in R
-        )
+        "template <bool U> static FSCAN_INLINE Vals load_i(const In x, int64_t i, int64_t t) "
+        "{ Vals v; (void)x; (void)i; (void)t; " + loads("lane<U>({f}, i)") + " return v; }",
+        "static FSCAN_INLINE Vals load_t(const In x, int64_t t) { Vals v; (void)x; "
+        + loads("step({f}, t)")
         + " return v; }",
-        "static FSCAN_INLINE void store(const Out y, int64_t i, const Vals& v) { "
-        + " ".join(f"y.y{k}[i] = {_store(dtypes[k], f'v.v{k}')};" for k in R)
+        "static FSCAN_INLINE void store_i(const Out y, int64_t i, const Vals& v) { "
+        + " ".join(f"lane<true>(y.y{k}, i) = {_store(dtypes[k], f'v.v{k}')};" for k in R)
+        + " }",
+        "static FSCAN_INLINE void store_t(const Out y, int64_t t, const Vals& v) { "
+        + " ".join(f"step(y.y{k}, t) = {_store(dtypes[k], f'v.v{k}')};" for k in R)
         + " }",
         "static FSCAN_INLINE Vals get(const Buf b, int64_t i) { Vals v; "
         + " ".join(f"v.v{k} = b.v{k}[i];" for k in R)
@@ -215,6 +271,22 @@ def _signature(
     return args
 
 
+STRIDES = ("sa", "sb", "st", "si")  # per strided input: see Ptr in PRELUDE
+
+
+def _stride_params(names: Sequence[str]) -> str:
+    """``int64_t nb`` and the strides of each input in ``names``, as C parameters."""
+    return ", int64_t nb" + "".join(f", int64_t {n}_{s}" for n in names for s in STRIDES)
+
+
+def _strided_init(names: Sequence[str]) -> str:
+    return ", ".join("{" + ", ".join([n] + [f"{n}_{s}" for s in STRIDES]) + "}" for n in names)
+
+
+def _dense_init(names: Sequence[str]) -> str:
+    return ", ".join(f"dense({n}, nb, T, inner)" for n in names)
+
+
 def forward_argtypes(
     dtypes: Sequence[torch.dtype], program: Program, positions: Sequence[int] = ()
 ) -> list[str]:
@@ -223,15 +295,19 @@ def forward_argtypes(
     types = [f"const {c}*" for k, c in enumerate(st) if k not in positions]
     types += [f"{c}*" for c in st]
     types += [f"const {_param_ctype(p.dtype)}*" for p in program.params]
-    return types + ["int64_t"] * 5
+    n_read = len(dtypes) - len(set(positions))
+    return types + ["int64_t"] * (5 + 1 + len(STRIDES) * n_read)
 
 
 def forward_source(
     dtypes: Sequence[torch.dtype], program: Program, positions: Sequence[int] = ()
 ) -> str:
-    """The complete forward kernel: ``kernel(x.., y.., p.., outer, T, inner, rev, threads)``.
+    """The complete forward kernel:
+    ``kernel(x.., y.., p.., outer, T, inner, rev, threads, nb, strides..)``.
 
-    The leaves in ``positions`` have no input ``x``: each element's value is its index
+    The inputs ``x`` are read through their strides (``sa, sb, st, si`` each, of the
+    ``(outer // nb, nb, T, inner)`` view: see Ptr); the outputs ``y`` are dense. The
+    leaves in ``positions`` have no input ``x``: each element's value is its index
     along the scan dim (as for the indices of ``cummax``)."""
     compute = [compute_ctype(d, program.wide) for d in dtypes]
     R = range(len(dtypes))
@@ -248,17 +324,20 @@ def forward_source(
         + "  return o;\n}\n"
     )
     args = _signature(dtypes, program, [f"{c}* y{k}" for k, c in enumerate(st)], positions)
+    read = [f"x{k}" for k in R if k not in positions]
     entry = (
         'extern "C" void kernel('
         + ", ".join(args)
-        + ", int64_t outer, int64_t T, int64_t inner, int64_t rev, int64_t threads) {\n"
+        + ", int64_t outer, int64_t T, int64_t inner, int64_t rev, int64_t threads"
+        + _stride_params(read)
+        + ") {\n"
         + "  const In x{"
-        + ", ".join(f"x{k}" for k in R if k not in positions)
+        + _strided_init(read)
         + "}; const Out y{"
-        + ", ".join(f"y{k}" for k in R)
+        + _dense_init([f"y{k}" for k in R])
         + "}; const Par p{"
         + ", ".join(f"p{j}" for j in range(len(program.params)))
-        + "};\n  scan(x, y, p, outer, T, inner, rev != 0, (int)threads);\n}\n"
+        + "};\n  scan(x, y, p, Geo{outer, nb, T, inner}, rev != 0, (int)threads);\n}\n"
     )
     return "\n".join(
         [
@@ -281,32 +360,37 @@ static constexpr int G = 8;                // chains interleaved on the chain pa
 
 // Steps [s0, s1) (in scan order) of lanes [i0, i0 + w) of outer index o. The running
 // values live in acc (w entries); carry (or nullptr) holds the inclusive result before s0.
-template <bool WRITE>
-static void lane_run(const In x, const Out y, const Par p, int64_t o, int64_t i0, int64_t w,
-                     int64_t s0, int64_t s1, int64_t T, int64_t inner, bool rev,
-                     const Buf* carry, const Buf acc) {
-  const int64_t base = o * T * inner + i0, e0 = o * inner + i0;
+// U: every input has unit inner stride (plain vector loads).
+template <bool WRITE, bool U>
+static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t o, int64_t i0,
+                     int64_t w, int64_t s0, int64_t s1, bool rev, const Buf* carry, const Buf acc) {
+  const In xc = at(x, S, o, 0, i0);
+  const Out yc = at(y, S, o, 0, i0);
+  const int64_t e0 = o * S.inner + i0;
   for (int64_t s = s0; s < s1; ++s) {
-    const int64_t t = rev ? T - 1 - s : s, off = base + t * inner;
+    const int64_t t = rev ? S.T - 1 - s : s;
+    const In xr = row(xc, t);
+    const Out yr = row(yc, t);
     if (s == s0 && carry == nullptr) {
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
-        const Vals v = load(x, off + i, t);
+        const Vals v = load_i<U>(xr, i, t);
         put(acc, i, v);
-        if (WRITE) store(y, off + i, v);
+        if (WRITE) store_i(yr, i, v);
       });
     } else {
       const Buf left = s == s0 ? *carry : acc;
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
-        const Vals v = combine(get(left, i), load(x, off + i, t), p, e0 + i);
+        const Vals v = combine(get(left, i), load_i<U>(xr, i, t), p, e0 + i);
         put(acc, i, v);
-        if (WRITE) store(y, off + i, v);
+        if (WRITE) store_i(yr, i, v);
       });
     }
   }
 }
 
-static void lane_path(const In x, const Out y, const Par p, int64_t outer, int64_t T,
-                      int64_t inner, bool rev, int nt) {
+template <bool U>
+static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool rev, int nt) {
+  const int64_t outer = S.outer, T = S.T, inner = S.inner;
   int64_t W = std::min<int64_t>(inner, TILE);
   while (outer * ((inner + W - 1) / W) < nt && W > 16) W = (W / 2 + 15) / 16 * 16;
   const int64_t ntiles = (inner + W - 1) / W, ncols = outer * ntiles;
@@ -326,7 +410,7 @@ static void lane_path(const In x, const Out y, const Par p, int64_t outer, int64
       for (int64_t k = 0; k < ncols * (C - 1); ++k) {
         const int64_t col = k / (C - 1), c = k % (C - 1);
         const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
-        lane_run<false>(x, y, p, o, i0, w, c * L, (c + 1) * L, T, inner, rev, nullptr, offset(tb, k * W));
+        lane_run<false, U>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W));
       }
 #pragma omp for schedule(static)
       for (int64_t col = 0; col < ncols; ++col) {
@@ -343,64 +427,62 @@ static void lane_path(const In x, const Out y, const Par p, int64_t outer, int64
       const int64_t col = k / C, c = k % C;
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
       const Buf carry = c > 0 ? offset(tb, (col * (C - 1) + c - 1) * W) : tb;
-      lane_run<true>(x, y, p, o, i0, w, c * L, std::min(T, (c + 1) * L), T, inner, rev,
-                     c == 0 ? nullptr : &carry, acc);
+      lane_run<true, U>(x, y, p, S, o, i0, w, c * L, std::min(T, (c + 1) * L), rev,
+                        c == 0 ? nullptr : &carry, acc);
     }
   }
 }
 
-// NG chains interleaved: chain g starts at offset start[g] (position t0[g] along the scan
-// dim), runs len[g] steps of `step` elements (and `tstep` positions), at element position
-// elem[g]; carry[g] (if has[g]) is its inclusive carry-in.
+// NG chains interleaved: chain g is the lane whose start (t = 0) is xb[g]/yb[g]; it runs
+// len[g] steps from position t0[g], tstep (+-1) apart, at element position elem[g];
+// carry[g] (if has[g]) is its inclusive carry-in.
 // WRITE: store every output; else only the final values, into last[g].
 template <int NG, bool WRITE>
-static FSCAN_INLINE void chains(const In x, const Out y, const Par p, const int64_t* start,
-                                const int64_t* t0, const int64_t* len, const int64_t* elem,
-                                int64_t step, int64_t tstep, const Vals* carry, const bool* has,
-                                Vals* last) {
+static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const int64_t* t0,
+                                const int64_t* len, const int64_t* elem, int64_t tstep,
+                                const Vals* carry, const bool* has, Vals* last) {
   Vals acc[NG];
   int64_t common = len[0];
   for (int g = 1; g < NG; ++g) common = std::min(common, len[g]);
 #pragma GCC unroll 8
   for (int g = 0; g < NG; ++g) {
-    const Vals v = load(x, start[g], t0[g]);
+    const Vals v = load_t(xb[g], t0[g]);
     acc[g] = has[g] ? combine(carry[g], v, p, elem[g]) : v;
-    if (WRITE) store(y, start[g], acc[g]);
+    if (WRITE) store_t(yb[g], t0[g], acc[g]);
   }
   for (int64_t s = 1; s < common; ++s) {
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) {
-      const int64_t pos = start[g] + s * step;
-      acc[g] = combine(acc[g], load(x, pos, t0[g] + s * tstep), p, elem[g]);
-      if (WRITE) store(y, pos, acc[g]);
+      const int64_t t = t0[g] + s * tstep;
+      acc[g] = combine(acc[g], load_t(xb[g], t), p, elem[g]);
+      if (WRITE) store_t(yb[g], t, acc[g]);
     }
   }
   for (int g = 0; g < NG; ++g) {
     for (int64_t s = common; s < len[g]; ++s) {
-      const int64_t pos = start[g] + s * step;
-      acc[g] = combine(acc[g], load(x, pos, t0[g] + s * tstep), p, elem[g]);
-      if (WRITE) store(y, pos, acc[g]);
+      const int64_t t = t0[g] + s * tstep;
+      acc[g] = combine(acc[g], load_t(xb[g], t), p, elem[g]);
+      if (WRITE) store_t(yb[g], t, acc[g]);
     }
     if (!WRITE) last[g] = acc[g];
   }
 }
 
 template <bool WRITE>
-static void chain_group(const In x, const Out y, const Par p, int ng, const int64_t* start,
-                        const int64_t* t0, const int64_t* len, const int64_t* elem, int64_t step,
-                        int64_t tstep, const Vals* carry, const bool* has, Vals* last) {
+static void chain_group(const In* xb, const Out* yb, const Par p, int ng, const int64_t* t0,
+                        const int64_t* len, const int64_t* elem, int64_t tstep, const Vals* carry,
+                        const bool* has, Vals* last) {
   if (ng == G) {
-    chains<G, WRITE>(x, y, p, start, t0, len, elem, step, tstep, carry, has, last);
+    chains<G, WRITE>(xb, yb, p, t0, len, elem, tstep, carry, has, last);
     return;
   }
   for (int g = 0; g < ng; ++g)
-    chains<1, WRITE>(x, y, p, start + g, t0 + g, len + g, elem + g, step, tstep, carry + g,
-                     has + g, last + g);
+    chains<1, WRITE>(xb + g, yb + g, p, t0 + g, len + g, elem + g, tstep, carry + g, has + g,
+                     last + g);
 }
 
-static void chain_path(const In x, const Out y, const Par p, int64_t outer, int64_t T,
-                       int64_t inner, bool rev, int nt) {
-  const int64_t lanes = outer * inner;
+static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool rev, int nt) {
+  const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
   int64_t C = 1;  // chunks per lane
   if (lanes < (int64_t)nt * G) {
     C = std::min<int64_t>(((int64_t)nt * G + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
@@ -410,28 +492,31 @@ static void chain_path(const In x, const Out y, const Par p, int64_t outer, int6
   // Interleaved chunks of one lane at power-of-two distances share cache sets: skew them.
   if (C > 1 && inner == 1) L = (L + 15) / 16 * 16 + 16;
   C = (T + L - 1) / L;
-  const int64_t step = rev ? -inner : inner, tstep = rev ? -1 : 1;
+  const int64_t tstep = rev ? -1 : 1;
   const int64_t items = lanes * C, groups = (items + G - 1) / G;
-  auto describe = [&](int64_t k, int64_t& start, int64_t& t0, int64_t& len, int64_t& elem) {
+  auto describe = [&](int64_t k, In& xb, Out& yb, int64_t& t0, int64_t& len, int64_t& elem) {
     const int64_t lane = k / C, c = k % C, o = lane / inner, i = lane % inner;
     const int64_t s = c * L;
     t0 = rev ? T - 1 - s : s;
-    start = o * T * inner + i + t0 * inner;
+    xb = at(x, S, o, 0, i);
+    yb = at(y, S, o, 0, i);
     len = std::min(T, s + L) - s;
     elem = lane;
   };
   std::vector<Vals> tot(C > 1 ? items : 0);
 #pragma omp parallel num_threads(nt)
   {
-    int64_t start[G], t0[G], len[G], elem[G];
+    In xb[G];
+    Out yb[G];
+    int64_t t0[G], len[G], elem[G];
     Vals carry[G];
     bool has[G];
     if (C > 1) {
 #pragma omp for schedule(static)
       for (int64_t gi = 0; gi < groups; ++gi) {
         const int ng = (int)std::min<int64_t>(G, items - gi * G);
-        for (int g = 0; g < ng; ++g) { describe(gi * G + g, start[g], t0[g], len[g], elem[g]); has[g] = false; }
-        chain_group<false>(x, y, p, ng, start, t0, len, elem, step, tstep, carry, has, tot.data() + gi * G);
+        for (int g = 0; g < ng; ++g) { describe(gi * G + g, xb[g], yb[g], t0[g], len[g], elem[g]); has[g] = false; }
+        chain_group<false>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, tot.data() + gi * G);
       }
 #pragma omp for schedule(static)
       for (int64_t lane = 0; lane < lanes; ++lane)
@@ -443,24 +528,28 @@ static void chain_path(const In x, const Out y, const Par p, int64_t outer, int6
       const int ng = (int)std::min<int64_t>(G, items - gi * G);
       for (int g = 0; g < ng; ++g) {
         const int64_t k = gi * G + g;
-        describe(k, start[g], t0[g], len[g], elem[g]);
+        describe(k, xb[g], yb[g], t0[g], len[g], elem[g]);
         has[g] = k % C != 0;
         if (has[g]) carry[g] = tot[k - 1];
       }
-      chain_group<true>(x, y, p, ng, start, t0, len, elem, step, tstep, carry, has, nullptr);
+      chain_group<true>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, nullptr);
     }
   }
 }
 
-static void scan(const In x, const Out y, const Par p, int64_t outer, int64_t T, int64_t inner,
-                 bool rev, int threads) {
-  if (T <= 0 || outer <= 0 || inner <= 0) return;
-  const int64_t total = outer * T * inner;
+// The lane path wants lanes next to each other in memory (SIMD over them); where an
+// input is laid out along T instead (a transpose: T stride below the inner stride), the
+// chain path walks each lane along its contiguous steps.
+static void scan(const In x, const Out y, const Par p, const Geo& S, bool rev, int threads) {
+  if (S.T <= 0 || S.outer <= 0 || S.inner <= 0) return;
+  const int64_t total = S.outer * S.T * S.inner;
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, total / PER_THREAD));
-  if (inner >= VEC_MIN)
-    lane_path(x, y, p, outer, T, inner, rev, nt);
-  else
-    chain_path(x, y, p, outer, T, inner, rev, nt);
+  if (S.inner >= VEC_MIN && !along(x)) {
+    if (unit(x)) lane_path<true>(x, y, p, S, rev, nt);
+    else lane_path<false>(x, y, p, S, rev, nt);
+  } else {
+    chain_path(x, y, p, S, rev, nt);
+  }
 }
 """
 
@@ -477,7 +566,7 @@ def backward_argtypes(
     types += [f"const {st[k]}*" for k in floats] + [f"{st[k]}*" for k in floats]
     types += ["double*"] * len(pfloats)
     types += [f"const {_param_ctype(p.dtype)}*" for p in program.params]
-    return types + ["int64_t"] * 5
+    return types + ["int64_t"] * (5 + 1 + len(STRIDES) * (2 * len(dtypes) + len(floats)))
 
 
 def backward_source(
@@ -488,7 +577,9 @@ def backward_source(
 ) -> str:
     """The backward kernel: one reverse pass per lane through the traced VJP of combine.
 
-    ``kernel(x.., y.., g.., xbar.., pbar.., p.., outer, T, inner, rev, threads)``: for
+    ``kernel(x.., y.., g.., xbar.., pbar.., p.., outer, T, inner, rev, threads, nb,
+    strides..)`` (the strides of x, y and g, each read through them as the forward's
+    inputs; xbar dense): for
     ``y[s] = f(y[s-1], x[s])`` (s in scan order) the cotangents pull back as
     ``lam[T-1] = g[T-1]``, ``(lb, rb) = vjp_f(y[s-1], x[s]; lam[s])``,
     ``xbar[s] = rb``, ``lam[s-1] = g[s-1] + lb`` and ``xbar[0] = lam[0]``;
@@ -508,16 +599,28 @@ def backward_source(
     structs = [
         _structs(dtypes, compute, program),
         "struct Lam { " + " ".join(f"{lam_types[j]} v{j};" for j in J) + " };",
-        "struct Grad { " + " ".join(f"const {st[k]}* g{j};" for j, k in enumerate(F)) + " };",
-        "struct Bar { " + " ".join(f"{st[k]}* b{j};" for j, k in enumerate(F)) + " };",
+        *_strided("Grad", [(f"g{j}", f"const {st[k]}") for j, k in enumerate(F)]),
+        *_strided("Bar", [(f"b{j}", st[k]) for j, k in enumerate(F)]),
         "struct LamBuf { " + " ".join(f"{lam_types[j]}* v{j};" for j in J) + " };",
-        "static FSCAN_INLINE Lam load_g(const Grad g, int64_t i) { Lam v; "
+        "template <bool U> static FSCAN_INLINE Lam load_g_i(const Grad g, int64_t i) { Lam v; "
         + " ".join(
-            f"v.v{j} = {_load(dtypes[k], f'g.g{j}[i]', lam_types[j])};" for j, k in enumerate(F)
+            f"v.v{j} = {_load(dtypes[k], f'lane<U>(g.g{j}, i)', lam_types[j])};"
+            for j, k in enumerate(F)
         )
         + " return v; }",
-        "static FSCAN_INLINE void store_bar(const Bar b, int64_t i, const Lam& v) { "
-        + " ".join(f"b.b{j}[i] = {_store(dtypes[k], f'v.v{j}')};" for j, k in enumerate(F))
+        "static FSCAN_INLINE Lam load_g_t(const Grad g, int64_t t) { Lam v; "
+        + " ".join(
+            f"v.v{j} = {_load(dtypes[k], f'step(g.g{j}, t)', lam_types[j])};"
+            for j, k in enumerate(F)
+        )
+        + " return v; }",
+        "static FSCAN_INLINE void store_bar_i(const Bar b, int64_t i, const Lam& v) { "
+        + " ".join(
+            f"lane<true>(b.b{j}, i) = {_store(dtypes[k], f'v.v{j}')};" for j, k in enumerate(F)
+        )
+        + " }",
+        "static FSCAN_INLINE void store_bar_t(const Bar b, int64_t t, const Lam& v) { "
+        + " ".join(f"step(b.b{j}, t) = {_store(dtypes[k], f'v.v{j}')};" for j, k in enumerate(F))
         + " }",
         "static FSCAN_INLINE Lam get_lam(const LamBuf b, int64_t i) { Lam v; "
         + " ".join(f"v.v{j} = b.v{j}[i];" for j in J)
@@ -583,21 +686,24 @@ def backward_source(
     args += [f"{st[k]}* b{j}" for j, k in enumerate(F)]
     args += [f"double* q{q}" for q in range(len(pfloats))]
     args += [f"const {_param_ctype(p.dtype)}* p{j}" for j, p in enumerate(program.params)]
+    strided = [f"x{k}" for k in R] + [f"y{k}" for k in R] + [f"g{j}" for j in J]
     entry = (
         'extern "C" void kernel('
         + ", ".join(args)
-        + ", int64_t outer, int64_t T, int64_t inner, int64_t rev, int64_t threads) {\n"
+        + ", int64_t outer, int64_t T, int64_t inner, int64_t rev, int64_t threads"
+        + _stride_params(strided)
+        + ") {\n"
         + "  const In x{"
-        + ", ".join(f"x{k}" for k in R)
+        + _strided_init([f"x{k}" for k in R])
         + "};"
         + " const In y{"
-        + ", ".join(f"y{k}" for k in R)
+        + _strided_init([f"y{k}" for k in R])
         + "};"
         + " const Grad g{"
-        + ", ".join(f"g{j}" for j in J)
+        + _strided_init([f"g{j}" for j in J])
         + "};"
         + " const Bar b{"
-        + ", ".join(f"b{j}" for j in J)
+        + _dense_init([f"b{j}" for j in J])
         + "};"
         + " const PBar q{"
         + ", ".join(f"q{q}" for q in range(len(pfloats)))
@@ -605,7 +711,7 @@ def backward_source(
         + " const Par p{"
         + ", ".join(f"p{j}" for j in range(len(program.params)))
         + "};\n"
-        + "  backward(x, y, g, b, q, p, outer, T, inner, rev != 0, (int)threads);\n}\n"
+        + "  backward(x, y, g, b, q, p, Geo{outer, nb, T, inner}, rev != 0, (int)threads);\n}\n"
     )
     return "\n".join([PRELUDE, mvec_declarations(), *structs, vjp, BACKWARD_TEMPLATE, entry])
 
@@ -617,66 +723,69 @@ static constexpr int64_t PER_THREAD = 16384;
 
 // Lanes [i0, i0 + w) of outer index o, all T steps backwards in scan order.
 // The params' cotangents of these lanes (element positions e0..) sum into q, which
-// this column owns.
+// this column owns. U: x, y and g have unit inner strides.
+template <bool U>
 static void lane_bwd(const In x, const In y, const Grad g, const Bar b, const PBar q, const Par p,
-                     int64_t o, int64_t i0, int64_t w, int64_t T, int64_t inner, bool rev,
-                     const LamBuf lam) {
-  const int64_t base = o * T * inner + i0, e0 = o * inner + i0;
-  const int64_t last = base + (rev ? 0 : T - 1) * inner;
+                     const Geo& S, int64_t o, int64_t i0, int64_t w, bool rev, const LamBuf lam) {
+  const In xc = at(x, S, o, 0, i0), yc = at(y, S, o, 0, i0);
+  const Grad gc = at(g, S, o, 0, i0);
+  const Bar bc = at(b, S, o, 0, i0);
+  const int64_t T = S.T, e0 = o * S.inner + i0;
+  const Grad glast = row(gc, rev ? 0 : T - 1);
 #pragma GCC ivdep
-  for (int64_t i = 0; i < w; ++i) { put_lam(lam, i, load_g(g, last + i)); zero_pbar(q, e0 + i); }
+  for (int64_t i = 0; i < w; ++i) { put_lam(lam, i, load_g_i<U>(glast, i)); zero_pbar(q, e0 + i); }
   for (int64_t s = T - 1; s >= 1; --s) {
-    const int64_t cur = base + (rev ? T - 1 - s : s) * inner;
-    const int64_t prev = base + (rev ? T - s : s - 1) * inner;
+    const int64_t tc = rev ? T - 1 - s : s, tp = rev ? T - s : s - 1;
+    const In xr = row(xc, tc), yr = row(yc, tp);
+    const Grad gr = row(gc, tp);
+    const Bar br = row(bc, tc);
     fscan_lanes<LANE_BLOCK>(w, !rev, [&](int64_t i) {  // !rev: walking memory backwards
       Lam lb, rb;
       PLam pb;
-      vjp(load(y, prev + i), load(x, cur + i), get_lam(lam, i), p, e0 + i, lb, rb, pb);
-      store_bar(b, cur + i, rb);
-      put_lam(lam, i, lam_add(load_g(g, prev + i), lb));
+      vjp(load_i<U>(yr, i, tp), load_i<U>(xr, i, tc), get_lam(lam, i), p, e0 + i, lb, rb, pb);
+      store_bar_i(br, i, rb);
+      put_lam(lam, i, lam_add(load_g_i<U>(gr, i), lb));
       add_pbar(q, e0 + i, pb);
     });
   }
-  const int64_t first = base + (rev ? T - 1 : 0) * inner;
+  const Bar bfirst = row(bc, rev ? T - 1 : 0);
 #pragma GCC ivdep
-  for (int64_t i = 0; i < w; ++i) store_bar(b, first + i, get_lam(lam, i));
+  for (int64_t i = 0; i < w; ++i) store_bar_i(bfirst, i, get_lam(lam, i));
 }
 
-// --- Few lanes (1-D, or a scan over the last dim): chunks of steps, G interleaved per
-// thread. The adjoint recurrence lam[s-1] = g[s-1] + A_s^T lam[s] is linear, so a chunk
-// [a, b) maps the lam its top step receives from above (in) to what its bottom step
-// passes down (out = M in + o). Pass 1: o and M (M's columns: the VJP of unit
+// --- Chains: few lanes (1-D, or a scan over the last dim), or lanes laid out along T (a
+// transpose), G interleaved per thread, each lane in C chunks of steps. The adjoint
+// recurrence lam[s-1] = g[s-1] + A_s^T lam[s] is linear, so a chunk [a, z) maps the lam
+// its top step receives from above (in) to what its bottom step passes down
+// (out = M in + o). With C > 1, pass 1: o and M (M's columns: the VJP of unit
 // cotangents, NF extra VJPs a step, no stores); pass 2: each lane's chunk carries, top
-// down; pass 3: each chunk again from its true carry, storing the gradients; then the
+// down. Pass 3: each chunk (again) from its true carry, storing the gradients; then the
 // params' per-chunk sums are added in chunk order.
 static constexpr int64_t MIN_CHUNK = 2048;
 static constexpr int G = 8;
 
-struct Chunk { int64_t base, e, a, b; };  // lane offset, element position, steps [a, b)
+struct Chunk { In x, y; Grad g; Bar b; int64_t e, a, z; };  // a lane's start, position, steps [a, z)
 
-static FSCAN_INLINE int64_t at(const Chunk& k, int64_t s, int64_t T, int64_t inner, bool rev) {
-  return k.base + (rev ? T - 1 - s : s) * inner;
-}
+static FSCAN_INLINE int64_t pos(int64_t s, int64_t T, bool rev) { return rev ? T - 1 - s : s; }
 
 template <int NG>
-static FSCAN_INLINE void transfer(const In x, const In y, const Grad g, const Par p, const Chunk* k,
-                                  int64_t T, int64_t inner, bool rev, Lam* out, Lam* M) {
+static FSCAN_INLINE void transfer(const Par p, const Chunk* k, int64_t T, bool rev, Lam* out, Lam* M) {
   Lam lam[NG], U[NG][NF];
   int64_t n[NG], common = INT64_MAX;
   for (int c = 0; c < NG; ++c) {
-    lam[c] = load_g(g, at(k[c], k[c].b - 1, T, inner, rev));
+    lam[c] = load_g_t(k[c].g, pos(k[c].z - 1, T, rev));
     for (int u = 0; u < NF; ++u) U[c][u] = lam_unit(u);
-    n[c] = k[c].b - std::max<int64_t>(k[c].a, 1);
+    n[c] = k[c].z - std::max<int64_t>(k[c].a, 1);
     common = std::min(common, n[c]);
     out[c] = lam_zero();
   }
   auto one = [&](int c, int64_t r) {
-    const int64_t s = k[c].b - 1 - r;
-    const Vals l = load(y, at(k[c], s - 1, T, inner, rev)), v = load(x, at(k[c], s, T, inner, rev));
+    const int64_t s = k[c].z - 1 - r, tc = pos(s, T, rev), tp = pos(s - 1, T, rev);
+    const Vals l = load_t(k[c].y, tp), v = load_t(k[c].x, tc);
     Lam lb, rb; PLam pb;
     vjp(l, v, lam[c], p, k[c].e, lb, rb, pb);
     for (int u = 0; u < NF; ++u) { Lam ub, urb; PLam upb; vjp(l, v, U[c][u], p, k[c].e, ub, urb, upb); U[c][u] = ub; }
-    if (s > k[c].a) lam[c] = lam_add(load_g(g, at(k[c], s - 1, T, inner, rev)), lb); else out[c] = lb;
+    if (s > k[c].a) lam[c] = lam_add(load_g_t(k[c].g, tp), lb); else out[c] = lb;
   };
   for (int64_t r = 0; r < common; ++r) {
 #pragma GCC unroll 8
@@ -689,24 +798,23 @@ static FSCAN_INLINE void transfer(const In x, const In y, const Grad g, const Pa
 }
 
 template <int NG>
-static FSCAN_INLINE void finish(const In x, const In y, const Grad g, const Bar b, const Par p,
-                                const Chunk* k, int64_t T, int64_t inner, bool rev, const Lam* in,
+static FSCAN_INLINE void finish(const Par p, const Chunk* k, int64_t T, bool rev, const Lam* in,
                                 PLam* ptot) {
   Lam lam[NG]; PLam pacc[NG];
   int64_t n[NG], common = INT64_MAX;
   for (int c = 0; c < NG; ++c) {
-    lam[c] = lam_add(load_g(g, at(k[c], k[c].b - 1, T, inner, rev)), in[c]);
+    lam[c] = lam_add(load_g_t(k[c].g, pos(k[c].z - 1, T, rev)), in[c]);
     pacc[c] = plam_zero();
-    n[c] = k[c].b - std::max<int64_t>(k[c].a, 1);
+    n[c] = k[c].z - std::max<int64_t>(k[c].a, 1);
     common = std::min(common, n[c]);
   }
   auto one = [&](int c, int64_t r) {
-    const int64_t s = k[c].b - 1 - r, cur = at(k[c], s, T, inner, rev);
+    const int64_t s = k[c].z - 1 - r, tc = pos(s, T, rev), tp = pos(s - 1, T, rev);
     Lam lb, rb; PLam pb;
-    vjp(load(y, at(k[c], s - 1, T, inner, rev)), load(x, cur), lam[c], p, k[c].e, lb, rb, pb);
-    store_bar(b, cur, rb);
+    vjp(load_t(k[c].y, tp), load_t(k[c].x, tc), lam[c], p, k[c].e, lb, rb, pb);
+    store_bar_t(k[c].b, tc, rb);
     pacc[c] = plam_add(pacc[c], pb);
-    if (s > k[c].a) lam[c] = lam_add(load_g(g, at(k[c], s - 1, T, inner, rev)), lb);
+    if (s > k[c].a) lam[c] = lam_add(load_g_t(k[c].g, tp), lb);
   };
   for (int64_t r = 0; r < common; ++r) {
 #pragma GCC unroll 8
@@ -714,12 +822,12 @@ static FSCAN_INLINE void finish(const In x, const In y, const Grad g, const Bar 
   }
   for (int c = 0; c < NG; ++c) {
     for (int64_t r = common; r < n[c]; ++r) one(c, r);
-    if (k[c].a == 0) store_bar(b, at(k[c], 0, T, inner, rev), lam[c]);
+    if (k[c].a == 0) store_bar_t(k[c].b, pos(0, T, rev), lam[c]);
     ptot[c] = pacc[c];
   }
 }
 
-// Whether chain_bwd serves: few lanes for the threads (and the interleave), long lanes.
+// Chunks per lane: 1 with lanes enough for the threads (and the interleave).
 static int64_t chunks_per_lane(int64_t lanes, int64_t T, int nt) {
   if (lanes >= (int64_t)nt * G) return 1;
   int64_t C = std::min<int64_t>(((int64_t)nt * G + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
@@ -728,44 +836,47 @@ static int64_t chunks_per_lane(int64_t lanes, int64_t T, int nt) {
 }
 
 static void chain_bwd(const In x, const In y, const Grad g, const Bar b, const PBar q, const Par p,
-                      int64_t outer, int64_t T, int64_t inner, bool rev, int nt, int64_t C) {
-  const int64_t lanes = outer * inner;
+                      const Geo& S, bool rev, int nt, int64_t C) {
+  const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
   const int64_t L = (T + C - 1) / C;
   C = (T + L - 1) / L;
   const int64_t items = lanes * C, groups = (items + G - 1) / G;
   auto describe = [&](int64_t item) {
     const int64_t lane = item / C, c = item % C, o = lane / inner, i = lane % inner;
-    return Chunk{o * T * inner + i, lane, c * L, std::min(T, (c + 1) * L)};
+    return Chunk{at(x, S, o, 0, i), at(y, S, o, 0, i), at(g, S, o, 0, i), at(b, S, o, 0, i),
+                 lane, c * L, std::min(T, (c + 1) * L)};
   };
-  std::vector<Lam> outs(items), ins(items), M(items * NF);
+  std::vector<Lam> outs(C > 1 ? items : 0), ins(items, lam_zero()), M(C > 1 ? items * NF : 0);
   std::vector<PLam> ptot(items);
 #pragma omp parallel num_threads(nt)
   {
     Chunk k[G];
+    if (C > 1) {
 #pragma omp for schedule(static)
-    for (int64_t gi = 0; gi < groups; ++gi) {
-      const int ng = (int)std::min<int64_t>(G, items - gi * G);
-      for (int c = 0; c < ng; ++c) k[c] = describe(gi * G + c);
-      if (ng == G) transfer<G>(x, y, g, p, k, T, inner, rev, &outs[gi * G], &M[gi * G * NF]);
-      else for (int c = 0; c < ng; ++c) transfer<1>(x, y, g, p, k + c, T, inner, rev, &outs[gi * G + c], &M[(gi * G + c) * NF]);
-    }
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const int ng = (int)std::min<int64_t>(G, items - gi * G);
+        for (int c = 0; c < ng; ++c) k[c] = describe(gi * G + c);
+        if (ng == G) transfer<G>(p, k, T, rev, &outs[gi * G], &M[gi * G * NF]);
+        else for (int c = 0; c < ng; ++c) transfer<1>(p, k + c, T, rev, &outs[gi * G + c], &M[(gi * G + c) * NF]);
+      }
 #pragma omp for schedule(static)
-    for (int64_t lane = 0; lane < lanes; ++lane) {
-      Lam carry = lam_zero();  // what the chunk above passes down
-      for (int64_t c = C - 1; c >= 0; --c) {
-        const int64_t item = lane * C + c;
-        ins[item] = carry;
-        Lam next = outs[item];
-        for (int u = 0; u < NF; ++u) next = lam_axpy(next, M[item * NF + u], carry, u);
-        carry = next;
+      for (int64_t lane = 0; lane < lanes; ++lane) {
+        Lam carry = lam_zero();  // what the chunk above passes down
+        for (int64_t c = C - 1; c >= 0; --c) {
+          const int64_t item = lane * C + c;
+          ins[item] = carry;
+          Lam next = outs[item];
+          for (int u = 0; u < NF; ++u) next = lam_axpy(next, M[item * NF + u], carry, u);
+          carry = next;
+        }
       }
     }
 #pragma omp for schedule(static)
     for (int64_t gi = 0; gi < groups; ++gi) {
       const int ng = (int)std::min<int64_t>(G, items - gi * G);
       for (int c = 0; c < ng; ++c) k[c] = describe(gi * G + c);
-      if (ng == G) finish<G>(x, y, g, b, p, k, T, inner, rev, &ins[gi * G], &ptot[gi * G]);
-      else for (int c = 0; c < ng; ++c) finish<1>(x, y, g, b, p, k + c, T, inner, rev, &ins[gi * G + c], &ptot[gi * G + c]);
+      if (ng == G) finish<G>(p, k, T, rev, &ins[gi * G], &ptot[gi * G]);
+      else for (int c = 0; c < ng; ++c) finish<1>(p, k + c, T, rev, &ins[gi * G + c], &ptot[gi * G + c]);
     }
 #pragma omp for schedule(static)
     for (int64_t lane = 0; lane < lanes; ++lane) {
@@ -776,25 +887,28 @@ static void chain_bwd(const In x, const In y, const Grad g, const Bar b, const P
 }
 
 static void backward(const In x, const In y, const Grad g, const Bar b, const PBar q, const Par p,
-                     int64_t outer, int64_t T, int64_t inner, bool rev, int threads) {
-  if (T <= 0 || outer <= 0 || inner <= 0) return;
-  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, outer * T * inner / PER_THREAD));
-  if (inner < VEC_MIN) {
-    const int64_t C = chunks_per_lane(outer * inner, T, nt);
-    if (C > 1) { chain_bwd(x, y, g, b, q, p, outer, T, inner, rev, nt, C); return; }
+                     const Geo& S, bool rev, int threads) {
+  if (S.T <= 0 || S.outer <= 0 || S.inner <= 0) return;
+  const int64_t outer = S.outer, inner = S.inner;
+  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, outer * S.T * inner / PER_THREAD));
+  // As the forward: chains for few inner lanes or inputs laid out along T.
+  if (inner < VEC_MIN || along(x) || along(y) || along(g)) {
+    chain_bwd(x, y, g, b, q, p, S, rev, nt, chunks_per_lane(outer * inner, S.T, nt));
+    return;
   }
-  // Columns of up to TILE contiguous lanes (halved until every thread has one), or, for
-  // inner < VEC_MIN, single lanes walking a stride of inner.
-  int64_t W = inner >= VEC_MIN ? std::min<int64_t>(inner, TILE) : 1;
+  // Columns of up to TILE lanes (halved until every thread has one).
+  int64_t W = std::min<int64_t>(inner, TILE);
   while (W > 16 && outer * ((inner + W - 1) / W) < nt) W = (W / 2 + 15) / 16 * 16;
   const int64_t ntiles = (inner + W - 1) / W, ncols = outer * ntiles;
+  const bool U = unit(x) && unit(y) && unit(g);
 #pragma omp parallel num_threads(nt)
   {
     LamStore store(W);
 #pragma omp for schedule(static)
     for (int64_t col = 0; col < ncols; ++col) {
-      const int64_t o = col / ntiles, i0 = (col % ntiles) * W;
-      lane_bwd(x, y, g, b, q, p, o, i0, std::min(W, inner - i0), T, inner, rev, store.buf());
+      const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
+      if (U) lane_bwd<true>(x, y, g, b, q, p, S, o, i0, w, rev, store.buf());
+      else lane_bwd<false>(x, y, g, b, q, p, S, o, i0, w, rev, store.buf());
     }
   }
 }

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 import logging
 import math
 import os
@@ -78,12 +79,15 @@ from ._cpp_source import (
 __all__ = [
     "MIN_CALLS",
     "MIN_ELEMENTS",
+    "Counters",
     "KernelScan",
+    "counters",
     "kernel_entries",
     "kernel_grad_scan",
     "kernel_ready",
     "kernel_scan",
     "precompile",
+    "strided_view",
 ]
 
 logger = logging.getLogger("fscan")
@@ -592,7 +596,11 @@ def run_kernel(
     threads: int | None = None,
 ) -> list[torch.Tensor] | None:
     """Run a READY entry's kernel into fresh outputs, or None where its params do not fit;
-    on ``threads`` threads at most (default ``torch.get_num_threads()``)."""
+    on ``threads`` threads at most (default ``torch.get_num_threads()``).
+
+    Inputs are read in place through their strides where :func:`strided_view` can
+    describe them (no copy); the outputs are fresh and contiguous, as torch's own scans
+    (``torch.cumsum`` of a transposed tensor is contiguous) and the torch engine give."""
     program, kernel = entry.program, entry.kernel
     assert program is not None and kernel is not None
     shape = leaves[0].shape
@@ -608,13 +616,90 @@ def run_kernel(
     params = _params(program, captured, shape[:dim] + shape[dim + 1 :]) if program.params else []
     if params is None:
         return None
-    if positions:
-        xs = [x.contiguous() for k, x in enumerate(leaves) if k not in positions]
-    else:
-        xs = [x.contiguous() for x in leaves]
+    read = [x for k, x in enumerate(leaves) if k not in positions] if positions else leaves
+    xs, nb, strides = strided_view(read, dim)
     threads = torch.get_num_threads() if threads is None else min(threads, torch.get_num_threads())
-    kernel(*xs, *ys, *params, outer, steps, inner, int(reverse), threads)
+    kernel(*xs, *ys, *params, outer, steps, inner, int(reverse), threads, nb, *strides)
     return ys
+
+
+class Counters:
+    """What the kernel runs did that a test may want to see (not timing): ``copies``,
+    the inputs copied to contiguous memory because :func:`strided_view` could not
+    describe their layout. Counted under a lock; read ``counters.copies``."""
+
+    def __init__(self) -> None:
+        self.copies = 0
+        self.lock = threading.Lock()
+
+    def copied(self, n: int) -> None:
+        with self.lock:
+            self.copies += n
+
+
+counters = Counters()
+
+
+def strided_view(
+    tensors: Sequence[torch.Tensor], dim: int
+) -> tuple[list[torch.Tensor], int, list[int]]:
+    """The tensors (same shape) as the kernels read them, ``nb`` and each one's strides.
+
+    The kernels index element ``(o, t, i)`` of the ``(outer, T, inner)`` view (``T``
+    the scan dim) at ``(o // nb) * sa + (o % nb) * sb + t * st + i * si``: the dims
+    before ``dim`` in at most two groups (``nb`` lanes in the second), those after it
+    in one. A view fits when its dims merge that way (size-1 dims ignored): transposes,
+    permutations such as a ``(B, C, T)`` view of ``(B, T, C)`` memory, step slices,
+    slices along the scan dim, stride-0 broadcasts (``expand``, the cotangent of
+    ``.sum()``). A tensor that does not fit (nor, where the groups of the others
+    disagree with its own, one with a split of its own) is copied to contiguous memory,
+    counted in ``counters.copies``. Nothing is written: the tensors are read only.
+
+    Example:
+        >>> x = torch.zeros(4, 6)
+        >>> _, nb, strides = strided_view([x.t()], 0)  # (6, 4): T stride 1, lanes 6 apart
+        >>> nb, strides
+        (1, [0, 0, 1, 6])
+        >>> _, nb, strides = strided_view([torch.zeros(2, 5, 3).transpose(1, 2)], 2)
+        >>> nb, strides  # outer (2, 3): 15 and 1 apart; T: 3 apart
+        (3, [15, 1, 3, 1])
+    """
+    shape = tensors[0].shape
+    if all(x.is_contiguous() for x in tensors):  # the common case, kept cheap
+        steps, inner = shape[dim], math.prod(shape[dim + 1 :])
+        return list(tensors), 1, [steps * inner, 0, inner, 1] * len(tensors)
+    outer = [d for d in range(dim) if shape[d] != 1]
+    inner = [d for d in range(dim + 1, len(shape)) if shape[d] != 1]
+    xs = list(tensors)
+
+    def merges(stride: Sequence[int], a: int, b: int) -> bool:
+        return stride[a] == stride[b] * shape[b]
+
+    copies = 0
+    splits: list[set[int]] = []
+    for k, x in enumerate(xs):
+        stride = x.stride()
+        if not all(merges(stride, a, b) for a, b in itertools.pairwise(inner)):
+            xs[k] = x.contiguous()
+            stride, copies = xs[k].stride(), copies + 1
+        pairs = enumerate(itertools.pairwise(outer))
+        splits.append({j for j, (a, b) in pairs if not merges(stride, a, b)})
+    if len(set().union(*splits)) > 1:  # more than two outer groups: copy the split ones
+        for k, split in enumerate(splits):
+            if split:
+                xs[k], splits[k], copies = xs[k].contiguous(), set(), copies + 1
+    if copies:
+        counters.copied(copies)
+    split = set().union(*splits)
+    cut = min(split) if split else None
+    nb = 1 if cut is None else math.prod(shape[d] for d in outer[cut + 1 :])
+    strides: list[int] = []
+    for x in xs:
+        stride = x.stride()
+        sa = 0 if not outer else stride[outer[-1] if cut is None else outer[cut]]
+        sb = 0 if cut is None else stride[outer[-1]]
+        strides += [sa, sb, stride[dim], stride[inner[-1]] if inner else 1]
+    return xs, nb, strides
 
 
 def _empty(x: torch.Tensor) -> torch.Tensor:
@@ -791,18 +876,20 @@ def run_backward(
     if params is None:
         return None
     floats = entry.floats
+    # Cotangents are read through their strides (the cotangent of ``y.sum()`` is an
+    # expanded scalar: stride 0, no copy); a missing one is a zero of stride 0.
     gs = [
-        torch.zeros(shape, dtype=xs[k].dtype) if grads[k] is None else grads[k].contiguous()
+        torch.zeros((), dtype=xs[k].dtype).expand(shape) if grads[k] is None else grads[k]
         for k in floats
     ]
     bars = [torch.empty(shape, dtype=xs[k].dtype) for k in floats]
     # Per element position, summed over the steps (zero where no step combines).
     pbars = [torch.zeros(outer * inner, dtype=torch.float64) for _ in entry.pfloats]
     if outer * steps * inner:
-        args = [x.contiguous() for x in xs] + [y.contiguous() for y in ys]
+        args, nb, strides = strided_view([*xs, *ys, *gs], dim)
         entry.kernel(
-            *args, *gs, *bars, *pbars, *params, outer, steps, inner, int(plan.reverse),
-            torch.get_num_threads(),
+            *args, *bars, *pbars, *params, outer, steps, inner, int(plan.reverse),
+            torch.get_num_threads(), nb, *strides,
         )  # fmt: skip
     xbar: list[torch.Tensor | None] = [None] * len(xs)
     for k, bar in zip(floats, bars):
