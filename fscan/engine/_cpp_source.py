@@ -179,6 +179,32 @@ def _strided(name: str, fields: Sequence[tuple[str, str]]) -> list[str]:
     ]
 
 
+def _gathered(name: str, fields: Sequence[tuple[str, str]]) -> list[str]:
+    """Row buffers for the inputs ``name`` (see :func:`_strided`) and ``gather``: a row
+    whose members are dense (inner stride 1) where they were not, each other member
+    copied into its buffer (a stride-0 broadcast: filled with its one value; a step
+    slice: its elements packed), so that the lane loops stay plain vector loops
+    whatever the layout; the copy is of one row, in L1, not of the tensor."""
+    plain = [(f, c.removeprefix("const ")) for f, c in fields]
+    lines = [
+        f"struct {name}Row {{ "
+        + " ".join(f"std::unique_ptr<{c}[]> {f};" for f, c in plain)
+        + f" explicit {name}Row(int64_t n) "
+        + (": " + ", ".join(f"{f}(new {c}[n > 0 ? n : 1])" for f, c in plain) if plain else "")
+        + " { (void)n; } };",
+        f"static FSCAN_INLINE {name} gather(const {name} x, const {name}Row& b, int64_t w, bool down) "
+        f"{{ {name} r = x; (void)b; (void)w; (void)down;",
+    ]
+    for f, c in plain:
+        lines.append(
+            f"  if (x.{f}.si != 1) {{ {c}* d = b.{f}.get(); const auto q = x.{f}; "
+            f"fscan_lanes<LANE_BLOCK>(w, down, [&](int64_t i) {{ d[i] = lane<false>(q, i); }}); "
+            f"r.{f}.p = d; r.{f}.si = 1; }}"
+        )
+    lines.append("  return r; }")
+    return lines
+
+
 def _structs(
     dtypes: Sequence[torch.dtype],
     compute: Sequence[str],
@@ -188,9 +214,8 @@ def _structs(
     """Vals/In/Out/Buf/Par and their accessors for leaves of ``dtypes``; the leaves in
     ``positions`` are not read: loads give them the position ``t`` along the scan dim.
 
-    ``load_i<U>(x, i, t)``/``store_i(y, i, v)``: lane i of a row (see ``row``), with
-    unit inner strides if U (outputs are dense: always); ``load_t(x, t)``/``store_t``:
-    step t of a lane (see ``at``)."""
+    ``load_i(x, i, t)``/``store_i(y, i, v)``: lane i of a dense row (see ``row`` and
+    ``gather``); ``load_t(x, t)``/``store_t``: step t of a lane (see ``at``)."""
     R = range(len(dtypes))
     read = [k for k in R if k not in positions]
     st = [STORAGE[d] for d in dtypes]
@@ -211,13 +236,14 @@ def _structs(
         f"static constexpr int64_t LANE_BLOCK = {max(16, 64 // narrowest)};",
         "struct Vals { " + " ".join(f"{bt[k]} v{k};" for k in R) + " };",
         *_strided("In", [(f"x{k}", f"const {st[k]}") for k in read]),
+        *_gathered("In", [(f"x{k}", f"const {st[k]}") for k in read]),
         *_strided("Out", [(f"y{k}", st[k]) for k in R]),
         "struct Buf { " + " ".join(f"{bt[k]}* v{k};" for k in R) + " };",
         "struct Par { "
         + " ".join(f"const {_param_ctype(p.dtype)}* p{j};" for j, p in enumerate(program.params))
         + " };",
-        "template <bool U> static FSCAN_INLINE Vals load_i(const In x, int64_t i, int64_t t) "
-        "{ Vals v; (void)x; (void)i; (void)t; " + loads("lane<U>({f}, i)") + " return v; }",
+        "static FSCAN_INLINE Vals load_i(const In x, int64_t i, int64_t t) "
+        "{ Vals v; (void)x; (void)i; (void)t; " + loads("lane<true>({f}, i)") + " return v; }",
         "static FSCAN_INLINE Vals load_t(const In x, int64_t t) { Vals v; (void)x; "
         + loads("step({f}, t)")
         + " return v; }",
@@ -360,27 +386,28 @@ static constexpr int G = 8;                // chains interleaved on the chain pa
 
 // Steps [s0, s1) (in scan order) of lanes [i0, i0 + w) of outer index o. The running
 // values live in acc (w entries); carry (or nullptr) holds the inclusive result before s0.
-// U: every input has unit inner stride (plain vector loads).
-template <bool WRITE, bool U>
+// Inputs of other inner strides than 1 are gathered, a row at a time, into rows.
+template <bool WRITE>
 static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t o, int64_t i0,
-                     int64_t w, int64_t s0, int64_t s1, bool rev, const Buf* carry, const Buf acc) {
+                     int64_t w, int64_t s0, int64_t s1, bool rev, const Buf* carry, const Buf acc,
+                     const InRow& rows) {
   const In xc = at(x, S, o, 0, i0);
   const Out yc = at(y, S, o, 0, i0);
   const int64_t e0 = o * S.inner + i0;
   for (int64_t s = s0; s < s1; ++s) {
     const int64_t t = rev ? S.T - 1 - s : s;
-    const In xr = row(xc, t);
+    const In xr = gather(row(xc, t), rows, w, rev);
     const Out yr = row(yc, t);
     if (s == s0 && carry == nullptr) {
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
-        const Vals v = load_i<U>(xr, i, t);
+        const Vals v = load_i(xr, i, t);
         put(acc, i, v);
         if (WRITE) store_i(yr, i, v);
       });
     } else {
       const Buf left = s == s0 ? *carry : acc;
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
-        const Vals v = combine(get(left, i), load_i<U>(xr, i, t), p, e0 + i);
+        const Vals v = combine(get(left, i), load_i(xr, i, t), p, e0 + i);
         put(acc, i, v);
         if (WRITE) store_i(yr, i, v);
       });
@@ -388,7 +415,6 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
   }
 }
 
-template <bool U>
 static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool rev, int nt) {
   const int64_t outer = S.outer, T = S.T, inner = S.inner;
   int64_t W = std::min<int64_t>(inner, TILE);
@@ -405,12 +431,13 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
   {
     Store scratch(W);
     const Buf acc = scratch.buf();
+    const InRow rows(unit(x) ? 0 : W);
     if (C > 1) {
 #pragma omp for schedule(static)
       for (int64_t k = 0; k < ncols * (C - 1); ++k) {
         const int64_t col = k / (C - 1), c = k % (C - 1);
         const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
-        lane_run<false, U>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W));
+        lane_run<false>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W), rows);
       }
 #pragma omp for schedule(static)
       for (int64_t col = 0; col < ncols; ++col) {
@@ -427,8 +454,8 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
       const int64_t col = k / C, c = k % C;
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
       const Buf carry = c > 0 ? offset(tb, (col * (C - 1) + c - 1) * W) : tb;
-      lane_run<true, U>(x, y, p, S, o, i0, w, c * L, std::min(T, (c + 1) * L), rev,
-                        c == 0 ? nullptr : &carry, acc);
+      lane_run<true>(x, y, p, S, o, i0, w, c * L, std::min(T, (c + 1) * L), rev,
+                     c == 0 ? nullptr : &carry, acc, rows);
     }
   }
 }
@@ -545,8 +572,7 @@ static void scan(const In x, const Out y, const Par p, const Geo& S, bool rev, i
   const int64_t total = S.outer * S.T * S.inner;
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, total / PER_THREAD));
   if (S.inner >= VEC_MIN && !along(x)) {
-    if (unit(x)) lane_path<true>(x, y, p, S, rev, nt);
-    else lane_path<false>(x, y, p, S, rev, nt);
+    lane_path(x, y, p, S, rev, nt);
   } else {
     chain_path(x, y, p, S, rev, nt);
   }
@@ -600,11 +626,12 @@ def backward_source(
         _structs(dtypes, compute, program),
         "struct Lam { " + " ".join(f"{lam_types[j]} v{j};" for j in J) + " };",
         *_strided("Grad", [(f"g{j}", f"const {st[k]}") for j, k in enumerate(F)]),
+        *_gathered("Grad", [(f"g{j}", f"const {st[k]}") for j, k in enumerate(F)]),
         *_strided("Bar", [(f"b{j}", st[k]) for j, k in enumerate(F)]),
         "struct LamBuf { " + " ".join(f"{lam_types[j]}* v{j};" for j in J) + " };",
-        "template <bool U> static FSCAN_INLINE Lam load_g_i(const Grad g, int64_t i) { Lam v; "
+        "static FSCAN_INLINE Lam load_g_i(const Grad g, int64_t i) { Lam v; "
         + " ".join(
-            f"v.v{j} = {_load(dtypes[k], f'lane<U>(g.g{j}, i)', lam_types[j])};"
+            f"v.v{j} = {_load(dtypes[k], f'lane<true>(g.g{j}, i)', lam_types[j])};"
             for j, k in enumerate(F)
         )
         + " return v; }",
@@ -723,28 +750,30 @@ static constexpr int64_t PER_THREAD = 16384;
 
 // Lanes [i0, i0 + w) of outer index o, all T steps backwards in scan order.
 // The params' cotangents of these lanes (element positions e0..) sum into q, which
-// this column owns. U: x, y and g have unit inner strides.
-template <bool U>
+// this column owns. Rows of x, y and g with other inner strides than 1 are gathered.
+struct BwdRows { InRow x, y; GradRow g; explicit BwdRows(int64_t n) : x(n), y(n), g(n) {} };
+
 static void lane_bwd(const In x, const In y, const Grad g, const Bar b, const PBar q, const Par p,
-                     const Geo& S, int64_t o, int64_t i0, int64_t w, bool rev, const LamBuf lam) {
+                     const Geo& S, int64_t o, int64_t i0, int64_t w, bool rev, const LamBuf lam,
+                     const BwdRows& rows) {
   const In xc = at(x, S, o, 0, i0), yc = at(y, S, o, 0, i0);
   const Grad gc = at(g, S, o, 0, i0);
   const Bar bc = at(b, S, o, 0, i0);
   const int64_t T = S.T, e0 = o * S.inner + i0;
-  const Grad glast = row(gc, rev ? 0 : T - 1);
+  const Grad glast = gather(row(gc, rev ? 0 : T - 1), rows.g, w, false);
 #pragma GCC ivdep
-  for (int64_t i = 0; i < w; ++i) { put_lam(lam, i, load_g_i<U>(glast, i)); zero_pbar(q, e0 + i); }
+  for (int64_t i = 0; i < w; ++i) { put_lam(lam, i, load_g_i(glast, i)); zero_pbar(q, e0 + i); }
   for (int64_t s = T - 1; s >= 1; --s) {
     const int64_t tc = rev ? T - 1 - s : s, tp = rev ? T - s : s - 1;
-    const In xr = row(xc, tc), yr = row(yc, tp);
-    const Grad gr = row(gc, tp);
+    const In xr = gather(row(xc, tc), rows.x, w, !rev), yr = gather(row(yc, tp), rows.y, w, !rev);
+    const Grad gr = gather(row(gc, tp), rows.g, w, !rev);
     const Bar br = row(bc, tc);
     fscan_lanes<LANE_BLOCK>(w, !rev, [&](int64_t i) {  // !rev: walking memory backwards
       Lam lb, rb;
       PLam pb;
-      vjp(load_i<U>(yr, i, tp), load_i<U>(xr, i, tc), get_lam(lam, i), p, e0 + i, lb, rb, pb);
+      vjp(load_i(yr, i, tp), load_i(xr, i, tc), get_lam(lam, i), p, e0 + i, lb, rb, pb);
       store_bar_i(br, i, rb);
-      put_lam(lam, i, lam_add(load_g_i<U>(gr, i), lb));
+      put_lam(lam, i, lam_add(load_g_i(gr, i), lb));
       add_pbar(q, e0 + i, pb);
     });
   }
@@ -900,15 +929,15 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const PB
   int64_t W = std::min<int64_t>(inner, TILE);
   while (W > 16 && outer * ((inner + W - 1) / W) < nt) W = (W / 2 + 15) / 16 * 16;
   const int64_t ntiles = (inner + W - 1) / W, ncols = outer * ntiles;
-  const bool U = unit(x) && unit(y) && unit(g);
+  const bool dense = unit(x) && unit(y) && unit(g);
 #pragma omp parallel num_threads(nt)
   {
     LamStore store(W);
+    const BwdRows rows(dense ? 0 : W);
 #pragma omp for schedule(static)
     for (int64_t col = 0; col < ncols; ++col) {
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
-      if (U) lane_bwd<true>(x, y, g, b, q, p, S, o, i0, w, rev, store.buf());
-      else lane_bwd<false>(x, y, g, b, q, p, S, o, i0, w, rev, store.buf());
+      lane_bwd(x, y, g, b, q, p, S, o, i0, w, rev, store.buf(), rows);
     }
   }
 }
