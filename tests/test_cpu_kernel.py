@@ -854,3 +854,230 @@ def test_threads_caps_the_kernel_threads():
         torch.set_num_threads(previous)
     assert torch.equal(capped, alone)
     assert not torch.equal(two, alone)  # the thread count shows: the check above can fail
+
+
+# --- strided inputs: read in place ------------------------------------------------------
+
+
+def _layouts(gen: torch.Generator) -> dict[str, tuple[torch.Tensor, int]]:
+    """Views of float64 memory and the dim to scan: each fits the kernels' strided view."""
+    d = torch.float64
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=d)
+
+    return {
+        "transpose": (rand(12, 50).t(), 0),  # T stride 1: the chain path
+        "step slice": (rand(50, 24)[:, ::2], 0),  # inner stride 2: gathered rows
+        "slice along T": (rand(100, 12)[1::2], 0),  # T stride 24, storage offset
+        "broadcast lanes": (rand(50, 1).expand(50, 12), 0),  # inner stride 0
+        "broadcast steps": (rand(1, 12).expand(50, 12), 0),  # T stride 0
+        "scalar broadcast": (rand(()).expand(50, 12), 0),
+        "(B, C, T) of (B, T, C)": (rand(3, 50, 4).transpose(1, 2), -1),  # outer in 2 groups
+        "channels_last, C": (rand(2, 5, 3, 4).to(memory_format=torch.channels_last), 1),
+        "channels_last, H": (rand(2, 5, 3, 4).to(memory_format=torch.channels_last), -2),
+        "1-D step": (rand(150)[::3], 0),
+        "offset 2-D": (rand(60, 20)[5:55, 3:15], 0),
+    }
+
+
+def _copies() -> int:
+    return cpu_kernel.counters.copies
+
+
+def _assert_fresh(outs, inputs) -> None:
+    """Outputs are contiguous and share no memory with the inputs."""
+    mine = {x.untyped_storage().data_ptr() for x in inputs}
+    for out in outs:
+        assert out.is_contiguous() and out.untyped_storage().data_ptr() not in mine
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "layout",
+    list(_layouts(torch.Generator())),
+)
+def test_strided_leaves_are_read_in_place(layout, threads):
+    """A view the kernel can describe runs without a copy (the counter says so), with
+    the oracle's and the torch engine's results, both directions; and as the gate of a
+    linear recurrence beside a contiguous leaf in one pytree."""
+    gen = torch.Generator().manual_seed(7)
+    x, dim = _layouts(gen)[layout]
+    b = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    before_x, before_b = x.clone(), b.clone()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for reverse in (False, True):
+            copies = _copies()
+            (out,) = run_kernel("add", x, dim, reverse)
+            with torch.no_grad():
+                pair = kernel_scan("t", linrec, *_flat((x, b)), dim, reverse)
+            assert _copies() == copies, f"{layout}: a leaf was copied"
+            assert_close_to([out], oracle(add, x, dim, reverse), layout)
+            assert_close_to(pair, oracle(linrec, (x, b), dim, reverse), layout)
+            with fscan.config.override(cpu_kernel="off"), torch.no_grad():
+                ref = fscan.associative_scan(add, x, dim, reverse=reverse)
+            torch.testing.assert_close(out, ref)
+            _assert_fresh([out, *pair], [x, b])
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(x, before_x) and torch.equal(b, before_b)
+
+
+def _flat(xs):
+    leaves, spec = optree.tree_flatten(xs)
+    return spec, leaves
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize(
+    ("make", "dim"),
+    [
+        (lambda g: torch.randn(3, 9001, generator=g, dtype=torch.float64).t(), 0),
+        (lambda g: torch.randn(5000, 32, generator=g, dtype=torch.float64)[:, ::2], 0),
+        (lambda g: torch.randn(9001, 1, generator=g, dtype=torch.float64).expand(9001, 16), 0),
+    ],
+    ids=["transpose chained", "step slice chunked", "broadcast chunked"],
+)
+def test_long_strided_scans_split_steps_without_a_copy(make, dim, threads):
+    """Strided leaves through the reduce-then-scan paths (chunks of >= 2048 steps)."""
+    x = make(torch.Generator().manual_seed(8))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for reverse in (False, True):
+            copies = _copies()
+            (out,) = run_kernel("add", x, dim, reverse)
+            assert _copies() == copies
+            ref = x.flip(dim).cumsum(dim).flip(dim) if reverse else x.cumsum(dim)
+            torch.testing.assert_close(out, ref)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_compiler
+def test_views_that_do_not_collapse_are_copied():
+    """Three outer groups (channels_last scanned over W) or two inner ones: copied (and
+    counted), with the same results; a contiguous leaf beside them is not copied."""
+    gen = torch.Generator().manual_seed(9)
+    cl = torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64)
+    cl = cl.to(memory_format=torch.channels_last)
+    inner2 = torch.randn(6, 5, 4, generator=gen, dtype=torch.float64).transpose(1, 2)
+    for x, dim, copied in ((cl, 3, 1), (inner2, 0, 1)):
+        copies = _copies()
+        (out,) = run_kernel("add", x, dim, False)
+        assert _copies() - copies == copied
+        assert_close_to([out], oracle(add, x, dim, False), "copied")
+        with torch.no_grad():
+            pair = kernel_scan("t", linrec, *_flat((x, x.contiguous())), dim, False)
+        assert _copies() - copies == 2 * copied
+        assert_close_to(pair, oracle(linrec, (x, x.contiguous()), dim, False), "copied")
+
+
+def test_strided_view_groups_and_copies():
+    """The (outer // nb, nb, T, inner) strides of a few layouts; where the leaves' outer
+    groups disagree in more than one place, the split ones are copied."""
+    x = torch.zeros(2, 3, 4, 5)
+    xs, nb, strides = cpu_kernel.strided_view([x], 2)
+    assert (nb, strides) == (1, [20, 0, 5, 1]) and xs[0] is x
+    t = torch.zeros(4, 3, 5).permute(1, 0, 2)  # (3, 4, 5), strides (5, 15, 1)
+    xs, nb, strides = cpu_kernel.strided_view([t, torch.zeros(3, 4, 5)], 2)
+    assert nb == 4 and strides == [5, 15, 1, 1, 20, 5, 1, 1] and xs[0] is t
+    e = torch.zeros(4, 1).expand(4, 6)
+    assert cpu_kernel.strided_view([e], 0)[1:] == (1, [0, 0, 1, 0])
+    copies = _copies()
+    wild = torch.zeros(2, 3, 4, 5).permute(1, 0, 3, 2)  # outer (3, 2, 5): two splits
+    xs, nb, strides = cpu_kernel.strided_view([wild], 3)
+    assert _copies() == copies + 1 and xs[0].is_contiguous() and nb == 1
+    assert torch.equal(xs[0], wild)
+
+
+@needs_compiler
+@pytest.mark.parametrize("layout", ["transpose", "broadcast gate", "step slice"])
+def test_strided_leaves_gradcheck_through_the_kernel(layout):
+    """float64 gradcheck with leaves that reach both kernels as views (no copies), and the
+    cotangent of ``.sum()`` (an expanded scalar) read in place against the oracle."""
+    gen = torch.Generator().manual_seed(10)
+    d = torch.float64
+    if layout == "transpose":
+        params = (torch.rand(5, 7, generator=gen, dtype=d) + 0.5, torch.randn(5, 7, dtype=d))
+        views = lambda a, b: (a.t(), b.t())
+    elif layout == "broadcast gate":
+        params = (torch.rand(7, 1, generator=gen, dtype=d) + 0.5, torch.randn(7, 5, dtype=d))
+        views = lambda a, b: (a.expand(7, 5), b)
+    else:
+        params = (torch.rand(7, 10, generator=gen, dtype=d) + 0.5, torch.randn(7, 10, dtype=d))
+        views = lambda a, b: (a[:, ::2], b[:, 1::2])
+    params = tuple(p.requires_grad_() for p in params)
+    for reverse in (False, True):
+        f = lambda *ps: fscan.associative_scan(linrec, views(*ps), 0, reverse)
+        _through_kernel(linrec, views(*params), 0, reverse)
+        assert torch.autograd.gradcheck(f, params)
+        copies = _copies()
+        got = torch.autograd.grad(f(*params)[1].sum(), params)
+        assert _copies() == copies
+        wide = oracle(linrec, views(*params), 0, reverse)[1].sum()
+        want = torch.autograd.grad(wide, params)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape,dim", [((300, 24), 0), ((5000,), 0), ((4, 2100), 1)])
+def test_expanded_cotangents_are_read_in_place(shape, dim):
+    """``y.sum()`` and a broadcast weight give stride-0 cotangents: no copy, the torch
+    engine's gradients (lane path, chunked chains, and a scan over the last dim)."""
+    a = (torch.rand(shape) * 0.5 + 0.5).requires_grad_()
+    b = torch.randn(shape, requires_grad=True)
+    w = torch.linspace(0, 1, shape[-1])
+    losses = {"sum": lambda y: y.sum(), "weighted": lambda y: (y * w).sum()}
+    for name, loss in losses.items():
+        grads, engines = [], []
+        for mode in ("eager", "off"):
+            with fscan.config.override(cpu_kernel=mode):
+                out = [fscan.associative_scan(linrec, (a, b), dim, True) for _ in range(2)][-1]
+                engines.append(type(out[0].grad_fn).__name__)
+                copies = _copies()
+                grads.append(torch.autograd.grad(loss(out[1]), (a, b)))
+                assert mode == "off" or _copies() == copies, name
+        assert engines == ["KernelScanBackward", "PointwiseScanBackward"]
+        for k, r in zip(*grads):
+            torch.testing.assert_close(k, r, rtol=1e-4, atol=1e-4)
+
+
+@needs_compiler
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.integers(1, 6), min_size=1, max_size=4),
+    data=st.data(),
+    reverse=st.booleans(),
+    threads=st.sampled_from([1, 2, 3]),
+)
+def test_random_views_match_the_oracle(sizes, data, reverse, threads):
+    """Random permutations, step slices and broadcasts of float64 memory, any dim (negative
+    too): the oracle's results, inputs untouched, fresh outputs (copied or not)."""
+    ndim = len(sizes)
+    steps = data.draw(st.lists(st.integers(1, 3), min_size=ndim, max_size=ndim))
+    base = torch.randn([n * s for n, s in zip(sizes, steps)], dtype=torch.float64)
+    x = base[tuple(slice(None, None, s) for s in steps)]
+    x = x.permute(data.draw(st.permutations(range(ndim))))
+    grow = data.draw(st.integers(-1, ndim - 1))  # a size-1 dim to broadcast, or none
+    if grow >= 0 and x.shape[grow] == 1:
+        x = x.expand(*[9 if d == grow else n for d, n in enumerate(x.shape)])
+    dim = data.draw(st.integers(-ndim, ndim - 1))
+    before = x.clone()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        (out,) = run_kernel("add", x, dim, reverse)
+        with torch.no_grad():
+            pair = kernel_scan("t", linrec, *_flat((x, x.flip(dim))), dim, reverse)
+    finally:
+        torch.set_num_threads(previous)
+    assert_close_to([out], oracle(add, x, dim, reverse), "view")
+    assert_close_to(pair, oracle(linrec, (x, x.flip(dim)), dim, reverse), "view pair")
+    assert torch.equal(x, before)
+    _assert_fresh([out, *pair], [x])

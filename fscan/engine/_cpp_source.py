@@ -198,7 +198,9 @@ def _gathered(name: str, fields: Sequence[tuple[str, str]]) -> list[str]:
     for f, c in plain:
         lines.append(
             f"  if (x.{f}.si != 1) {{ {c}* d = b.{f}.get(); const auto q = x.{f}; "
-            f"fscan_lanes<LANE_BLOCK>(w, down, [&](int64_t i) {{ d[i] = lane<false>(q, i); }}); "
+            f"if (q.si == 0) {{ const {c} v = q.p[0]; "
+            f"for (int64_t i = 0; i < w; ++i) d[i] = v; }} "
+            f"else fscan_lanes<LANE_BLOCK>(w, down, [&](int64_t i) {{ d[i] = lane<false>(q, i); }}); "
             f"r.{f}.p = d; r.{f}.si = 1; }}"
         )
     lines.append("  return r; }")
