@@ -2,19 +2,28 @@
 """C++ source of the scan kernels, around a translated combine (or its VJP).
 
 The generated part is small: structs holding one element's values (``Vals``),
-the leaf pointers (``In``/``Out``), the broadcast inputs (``Par``) and scratch
-buffers (``Buf``), with ``load``/``store``/``get``/``put`` and ``combine``.
-The algorithms are fixed C++ written once against those names. The kernel
-works on the ``(outer, T, inner)`` view of contiguous leaves (any ``dim``);
-``reverse`` and the thread count are runtime arguments, so one compiled kernel
-serves every shape.
+the leaves (``In``/``Out``: strided pointers), the broadcast inputs (``Par``)
+and scratch buffers (``Buf``), with loads, stores and ``combine``. The
+algorithms are fixed C++ written once against those names. The kernel works
+on the ``(outer, T, inner)`` view of the leaves (any ``dim``). The inputs are
+read through strides passed at run time (``sa, sb, st, si`` per input, with
+the outer index split in two dims of ``nb`` lanes in the second: see
+:func:`fscan.engine.cpu_kernel.strided_view`), so transposes, step slices,
+permutations and stride-0 broadcasts need no copy; outputs are dense.
+``reverse``, the strides and the thread count are runtime arguments, so one
+compiled kernel serves every shape and layout.
 
 * Lane path (``inner >= 8``): columns (outer index, tile of up to 1024
-  contiguous lanes) run in parallel with OpenMP; each walks T sequentially
-  with ``#pragma omp simd`` over its lanes, its running values in a local
-  buffer of the compute type.
-* Chain path (``inner < 8``: 1-D, or a scan over the last dim): each lane is a
-  chain; 8 chains run interleaved (instruction-level parallelism).
+  lanes) run in parallel with OpenMP; each walks T sequentially with vector
+  loops over its lanes, its running values in a local buffer of the compute
+  type. Inputs whose inner stride is not 1 are gathered a row at a time into
+  an L1 row buffer (a stride-0 row: filled with its value), so the loops over
+  lanes stay dense vector loops in every layout (contiguous leaves: one
+  untaken branch per row and input).
+* Chain path (``inner < 8``: 1-D, or a scan over the last dim; or inputs laid
+  out along T, such as a transpose, whose T stride is below their inner
+  stride): each lane is a chain; 8 chains run interleaved (instruction-level
+  parallelism), each walking its steps.
 * Either path splits T into chunks when there are too few columns or chains
   for the threads (and, on the chain path, for the 8-way interleave):
   reduce-then-scan (chunk totals, a short scan of the totals, then each chunk

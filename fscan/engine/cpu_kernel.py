@@ -9,7 +9,10 @@ every length, ``dim``, ``reverse`` and thread count; it is compiled once per
 the code of ``combine_fn`` and the values of the numbers it reaches, which become
 constants of the kernel; the pytree structure; each leaf's dtype, device, ndim
 and requires_grad) and per pattern of which captured tensors are the same object.
-Captured tensors are inputs of the kernel, read at every call. The entries live
+Captured tensors are inputs of the kernel, read at every call. Leaves (and, in the
+backward, saved inputs, outputs and cotangents) are read through their strides where
+:func:`strided_view` can describe them, without a copy; outputs are fresh and
+contiguous, as torch's scans return them. The entries live
 in ``Knowledge.kernels``: bounded with the knowledge cache, cleared by
 ``fscan.clear_caches()``.
 
