@@ -667,6 +667,8 @@ def strided_view(
         >>> nb, strides  # outer (2, 3): 15 and 1 apart; T: 3 apart
         (3, [15, 1, 3, 1])
     """
+    if not tensors:  # every leaf a position leaf: nothing is read
+        return [], 1, []
     shape = tensors[0].shape
     if all(x.is_contiguous() for x in tensors):  # the common case, kept cheap
         steps, inner = shape[dim], math.prod(shape[dim + 1 :])
