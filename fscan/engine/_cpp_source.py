@@ -87,7 +87,7 @@ template <int64_t B, typename F> static FSCAN_INLINE void fscan_lanes(int64_t w,
 template <typename P> struct Ptr { P* p; int64_t sa, sb, st, si; };
 // Where a lane (o, i) is at step t.
 template <typename P> static FSCAN_INLINE Ptr<P> shift(Ptr<P> q, int64_t o, int64_t nb, int64_t t, int64_t i) {
-  q.p += (o / nb) * q.sa + (o % nb) * q.sb + t * q.st + i * q.si; return q; }
+  q.p += (nb == 1 ? o * q.sa : (o / nb) * q.sa + (o % nb) * q.sb) + t * q.st + i * q.si; return q; }
 template <typename P> static FSCAN_INLINE Ptr<P> row(Ptr<P> q, int64_t t) { q.p += t * q.st; return q; }
 // Lane i of a row (U: unit inner stride, the contiguous case, kept a plain vector load);
 // step t of a lane.
