@@ -1081,3 +1081,24 @@ def test_random_views_match_the_oracle(sizes, data, reverse, threads):
     assert_close_to(pair, oracle(linrec, (x, x.flip(dim)), dim, reverse), "view pair")
     assert torch.equal(x, before)
     _assert_fresh([out, *pair], [x])
+
+
+@needs_compiler
+@pytest.mark.parametrize("reverse", [False, True])
+def test_position_leaves_beside_strided_values(reverse):
+    """cummax's (value, index) scan with the values a view (the chain path for a
+    transpose, gathered rows for a step slice): indices are positions along dim."""
+    from fscan import _ops
+
+    gen = torch.Generator().manual_seed(11)
+    for x in (
+        torch.randint(-3, 4, (12, 2100), generator=gen).float().t(),
+        torch.randint(-3, 4, (60, 40), generator=gen).float()[:, ::2],
+    ):
+        combine, spec, leaves, positions = _ops._kernel_call(torch.cummax, x)
+        copies = _copies()
+        with torch.no_grad():
+            out = kernel_scan("t", combine, spec, leaves, 0, reverse, positions=positions)
+        assert out is not None and _copies() == copies
+        values, indices = _ops._native_extremum(torch.cummax, tuple, x, 0, reverse)
+        assert torch.equal(out[0], values) and torch.equal(out[1], indices)

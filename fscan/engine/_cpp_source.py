@@ -226,7 +226,8 @@ def _structs(
     ``positions`` are not read: loads give them the position ``t`` along the scan dim.
 
     ``load_i(x, i, t)``/``store_i(y, i, v)``: lane i of a dense row (see ``row`` and
-    ``gather``); ``load_t(x, t)``/``store_t``: step t of a lane (see ``at``)."""
+    ``gather``); ``load_t(x, k, t)``/``store_t(y, k, v)``: k steps from where a lane's
+    pointers are (see ``at``, ``row``), position t (the value of position leaves)."""
     R = range(len(dtypes))
     read = [k for k in R if k not in positions]
     st = [STORAGE[d] for d in dtypes]
@@ -255,9 +256,8 @@ def _structs(
         + " };",
         "static FSCAN_INLINE Vals load_i(const In x, int64_t i, int64_t t) "
         "{ Vals v; (void)x; (void)i; (void)t; " + loads("lane<true>({f}, i)") + " return v; }",
-        "static FSCAN_INLINE Vals load_t(const In x, int64_t t) { Vals v; (void)x; "
-        + loads("step({f}, t)")
-        + " return v; }",
+        "static FSCAN_INLINE Vals load_t(const In x, int64_t k, int64_t t) "
+        "{ Vals v; (void)x; (void)k; (void)t; " + loads("step({f}, k)") + " return v; }",
         "static FSCAN_INLINE void store_i(const Out y, int64_t i, const Vals& v) { "
         + " ".join(f"lane<true>(y.y{k}, i) = {_store(dtypes[k], f'v.v{k}')};" for k in R)
         + " }",
@@ -397,18 +397,24 @@ static constexpr int G = 8;                // chains interleaved on the chain pa
 
 // Steps [s0, s1) (in scan order) of lanes [i0, i0 + w) of outer index o. The running
 // values live in acc (w entries); carry (or nullptr) holds the inclusive result before s0.
-// Inputs of other inner strides than 1 are gathered, a row at a time, into rows.
-template <bool WRITE>
+// GATHER: inputs of other inner strides than 1 are gathered, a row at a time, into rows
+// (a separate instantiation: dense inputs keep the loop they had before strides existed;
+// the gather's pointer select in the same loop cost seg 1.45x).
+template <bool WRITE, bool GATHER>
 static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t o, int64_t i0,
                      int64_t w, int64_t s0, int64_t s1, bool rev, const Buf* carry, const Buf acc,
                      const InRow& rows) {
   const In xc = at(x, S, o, 0, i0);
   const Out yc = at(y, S, o, 0, i0);
-  const int64_t e0 = o * S.inner + i0;
+  const int64_t e0 = o * S.inner + i0, T = S.T, dt = rev ? -1 : 1;
+  // The rows' pointers step along (recomputing them from t cost 10% on 8-step columns).
+  In xs = row(xc, rev ? T - 1 - s0 : s0);
+  Out ys = row(yc, rev ? T - 1 - s0 : s0);
   for (int64_t s = s0; s < s1; ++s) {
-    const int64_t t = rev ? S.T - 1 - s : s;
-    const In xr = gather(row(xc, t), rows, w, rev);
-    const Out yr = row(yc, t);
+    const int64_t t = rev ? T - 1 - s : s;
+    if (s > s0) { xs = row(xs, dt); ys = row(ys, dt); }
+    const In xr = GATHER ? gather(xs, rows, w, rev) : xs;
+    const Out yr = ys;
     if (s == s0 && carry == nullptr) {
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
         const Vals v = load_i(xr, i, t);
@@ -442,13 +448,15 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
   {
     Store scratch(W);
     const Buf acc = scratch.buf();
-    const InRow rows(unit(x) ? 0 : W);
+    const bool dense = unit(x);
+    const InRow rows(dense ? 0 : W);
     if (C > 1) {
 #pragma omp for schedule(static)
       for (int64_t k = 0; k < ncols * (C - 1); ++k) {
         const int64_t col = k / (C - 1), c = k % (C - 1);
         const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
-        lane_run<false>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W), rows);
+        if (dense) lane_run<false, false>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W), rows);
+        else lane_run<false, true>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W), rows);
       }
 #pragma omp for schedule(static)
       for (int64_t col = 0; col < ncols; ++col) {
@@ -465,8 +473,9 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
       const int64_t col = k / C, c = k % C;
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
       const Buf carry = c > 0 ? offset(tb, (col * (C - 1) + c - 1) * W) : tb;
-      lane_run<true>(x, y, p, S, o, i0, w, c * L, std::min(T, (c + 1) * L), rev,
-                     c == 0 ? nullptr : &carry, acc, rows);
+      const int64_t s1 = std::min(T, (c + 1) * L);
+      if (dense) lane_run<true, false>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows);
+      else lane_run<true, true>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows);
     }
   }
 }
@@ -480,27 +489,29 @@ static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const 
                                 const int64_t* len, const int64_t* elem, int64_t tstep,
                                 const Vals* carry, const bool* has, Vals* last) {
   Vals acc[NG];
+  In xp[NG];  // each chain's inputs and outputs at its first step
+  Out yp[NG];
   int64_t common = len[0];
   for (int g = 1; g < NG; ++g) common = std::min(common, len[g]);
 #pragma GCC unroll 8
   for (int g = 0; g < NG; ++g) {
-    const Vals v = load_t(xb[g], t0[g]);
+    xp[g] = row(xb[g], t0[g]);
+    yp[g] = row(yb[g], t0[g]);
+    const Vals v = load_t(xp[g], 0, t0[g]);
     acc[g] = has[g] ? combine(carry[g], v, p, elem[g]) : v;
-    if (WRITE) store_t(yb[g], t0[g], acc[g]);
+    if (WRITE) store_t(yp[g], 0, acc[g]);
   }
   for (int64_t s = 1; s < common; ++s) {
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) {
-      const int64_t t = t0[g] + s * tstep;
-      acc[g] = combine(acc[g], load_t(xb[g], t), p, elem[g]);
-      if (WRITE) store_t(yb[g], t, acc[g]);
+      acc[g] = combine(acc[g], load_t(xp[g], s * tstep, t0[g] + s * tstep), p, elem[g]);
+      if (WRITE) store_t(yp[g], s * tstep, acc[g]);
     }
   }
   for (int g = 0; g < NG; ++g) {
     for (int64_t s = common; s < len[g]; ++s) {
-      const int64_t t = t0[g] + s * tstep;
-      acc[g] = combine(acc[g], load_t(xb[g], t), p, elem[g]);
-      if (WRITE) store_t(yb[g], t, acc[g]);
+      acc[g] = combine(acc[g], load_t(xp[g], s * tstep, t0[g] + s * tstep), p, elem[g]);
+      if (WRITE) store_t(yp[g], s * tstep, acc[g]);
     }
     if (!WRITE) last[g] = acc[g];
   }
@@ -764,6 +775,7 @@ static constexpr int64_t PER_THREAD = 16384;
 // this column owns. Rows of x, y and g with other inner strides than 1 are gathered.
 struct BwdRows { InRow x, y; GradRow g; explicit BwdRows(int64_t n) : x(n), y(n), g(n) {} };
 
+template <bool GATHER>
 static void lane_bwd(const In x, const In y, const Grad g, const Bar b, const PBar q, const Par p,
                      const Geo& S, int64_t o, int64_t i0, int64_t w, bool rev, const LamBuf lam,
                      const BwdRows& rows) {
@@ -771,13 +783,14 @@ static void lane_bwd(const In x, const In y, const Grad g, const Bar b, const PB
   const Grad gc = at(g, S, o, 0, i0);
   const Bar bc = at(b, S, o, 0, i0);
   const int64_t T = S.T, e0 = o * S.inner + i0;
-  const Grad glast = gather(row(gc, rev ? 0 : T - 1), rows.g, w, false);
+  const Grad glast = GATHER ? gather(row(gc, rev ? 0 : T - 1), rows.g, w, false) : row(gc, rev ? 0 : T - 1);
 #pragma GCC ivdep
   for (int64_t i = 0; i < w; ++i) { put_lam(lam, i, load_g_i(glast, i)); zero_pbar(q, e0 + i); }
   for (int64_t s = T - 1; s >= 1; --s) {
     const int64_t tc = rev ? T - 1 - s : s, tp = rev ? T - s : s - 1;
-    const In xr = gather(row(xc, tc), rows.x, w, !rev), yr = gather(row(yc, tp), rows.y, w, !rev);
-    const Grad gr = gather(row(gc, tp), rows.g, w, !rev);
+    const In xr = GATHER ? gather(row(xc, tc), rows.x, w, !rev) : row(xc, tc);
+    const In yr = GATHER ? gather(row(yc, tp), rows.y, w, !rev) : row(yc, tp);
+    const Grad gr = GATHER ? gather(row(gc, tp), rows.g, w, !rev) : row(gc, tp);
     const Bar br = row(bc, tc);
     fscan_lanes<LANE_BLOCK>(w, !rev, [&](int64_t i) {  // !rev: walking memory backwards
       Lam lb, rb;
@@ -821,7 +834,7 @@ static FSCAN_INLINE void transfer(const Par p, const Chunk* k, int64_t T, bool r
   }
   auto one = [&](int c, int64_t r) {
     const int64_t s = k[c].z - 1 - r, tc = pos(s, T, rev), tp = pos(s - 1, T, rev);
-    const Vals l = load_t(k[c].y, tp), v = load_t(k[c].x, tc);
+    const Vals l = load_t(k[c].y, tp, tp), v = load_t(k[c].x, tc, tc);
     Lam lb, rb; PLam pb;
     vjp(l, v, lam[c], p, k[c].e, lb, rb, pb);
     for (int u = 0; u < NF; ++u) { Lam ub, urb; PLam upb; vjp(l, v, U[c][u], p, k[c].e, ub, urb, upb); U[c][u] = ub; }
@@ -851,7 +864,7 @@ static FSCAN_INLINE void finish(const Par p, const Chunk* k, int64_t T, bool rev
   auto one = [&](int c, int64_t r) {
     const int64_t s = k[c].z - 1 - r, tc = pos(s, T, rev), tp = pos(s - 1, T, rev);
     Lam lb, rb; PLam pb;
-    vjp(load_t(k[c].y, tp), load_t(k[c].x, tc), lam[c], p, k[c].e, lb, rb, pb);
+    vjp(load_t(k[c].y, tp, tp), load_t(k[c].x, tc, tc), lam[c], p, k[c].e, lb, rb, pb);
     store_bar_t(k[c].b, tc, rb);
     pacc[c] = plam_add(pacc[c], pb);
     if (s > k[c].a) lam[c] = lam_add(load_g_t(k[c].g, tp), lb);
@@ -948,7 +961,8 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const PB
 #pragma omp for schedule(static)
     for (int64_t col = 0; col < ncols; ++col) {
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
-      lane_bwd(x, y, g, b, q, p, S, o, i0, w, rev, store.buf(), rows);
+      if (dense) lane_bwd<false>(x, y, g, b, q, p, S, o, i0, w, rev, store.buf(), rows);
+      else lane_bwd<true>(x, y, g, b, q, p, S, o, i0, w, rev, store.buf(), rows);
     }
   }
 }
