@@ -191,13 +191,18 @@ def _strided(name: str, fields: Sequence[tuple[str, str]]) -> list[str]:
 def _gathered(name: str, fields: Sequence[tuple[str, str]]) -> list[str]:
     """Row buffers for the inputs ``name`` (see :func:`_strided`) and ``gather``: a row
     whose members are dense (inner stride 1) where they were not, each other member
-    copied into its buffer (a stride-0 broadcast: filled with its one value; a step
-    slice: its elements packed), so that the lane loops stay plain vector loops
-    whatever the layout; the copy is of one row, in L1, not of the tensor."""
+    copied into its buffer (a stride-0 broadcast: filled with its one value, again only
+    where that value's address or the width changed, so a scalar broadcast is filled
+    once; a step slice: its elements packed), so that the lane loops stay plain vector
+    loops whatever the layout; the copy is of one row, in L1, not of the tensor."""
     plain = [(f, c.removeprefix("const ")) for f, c in fields]
     lines = [
         f"struct {name}Row {{ "
-        + " ".join(f"std::unique_ptr<{c}[]> {f};" for f, c in plain)
+        + " ".join(
+            f"std::unique_ptr<{c}[]> {f}; mutable const {c}* {f}_at = nullptr; "
+            f"mutable int64_t {f}_w = -1;"
+            for f, c in plain
+        )
         + f" explicit {name}Row(int64_t n) "
         + (": " + ", ".join(f"{f}(new {c}[n > 0 ? n : 1])" for f, c in plain) if plain else "")
         + " { (void)n; } };",
@@ -207,9 +212,10 @@ def _gathered(name: str, fields: Sequence[tuple[str, str]]) -> list[str]:
     for f, c in plain:
         lines.append(
             f"  if (x.{f}.si != 1) {{ {c}* d = b.{f}.get(); const auto q = x.{f}; "
-            f"if (q.si == 0) {{ const {c} v = q.p[0]; "
-            f"for (int64_t i = 0; i < w; ++i) d[i] = v; }} "
-            f"else fscan_lanes<LANE_BLOCK>(w, down, [&](int64_t i) {{ d[i] = lane<false>(q, i); }}); "
+            f"if (q.si == 0) {{ if (q.p != b.{f}_at || w != b.{f}_w) {{ const {c} v = q.p[0]; "
+            f"for (int64_t i = 0; i < w; ++i) d[i] = v; b.{f}_at = q.p; b.{f}_w = w; }} }} "
+            f"else {{ b.{f}_at = nullptr; "
+            f"fscan_lanes<LANE_BLOCK>(w, down, [&](int64_t i) {{ d[i] = lane<false>(q, i); }}); }} "
             f"r.{f}.p = d; r.{f}.si = 1; }}"
         )
     lines.append("  return r; }")
