@@ -620,7 +620,12 @@ def run_kernel(
     if params is None:
         return None
     read = [x for k, x in enumerate(leaves) if k not in positions] if positions else leaves
-    xs, nb, strides = strided_view(read, dim)
+    for x in read:  # all contiguous (the common case) inline: ~1 us less than the call
+        if not x.is_contiguous():
+            xs, nb, strides = strided_view(read, dim)
+            break
+    else:
+        xs, nb, strides = read, 1, [steps * inner, 0, inner, 1] * len(read)
     threads = torch.get_num_threads() if threads is None else min(threads, torch.get_num_threads())
     kernel(*xs, *ys, *params, outer, steps, inner, int(reverse), threads, nb, *strides)
     return ys
@@ -670,7 +675,10 @@ def strided_view(
     if not tensors:  # every leaf a position leaf: nothing is read
         return [], 1, []
     shape = tensors[0].shape
-    if all(x.is_contiguous() for x in tensors):  # the common case, kept cheap
+    for x in tensors:  # all contiguous, the common case, kept cheap (no generator)
+        if not x.is_contiguous():
+            break
+    else:
         steps, inner = shape[dim], math.prod(shape[dim + 1 :])
         return list(tensors), 1, [steps * inner, 0, inner, 1] * len(tensors)
     outer = [d for d in range(dim) if shape[d] != 1]
