@@ -1028,8 +1028,9 @@ def test_strided_leaves_gradcheck_through_the_kernel(layout):
 @needs_compiler
 @pytest.mark.parametrize("shape,dim", [((300, 24), 0), ((5000,), 0), ((4, 2100), 1)])
 def test_expanded_cotangents_are_read_in_place(shape, dim):
-    """``y.sum()`` and a broadcast weight give stride-0 cotangents: no copy, the torch
-    engine's gradients (lane path, chunked chains, and a scan over the last dim)."""
+    """``y.sum()`` gives a stride-0 cotangent (and ``(y * w).sum()`` a dense one): no
+    copy, the torch engine's gradients (lane path, chunked chains, and a scan over the
+    last dim)."""
     a = (torch.rand(shape) * 0.5 + 0.5).requires_grad_()
     b = torch.randn(shape, requires_grad=True)
     w = torch.linspace(0, 1, shape[-1])
