@@ -51,6 +51,7 @@ _API = "fscan.linear_recurrence"
 _MAX_CHUNK = 64
 _MIN_CHUNK = 8
 _PAIR = optree.tree_structure((0, 0))
+_KEEP_H = (False, True)  # of the pair (a, b) scanned by the kernel: only h
 
 
 def linear_recurrence(
@@ -350,7 +351,9 @@ def _kernel_solve(a: torch.Tensor, b: torch.Tensor, dim: int, reverse: bool) -> 
         return None
     if a.shape != b.shape or (0 in a.stride() and b.numel() > 2**22):
         return None
-    out = kernel_scan(_API, _compose, _PAIR, [a, b], dim, reverse)
+    # Only h is kept: the gate products are neither allocated nor stored (half the
+    # writes, and the page faults of a fresh output).
+    out = kernel_scan(_API, _compose, _PAIR, [a, b], dim, reverse, keep=_KEEP_H)
     return None if out is None else out[1]
 
 

@@ -1103,3 +1103,114 @@ def test_position_leaves_beside_strided_values(reverse):
         assert out is not None and _copies() == copies
         values, indices = _ops._native_extremum(torch.cummax, tuple, x, 0, reverse)
         assert torch.equal(out[0], values) and torch.equal(out[1], indices)
+
+
+# --- outputs the caller drops (keep=) -----------------------------------------------------
+
+# Combines with a dropped output each, compiled once per run: the pair keeps h only (as
+# fscan.linear_recurrence does), the mixed dict drops its middle leaf ("h", float16).
+KEEPS = {"linrec": (False, True), "mixed": (True, False, True)}
+
+
+def _kept_scan(name: str, xs, dim: int, reverse: bool, threads: int | None = None):
+    fn = COMBINES[name][0]
+    spec, leaves = _flat(xs)
+    with torch.no_grad():
+        out = kernel_scan("test", fn, spec, leaves, dim, reverse, threads=threads, keep=KEEPS[name])
+    assert out is not None, f"the kernel did not serve {name} with keep="
+    return out
+
+
+def _check_kept(name: str, xs, dim: int, reverse: bool, threads: int) -> None:
+    """Dropped outputs are None; kept ones equal the oracle's and the torch engine's,
+    fresh and contiguous; the inputs are left as they were."""
+    leaves = optree.tree_leaves(xs)
+    before = [x.clone() for x in leaves]
+    out = _kept_scan(name, xs, dim, reverse, threads)
+    ref = oracle(COMBINES[name][0], xs, dim, reverse)
+    with fscan.config.override(cpu_kernel="off"), torch.no_grad():
+        engine = optree.tree_leaves(
+            fscan.associative_scan(COMBINES[name][0], xs, dim, reverse=reverse)
+        )
+    kept = [k for k, keep in enumerate(KEEPS[name]) if keep]
+    assert [k for k, o in enumerate(out) if o is not None] == kept
+    assert_close_to([out[k] for k in kept], [ref[k] for k in kept], name)
+    assert_close_to([out[k] for k in kept], [engine[k] for k in kept], name)
+    _assert_fresh([out[k] for k in kept], leaves)
+    assert all(torch.equal(x, b) for x, b in zip(leaves, before))
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("name", sorted(KEEPS))
+@pytest.mark.parametrize(
+    ("shape", "dim"),
+    [
+        ((1,), 0),
+        ((5000,), 0),  # the chain path, split in chunks (2 threads)
+        ((2049, 3), 0),  # chains over few lanes, chunk boundary
+        ((7, 40), 0),  # the lane path
+        ((4113, 17), 0),  # lanes, chunked on 2 threads
+        ((3, 40, 9), 1),
+        ((3, 9, 40), -1),  # a scan over the last dim: chains
+    ],
+)
+def test_kept_outputs_match_the_oracle(name, shape, dim, reverse, threads):
+    xs = _leaves(name, shape, torch.Generator().manual_seed(len(shape) * 1000 + shape[0]))
+    _check_kept(name, xs, dim, reverse, threads)
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "layout", ["transpose", "step slice", "broadcast lanes", "(B, C, T) of (B, T, C)"]
+)
+def test_kept_outputs_of_strided_leaves(layout, threads):
+    """Strided inputs (the chain path for the transpose, gathered rows for the others)
+    with a dropped output: the gate a view, h kept."""
+    gen = torch.Generator().manual_seed(11)
+    gate, dim = _layouts(gen)[layout]
+    b = torch.randn(gate.shape, generator=gen, dtype=torch.float64)
+    for reverse in (False, True):
+        copies = _copies()
+        _check_kept("linrec", (gate, b), dim, reverse, threads)
+        assert _copies() == copies, f"{layout}: a leaf was copied"
+
+
+@needs_compiler
+def test_keep_is_part_of_the_kernel_key():
+    """A kernel built to drop the gate products is not reused for a call that keeps
+    both outputs (nor the other way): each pattern has its own entry and result."""
+    gen = torch.Generator().manual_seed(3)
+    d = torch.float64
+    xs = (torch.rand(30, 5, generator=gen, dtype=d), torch.randn(30, 5, generator=gen, dtype=d))
+    spec, leaves = _flat(xs)
+    ref = oracle(linrec, xs, 0, False)
+    with torch.no_grad():
+        dropped = kernel_scan("t", linrec, spec, leaves, 0, False, keep=(False, True))
+        both = kernel_scan("t", linrec, spec, leaves, 0, False)
+        again = kernel_scan("t", linrec, spec, leaves, 0, False, keep=(False, True))
+        explicit = kernel_scan("t", linrec, spec, leaves, 0, False, keep=(True, True))
+    assert dropped is not None and both is not None and again is not None
+    assert dropped[0] is None and again[0] is None
+    assert both[0] is not None and explicit[0] is not None
+    assert_close_to(both, ref, "both")
+    assert_close_to(explicit, ref, "keep all")
+    assert_close_to([dropped[1], again[1]], [ref[1], ref[1]], "dropped")
+    holder = _holder_of(linrec, spec, leaves)
+    sources = {e.source for e in cpu_kernel.kernel_entries(holder) if not e.backward}
+    assert len(sources) == 2  # keep=(True, True) is the default's kernel
+
+
+def _holder_of(fn, spec, leaves):
+    from fscan._knowledge import knowledge, reach
+
+    return knowledge(reach(fn), spec, "pointwise", leaves)
+
+
+def test_keep_must_name_each_leaf_and_keep_one():
+    spec, leaves = _flat((torch.ones(4), torch.ones(4)))
+    for keep in [(True,), (False, False), (True, True, True)]:
+        with pytest.raises(ValueError, match="keep must hold one bool per leaf"):
+            kernel_scan("t", linrec, spec, leaves, 0, False, keep=keep)

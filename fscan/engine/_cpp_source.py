@@ -227,15 +227,19 @@ def _structs(
     compute: Sequence[str],
     program: Program,
     positions: Sequence[int] = (),
+    dropped: Sequence[int] = (),
 ) -> str:
     """Vals/In/Out/Buf/Par and their accessors for leaves of ``dtypes``; the leaves in
-    ``positions`` are not read: loads give them the position ``t`` along the scan dim.
+    ``positions`` are not read: loads give them the position ``t`` along the scan dim;
+    those in ``dropped`` are not stored: ``Out`` has no pointer for them (outputs the
+    caller does not keep cost no memory traffic).
 
     ``load_i(x, i, t)``/``store_i(y, i, v)``: lane i of a dense row (see ``row`` and
     ``gather``); ``load_t(x, k, t)``/``store_t(y, k, v)``: k steps from where a lane's
     pointers are (see ``at``, ``row``), position t (the value of position leaves)."""
     R = range(len(dtypes))
     read = [k for k in R if k not in positions]
+    kept = [k for k in R if k not in dropped]
     st = [STORAGE[d] for d in dtypes]
     # Values and buffers hold compute values, but bools as bytes: C++ bools kept in memory
     # (a struct, a buffer) block GCC's vectorisation.
@@ -255,7 +259,7 @@ def _structs(
         "struct Vals { " + " ".join(f"{bt[k]} v{k};" for k in R) + " };",
         *_strided("In", [(f"x{k}", f"const {st[k]}") for k in read]),
         *_gathered("In", [(f"x{k}", f"const {st[k]}") for k in read]),
-        *_strided("Out", [(f"y{k}", st[k]) for k in R]),
+        *_strided("Out", [(f"y{k}", st[k]) for k in kept]),
         "struct Buf { " + " ".join(f"{bt[k]}* v{k};" for k in R) + " };",
         "struct Par { "
         + " ".join(f"const {_param_ctype(p.dtype)}* p{j};" for j, p in enumerate(program.params))
@@ -265,10 +269,12 @@ def _structs(
         "static FSCAN_INLINE Vals load_t(const In x, int64_t k, int64_t t) "
         "{ Vals v; (void)x; (void)k; (void)t; " + loads("step({f}, k)") + " return v; }",
         "static FSCAN_INLINE void store_i(const Out y, int64_t i, const Vals& v) { "
-        + " ".join(f"lane<true>(y.y{k}, i) = {_store(dtypes[k], f'v.v{k}')};" for k in R)
+        "(void)y; (void)i; (void)v; "
+        + " ".join(f"lane<true>(y.y{k}, i) = {_store(dtypes[k], f'v.v{k}')};" for k in kept)
         + " }",
         "static FSCAN_INLINE void store_t(const Out y, int64_t t, const Vals& v) { "
-        + " ".join(f"step(y.y{k}, t) = {_store(dtypes[k], f'v.v{k}')};" for k in R)
+        "(void)y; (void)t; (void)v; "
+        + " ".join(f"step(y.y{k}, t) = {_store(dtypes[k], f'v.v{k}')};" for k in kept)
         + " }",
         "static FSCAN_INLINE Vals get(const Buf b, int64_t i) { Vals v; "
         + " ".join(f"v.v{k} = b.v{k}[i];" for k in R)
@@ -331,19 +337,25 @@ def _dense_init(names: Sequence[str]) -> str:
 
 
 def forward_argtypes(
-    dtypes: Sequence[torch.dtype], program: Program, positions: Sequence[int] = ()
+    dtypes: Sequence[torch.dtype],
+    program: Program,
+    positions: Sequence[int] = (),
+    dropped: Sequence[int] = (),
 ) -> list[str]:
     """C types of the forward kernel's arguments (for the Python binding)."""
     st = [STORAGE[d] for d in dtypes]
     types = [f"const {c}*" for k, c in enumerate(st) if k not in positions]
-    types += [f"{c}*" for c in st]
+    types += [f"{c}*" for k, c in enumerate(st) if k not in dropped]
     types += [f"const {_param_ctype(p.dtype)}*" for p in program.params]
     n_read = len(dtypes) - len(set(positions))
     return types + ["int64_t"] * (5 + 1 + len(STRIDES) * n_read)
 
 
 def forward_source(
-    dtypes: Sequence[torch.dtype], program: Program, positions: Sequence[int] = ()
+    dtypes: Sequence[torch.dtype],
+    program: Program,
+    positions: Sequence[int] = (),
+    dropped: Sequence[int] = (),
 ) -> str:
     """The complete forward kernel:
     ``kernel(x.., y.., p.., outer, T, inner, rev, threads, nb, strides..)``.
@@ -351,7 +363,9 @@ def forward_source(
     The inputs ``x`` are read through their strides (``sa, sb, st, si`` each, of the
     ``(outer // nb, nb, T, inner)`` view: see Ptr); the outputs ``y`` are dense. The
     leaves in ``positions`` have no input ``x``: each element's value is its index
-    along the scan dim (as for the indices of ``cummax``)."""
+    along the scan dim (as for the indices of ``cummax``). The leaves in ``dropped``
+    have no output ``y``: they are computed (the kept ones may depend on them) but
+    never stored."""
     compute = [compute_ctype(d, program.wide) for d in dtypes]
     R = range(len(dtypes))
     st = [STORAGE[d] for d in dtypes]
@@ -366,7 +380,8 @@ def forward_source(
         + "".join(f"  o.v{k} = o{k};\n" for k in R)
         + "  return o;\n}\n"
     )
-    args = _signature(dtypes, program, [f"{c}* y{k}" for k, c in enumerate(st)], positions)
+    kept = [k for k in R if k not in dropped]
+    args = _signature(dtypes, program, [f"{st[k]}* y{k}" for k in kept], positions)
     read = [f"x{k}" for k in R if k not in positions]
     entry = (
         'extern "C" void kernel('
@@ -377,7 +392,7 @@ def forward_source(
         + "  const In x{"
         + _strided_init(read)
         + "}; const Out y{"
-        + _dense_init([f"y{k}" for k in R])
+        + _dense_init([f"y{k}" for k in kept])
         + "}; const Par p{"
         + ", ".join(f"p{j}" for j in range(len(program.params)))
         + "};\n  scan(x, y, p, Geo{outer, nb, T, inner}, rev != 0, (int)threads);\n}\n"
@@ -386,7 +401,7 @@ def forward_source(
         [
             PRELUDE,
             mvec_declarations(),
-            _structs(dtypes, compute, program, positions),
+            _structs(dtypes, compute, program, positions, dropped),
             combine,
             FORWARD_TEMPLATE,
             entry,

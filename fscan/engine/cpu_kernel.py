@@ -139,10 +139,13 @@ class _Call(NamedTuple):
     element: tuple[int, ...]  # the shape of one element: the leaves' without the scan dim
     captured: tuple[torch.Tensor, ...]
     positions: tuple[int, ...] = ()  # leaves that are not read: their position along dim
+    dropped: tuple[int, ...] = ()  # leaves whose outputs are not stored (the caller drops them)
 
     def slot(self, aliases: Hashable, backward: bool, param_grads: bool = False) -> Hashable:
-        """The key of this call's kernel entry within its knowledge entry."""
-        return (aliases, self.element, self.positions, backward, param_grads)
+        """The key of this call's kernel entry within its knowledge entry: the source
+        depends on all of it (and on the knowledge entry's key), on no length, dim,
+        layout or thread count."""
+        return (aliases, self.element, self.positions, self.dropped, backward, param_grads)
 
 
 def kernel_scan(
@@ -156,7 +159,8 @@ def kernel_scan(
     entry: Knowledge | None = None,
     positions: tuple[int, ...] = (),
     threads: int | None = None,
-) -> list[torch.Tensor] | None:
+    keep: Sequence[bool] | None = None,
+) -> list[torch.Tensor | None] | None:
     """The scan of ``leaves`` along ``dim`` by the compiled kernel, or None (module doc).
 
     ``found``/``entry``: this call's :func:`~fscan._knowledge.reach` and knowledge
@@ -165,6 +169,9 @@ def kernel_scan(
     ``dim`` (int64; pass any tensor of the right shape and dtype, e.g. an expanded
     scalar): the kernel makes them on the fly, as ``cummax`` needs for its indices.
     ``threads``: at most this many threads (default ``torch.get_num_threads()``).
+    ``keep``: which outputs the caller keeps, one bool per leaf (default all); the
+    others are None, neither allocated nor written (their values are still computed
+    where kept ones depend on them). It is compiled in: a kernel per pattern.
 
     Example:
         >>> import fscan, optree
@@ -176,6 +183,7 @@ def kernel_scan(
     """
     if config.cpu_kernel == "off":
         return None
+    dropped = _dropped(keep, len(leaves)) if keep is not None else ()
     reason = _unavailable(leaves) or _grad_wanted(leaves)
     if reason is not None:
         _log_once(reason)
@@ -188,14 +196,24 @@ def kernel_scan(
         _log_once("combine_fn captures tensors that require grad: the autograd engine runs")
         return None
     element = _element(leaves, dim)
-    kernel = _slots(holder).get((aliases, element, positions, False, False))  # _Call.slot
+    kernel = _slots(holder).get((aliases, element, positions, dropped, False, False))  # slot
     if not _is_ready(kernel):  # counted, built or queued
         dtypes = tuple([x.dtype for x in leaves])
-        call = _Call(combine_fn, spec, dtypes, element, captured, positions)
+        call = _Call(combine_fn, spec, dtypes, element, captured, positions, dropped)
         kernel = _ready(holder, aliases, call, leaves[0].numel(), backward=False)
         if kernel is None:
             return None
-    return run_kernel(kernel, leaves, dim, reverse, captured, positions, threads)
+    return run_kernel(kernel, leaves, dim, reverse, captured, positions, threads, dropped)
+
+
+def _dropped(keep: Sequence[bool], n: int) -> tuple[int, ...]:
+    """The leaves ``keep`` drops (``keep``: one bool per leaf, at least one True)."""
+    if len(keep) != n or not any(keep):
+        raise ValueError(
+            f"kernel_scan: keep must hold one bool per leaf ({n}) and keep at least one "
+            f"output, got {tuple(keep)!r}"
+        )
+    return tuple([k for k, kept in enumerate(keep) if not kept])
 
 
 def kernel_ready(
@@ -455,8 +473,10 @@ def _translate(entry: Entry, call: _Call) -> bool:
             program = translate_combine(
                 call.combine_fn, call.spec, call.dtypes, call.element, call.captured
             )
-            entry.source = forward_source(call.dtypes, program, call.positions)
-            entry.argtypes = tuple(forward_argtypes(call.dtypes, program, call.positions))
+            entry.source = forward_source(call.dtypes, program, call.positions, call.dropped)
+            entry.argtypes = tuple(
+                forward_argtypes(call.dtypes, program, call.positions, call.dropped)
+            )
     except Unsupported as err:
         entry.reason = f"unsupported: {err}"
         entry.state = State.FAILED
@@ -597,9 +617,11 @@ def run_kernel(
     captured: Sequence[torch.Tensor],
     positions: tuple[int, ...] = (),
     threads: int | None = None,
-) -> list[torch.Tensor] | None:
+    dropped: tuple[int, ...] = (),
+) -> list[torch.Tensor | None] | None:
     """Run a READY entry's kernel into fresh outputs, or None where its params do not fit;
-    on ``threads`` threads at most (default ``torch.get_num_threads()``).
+    on ``threads`` threads at most (default ``torch.get_num_threads()``). ``dropped``: the
+    leaves the entry was built not to store (its ``_Call.dropped``): None in their place.
 
     Inputs are read in place through their strides where :func:`strided_view` can
     describe them (no copy); the outputs are fresh and contiguous, as torch's own scans
@@ -613,7 +635,11 @@ def run_kernel(
     else:
         outer, steps, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
     # empty_like is ~1 us cheaper per leaf than torch.empty(torch.Size): it matters at (64,).
-    ys = [torch.empty_like(x) if x.is_contiguous() else _empty(x) for x in leaves]
+    ys: list[torch.Tensor | None]
+    if dropped:  # not allocated: a fresh tensor costs its page faults when written
+        ys = [None if k in dropped else _fresh(x) for k, x in enumerate(leaves)]
+    else:  # inline: ~1 us less per leaf than the call, which matters at (64,)
+        ys = [torch.empty_like(x) if x.is_contiguous() else _empty(x) for x in leaves]
     if outer * steps * inner == 0:
         return ys
     params = _params(program, captured, shape[:dim] + shape[dim + 1 :]) if program.params else []
@@ -627,7 +653,8 @@ def run_kernel(
     else:
         xs, nb, strides = read, 1, [steps * inner, 0, inner, 1] * len(read)
     threads = torch.get_num_threads() if threads is None else min(threads, torch.get_num_threads())
-    kernel(*xs, *ys, *params, outer, steps, inner, int(reverse), threads, nb, *strides)
+    written = [y for y in ys if y is not None] if dropped else ys
+    kernel(*xs, *written, *params, outer, steps, inner, int(reverse), threads, nb, *strides)
     return ys
 
 
@@ -713,6 +740,10 @@ def strided_view(
         sb = 0 if cut is None else stride[outer[-1]]
         strides += [sa, sb, stride[dim], stride[inner[-1]] if inner else 1]
     return xs, nb, strides
+
+
+def _fresh(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x) if x.is_contiguous() else _empty(x)
 
 
 def _empty(x: torch.Tensor) -> torch.Tensor:
@@ -805,8 +836,8 @@ def kernel_grad_scan(
     needing = tuple([t for t in captured if t.requires_grad])
     element = _element(leaves, dim)
     slots = _slots(holder)
-    forward = slots.get((aliases, element, (), False, False))  # _Call.slot, as below
-    backward = slots.get((aliases, element, (), True, bool(needing)))
+    forward = slots.get((aliases, element, (), (), False, False))  # _Call.slot, as below
+    backward = slots.get((aliases, element, (), (), True, bool(needing)))
     if not (_is_ready(forward) and _is_ready(backward)):  # counted, built or queued
         dtypes = tuple([x.dtype for x in leaves])
         call = _Call(combine_fn, spec, dtypes, element, captured)
