@@ -1107,13 +1107,42 @@ def test_position_leaves_beside_strided_values(reverse):
 
 # --- outputs the caller drops (keep=) -----------------------------------------------------
 
+
+def argmax(x, y):  # (value, its index): the kept index reads the dropped values' left side
+    return torch.maximum(x[0], y[0]), torch.where(y[0] > x[0], y[1], x[1])
+
+
 # Combines with a dropped output each, compiled once per run: the pair keeps h only (as
-# fscan.linear_recurrence does), the mixed dict drops its middle leaf ("h", float16).
-KEEPS = {"linrec": (False, True), "mixed": (True, False, True)}
+# fscan.linear_recurrence does: the gate products are dead), the mixed dict drops its
+# middle leaf ("h", float16: dead), argmax keeps the index (the values stay live).
+KEEPS = {"linrec": (False, True), "mixed": (True, False, True), "argmax": (False, True)}
+
+
+def _keep_fn(name: str):
+    return argmax if name == "argmax" else COMBINES[name][0]
+
+
+def _keep_leaves(name: str, shape: tuple[int, ...], gen: torch.Generator):
+    if name == "argmax":
+        return (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+    return _leaves(name, shape, gen)
+
+
+def test_dead_leaves_are_those_no_kept_output_needs():
+    from fscan.engine._cpp_codegen import translate_combine
+    from fscan.engine._cpp_source import needed
+
+    f32 = [torch.float32] * 2
+    spec = optree.tree_structure((0, 0))
+    pair = translate_combine(linrec, spec, f32, (), ())
+    arg = translate_combine(argmax, spec, f32, (), ())
+    assert needed(pair, 2, (0,)) == [1] and needed(pair, 2, (1,)) == [0]
+    assert needed(arg, 2, (0,)) == [0, 1] and needed(arg, 2, (1,)) == [0]
+    assert needed(pair, 2, ()) == [0, 1]
 
 
 def _kept_scan(name: str, xs, dim: int, reverse: bool, threads: int | None = None):
-    fn = COMBINES[name][0]
+    fn = _keep_fn(name)
     spec, leaves = _flat(xs)
     with torch.no_grad():
         out = kernel_scan("test", fn, spec, leaves, dim, reverse, threads=threads, keep=KEEPS[name])
@@ -1127,10 +1156,10 @@ def _check_kept(name: str, xs, dim: int, reverse: bool, threads: int) -> None:
     leaves = optree.tree_leaves(xs)
     before = [x.clone() for x in leaves]
     out = _kept_scan(name, xs, dim, reverse, threads)
-    ref = oracle(COMBINES[name][0], xs, dim, reverse)
+    ref = oracle(_keep_fn(name), xs, dim, reverse)
     with fscan.config.override(cpu_kernel="off"), torch.no_grad():
         engine = optree.tree_leaves(
-            fscan.associative_scan(COMBINES[name][0], xs, dim, reverse=reverse)
+            fscan.associative_scan(_keep_fn(name), xs, dim, reverse=reverse)
         )
     kept = [k for k, keep in enumerate(KEEPS[name]) if keep]
     assert [k for k, o in enumerate(out) if o is not None] == kept
@@ -1157,7 +1186,7 @@ def _check_kept(name: str, xs, dim: int, reverse: bool, threads: int) -> None:
     ],
 )
 def test_kept_outputs_match_the_oracle(name, shape, dim, reverse, threads):
-    xs = _leaves(name, shape, torch.Generator().manual_seed(len(shape) * 1000 + shape[0]))
+    xs = _keep_leaves(name, shape, torch.Generator().manual_seed(len(shape) * 1000 + shape[0]))
     _check_kept(name, xs, dim, reverse, threads)
 
 

@@ -201,6 +201,8 @@ class Program:
     ``body`` assigns outputs ``o0..`` from inputs ``l0.., r0..`` (and ``c0..`` for a
     VJP) of the compute types and params ``p0[e]..``. ``prologue(captured)`` returns
     the params' values for one call, from that call's captured tensors.
+    ``reads[k]``: the inputs (names) output ``k`` depends on, where known (else empty:
+    assume all), so a kernel that drops outputs can drop what only they need.
     """
 
     body: str
@@ -208,6 +210,7 @@ class Program:
     prologue: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
     wide: bool
     expensive: bool
+    reads: tuple[frozenset[str], ...] = ()
 
 
 def compute_ctype(dtype: torch.dtype, wide: bool) -> str:
@@ -532,7 +535,21 @@ class _Translator:
         param_specs = tuple(Param(_dtype(p)) for p in params)
         prologue = _Prologue(static, params, constants)
         self._release_constants(constants)
-        return Program("\n".join(self.lines), param_specs, prologue, self.wide, self.expensive)
+        body = "\n".join(self.lines)
+        return Program(body, param_specs, prologue, self.wide, self.expensive, self._reads())
+
+    def _reads(self) -> tuple[frozenset[str], ...]:
+        """The input names each output depends on (through any node of the graph)."""
+        reads: dict[torch.fx.Node, frozenset[str]] = {}
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                reads[node] = frozenset([self.names[node]]) if node in self.names else frozenset()
+            elif node.op != "output":
+                reads[node] = frozenset().union(*(reads[a] for a in node.all_input_nodes))
+        (output,) = [nd for nd in self.gm.graph.nodes if nd.op == "output"]
+        return tuple(
+            reads[o] if isinstance(o, torch.fx.Node) else frozenset() for o in output.args[0]
+        )
 
     def _constant(self, node: torch.fx.Node) -> Any:
         value = getattr(self.gm, node.target)

@@ -232,7 +232,9 @@ def _structs(
     """Vals/In/Out/Buf/Par and their accessors for leaves of ``dtypes``; the leaves in
     ``positions`` are not read: loads give them the position ``t`` along the scan dim;
     those in ``dropped`` are not stored: ``Out`` has no pointer for them (outputs the
-    caller does not keep cost no memory traffic).
+    caller does not keep cost no memory traffic), and those of them no kept output
+    needs (see :func:`needed`) are not kept in the running buffers either (``get``
+    gives them 0), so the compiler drops their computation.
 
     ``load_i(x, i, t)``/``store_i(y, i, v)``: lane i of a dense row (see ``row`` and
     ``gather``); ``load_t(x, k, t)``/``store_t(y, k, v)``: k steps from where a lane's
@@ -240,6 +242,7 @@ def _structs(
     R = range(len(dtypes))
     read = [k for k in R if k not in positions]
     kept = [k for k in R if k not in dropped]
+    live = needed(program, len(dtypes), dropped)
     st = [STORAGE[d] for d in dtypes]
     # Values and buffers hold compute values, but bools as bytes: C++ bools kept in memory
     # (a struct, a buffer) block GCC's vectorisation.
@@ -276,12 +279,11 @@ def _structs(
         "(void)y; (void)t; (void)v; "
         + " ".join(f"step(y.y{k}, t) = {_store(dtypes[k], f'v.v{k}')};" for k in kept)
         + " }",
-        "static FSCAN_INLINE Vals get(const Buf b, int64_t i) { Vals v; "
-        + " ".join(f"v.v{k} = b.v{k}[i];" for k in R)
+        "static FSCAN_INLINE Vals get(const Buf b, int64_t i) { Vals v; (void)b; (void)i; "
+        + " ".join(f"v.v{k} = b.v{k}[i];" if k in live else f"v.v{k} = 0;" for k in R)
         + " return v; }",
         "static FSCAN_INLINE void put(const Buf b, int64_t i, const Vals& v) { "
-        + " ".join(f"b.v{k}[i] = v.v{k};" for k in R)
-        + " }",
+        "(void)b; (void)i; (void)v; " + " ".join(f"b.v{k}[i] = v.v{k};" for k in live) + " }",
         "static FSCAN_INLINE Buf offset(const Buf b, int64_t i) { return Buf{"
         + ", ".join(f"b.v{k} + i" for k in R)
         + "}; }",
@@ -294,6 +296,24 @@ def _structs(
         + "}; } };",
     ]
     return "\n".join(lines)
+
+
+def needed(program: Program, n: int, dropped: Sequence[int]) -> list[int]:
+    """The leaves whose running values the kept outputs need: the kept ones and, step
+    after step, every left operand leaf a needed output reads (all where the program
+    does not say what it reads). E.g. ``(a1 a2, a2 b1 + b2)`` keeping ``b``: only ``b``
+    (the gate products are read from the right operand, the input, alone)."""
+    if not dropped or len(program.reads) != n:
+        return list(range(n))
+    live = {k for k in range(n) if k not in dropped}
+    todo = list(live)
+    while todo:
+        for name in program.reads[todo.pop()]:
+            k = int(name[1:]) if name[:1] == "l" and name[1:].isdigit() else None
+            if k is not None and k < n and k not in live:
+                live.add(k)
+                todo.append(k)
+    return sorted(live)
 
 
 def _param_ctype(dtype: torch.dtype) -> str:
