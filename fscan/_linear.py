@@ -342,15 +342,17 @@ def _solve(
 
 def _kernel_solve(a: torch.Tensor, b: torch.Tensor, dim: int, reverse: bool) -> torch.Tensor | None:
     """The recurrence by fscan's compiled C++ kernel (fscan.engine.cpu_kernel) where it is
-    built and wins: no gradient wanted, one float dtype, enough elements, and a gate that
-    need not be materialized at a size where that costs more than it saves."""
+    built and wins: no gradient wanted, one float dtype, enough elements, leaves of one
+    shape after broadcasting. A broadcast gate is expanded to ``b``'s shape (a view:
+    stride 0) and read in place, at any size: with only ``h`` stored, the kernel beat
+    the chunked walk at (16384, 512) for (T, 1) and (1, C) gates (docs/linear.md)."""
     from ._ops import KERNEL_MIN_NUMEL
     from .engine.cpu_kernel import kernel_scan
 
     if a.dtype != b.dtype or not b.is_floating_point() or b.numel() < KERNEL_MIN_NUMEL:
         return None
-    if a.shape != b.shape or (0 in a.stride() and b.numel() > 2**22):
-        return None
+    if a.shape != b.shape:
+        a = a.expand(b.shape)  # `a` broadcasts to `b` (checked on entry)
     # Only h is kept: the gate products are neither allocated nor stored (half the
     # writes, and the page faults of a fresh output).
     out = kernel_scan(_API, _compose, _PAIR, [a, b], dim, reverse, keep=_KEEP_H)

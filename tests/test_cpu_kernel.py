@@ -703,6 +703,36 @@ def test_linear_recurrence_rides_on_the_kernel(reverse, monkeypatch):
     torch.testing.assert_close(out_reset, ref_reset)
 
 
+@needs_compiler
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize(
+    "gate", [(600, 1), (1, 64), (64,), ()], ids=["(T,1)", "(1,C)", "(C,)", "0-d"]
+)
+def test_linear_recurrence_reads_broadcast_gates_in_place(gate, reverse, monkeypatch):
+    """A gate that broadcasts to b rides on the kernel as a stride-0 view (no size
+    limit, no copy) and equals the walk's result; its inputs are left as they were."""
+    from fscan import _linear
+
+    a = torch.rand(gate, dtype=torch.float64) * 0.5 + 0.5
+    b = torch.randn(600, 64, dtype=torch.float64)
+    before_a, before_b = a.clone(), b.clone()
+    served = []
+    solve = _linear._kernel_solve
+    monkeypatch.setattr(
+        _linear, "_kernel_solve", lambda *args: served.append(solve(*args)) or served[-1]
+    )
+    copies = _copies()
+    with torch.no_grad():
+        out = fscan.linear_recurrence(a, b, 0, reverse=reverse)
+    assert served and served[-1] is not None and _copies() == copies
+    monkeypatch.setattr(_linear, "_kernel_solve", lambda *args: None)
+    with torch.no_grad():
+        ref = fscan.linear_recurrence(a, b, 0, reverse=reverse)
+    torch.testing.assert_close(out, ref)
+    _assert_fresh([out], [a, b])
+    assert torch.equal(a, before_a) and torch.equal(b, before_b)
+
+
 # --- latency machinery ------------------------------------------------------------------
 
 
