@@ -41,7 +41,7 @@ from ._errors import ScanTypeError, ScanValueError
 from ._pytree import describe, flatten, unflatten
 from ._segmented import check_reset
 
-__all__ = ["check_initial", "fold_initial"]
+__all__ = ["carried_heads", "check_initial", "fold_initial", "swap_heads"]
 
 
 def fold_initial(
@@ -65,10 +65,37 @@ def fold_initial(
         tensor([11.,  2.,  3.])
     """
     leaves, spec = flatten(xs)
+    heads = carried_heads(api, combine_fn, xs, dim, reverse, combine_mode, initial, reset)
+    if heads is None:
+        return xs
+    return unflatten(spec, swap_heads(leaves, heads, dim, reverse))
+
+
+def carried_heads(
+    api: str,
+    combine_fn: Callable[[Any, Any], Any],
+    xs: Any,
+    dim: int,
+    reverse: bool,
+    combine_mode: str,
+    initial: Any,
+    reset: torch.Tensor | None = None,
+) -> list[torch.Tensor] | None:
+    """The first element in scan order with ``initial`` combined in, one tensor per leaf
+    of ``xs`` (size 1 along ``dim``); None for an empty scan. :func:`swap_heads` puts
+    them in place of the first element (the fold); the C++ kernel reads them in place
+    of it instead, without copying the leaves (see ``fscan._routing.scan_flat``).
+
+    Example:
+        >>> xs = torch.tensor([1.0, 2.0, 3.0])
+        >>> carried_heads("demo", torch.add, xs, 0, True, "pointwise", torch.tensor(10.0))
+        [tensor([13.])]
+    """
+    leaves, spec = flatten(xs)
     init = check_initial(api, initial, xs, leaves, spec, dim)
     n = leaves[0].shape[dim]
     if n == 0:
-        return xs
+        return None
     first = n - 1 if reverse else 0
     # The engines' layout: the scan dimension first, a batch of one element. Copies:
     # the scan's purity checks run after this call, so an impure combine_fn must not
@@ -85,8 +112,16 @@ def fold_initial(
     carried = flat_combine(api, combine_fn, spec, combine_mode)(left, right)
     if flags is not None:
         carried = [torch.where(f, h, c) for f, h, c in zip(flags, heads, carried)]
-    heads = [h.movedim(0, dim) for h in carried]
-    return unflatten(spec, [_swap_first(x, h, dim, first) for x, h in zip(leaves, heads)])
+    return [h.movedim(0, dim) for h in carried]
+
+
+def swap_heads(
+    leaves: list[torch.Tensor], heads: list[torch.Tensor], dim: int, reverse: bool
+) -> list[torch.Tensor]:
+    """Copies of ``leaves`` with ``heads`` (see :func:`carried_heads`) as their first
+    element in scan order: the fold."""
+    first = leaves[0].shape[dim] - 1 if reverse else 0
+    return [_swap_first(x, h, dim, first) for x, h in zip(leaves, heads)]
 
 
 def _swap_first(x: torch.Tensor, head: torch.Tensor, dim: int, first: int) -> torch.Tensor:

@@ -20,7 +20,10 @@ route          when, and what runs
 ``cpp``        pointwise, CPU, ``combine_fn`` checked elementwise, no gradient
                wanted: the generated C++ kernel (:mod:`fscan.engine.cpu_kernel`)
                once compiled (in the background); ``inplace`` until then, or if
-               it cannot serve
+               it cannot serve. A carry-in (``initial=``, no gradient wanted, no
+               ``reset=``) is read by the kernel in place of the first element;
+               every other route gets it folded into a copy of the leaves
+               (:mod:`fscan._carry`), as do calls that want gradients
 ``adjoint``    grad mode and a leaf or captured tensor requires grad, pointwise
                mode, and the probe says the adjoint serves: on CPU,
                ``KernelScan`` (C++ forward and backward kernels; the backward
@@ -51,6 +54,7 @@ from optree import PyTreeSpec
 
 from ._adjoint import PointwiseScan, ScanPlan
 from ._autograd import adjoint_applies
+from ._carry import swap_heads
 from ._combine import FlatCombine, flat_combine
 from ._compiled import codegen_scan, codegen_unavailable
 from ._errors import ImpureCombineError
@@ -152,12 +156,16 @@ def scan_flat(
     combine_mode: str,
     found: Reach,
     entry: Knowledge,
+    head: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Scan already-checked flat ``leaves`` along ``dim`` on the route :func:`pick_route` picks.
 
     ``found`` and ``entry`` are :func:`~fscan._knowledge.reach` of ``combine_fn`` and
     its :func:`~fscan._knowledge.knowledge` entry for this call (not while tracing:
-    see :func:`scan_traced`).
+    see :func:`scan_traced`). ``head``: a carry-in (:func:`fscan._carry.carried_heads`,
+    no gradient wanted), the first element in scan order to scan instead of the
+    leaves': the C++ kernel reads it in place; other routes scan a copy of the leaves
+    with it swapped in.
 
     Example:
         >>> import optree
@@ -171,13 +179,32 @@ def scan_flat(
     at = where(leaves)
     route = pick_route(combine_fn, at, leaves, dim, combine_mode, found, entry)
     if route == "cpp":  # the kernel never calls combine_fn: no versions to compare
-        out = kernel_scan(api, combine_fn, spec, leaves, dim, reverse, found, entry)
-        if out is not None:
-            return out
+        elements = None if head is None else _elements(head, leaves, dim)
+        if head is None or elements is not None:
+            out = kernel_scan(
+                api, combine_fn, spec, leaves, dim, reverse, found, entry, head=elements
+            )
+            if out is not None:
+                return out
         route = "inplace"
+    if head is not None:  # the fold: see fscan._carry
+        leaves = swap_heads(leaves, head, dim, reverse)
     versions = leaf_versions(leaves)
     out = _run(api, route, combine_fn, spec, leaves, dim, reverse, combine_mode, found, entry, at)
     check_untouched(api, spec, leaves, versions)
+    return out
+
+
+def _elements(
+    head: list[torch.Tensor], leaves: list[torch.Tensor], dim: int
+) -> list[torch.Tensor] | None:
+    """The carry-in as the kernel reads it (each leaf's element shape and dtype), or None
+    where ``combine_fn`` gave it another dtype or shape (the fold's ``cat`` decides)."""
+    out = []
+    for h, x in zip(head, leaves):
+        if h.dtype != x.dtype or tuple(h.shape) != (*x.shape[:dim], 1, *x.shape[dim + 1 :]):
+            return None
+        out.append(h.squeeze(dim))
     return out
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ._carry import fold_initial
+from ._carry import carried_heads, swap_heads
 from ._checks import check_scan_args
 from ._dtensor import any_dtensor, dtensor_scan
 from ._knowledge import knowledge, reach
@@ -101,9 +101,12 @@ def associative_scan(
             initial=initial,
         )
     dim = check_scan_args(_API, combine_fn, xs, leaves, dim, reverse, combine_mode)
+    heads = None  # a carry-in the C++ kernel may read in place of the first element
     if initial is not None:  # folded into the first element: see fscan._carry
-        xs = fold_initial(_API, combine_fn, xs, dim, reverse, combine_mode, initial, reset)
-        leaves, spec = flatten(xs)
+        heads = carried_heads(_API, combine_fn, xs, dim, reverse, combine_mode, initial, reset)
+        if heads is not None and (reset is not None or not _may_carry_in(leaves, heads)):
+            leaves = swap_heads(leaves, heads, dim, reverse)
+            xs, heads = unflatten(spec, leaves), None
     if reset is not None:  # a scan over (flag, value) pairs: see fscan._segmented
         args = (combine_fn, xs, dim, reverse, combine_mode)
         return segmented_scan(associative_scan, *args, reset=reset, validate=validate)
@@ -113,4 +116,17 @@ def associative_scan(
     found = reach(combine_fn)
     entry = knowledge(found, spec, combine_mode, leaves)
     validate_combine_fn(*args, combine_mode, validate, entry)
-    return unflatten(spec, scan_flat(*args, reverse, combine_mode, found, entry))
+    return unflatten(spec, scan_flat(*args, reverse, combine_mode, found, entry, head=heads))
+
+
+def _may_carry_in(leaves: list[torch.Tensor], heads: list[torch.Tensor]) -> bool:
+    """Whether ``scan_flat`` may get the carry-in unfolded: not while tracing (the traced
+    route folds), and no gradient wanted (gradients to ``initial`` flow through the
+    fold's torch ops; the kernel's carry-in has no backward)."""
+    if torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled():
+        for t in (*leaves, *heads):
+            if t.requires_grad:
+                return False
+    return True

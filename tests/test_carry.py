@@ -353,3 +353,186 @@ def test_a_dropped_infinite_initial_leaves_gradients_finite(mode, reverse):
     (ex,) = torch.autograd.grad(expected.sum(), x)
     torch.testing.assert_close(gx, ex)
     assert (gi == 0).all()
+
+
+# ---- the C++ kernel's carry-in (no copy of the leaves) -------------------------------
+
+needs_compiler = pytest.mark.skipif(
+    __import__("fscan.engine._cpp_build", fromlist=["x"]).compiler_problem() is not None,
+    reason="no C++ compiler: the kernel's carry-in is not built here",
+)
+
+
+def add(x, y):
+    return x + y
+
+
+def mixed_pair(x, y):  # a float32 gate and a float64 state: leaves of two dtypes
+    return {"w": x["w"] * y["w"], "c": y["w"].double() * x["c"] + y["c"]}
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    """The C++ kernel, built on first use (each combine compiles once per run, then
+    Inductor's disk cache); the fold's copy is counted: the carry-in must not take it."""
+    from fscan import _routing, _scan
+
+    folds = []
+    for module in (_routing, _scan):
+        real = module.swap_heads
+        monkeypatch.setattr(
+            module, "swap_heads", lambda *a, _real=real: folds.append(1) or _real(*a)
+        )
+    with fscan.config.override(cpu_kernel="eager"):
+        yield folds
+
+
+def _carry_case(name: str, shape: tuple[int, ...], dim: int, dtype: torch.dtype, gen):
+    def r(*s, d=dtype):
+        return torch.randn(s, generator=gen, dtype=d)
+
+    element = shape[:dim] + shape[dim + 1 :]
+    if name == "add":
+        if not dtype.is_floating_point:
+            return add, torch.randint(-9, 9, shape, generator=gen), torch.randint(-9, 9, element)
+        return add, r(*shape), r(*element)
+    if name == "affine":
+        gate = torch.rand(shape, generator=gen, dtype=dtype) * 0.5 + 0.5
+        return linear_recurrence, (gate, r(*shape)), (torch.rand(element, dtype=dtype), r(*element))
+    if name == "mixed":
+        f32 = torch.float32
+        xs = {"w": torch.rand(shape, generator=gen) * 0.5 + 0.5, "c": r(*shape, d=torch.float64)}
+        return (
+            mixed_pair,
+            xs,
+            {"w": torch.rand(element, dtype=f32), "c": r(*element, d=torch.float64)},
+        )
+    raise AssertionError(name)
+
+
+def _warm(name, shape, dim, dtype):
+    """A plain scan of the same key first: the pointwise route opens once combine_fn
+    passed the elementwise check, on a call that combines (length 1 does not)."""
+    warm = list(shape)
+    warm[dim] = 64
+    fn, xs, _ = _carry_case(name, tuple(warm), dim, dtype, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        fscan.associative_scan(fn, xs, dim)
+
+
+def _check_carry_in(kernel, name, shape, dim, reverse, dtype, threads=1, seed=0):
+    """The kernel's carry-in against the fold (fscan's torch engine) and the oracle;
+    no copy of the leaves; inputs untouched, outputs in new memory."""
+    fn, xs, init = _carry_case(name, shape, dim, dtype, torch.Generator().manual_seed(seed))
+    _warm(name, shape, dim, dtype)
+    leaves = optree.tree_leaves(xs) + optree.tree_leaves(init)
+    before = [t.clone() for t in leaves]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            out = fscan.associative_scan(fn, xs, dim, reverse, initial=init)
+    finally:
+        torch.set_num_threads(previous)
+    assert not kernel, f"{name}: the leaves were copied (the fold ran)"
+    with fscan.config.override(cpu_kernel="off"), torch.no_grad():
+        fold = fscan.associative_scan(fn, xs, dim, reverse, initial=init)
+    # float32 (and the float32 gates of "mixed"): the kernel multiplies in double and
+    # rounds once; the torch engine rounds every step.
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 or name == "mixed" else {}
+    assert_trees_close(out, fold, **tol)
+    if shape[dim] <= 600:  # the oracle loops in Python
+        assert_trees_close(out, oracle(fn, xs, dim, init, reverse, "pointwise"), **tol)
+    assert all(torch.equal(t, b) for t, b in zip(leaves, before))
+    mine = {t.untyped_storage().data_ptr() for t in leaves}
+    assert all(o.untyped_storage().data_ptr() not in mine for o in optree.tree_leaves(out))
+
+
+@needs_compiler
+@parametrize(
+    name=["add", "affine", "mixed"],
+    reverse=[False, True],
+    case=[((1,), 0), ((7, 40), 0), ((40, 3), 0), ((3, 40, 9), 1), ((3, 9, 40), -1), ((2, 33), 1)],
+)
+def test_kernel_carry_in_matches_the_fold(kernel, name, reverse, case):
+    shape, dim = case
+    _check_carry_in(kernel, name, shape, dim % len(shape), reverse, torch.float64)
+
+
+@needs_compiler
+@parametrize(
+    length=[2047, 2048, 2049, 4113, 5000], reverse=[False, True], threads=[1, 2], other=[1, 3, 17]
+)
+def test_kernel_carry_in_over_chunk_boundaries(kernel, length, reverse, threads, other):
+    """Long scans split in chunks across threads (lane and chain paths): only the
+    first chunk in scan order reads the carry-in."""
+    _check_carry_in(kernel, "affine", (length, other), 0, reverse, torch.float64, threads)
+
+
+@needs_compiler
+@parametrize(dtype=[torch.float32, torch.int64, torch.bfloat16], reverse=[False, True])
+def test_kernel_carry_in_dtypes(kernel, dtype, reverse):
+    if dtype == torch.bfloat16:  # rounding differs from the torch engine's: the oracle decides
+        fn, xs, init = _carry_case("add", (50, 9), 0, dtype, torch.Generator().manual_seed(1))
+        _warm("add", (50, 9), 0, dtype)
+        with torch.no_grad():
+            out = fscan.associative_scan(fn, xs, 0, reverse, initial=init)
+        assert not kernel
+        ref = oracle(fn, xs.double(), 0, init.double(), reverse, "pointwise")
+        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=5e-2)
+        return
+    _check_carry_in(kernel, "add", (50, 9), 0, reverse, dtype)
+
+
+@needs_compiler
+def test_kernel_carry_in_strided_leaves(kernel):
+    """Views read in place, with the carry-in: a transpose (chain path), a step slice."""
+    gen = torch.Generator().manual_seed(5)
+    _warm("add", (64, 9), 0, torch.float64)
+    for x in [torch.randn(9, 60, generator=gen, **F64).t(), torch.randn(60, 18, **F64)[:, ::2]]:
+        init = rand(x.shape[1])
+        for reverse in (False, True):
+            with torch.no_grad():
+                out = fscan.associative_scan(add, x, 0, reverse, initial=init)
+            assert_trees_close(out, oracle(add, x, 0, init, reverse, "pointwise"))
+    assert not kernel
+
+
+@needs_compiler
+def test_gradients_to_initial_take_the_fold(kernel):
+    """A carry-in that needs gradients is folded (its backward is autograd's over the
+    fold's torch ops), with the kernel on: gradcheck in float64."""
+    xs = (torch.rand(12, 3, **F64) + 0.5, rand(12, 3))
+    init = (torch.rand(3, **F64) + 0.5, rand(3).requires_grad_())
+
+    def f(h0):
+        return fscan.associative_scan(linear_recurrence, xs, 0, initial=(init[0], h0))[1]
+
+    assert torch.autograd.gradcheck(f, (init[1],))
+    assert kernel, "the fold ran"
+
+
+@needs_compiler
+@settings(max_examples=25, deadline=None)
+@given(
+    name=st.sampled_from(["add", "affine", "mixed"]),
+    length=st.one_of(st.integers(1, 40), st.sampled_from([2048, 2049, 5000])),
+    other=st.sampled_from([1, 2, 9]),
+    dim=st.integers(0, 1),
+    reverse=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_kernel_carry_in(name, length, other, dim, reverse, threads, seed):
+    shape = [other, other]
+    shape[dim] = length
+    from fscan import _routing, _scan
+
+    folds = []
+    real = (_routing.swap_heads, _scan.swap_heads)
+    try:
+        _routing.swap_heads = _scan.swap_heads = lambda *a: folds.append(1) or real[0](*a)
+        with fscan.config.override(cpu_kernel="eager"):
+            _check_carry_in(folds, name, tuple(shape), dim, reverse, torch.float64, threads, seed)
+    finally:
+        _routing.swap_heads, _scan.swap_heads = real

@@ -263,6 +263,13 @@ def _structs(
         *_strided("In", [(f"x{k}", f"const {st[k]}") for k in read]),
         *_gathered("In", [(f"x{k}", f"const {st[k]}") for k in read]),
         *_strided("Out", [(f"y{k}", st[k]) for k in kept]),
+        # A carry-in: one element per read leaf (contiguous, element position e at e)
+        # that replaces the scan's first element in scan order; all null: none.
+        "struct Heads { " + " ".join(f"const {st[k]}* h{k};" for k in read) + " bool any; };",
+        "static FSCAN_INLINE In head_at(const In x, const Heads& H, int64_t e) { In r = x; "
+        "(void)H; (void)e; "
+        + " ".join(f"r.x{k}.p = H.h{k} + e; r.x{k}.st = 0; r.x{k}.si = 1;" for k in read)
+        + " return r; }",
         "struct Buf { " + " ".join(f"{bt[k]}* v{k};" for k in R) + " };",
         "struct Par { "
         + " ".join(f"const {_param_ctype(p.dtype)}* p{j};" for j, p in enumerate(program.params))
@@ -368,7 +375,7 @@ def forward_argtypes(
     types += [f"{c}*" for k, c in enumerate(st) if k not in dropped]
     types += [f"const {_param_ctype(p.dtype)}*" for p in program.params]
     n_read = len(dtypes) - len(set(positions))
-    return types + ["int64_t"] * (5 + 1 + len(STRIDES) * n_read)
+    return types + ["int64_t"] * (5 + 1 + len(STRIDES) * n_read + n_read)
 
 
 def forward_source(
@@ -378,14 +385,17 @@ def forward_source(
     dropped: Sequence[int] = (),
 ) -> str:
     """The complete forward kernel:
-    ``kernel(x.., y.., p.., outer, T, inner, rev, threads, nb, strides..)``.
+    ``kernel(x.., y.., p.., outer, T, inner, rev, threads, nb, strides.., heads..)``.
 
     The inputs ``x`` are read through their strides (``sa, sb, st, si`` each, of the
     ``(outer // nb, nb, T, inner)`` view: see Ptr); the outputs ``y`` are dense. The
     leaves in ``positions`` have no input ``x``: each element's value is its index
     along the scan dim (as for the indices of ``cummax``). The leaves in ``dropped``
     have no output ``y``: they are computed (the kept ones may depend on them) but
-    never stored."""
+    never stored. ``heads``: per input, the address of one element (contiguous, in the
+    leaf's dtype) that replaces the scan's first element in scan order (the last for
+    ``rev``), or 0 for none (all or none): a carry-in folded into that element, read
+    without copying the leaves."""
     compute = [compute_ctype(d, program.wide) for d in dtypes]
     R = range(len(dtypes))
     st = [STORAGE[d] for d in dtypes]
@@ -402,12 +412,14 @@ def forward_source(
     )
     kept = [k for k in R if k not in dropped]
     args = _signature(dtypes, program, [f"{st[k]}* y{k}" for k in kept], positions)
-    read = [f"x{k}" for k in R if k not in positions]
+    read_idx = [k for k in R if k not in positions]
+    read = [f"x{k}" for k in read_idx]
     entry = (
         'extern "C" void kernel('
         + ", ".join(args)
         + ", int64_t outer, int64_t T, int64_t inner, int64_t rev, int64_t threads"
         + _stride_params(read)
+        + "".join(f", int64_t h{k}" for k in read_idx)
         + ") {\n"
         + "  const In x{"
         + _strided_init(read)
@@ -415,7 +427,10 @@ def forward_source(
         + _dense_init([f"y{k}" for k in kept])
         + "}; const Par p{"
         + ", ".join(f"p{j}" for j in range(len(program.params)))
-        + "};\n  scan(x, y, p, Geo{outer, nb, T, inner}, rev != 0, (int)threads);\n}\n"
+        + "}; const Heads H{"
+        + "".join(f"reinterpret_cast<const {st[k]}*>(h{k}), " for k in read_idx)
+        + (f"h{read_idx[0]} != 0" if read_idx else "false")
+        + "};\n  scan(x, y, p, Geo{outer, nb, T, inner}, rev != 0, (int)threads, H);\n}\n"
     )
     return "\n".join(
         [
@@ -441,29 +456,44 @@ static constexpr int G = 8;                // chains interleaved on the chain pa
 // GATHER: inputs of other inner strides than 1 are gathered, a row at a time, into rows
 // (a separate instantiation: dense inputs keep the loop they had before strides existed;
 // the gather's pointer select in the same loop cost seg 1.45x).
+// H: a carry-in (if H.any): step 0 (in scan order) reads the head element instead of x.
 template <bool WRITE, bool GATHER>
 static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t o, int64_t i0,
                      int64_t w, int64_t s0, int64_t s1, bool rev, const Buf* carry, const Buf acc,
-                     const InRow& rows) {
+                     const InRow& rows, const Heads& H) {
   const In xc = at(x, S, o, 0, i0);
   const Out yc = at(y, S, o, 0, i0);
   const int64_t e0 = o * S.inner + i0, T = S.T, dt = rev ? -1 : 1;
+  int64_t sb = s0;  // the first step read from x
+  if (s0 == 0 && H.any && s1 > 0) {  // peeled: the loop below stays as it was
+    const int64_t t = rev ? T - 1 : 0;
+    const In hr = head_at(x, H, e0);
+    const Out yr = row(yc, t);
+    fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
+      const Vals v = load_i(hr, i, t);
+      put(acc, i, v);
+      if (WRITE) store_i(yr, i, v);
+    });
+    carry = &acc;
+    sb = 1;
+  }
+  if (sb >= s1) return;
   // The rows' pointers step along (recomputing them from t cost 10% on 8-step columns).
-  In xs = row(xc, rev ? T - 1 - s0 : s0);
-  Out ys = row(yc, rev ? T - 1 - s0 : s0);
-  for (int64_t s = s0; s < s1; ++s) {
+  In xs = row(xc, rev ? T - 1 - sb : sb);
+  Out ys = row(yc, rev ? T - 1 - sb : sb);
+  for (int64_t s = sb; s < s1; ++s) {
     const int64_t t = rev ? T - 1 - s : s;
-    if (s > s0) { xs = row(xs, dt); ys = row(ys, dt); }
+    if (s > sb) { xs = row(xs, dt); ys = row(ys, dt); }
     const In xr = GATHER ? gather(xs, rows, w, rev) : xs;
     const Out yr = ys;
-    if (s == s0 && carry == nullptr) {
+    if (s == sb && carry == nullptr) {
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
         const Vals v = load_i(xr, i, t);
         put(acc, i, v);
         if (WRITE) store_i(yr, i, v);
       });
     } else {
-      const Buf left = s == s0 ? *carry : acc;
+      const Buf left = s == sb ? *carry : acc;
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
         const Vals v = combine(get(left, i), load_i(xr, i, t), p, e0 + i);
         put(acc, i, v);
@@ -473,7 +503,8 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
   }
 }
 
-static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool rev, int nt) {
+static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool rev, int nt,
+                      const Heads& H) {
   const int64_t outer = S.outer, T = S.T, inner = S.inner;
   int64_t W = std::min<int64_t>(inner, TILE);
   while (outer * ((inner + W - 1) / W) < nt && W > 16) W = (W / 2 + 15) / 16 * 16;
@@ -496,8 +527,8 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
       for (int64_t k = 0; k < ncols * (C - 1); ++k) {
         const int64_t col = k / (C - 1), c = k % (C - 1);
         const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
-        if (dense) lane_run<false, false>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W), rows);
-        else lane_run<false, true>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W), rows);
+        if (dense) lane_run<false, false>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W), rows, H);
+        else lane_run<false, true>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W), rows, H);
       }
 #pragma omp for schedule(static)
       for (int64_t col = 0; col < ncols; ++col) {
@@ -515,8 +546,8 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
       const Buf carry = c > 0 ? offset(tb, (col * (C - 1) + c - 1) * W) : tb;
       const int64_t s1 = std::min(T, (c + 1) * L);
-      if (dense) lane_run<true, false>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows);
-      else lane_run<true, true>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows);
+      if (dense) lane_run<true, false>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, H);
+      else lane_run<true, true>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, H);
     }
   }
 }
@@ -525,10 +556,12 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
 // len[g] steps from position t0[g], tstep (+-1) apart, at element position elem[g];
 // carry[g] (if has[g]) is its inclusive carry-in.
 // WRITE: store every output; else only the final values, into last[g].
+// head[g]: the chain's first step reads hb[g] (a carry-in's head element) instead of x.
 template <int NG, bool WRITE>
 static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const int64_t* t0,
                                 const int64_t* len, const int64_t* elem, int64_t tstep,
-                                const Vals* carry, const bool* has, Vals* last) {
+                                const Vals* carry, const bool* has, Vals* last,
+                                const In* hb, const bool* head) {
   Vals acc[NG];
   In xp[NG];  // each chain's inputs and outputs at its first step
   Out yp[NG];
@@ -538,7 +571,7 @@ static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const 
   for (int g = 0; g < NG; ++g) {
     xp[g] = row(xb[g], t0[g]);
     yp[g] = row(yb[g], t0[g]);
-    const Vals v = load_t(xp[g], 0, t0[g]);
+    const Vals v = head[g] ? load_t(hb[g], 0, t0[g]) : load_t(xp[g], 0, t0[g]);
     acc[g] = has[g] ? combine(carry[g], v, p, elem[g]) : v;
     if (WRITE) store_t(yp[g], 0, acc[g]);
   }
@@ -561,17 +594,18 @@ static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const 
 template <bool WRITE>
 static void chain_group(const In* xb, const Out* yb, const Par p, int ng, const int64_t* t0,
                         const int64_t* len, const int64_t* elem, int64_t tstep, const Vals* carry,
-                        const bool* has, Vals* last) {
+                        const bool* has, Vals* last, const In* hb, const bool* head) {
   if (ng == G) {
-    chains<G, WRITE>(xb, yb, p, t0, len, elem, tstep, carry, has, last);
+    chains<G, WRITE>(xb, yb, p, t0, len, elem, tstep, carry, has, last, hb, head);
     return;
   }
   for (int g = 0; g < ng; ++g)
     chains<1, WRITE>(xb + g, yb + g, p, t0 + g, len + g, elem + g, tstep, carry + g, has + g,
-                     last + g);
+                     last + g, hb + g, head + g);
 }
 
-static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool rev, int nt) {
+static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool rev, int nt,
+                       const Heads& H) {
   const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
   int64_t C = 1;  // chunks per lane
   if (lanes < (int64_t)nt * G) {
@@ -584,7 +618,8 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
   C = (T + L - 1) / L;
   const int64_t tstep = rev ? -1 : 1;
   const int64_t items = lanes * C, groups = (items + G - 1) / G;
-  auto describe = [&](int64_t k, In& xb, Out& yb, int64_t& t0, int64_t& len, int64_t& elem) {
+  auto describe = [&](int64_t k, In& xb, Out& yb, int64_t& t0, int64_t& len, int64_t& elem,
+                      In& hb, bool& head) {
     const int64_t lane = k / C, c = k % C, o = lane / inner, i = lane % inner;
     const int64_t s = c * L;
     t0 = rev ? T - 1 - s : s;
@@ -592,21 +627,23 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
     yb = at(y, S, o, 0, i);
     len = std::min(T, s + L) - s;
     elem = lane;
+    head = H.any && c == 0;  // the scan's first step: from the carry-in's head element
+    if (head) hb = head_at(x, H, lane);
   };
   std::vector<Vals> tot(C > 1 ? items : 0);
 #pragma omp parallel num_threads(nt)
   {
-    In xb[G];
+    In xb[G], hb[G];
     Out yb[G];
     int64_t t0[G], len[G], elem[G];
     Vals carry[G];
-    bool has[G];
+    bool has[G], head[G];
     if (C > 1) {
 #pragma omp for schedule(static)
       for (int64_t gi = 0; gi < groups; ++gi) {
         const int ng = (int)std::min<int64_t>(G, items - gi * G);
-        for (int g = 0; g < ng; ++g) { describe(gi * G + g, xb[g], yb[g], t0[g], len[g], elem[g]); has[g] = false; }
-        chain_group<false>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, tot.data() + gi * G);
+        for (int g = 0; g < ng; ++g) { describe(gi * G + g, xb[g], yb[g], t0[g], len[g], elem[g], hb[g], head[g]); has[g] = false; }
+        chain_group<false>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, tot.data() + gi * G, hb, head);
       }
 #pragma omp for schedule(static)
       for (int64_t lane = 0; lane < lanes; ++lane)
@@ -618,11 +655,11 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
       const int ng = (int)std::min<int64_t>(G, items - gi * G);
       for (int g = 0; g < ng; ++g) {
         const int64_t k = gi * G + g;
-        describe(k, xb[g], yb[g], t0[g], len[g], elem[g]);
+        describe(k, xb[g], yb[g], t0[g], len[g], elem[g], hb[g], head[g]);
         has[g] = k % C != 0;
         if (has[g]) carry[g] = tot[k - 1];
       }
-      chain_group<true>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, nullptr);
+      chain_group<true>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, nullptr, hb, head);
     }
   }
 }
@@ -630,14 +667,15 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
 // The lane path wants lanes next to each other in memory (SIMD over them); where an
 // input is laid out along T instead (a transpose: T stride below the inner stride), the
 // chain path walks each lane along its contiguous steps.
-static void scan(const In x, const Out y, const Par p, const Geo& S, bool rev, int threads) {
+static void scan(const In x, const Out y, const Par p, const Geo& S, bool rev, int threads,
+                 const Heads& H) {
   if (S.T <= 0 || S.outer <= 0 || S.inner <= 0) return;
   const int64_t total = S.outer * S.T * S.inner;
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, total / PER_THREAD));
   if (S.inner >= VEC_MIN && !along(x)) {
-    lane_path(x, y, p, S, rev, nt);
+    lane_path(x, y, p, S, rev, nt, H);
   } else {
-    chain_path(x, y, p, S, rev, nt);
+    chain_path(x, y, p, S, rev, nt, H);
   }
 }
 """

@@ -160,6 +160,7 @@ def kernel_scan(
     positions: tuple[int, ...] = (),
     threads: int | None = None,
     keep: Sequence[bool] | None = None,
+    head: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor | None] | None:
     """The scan of ``leaves`` along ``dim`` by the compiled kernel, or None (module doc).
 
@@ -172,6 +173,11 @@ def kernel_scan(
     ``keep``: which outputs the caller keeps, one bool per leaf (default all); the
     others are None, neither allocated nor written (their values are still computed
     where kept ones depend on them). It is compiled in: a kernel per pattern.
+    ``head``: a carry-in, one element per leaf (each leaf's shape without ``dim``, its
+    dtype) that replaces the scan's first element in scan order (the last for
+    ``reverse``), as ``combine_fn(initial, xs[first])`` folded by the caller; read
+    in place, the leaves are not copied (a runtime argument: the same kernel serves).
+    Not with ``positions``.
 
     Example:
         >>> import fscan, optree
@@ -203,7 +209,30 @@ def kernel_scan(
         kernel = _ready(holder, aliases, call, leaves[0].numel(), backward=False)
         if kernel is None:
             return None
-    return run_kernel(kernel, leaves, dim, reverse, captured, positions, threads, dropped)
+    heads = None if head is None else _heads(head, leaves, element, positions)
+    return run_kernel(kernel, leaves, dim, reverse, captured, positions, threads, dropped, heads)
+
+
+def _heads(
+    head: Sequence[torch.Tensor],
+    leaves: Sequence[torch.Tensor],
+    element: tuple[int, ...],
+    positions: tuple[int, ...],
+) -> list[torch.Tensor]:
+    """``head`` as the kernel reads it: contiguous elements, or an error naming the leaf."""
+    if positions:
+        raise ValueError("kernel_scan: head= with positions= (position leaves read no input)")
+    if len(head) != len(leaves):
+        raise ValueError(f"kernel_scan: head has {len(head)} leaves, expected {len(leaves)}")
+    out = []
+    for k, (h, x) in enumerate(zip(head, leaves)):
+        if h.dtype != x.dtype or tuple(h.shape) != element or not h.is_cpu:
+            raise ValueError(
+                f"kernel_scan: head leaf {k} is {h.dtype} {tuple(h.shape)} on {h.device}, "
+                f"expected one element of leaf {k}: {x.dtype} {element} on cpu"
+            )
+        out.append(h.contiguous())
+    return out
 
 
 def _dropped(keep: Sequence[bool], n: int) -> tuple[int, ...]:
@@ -618,10 +647,12 @@ def run_kernel(
     positions: tuple[int, ...] = (),
     threads: int | None = None,
     dropped: tuple[int, ...] = (),
+    heads: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor | None] | None:
     """Run a READY entry's kernel into fresh outputs, or None where its params do not fit;
     on ``threads`` threads at most (default ``torch.get_num_threads()``). ``dropped``: the
     leaves the entry was built not to store (its ``_Call.dropped``): None in their place.
+    ``heads``: contiguous carry-in elements, one per leaf (see :func:`kernel_scan`).
 
     Inputs are read in place through their strides where :func:`strided_view` can
     describe them (no copy); the outputs are fresh and contiguous, as torch's own scans
@@ -654,7 +685,11 @@ def run_kernel(
         xs, nb, strides = read, 1, [steps * inner, 0, inner, 1] * len(read)
     threads = torch.get_num_threads() if threads is None else min(threads, torch.get_num_threads())
     written = [y for y in ys if y is not None] if dropped else ys
-    kernel(*xs, *written, *params, outer, steps, inner, int(reverse), threads, nb, *strides)
+    if heads is None:
+        at = (0,) * len(read)
+    else:  # the tensors stay alive in `heads` while the kernel reads them
+        at = tuple([h.data_ptr() for k, h in enumerate(heads) if k not in positions])
+    kernel(*xs, *written, *params, outer, steps, inner, int(reverse), threads, nb, *strides, *at)
     return ys
 
 
