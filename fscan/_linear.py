@@ -331,7 +331,7 @@ def _solve(
     """
     n = b.shape[dim]
     a = a.expand(*(n if i == dim else s for i, s in enumerate(a.shape)))  # stride 0 if constant
-    if initial is None and mask is None and (h := _kernel_solve(a, b, dim, reverse)) is not None:
+    if mask is None and (h := _kernel_solve(a, b, dim, reverse, initial)) is not None:
         return h if out is None else out.copy_(h)
     chunk = _chunk_size(n)
     if chunk is not None:
@@ -340,12 +340,20 @@ def _solve(
     return h if out is None else out.copy_(h)
 
 
-def _kernel_solve(a: torch.Tensor, b: torch.Tensor, dim: int, reverse: bool) -> torch.Tensor | None:
+def _kernel_solve(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    dim: int,
+    reverse: bool,
+    initial: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """The recurrence by fscan's compiled C++ kernel (fscan.engine.cpu_kernel) where it is
     built and wins: no gradient wanted, one float dtype, enough elements, leaves of one
     shape after broadcasting. A broadcast gate is expanded to ``b``'s shape (a view:
     stride 0) and read in place, at any size: with only ``h`` stored, the kernel beat
-    the chunked walk at (16384, 512) for (T, 1) and (1, C) gates (docs/linear.md)."""
+    the chunked walk at (16384, 512) for (T, 1) and (1, C) gates (docs/linear.md).
+    ``initial`` enters as the kernel's carry-in: the first step's pair becomes
+    ``(a_0, a_0 initial + b_0)``, read in place of the leaves' (no copy of them)."""
     from ._ops import KERNEL_MIN_NUMEL
     from .engine.cpu_kernel import kernel_scan
 
@@ -353,9 +361,16 @@ def _kernel_solve(a: torch.Tensor, b: torch.Tensor, dim: int, reverse: bool) -> 
         return None
     if a.shape != b.shape:
         a = a.expand(b.shape)  # `a` broadcasts to `b` (checked on entry)
+    head = None
+    if initial is not None:
+        if initial.requires_grad and torch.is_grad_enabled():  # the walk's ops carry it
+            return None
+        first = b.shape[dim] - 1 if reverse else 0
+        a0, b0 = a.select(dim, first), b.select(dim, first)
+        head = [a0, torch.addcmul(b0, a0, initial).expand(b0.shape)]
     # Only h is kept: the gate products are neither allocated nor stored (half the
     # writes, and the page faults of a fresh output).
-    out = kernel_scan(_API, _compose, _PAIR, [a, b], dim, reverse, keep=_KEEP_H)
+    out = kernel_scan(_API, _compose, _PAIR, [a, b], dim, reverse, keep=_KEEP_H, head=head)
     return None if out is None else out[1]
 
 

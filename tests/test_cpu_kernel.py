@@ -733,6 +733,35 @@ def test_linear_recurrence_reads_broadcast_gates_in_place(gate, reverse, monkeyp
     assert torch.equal(a, before_a) and torch.equal(b, before_b)
 
 
+@needs_compiler
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("gate", [(600, 64), (1, 64)], ids=["dense", "(1,C)"])
+def test_linear_recurrence_initial_is_the_kernels_carry_in(gate, reverse, monkeypatch):
+    """initial= rides on the kernel (its carry-in: no copy of the leaves) and equals the
+    walk's result; with gradients wanted it takes the walk, which carries them."""
+    from fscan import _linear
+
+    a = torch.rand(gate, dtype=torch.float64) * 0.5 + 0.5
+    b = torch.randn(600, 64, dtype=torch.float64)
+    h0 = torch.randn(64, dtype=torch.float64)
+    served = []
+    solve = _linear._kernel_solve
+    monkeypatch.setattr(
+        _linear, "_kernel_solve", lambda *args: served.append(solve(*args)) or served[-1]
+    )
+    with torch.no_grad():
+        out = fscan.linear_recurrence(a, b, 0, reverse=reverse, initial=h0)
+    assert served[-1] is not None
+    grad_h0 = h0.clone().requires_grad_()
+    fscan.linear_recurrence(a, b, 0, reverse=reverse, initial=grad_h0).sum().backward()
+    monkeypatch.setattr(_linear, "_kernel_solve", lambda *args: None)
+    walk_h0 = h0.clone().requires_grad_()
+    ref = fscan.linear_recurrence(a, b, 0, reverse=reverse, initial=walk_h0)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref.detach())
+    torch.testing.assert_close(grad_h0.grad, walk_h0.grad)
+
+
 # --- latency machinery ------------------------------------------------------------------
 
 
