@@ -14,7 +14,11 @@ vmapped call in generic mode); the fold costs one call on one element plus one
 copy of the leaves (the ``cat`` that swaps the first element), and it leaves
 the engines untouched, so every engine (tree, Triton, traced, segmented) sees
 an ordinary scan and autograd, ``torch.func``, ``vmap`` and ``torch.compile``
-carry gradients to ``initial`` through plain torch ops.
+carry gradients to ``initial`` through plain torch ops. Where the scan runs on
+the C++ kernel (no gradient wanted, no ``reset=``), the copy is skipped: the
+folded element (:func:`carried_heads`) is the kernel's carry-in, read in place
+of the first element (``fscan._routing.scan_flat``); every other route gets the
+fold (:func:`swap_heads`).
 
 Leaves of ``initial`` may be tensors of one element's shape or of a shape that
 broadcasts to it (e.g. ``(d,)`` for elements of shape ``(B, d)``: one state

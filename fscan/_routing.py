@@ -179,13 +179,15 @@ def scan_flat(
     at = where(leaves)
     route = pick_route(combine_fn, at, leaves, dim, combine_mode, found, entry)
     if route == "cpp":  # the kernel never calls combine_fn: no versions to compare
-        elements = None if head is None else _elements(head, leaves, dim)
-        if head is None or elements is not None:
-            out = kernel_scan(
-                api, combine_fn, spec, leaves, dim, reverse, found, entry, head=elements
-            )
-            if out is not None:
-                return out
+        if head is None:
+            out = kernel_scan(api, combine_fn, spec, leaves, dim, reverse, found, entry)
+        elif (elements := _elements(head, leaves, dim)) is not None:
+            args = (api, combine_fn, spec, leaves, dim, reverse, found, entry)
+            out = kernel_scan(*args, head=elements)
+        else:  # combine_fn changed the element's dtype or shape: the fold's cat decides
+            out = None
+        if out is not None:
+            return out
         route = "inplace"
     if head is not None:  # the fold: see fscan._carry
         leaves = swap_heads(leaves, head, dim, reverse)

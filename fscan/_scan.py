@@ -116,7 +116,9 @@ def associative_scan(
     found = reach(combine_fn)
     entry = knowledge(found, spec, combine_mode, leaves)
     validate_combine_fn(*args, combine_mode, validate, entry)
-    return unflatten(spec, scan_flat(*args, reverse, combine_mode, found, entry, head=heads))
+    if heads is None:
+        return unflatten(spec, scan_flat(*args, reverse, combine_mode, found, entry))
+    return unflatten(spec, scan_flat(*args, reverse, combine_mode, found, entry, heads))
 
 
 def _may_carry_in(leaves: list[torch.Tensor], heads: list[torch.Tensor]) -> bool:
