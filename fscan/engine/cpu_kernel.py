@@ -12,7 +12,10 @@ and requires_grad) and per pattern of which captured tensors are the same object
 Captured tensors are inputs of the kernel, read at every call. Leaves (and, in the
 backward, saved inputs, outputs and cotangents) are read through their strides where
 :func:`strided_view` can describe them, without a copy; outputs are fresh and
-contiguous, as torch's scans return them. The entries live
+contiguous, as torch's scans return them; outputs a caller drops (``keep=``)
+are neither allocated nor stored (a kernel per pattern of kept outputs, in the
+slot key), and a carry-in (``head=``: the first element in scan order, replaced)
+is a runtime argument of every forward kernel. The entries live
 in ``Knowledge.kernels``: bounded with the knowledge cache, cleared by
 ``fscan.clear_caches()``.
 
