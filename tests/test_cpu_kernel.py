@@ -762,6 +762,42 @@ def test_linear_recurrence_initial_is_the_kernels_carry_in(gate, reverse, monkey
     torch.testing.assert_close(grad_h0.grad, walk_h0.grad)
 
 
+@needs_compiler
+@pytest.mark.parametrize("reverse", [False, True])
+def test_linear_recurrence_backward_adjoint_rides_on_the_carry_in(reverse, monkeypatch):
+    """The backward's adjoint recurrence starts from a carried-in state (the last
+    cotangent): it now runs on the kernel's carry-in, with the walk's gradients."""
+    from fscan import _linear
+
+    def grads(kernel: bool):
+        a = (torch.rand(600, 64, dtype=torch.float64) * 0.5 + 0.5).requires_grad_()
+        b = torch.randn(600, 64, dtype=torch.float64).requires_grad_()
+        with torch.random.fork_rng():
+            torch.manual_seed(1)
+            a.data.copy_(torch.rand(600, 64, dtype=torch.float64) * 0.5 + 0.5)
+            b.data.copy_(torch.randn(600, 64, dtype=torch.float64))
+            w = torch.randn(600, 64, dtype=torch.float64)
+        served.clear()
+        if not kernel:
+            monkeypatch.setattr(_linear, "_kernel_solve", lambda *args: None)
+        (fscan.linear_recurrence(a, b, 0, reverse=reverse) * w).sum().backward()
+        return a.grad, b.grad
+
+    served: list[bool] = []
+    solve = _linear._kernel_solve
+    monkeypatch.setattr(
+        _linear,
+        "_kernel_solve",
+        lambda *args: (
+            served.append(args[4] is not None and solve(*args) is not None) or solve(*args)
+        ),
+    )
+    got = grads(True)
+    assert any(served), "the adjoint did not run on the kernel's carry-in"
+    ref = grads(False)
+    torch.testing.assert_close(got, ref)
+
+
 # --- latency machinery ------------------------------------------------------------------
 
 
