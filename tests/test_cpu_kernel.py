@@ -770,13 +770,10 @@ def test_linear_recurrence_backward_adjoint_rides_on_the_carry_in(reverse, monke
     from fscan import _linear
 
     def grads(kernel: bool):
-        a = (torch.rand(600, 64, dtype=torch.float64) * 0.5 + 0.5).requires_grad_()
-        b = torch.randn(600, 64, dtype=torch.float64).requires_grad_()
-        with torch.random.fork_rng():
-            torch.manual_seed(1)
-            a.data.copy_(torch.rand(600, 64, dtype=torch.float64) * 0.5 + 0.5)
-            b.data.copy_(torch.randn(600, 64, dtype=torch.float64))
-            w = torch.randn(600, 64, dtype=torch.float64)
+        gen, d = torch.Generator().manual_seed(1), torch.float64
+        a = (torch.rand(600, 64, generator=gen, dtype=d) * 0.5 + 0.5).requires_grad_()
+        b = torch.randn(600, 64, generator=gen, dtype=d).requires_grad_()
+        w = torch.randn(600, 64, generator=gen, dtype=d)
         served.clear()
         if not kernel:
             monkeypatch.setattr(_linear, "_kernel_solve", lambda *args: None)
