@@ -1335,3 +1335,15 @@ def test_keep_must_name_each_leaf_and_keep_one():
     for keep in [(True,), (False, False), (True, True, True)]:
         with pytest.raises(ValueError, match="keep must hold one bool per leaf"):
             kernel_scan("t", linrec, spec, leaves, 0, False, keep=keep)
+
+
+def test_the_benchmark_calls_the_bare_kernel_with_its_current_signature():
+    """``python -m fscan`` and ``fscan.bench.kernel`` time the READY kernel through its own
+    argument list; a kernel signature change must not break the main job."""
+    from fscan.bench.kernel import _add, _bare_kernel, _linrec
+
+    x = torch.randn(300, 8)
+    for fn, xs in [(_add, x), (_linrec, (torch.rand(300, 8), x))]:
+        run = _bare_kernel(fn, xs)
+        assert run is not None
+        run()

@@ -87,14 +87,15 @@ def _bare_kernel(fn, xs) -> Callable[[], object] | None:
     lookup = cpu_kernel._lookup(fn, spec, leaves, None, None)
     assert lookup is not None
     holder, aliases, _ = lookup
-    key = (aliases, tuple(leaves[0].shape[1:]), (), False, False)  # _Call.slot: the forward
+    key = (aliases, tuple(leaves[0].shape[1:]), (), (), False, False)  # _Call.slot: the forward
     entry = cpu_kernel._slots(holder).get(key)
     shape = leaves[0].shape
     outer, steps, inner = 1, shape[0], int(torch.tensor(shape[1:]).prod().item())
     ys = [torch.empty_like(x) for x in leaves]
     xs, nb, strides = cpu_kernel.strided_view(leaves, 0)
     threads = torch.get_num_threads()
-    return lambda: entry.kernel(*xs, *ys, outer, steps, inner, 0, threads, nb, *strides)
+    heads = (0,) * len(xs)  # no carry-in
+    return lambda: entry.kernel(*xs, *ys, outer, steps, inner, 0, threads, nb, *strides, *heads)
 
 
 def _ratio(t: float | None, base: float) -> str:
