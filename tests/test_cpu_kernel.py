@@ -1342,8 +1342,12 @@ def test_the_benchmark_calls_the_bare_kernel_with_its_current_signature():
     argument list; a kernel signature change must not break the main job."""
     from fscan.bench.kernel import _add, _bare_kernel, _linrec
 
-    x = torch.randn(300, 8)
-    for fn, xs in [(_add, x), (_linrec, (torch.rand(300, 8), x))]:
-        run = _bare_kernel(fn, xs)
-        assert run is not None
-        run()
+    a, x = torch.rand(300, 8), torch.randn(300, 8)
+    run = _bare_kernel(_add, x)
+    assert run is not None
+    torch.testing.assert_close(run()[0], x.cumsum(0))
+    run = _bare_kernel(_linrec, (a, x))
+    assert run is not None
+    expected = oracle(_linrec, (a, x), 0, False)
+    for got, want in zip(run(), optree.tree_leaves(expected)):
+        torch.testing.assert_close(got, want.float())

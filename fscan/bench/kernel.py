@@ -78,8 +78,9 @@ COMBINES: dict[str, tuple[Callable[[Any, Any], Any], Callable[..., Any] | None]]
 SHAPES = [(16384, 1024), (4096, 256), (1024, 8, 64), (2**20,), (64,)]
 
 
-def _bare_kernel(fn, xs) -> Callable[[], object] | None:
-    """The READY kernel's own call into preallocated outputs, or None if it does not serve."""
+def _bare_kernel(fn, xs) -> Callable[[], list[torch.Tensor]] | None:
+    """The READY kernel's own call into preallocated outputs (which it returns), or None if
+    it does not serve."""
     leaves, spec = optree.tree_flatten(xs)
     with torch.no_grad():
         if cpu_kernel.kernel_scan("bench", fn, spec, leaves, 0, False) is None:
@@ -95,7 +96,12 @@ def _bare_kernel(fn, xs) -> Callable[[], object] | None:
     xs, nb, strides = cpu_kernel.strided_view(leaves, 0)
     threads = torch.get_num_threads()
     heads = (0,) * len(xs)  # no carry-in
-    return lambda: entry.kernel(*xs, *ys, outer, steps, inner, 0, threads, nb, *strides, *heads)
+
+    def run() -> list[torch.Tensor]:
+        entry.kernel(*xs, *ys, outer, steps, inner, 0, threads, nb, *strides, *heads)
+        return ys
+
+    return run
 
 
 def _ratio(t: float | None, base: float) -> str:
