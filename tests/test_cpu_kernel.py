@@ -8,8 +8,10 @@ fallback tests still run.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
+from collections.abc import Iterator
 
 import optree
 import pytest
@@ -103,6 +105,17 @@ COMBINES = {
 }
 
 
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` inside the block, restored after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def oracle(fn, xs, dim: int, reverse: bool):
     """Sequential scan, floats in float64 (ints and bools as they are)."""
     leaves, spec = optree.tree_flatten(xs)
@@ -174,12 +187,8 @@ def test_kernel_matches_oracle(name, length, other, dim_pick, reverse, threads, 
     if length * other > 20000 and name in ("mixed", "small_ints"):
         shape[dim] = 40  # the oracle loop is slow; lengths near chunk edges come from others
     xs = _leaves(name, tuple(shape), torch.Generator().manual_seed(seed))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         out = run_kernel(name, xs, dim, reverse)
-    finally:
-        torch.set_num_threads(previous)
     assert_close_to(out, oracle(fn, xs, dim, reverse), name)
 
 
@@ -188,15 +197,11 @@ def test_kernel_matches_oracle(name, length, other, dim_pick, reverse, threads, 
 @pytest.mark.parametrize("shape,dim", [((70001,), 0), ((3, 9001), 1), ((9001, 3), 0)])
 def test_long_chunked_scans_match_torch(shape, dim, threads):
     x = torch.randn(shape, dtype=torch.float64)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         for reverse in (False, True):
             (out,) = run_kernel("add", x, dim, reverse)
             ref = x.flip(dim).cumsum(dim).flip(dim) if reverse else x.cumsum(dim)
             torch.testing.assert_close(out, ref)
-    finally:
-        torch.set_num_threads(previous)
 
 
 @needs_compiler
@@ -464,13 +469,9 @@ def _gate_inputs(shape, gen, dtype):
 
 
 def _gate_grads(xs, w, u, dim: int, reverse: bool, cots, threads: int):
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with num_threads(threads):
         out = _through_kernel(make_gate(w, u), xs, dim, reverse)
         return torch.autograd.grad(out, (*xs, w, u), cots)
-    finally:
-        torch.set_num_threads(before)
 
 
 def _assert_gate_matches_oracle(got, xs, w, u, dim, reverse, cots, tol):
@@ -657,13 +658,8 @@ def test_cummax_cummin_kernel_indices_and_ties_match_torch(
     shape[dim] = length
     x = _ties_and_nans(tuple(shape), dtype, torch.Generator().manual_seed(seed))
     combine, spec, leaves, positions = _ops._kernel_call(op, x)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.no_grad():
-            out = kernel_scan("test", combine, spec, leaves, dim, reverse, positions=positions)
-    finally:
-        torch.set_num_threads(previous)
+    with num_threads(threads), torch.no_grad():
+        out = kernel_scan("test", combine, spec, leaves, dim, reverse, positions=positions)
     assert out is not None
     values, indices = _ops._native_extremum(op, tuple, x, dim, reverse)
     torch.testing.assert_close(out[0], values, equal_nan=True, rtol=0, atol=0)
@@ -934,16 +930,12 @@ def test_threads_caps_the_kernel_threads():
     of a 1-D scan, and so its float64 rounding, follows the thread count)."""
     x = torch.randn(2**17, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     leaves, spec = optree.tree_flatten(x)
-    previous = torch.get_num_threads()
-    try:
-        with torch.no_grad():
-            torch.set_num_threads(1)
+    with torch.no_grad():
+        with num_threads(1):
             (alone,) = kernel_scan("t", torch.add, spec, leaves, 0, False)
-            torch.set_num_threads(2)
+        with num_threads(2):
             (capped,) = kernel_scan("t", torch.add, spec, leaves, 0, False, threads=1)
             (two,) = kernel_scan("t", torch.add, spec, leaves, 0, False)
-    finally:
-        torch.set_num_threads(previous)
     assert torch.equal(capped, alone)
     assert not torch.equal(two, alone)  # the thread count shows: the check above can fail
 
@@ -998,9 +990,7 @@ def test_strided_leaves_are_read_in_place(layout, threads):
     x, dim = _layouts(gen)[layout]
     b = torch.randn(x.shape, generator=gen, dtype=torch.float64)
     before_x, before_b = x.clone(), b.clone()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         for reverse in (False, True):
             copies = _copies()
             (out,) = run_kernel("add", x, dim, reverse)
@@ -1013,8 +1003,6 @@ def test_strided_leaves_are_read_in_place(layout, threads):
                 ref = fscan.associative_scan(add, x, dim, reverse=reverse)
             torch.testing.assert_close(out, ref)
             _assert_fresh([out, *pair], [x, b])
-    finally:
-        torch.set_num_threads(previous)
     assert torch.equal(x, before_x) and torch.equal(b, before_b)
 
 
@@ -1037,17 +1025,13 @@ def _flat(xs):
 def test_long_strided_scans_split_steps_without_a_copy(make, dim, threads):
     """Strided leaves through the reduce-then-scan paths (chunks of >= 2048 steps)."""
     x = make(torch.Generator().manual_seed(8))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         for reverse in (False, True):
             copies = _copies()
             (out,) = run_kernel("add", x, dim, reverse)
             assert _copies() == copies
             ref = x.flip(dim).cumsum(dim).flip(dim) if reverse else x.cumsum(dim)
             torch.testing.assert_close(out, ref)
-    finally:
-        torch.set_num_threads(previous)
 
 
 @needs_compiler
@@ -1162,14 +1146,10 @@ def test_random_views_match_the_oracle(sizes, data, reverse, threads):
         x = x.expand(*[9 if d == grow else n for d, n in enumerate(x.shape)])
     dim = data.draw(st.integers(-ndim, ndim - 1))
     before = x.clone()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         (out,) = run_kernel("add", x, dim, reverse)
         with torch.no_grad():
             pair = kernel_scan("t", linrec, *_flat((x, x.flip(dim))), dim, reverse)
-    finally:
-        torch.set_num_threads(previous)
     assert_close_to([out], oracle(add, x, dim, reverse), "view")
     assert_close_to(pair, oracle(linrec, (x, x.flip(dim)), dim, reverse), "view pair")
     assert torch.equal(x, before)
