@@ -88,7 +88,7 @@ def _bare_kernel(fn, xs) -> Callable[[], list[torch.Tensor]] | None:
     lookup = cpu_kernel._lookup(fn, spec, leaves, None, None)
     assert lookup is not None
     holder, aliases, _ = lookup
-    key = (aliases, tuple(leaves[0].shape[1:]), (), (), False, False)  # _Call.slot: the forward
+    key = cpu_kernel.slot_key(aliases, tuple(leaves[0].shape[1:]), (), (), False, False)
     entry = cpu_kernel._slots(holder).get(key)
     shape = leaves[0].shape
     outer, steps, inner = 1, shape[0], int(torch.tensor(shape[1:]).prod().item())

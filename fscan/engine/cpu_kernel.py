@@ -93,6 +93,7 @@ __all__ = [
     "kernel_ready",
     "kernel_scan",
     "precompile",
+    "slot_key",
     "strided_view",
 ]
 
@@ -132,6 +133,20 @@ class Entry:
 _logged: set[str] = set()
 
 
+def slot_key(
+    aliases: Hashable,
+    element: tuple[int, ...],
+    positions: tuple[int, ...],
+    dropped: tuple[int, ...],
+    backward: bool,
+    param_grads: bool,
+) -> Hashable:
+    """The key of a kernel entry within its knowledge entry: the generated source depends
+    on all of it (and on the knowledge entry's key), on no length, dim, layout or thread
+    count. The one place that spells it (lookups of READY entries build it directly)."""
+    return (aliases, element, positions, dropped, backward, param_grads)
+
+
 class _Call(NamedTuple):
     """What a build needs from the call that triggered it (a NamedTuple: made on every
     call, and a frozen dataclass costs ~2 us to make)."""
@@ -145,10 +160,8 @@ class _Call(NamedTuple):
     dropped: tuple[int, ...] = ()  # leaves whose outputs are not stored (the caller drops them)
 
     def slot(self, aliases: Hashable, backward: bool, param_grads: bool = False) -> Hashable:
-        """The key of this call's kernel entry within its knowledge entry: the source
-        depends on all of it (and on the knowledge entry's key), on no length, dim,
-        layout or thread count."""
-        return (aliases, self.element, self.positions, self.dropped, backward, param_grads)
+        """This call's :func:`slot_key`."""
+        return slot_key(aliases, self.element, self.positions, self.dropped, backward, param_grads)
 
 
 def kernel_scan(
@@ -205,7 +218,7 @@ def kernel_scan(
         _log_once("combine_fn captures tensors that require grad: the autograd engine runs")
         return None
     element = _element(leaves, dim)
-    kernel = _slots(holder).get((aliases, element, positions, dropped, False, False))  # slot
+    kernel = _slots(holder).get(slot_key(aliases, element, positions, dropped, False, False))
     if not _is_ready(kernel):  # counted, built or queued
         dtypes = tuple([x.dtype for x in leaves])
         call = _Call(combine_fn, spec, dtypes, element, captured, positions, dropped)
@@ -877,8 +890,8 @@ def kernel_grad_scan(
     needing = tuple([t for t in captured if t.requires_grad])
     element = _element(leaves, dim)
     slots = _slots(holder)
-    forward = slots.get((aliases, element, (), (), False, False))  # _Call.slot, as below
-    backward = slots.get((aliases, element, (), (), True, bool(needing)))
+    forward = slots.get(slot_key(aliases, element, (), (), False, False))
+    backward = slots.get(slot_key(aliases, element, (), (), True, bool(needing)))
     if not (_is_ready(forward) and _is_ready(backward)):  # counted, built or queued
         dtypes = tuple([x.dtype for x in leaves])
         call = _Call(combine_fn, spec, dtypes, element, captured)
