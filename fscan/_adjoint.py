@@ -22,13 +22,14 @@ all steps at once, in the backward. ``reverse=True`` mirrors every direction.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import optree
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from . import _compiled
+from ._affine import Entry, affine_combine
 from ._combine import FlatCombine
 from ._generic import scan_along, scan_functional_along
 from ._knowledge import Reach, knowledge
@@ -39,8 +40,6 @@ __all__ = ["CHUNK_ELEMENTS", "PointwiseScan", "ScanPlan", "jacobian_blocks"]
 # for the temporaries to stay in cache and be reused by the allocator (large
 # fresh tensors cost page faults on CPU), large enough for per-call overhead to vanish.
 CHUNK_ELEMENTS = 2**18
-
-Entry = tuple[int, int]  # (row, column) of a per-position L x L block
 
 
 class ScanPlan(NamedTuple):
@@ -449,7 +448,7 @@ def _adjoint_scan(
     zero = torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
     ms = [blocks.pop(e) if e in blocks else zero for e in pattern]
     del like
-    combine = _affine_combine(pattern, len(gs))
+    combine = affine_combine(pattern, len(gs))
     leaves = [*ms, *gs]
     key = ("fscan adjoint", tuple(pattern), len(gs))  # all that `combine` depends on
     out = None if create_graph else _on_compiled_kernel(combine, key, leaves, not reverse)
@@ -494,51 +493,3 @@ def _is_scalar_identity(blocks: dict[Entry, torch.Tensor], n: int) -> bool:
         return False
     first = blocks[(0, 0)]
     return all(torch.equal(first, blocks[e]) for e in diagonal[1:])
-
-
-def _affine_combine(pattern: list[Entry], n: int) -> FlatCombine:
-    """Compose ``v -> g + M v`` maps, ``acc`` applied first: ``(Mi Ma, gi + Mi ga)``.
-
-    Leaves are the block entries in ``pattern`` order, then the ``n`` vectors.
-    A lone entry ``(0, 0)`` with ``n > 1`` stands for ``m * I``.
-    """
-    size = len(pattern)
-    if pattern == [(0, 0)] and n > 1:
-        m_terms = [[(0, 0)]]
-        g_terms = [[(0, j)] for j in range(n)]
-    else:
-        index = {e: p for p, e in enumerate(pattern)}
-        m_terms = [
-            [
-                (index[(j, m)], index[(m, k)])
-                for m in range(n)
-                if (j, m) in index and (m, k) in index
-            ]
-            for j, k in pattern
-        ]
-        g_terms = [[(index[(j, m)], m) for m in range(n) if (j, m) in index] for j in range(n)]
-
-    def combine(acc: Sequence[torch.Tensor], elem: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        ma, ga, mi, gi = acc[:size], acc[size:], elem[:size], elem[size:]
-        ms = [_sum_of_products(None, mi, ma, terms) for terms in m_terms]
-        gs = [_sum_of_products(gi[j], mi, ga, terms) for j, terms in enumerate(g_terms)]
-        return [*ms, *gs]
-
-    return combine
-
-
-def _sum_of_products(
-    start: torch.Tensor | None,
-    lhs: Sequence[torch.Tensor],
-    rhs: Sequence[torch.Tensor],
-    terms: list[tuple[int, int]],
-) -> torch.Tensor:
-    """``start + sum(lhs[a] * rhs[b] for a, b in terms)`` with fused multiply-adds.
-
-    ``terms`` is never empty when ``start`` is None: an entry of a closed
-    pattern is always the product of two entries.
-    """
-    total = start
-    for a, b in terms:
-        total = lhs[a] * rhs[b] if total is None else torch.addcmul(total, lhs[a], rhs[b])
-    return cast(torch.Tensor, total)

@@ -14,6 +14,9 @@ scan in a generic ``combine_fn``)             engine, traced (no HOP can run the
 export, pointwise                             ``associative_scan`` HOP (*)
 export, generic                               sequential ``scan`` HOP
 compile, pointwise, CUDA/XPU, grad mode off   ``associative_scan`` HOP: Triton scan
+compile, pointwise, CUDA/XPU, grad mode on    ``adjoint``: the HOP without a tape, and
+                                              the adjoint scan, a HOP too, for the
+                                              gradient (:mod:`fscan._traced_adjoint`)
 compile, anything else                        blocked scan around a ``while_loop``
 ============================================  =====================================
 
@@ -26,7 +29,8 @@ Why not the HOP everywhere: Inductor lowers it only where it has scan codegen
 (CUDA/XPU; on CPU the compile fails), and the HOP's autograd treats each leaf
 on its own, which is wrong as soon as ``combine_fn`` mixes leaves (for the
 linear recurrence ``(a1, b1), (a2, b2) -> (a1 a2, a2 b1 + b2)`` the gradient of
-``a`` comes out wrong) and it rejects gradients for closed-over tensors.
+``a`` comes out wrong) and it drops gradients for closed-over tensors: the
+``adjoint`` route runs it without a tape and differentiates around it.
 
 The blocked scan is plain tensor code: autograd, closures and both modes work.
 It scans blocks of ``BLOCK`` steps with a fixed, unrolled loop, scans the block
@@ -67,7 +71,8 @@ from ._combine import FlatCombine, check_combine_output, flat_combine
 from ._generic import scan_functional
 from ._knowledge import reach
 from ._pytree import unflatten
-from ._workarounds import prepare_loop_backward
+from ._traced_adjoint import adjoint_traced_scan
+from ._workarounds import prepare_loop_backward, quiet_function_contexts
 
 __all__ = [
     "BLOCK",
@@ -79,6 +84,7 @@ __all__ = [
     "doubling_scan",
     "hop_combine",
     "hop_scan",
+    "hop_scan_flat",
     "in_functorch_transform",
     "sequential_scan",
     "spec_source",
@@ -122,8 +128,13 @@ def traced_scan(
         xs = [x.flip(0) for x in xs]
     route = traced_route(combine_fn, xs, combine_mode)
     spec_of = spec_source(spec)
+    make = lambda operands: flat_combine(api, combine_fn, spec_of(operands), combine_mode)
     if route == "hop":
         ys = hop_scan(api, combine_fn, spec_of, xs)
+    elif route == "adjoint":
+        if torch.compiler.is_dynamo_compiling():  # it traces an autograd.Function: see there
+            quiet_function_contexts()
+        ys = adjoint_traced_scan(make, xs, hop_scan_flat)
     elif route == "sequential":
         ys = sequential_scan(api, combine_fn, spec_of, xs)
     elif route == "unrolled":
@@ -132,7 +143,6 @@ def traced_scan(
         if torch.is_grad_enabled() and torch.compiler.is_dynamo_compiling():
             # torch bugs in the while_loop's backward: see fscan._workarounds
             prepare_loop_backward()
-        make = lambda operands: flat_combine(api, combine_fn, spec_of(operands), combine_mode)
         ys = blocked_scan(make, xs)
     if reverse:
         ys = [y.flip(0) for y in ys]
@@ -142,7 +152,8 @@ def traced_scan(
 def traced_route(
     combine_fn: Callable[[Any, Any], Any], xs: Sequence[torch.Tensor], combine_mode: str
 ) -> str:
-    """``"hop"``, ``"sequential"``, ``"unrolled"`` or ``"blocked"``: the module doc's table."""
+    """``"hop"``, ``"adjoint"``, ``"sequential"``, ``"unrolled"`` or ``"blocked"``: the module
+    doc's table."""
     if in_functorch_transform():
         return "unrolled"
     if torch.compiler.is_exporting():
@@ -153,8 +164,9 @@ def traced_route(
         if torch.compiler.is_dynamo_compiling() or not reach(combine_fn).tensors:
             return "hop"
         return "blocked"
-    codegen = xs[0].device.type in CODEGEN_DEVICES and not torch.is_grad_enabled()
-    return "hop" if combine_mode == "pointwise" and codegen else "blocked"
+    if combine_mode == "generic" or xs[0].device.type not in CODEGEN_DEVICES:
+        return "blocked"
+    return "adjoint" if torch.is_grad_enabled() else "hop"
 
 
 def in_functorch_transform() -> bool:
@@ -197,6 +209,24 @@ def hop_scan(
 ) -> list[torch.Tensor]:
     """torch's ``associative_scan`` higher-order op over ``xs`` along dimension 0."""
     return list(associative_scan_op(hop_combine(api, combine_fn, spec_of), list(xs), ()))
+
+
+def hop_scan_flat(
+    make_combine: Callable[[Sequence[torch.Tensor]], FlatCombine], xs: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """:func:`hop_scan` for a flat combine: ``make_combine(operands)`` gives it in the
+    HOP's trace (the convention of :func:`blocked_scan`).
+
+    Example:
+        >>> hop_scan_flat(lambda operands: lambda a, b: [a[0] * b[0]], [torch.arange(1.0, 5.0)])
+        [tensor([ 1.,  2.,  6., 24.])]
+    """
+
+    def flat(*operands: torch.Tensor) -> list[torch.Tensor]:
+        half = len(operands) // 2
+        return list(make_combine(operands[:half])(operands[:half], operands[half:]))
+
+    return list(associative_scan_op(flat, list(xs), ()))
 
 
 def hop_combine(

@@ -221,6 +221,9 @@ def quiet_function_contexts() -> bool:
     return _patch_once(SideEffects, "track_object_new", _QUIET_MARK, quieted)
 
 
+quiet_function_contexts._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def _patch_once(
     owner: type, name: str, mark: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
 ) -> bool:

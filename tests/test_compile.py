@@ -151,7 +151,8 @@ def fake_leaf(device):
     [
         ("cuda", False, "pointwise", "hop"),  # Inductor's Triton scan
         ("xpu", False, "pointwise", "hop"),
-        ("cuda", True, "pointwise", "blocked"),  # the HOP's autograd is wrong
+        ("cuda", True, "pointwise", "adjoint"),  # the HOP without a tape, and its adjoint
+        ("xpu", True, "pointwise", "adjoint"),
         ("cuda", False, "generic", "blocked"),
         ("cpu", False, "pointwise", "blocked"),  # no scan codegen on CPU
         ("cpu", True, "generic", "blocked"),
@@ -191,9 +192,9 @@ def test_the_traced_algorithms_run_eagerly_too(scan, n):
 
 
 def test_canary_torch_hop_autograd_is_wrong_when_leaves_mix():
-    """Why differentiable traced calls avoid torch's associative_scan HOP. If this
-    starts failing, torch fixed the HOP's autograd, and fscan._traced.traced_route
-    could send differentiable CUDA calls to the Triton kernel too."""
+    """Why differentiable traced calls never let torch's associative_scan HOP record a
+    tape (fscan._traced_adjoint differentiates around it). If this starts failing,
+    torch fixed the HOP's autograd for leaves that mix (closures are still dropped)."""
     from torch._higher_order_ops.associative_scan import associative_scan_op
 
     a = torch.rand(6, 3, dtype=torch.float64, requires_grad=True)

@@ -308,13 +308,39 @@ def test_cuda_backward_recurrence_on_triton(reverse):
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # from Inductor's own imports
 @pytest.mark.parametrize("grad", [False, True])
 def test_cuda_torch_compile_fullgraph(grad):
-    # Without grad the traced scan is the HOP (a Triton kernel); with it, the blocked scan.
+    # Without grad the traced scan is the HOP (a Triton kernel); with it, the HOP without a
+    # tape and the adjoint scan, a HOP too, for the backward (fscan._traced_adjoint).
     fn = lambda a, b: fscan.associative_scan(linear_recurrence, (a, b), 1, reverse=True)[1]
     compiled = torch.compile(fn, fullgraph=True)
     for n in (100, 1000):
         a, b = torch.rand(4, n, device="cuda"), torch.randn(4, n, device="cuda")
         with torch.set_grad_enabled(grad):
             assert_trees_close(compiled(a, b), fn(a, b), rtol=1e-4, atol=1e-4)
+
+
+@on_cuda
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # from Inductor's own imports
+def test_cuda_torch_compile_gradients_run_on_triton_scans():
+    """Compile with grad: forward and backward are Triton scans, no ``while_loop``; the
+    gradients of leaves that mix and of a closed-over tensor match eager."""
+    w = torch.tensor(1.01, device="cuda", requires_grad=True)
+    op = lambda x, y: (x[0] * y[0] * w, y[0] * w * x[1] + y[1])  # gates a * w: associative
+    fn = lambda a, b: fscan.associative_scan(op, (a, b), 1)[1]
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return torch._inductor.compile_fx.compile_fx(gm, inputs)
+
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    a = torch.rand(4, 1000, device="cuda", dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, 1000, device="cuda", dtype=torch.float64, requires_grad=True)
+    g = torch.randn(4, 1000, device="cuda", dtype=torch.float64)
+    got = torch.autograd.grad((compiled(a, b) * g).sum(), (a, b, w))
+    want = torch.autograd.grad((fn(a, b) * g).sum(), (a, b, w))
+    assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
+    code = "".join(str(gm.graph) for gm in graphs)
+    assert "associative_scan" in code and "while_loop" not in code
 
 
 @on_cuda
