@@ -14,8 +14,8 @@ scan in a generic ``combine_fn``)             engine, traced (no HOP can run the
 export, pointwise                             ``associative_scan`` HOP (*)
 export, generic                               sequential ``scan`` HOP
 compile, pointwise, CUDA/XPU, grad mode off   ``associative_scan`` HOP: Triton scan
-compile, pointwise, CUDA/XPU, grad mode on    ``adjoint``: the HOP without a tape, and
-                                              the adjoint scan, a HOP too, for the
+compile, pointwise, CUDA/XPU, grad mode on,  ``adjoint``: the HOP without a tape, and
+float leaves of one shape                     the adjoint scan, a HOP too, for the
                                               gradient (:mod:`fscan._traced_adjoint`)
 compile, anything else                        blocked scan around a ``while_loop``
 ============================================  =====================================
@@ -71,7 +71,7 @@ from ._combine import FlatCombine, check_combine_output, flat_combine
 from ._generic import scan_functional
 from ._knowledge import reach
 from ._pytree import unflatten
-from ._traced_adjoint import adjoint_traced_scan
+from ._traced_adjoint import adjoint_serves, adjoint_traced_scan
 from ._workarounds import prepare_loop_backward, quiet_function_contexts
 
 __all__ = [
@@ -166,7 +166,9 @@ def traced_route(
         return "blocked"
     if combine_mode == "generic" or xs[0].device.type not in CODEGEN_DEVICES:
         return "blocked"
-    return "adjoint" if torch.is_grad_enabled() else "hop"
+    if not torch.is_grad_enabled():
+        return "hop"
+    return "adjoint" if adjoint_serves(xs) else "blocked"
 
 
 def in_functorch_transform() -> bool:

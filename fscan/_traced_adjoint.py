@@ -34,6 +34,7 @@ Second derivatives through a compiled graph are refused by torch.compile itself
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -42,7 +43,7 @@ import torch
 from ._affine import affine_combine
 from ._combine import FlatCombine
 
-__all__ = ["Scan", "adjoint_traced_scan"]
+__all__ = ["Scan", "adjoint_serves", "adjoint_traced_scan"]
 
 # A length-polymorphic inclusive scan along dimension 0, ``scan(make_combine, leaves)``,
 # where ``make_combine(operands)`` gives the flat combine in the scan's own trace
@@ -78,6 +79,21 @@ def adjoint_traced_scan(
     blocks = _left_jacobian_blocks(combine, earlier, [x.detach() for x in later], floats)
     plan = _SeamPlan(len(xs), floats, scan)
     return list(_Seam.apply(plan, *ys, *steps, *blocks))
+
+
+def adjoint_serves(xs: Sequence[torch.Tensor]) -> bool:
+    """Whether the float leaves share one shape, so that each position has one ``L x L``
+    block (a leaf broadcast against another, e.g. a ``(T, 1)`` gate for ``(T, D)``
+    values, mixes positions of the wider one into one entry of the narrower).
+
+    Example:
+        >>> adjoint_serves([torch.ones(4, 2), torch.ones(4, 2), torch.ones(4, dtype=torch.int64)])
+        True
+        >>> adjoint_serves([torch.ones(4, 1), torch.ones(4, 2)])
+        False
+    """
+    shapes = [x.shape for x in xs if x.is_floating_point()]
+    return all(shape == shapes[0] for shape in shapes)
 
 
 def _left_jacobian_blocks(
@@ -153,11 +169,13 @@ def _total_cotangents(
     """``lam[t] = g[t] + J[t+1]^T lam[t+1]``, by a reverse scan of affine maps."""
     if all(g is None for g in grads):
         return [None] * len(grads)
-    gs = [torch.zeros_like(y) if g is None else g for y, g in zip(ys, grads)]
+    # One dtype for the whole recurrence (a scan's combine keeps its leaves' dtypes).
+    dtype = functools.reduce(torch.promote_types, [y.dtype for y in ys])
+    gs = [torch.zeros_like(y, dtype=dtype) if g is None else g.to(dtype) for y, g in zip(ys, grads)]
     # Position t of the adjoint takes the blocks of combine t + 1; the last has none.
-    padded = [torch.cat([m, m.new_zeros((1, *m.shape[1:]))]) for m in blocks]
+    padded = [torch.cat([m.to(dtype), m.new_zeros((1, *m.shape[1:]), dtype=dtype)]) for m in blocks]
     width = len(plan.floats)
     pattern = [(j, k) for j in range(width) for k in range(width)]
     combine = affine_combine(pattern, width, absorb_zeros=True)
     flipped = plan.scan(lambda operands: combine, [t.flip(0) for t in (*padded, *gs)])
-    return [t.flip(0) for t in flipped[len(padded) :]]
+    return [t.flip(0).to(y.dtype) for t, y in zip(flipped[len(padded) :], ys)]

@@ -62,6 +62,30 @@ def test_the_route_table():
         assert _traced.traced_route(add, [leaf], "pointwise") == "hop"
 
 
+def test_leaves_of_other_shapes_take_the_blocked_scan():
+    """A (T, 1) gate broadcast against (T, D) values: no per-position block."""
+    a = (torch.rand(9, 1, dtype=F64) + 0.5).requires_grad_()
+    b = torch.randn(9, 4, dtype=F64, requires_grad=True)
+    with torch.enable_grad():
+        assert _traced.traced_route(linear_recurrence, [a, b], "pointwise") == "blocked"
+    (got, got_grads), (want, want_grads) = grads_against_the_loop(
+        linear_recurrence, (a, b), 0, False
+    )
+    assert_trees_close(got, want)
+    assert_trees_close(got_grads, want_grads)
+
+
+def test_mixed_float_dtypes():
+    a = (torch.rand(7, 3) + 0.5).requires_grad_()
+    b = torch.randn(7, 3, dtype=F64, requires_grad=True)
+    (got, got_grads), (want, want_grads) = grads_against_the_loop(
+        linear_recurrence, (a, b), 0, True
+    )
+    assert [t.dtype for t in got] == [torch.float32, F64]
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_grads, want_grads, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dim", [0, 1])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_leaves_that_mix(dim, reverse):
