@@ -1,5 +1,6 @@
-"""GPU benchmark: fscan's compiled pointwise scan against torch.cumsum, torch's own compiled
-``associative_scan`` and fscan generic, forward and forward+backward, with effective bandwidth.
+"""GPU benchmark: fscan's compiled pointwise scan (eager, and inside ``torch.compile``) against
+torch.cumsum, torch's own compiled ``associative_scan`` and fscan generic, forward and
+forward+backward, with effective bandwidth.
 
 Run as ``python -m fscan.bench.gpu`` (``scripts/gpu_check.sh`` does) on a machine with
 a CUDA device. Times are medians of CUDA-event timings after warm-up calls (which
@@ -23,7 +24,13 @@ __all__ = ["gpu_table"]
 
 # (name, shape, dim): the workloads of the issue.
 WORKLOADS = [("add", (2**24,), 0), ("add", (64, 4096, 256), 1), ("linrec", (8, 4096, 1024), 1)]
-CONTENDERS = ["fscan pointwise", "torch.cumsum", "torch compiled assoc_scan", "fscan generic"]
+CONTENDERS = [
+    "fscan pointwise",
+    "fscan in torch.compile",
+    "torch.cumsum",
+    "torch compiled assoc_scan",
+    "fscan generic",
+]
 
 
 def _linrec(x, y):
@@ -63,6 +70,9 @@ def _forward(name: str, contender: str, dim: int) -> Callable[[list[torch.Tensor
         return lambda leaves: as_list(
             fscan.associative_scan(combine, as_xs(leaves), dim, combine_mode="generic")
         )
+    if contender == "fscan in torch.compile":  # the HOP; with grad, its adjoint too
+        inside = torch.compile(lambda xs: fscan.associative_scan(combine, xs, dim), fullgraph=True)
+        return lambda leaves: as_list(inside(as_xs(leaves)))
     if contender == "torch.cumsum":
         return (lambda leaves: [torch.cumsum(leaves[0], dim)]) if name == "add" else None
     from torch._higher_order_ops.associative_scan import associative_scan
