@@ -86,8 +86,7 @@ def test_mixed_float_dtypes():
     assert_trees_close(got_grads, want_grads, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dim", [0, 1])
-@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize(("dim", "reverse"), [(0, False), (1, True)])
 def test_leaves_that_mix(dim, reverse):
     """Where torch's own HOP autograd is wrong (test_compile's canary)."""
     a = (torch.rand(9, 5, dtype=F64) + 0.5).requires_grad_()
@@ -118,7 +117,7 @@ def test_int_leaves_ride_along():
     assert_trees_close(got_grads, want_grads)
 
 
-@pytest.mark.parametrize("n", [1, 2, 37])
+@pytest.mark.parametrize("n", [1, 37])
 def test_lengths_and_float32(n):
     a = torch.rand(n, 4, requires_grad=True)
     b = torch.randn(n, 4, requires_grad=True)
