@@ -323,3 +323,15 @@ def test_solve_returns_its_out_written_in_place(monkeypatch):
     assert got is out and not copies
     assert base[0].isnan().all()
     torch.testing.assert_close(out, oracle(linrec, (a, b), 0, False)[1])
+
+
+@needs_compiler
+def test_the_copy_table_reports_the_kernel_backward():
+    """``python -m fscan.bench.linear``'s table of issue 11's backward bar runs, on the C++
+    kernel both ways, with ratios to the copy of the leaves."""
+    from fscan.bench.linear import copy_table
+
+    table = copy_table(quick=True)
+    ((label, cells),) = table.rows
+    assert label == "(256, 256)" and cells[-1] == "c++"
+    assert all(float(c) > 0 for c in cells[:-1])
