@@ -53,7 +53,7 @@ from ._checks import normalize_dim
 from ._errors import ScanTypeError
 from ._ops_parallel import LOGSUMEXP, PRODUCT, SUM, Accumulation, blocked_scan, extremum_scan
 from ._pytree import flatten
-from .engine.cpu_kernel import kernel_ready, kernel_scan
+from .engine.cpu_kernel import kernel_possible, kernel_ready, kernel_scan
 
 __all__ = [
     "cummax",
@@ -106,7 +106,16 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #   single lane (1-D) the chunked scan does the math twice: 0.8-1.1x, a tie, torch's.
 KERNEL_MIN_NUMEL = 2**15
 KERNEL_MIN_NUMEL_ONE_LANE = 2**20  # cumsum/cumprod over one lane: past the ties below
-_KERNEL_INNER = 8  # the kernel's lane path needs this many contiguous lanes after dim
+_KERNEL_INNER = 8  # the kernel's lane path needs this many lanes after dim
+# Not contiguous (the kernel reads strided inputs in place; torch's op walks each lane;
+# 1 thread, float32, /work/notes/dropins2.md): with >= 8 lanes after dim the kernel ran
+# 0.06-0.8x torch ((256, 4096).t() dim 0, x[:, ::2], x[::2], expanded lanes or steps, a
+# (B, T, C) view of (B, C, T) memory, channels-last over C). Over fewer (the innermost
+# dim), forward, it wins where torch's walk jumps pages: 0.3-0.8x at a stride of 4096
+# elements ((256, 4096).t() dim 1), 0.7-0.9x at 1024, a tie at 256 (0.86-1.15x), and
+# loses at strides 0-2 (1.0-1.7x; 1-D x[::2]: 1.45-2.3x). Reversed, torch copies twice
+# to flip: the kernel ran 0.3-0.8x over several lanes and one.
+KERNEL_MIN_STRIDE = 1024
 # Forward over a single lane (and < _KERNEL_INNER elements after dim), the kernel's
 # minimum size per op; the others stay torch's there (logcumsumexp: a tie).
 _ONE_LANE_KERNEL_FROM = {
@@ -168,28 +177,34 @@ def _route(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, boo
     """(:func:`kernel_wins`, :func:`parallel_wins`) for a drop-in of ``op`` on ``x``.
 
     The routing table (CPU, no ``torch.compile`` tracing; else always torch's op;
-    ``inner`` = the elements after ``dim``, ``n`` its length, ``stride`` its stride):
+    ``inner`` = the elements after ``dim``, ``n`` its length, ``stride`` its stride;
+    the kernel reads any layout in place, through its strides):
 
     ============================  ==========================  ===================
     call                          kernel (once compiled)      else
     ============================  ==========================  ===================
     numel < 2**15 (``MIN_NUMEL``)  never                       native
-    contiguous, no grad wanted,   inner >= 8: every op;       parallel if it
-    numel >= 2**15                inner < 8, several lanes:   wins, else native
-                                  logcumsumexp only;
-                                  one lane: cumsum/cumprod
-                                  from 2**20 elements, and
-                                  reversed: all but
-                                  logcumsumexp
-    not contiguous, or grad       never                       parallel if it
-    wanted                                                    wins, else native
+    no grad wanted,               inner >= 8: every op, any   parallel if it
+    numel >= 2**15                layout; inner < 8, several  wins, else native
+                                  lanes: logcumsumexp; the
+                                  others if not contiguous
+                                  and reversed or ``stride
+                                  >= 1024``; one lane:
+                                  reversed, all but
+                                  logcumsumexp; forward,
+                                  cumsum/cumprod if
+                                  contiguous, from 2**20
+    grad wanted                   never                       parallel if it
+                                                              wins, else native
     ============================  ==========================  ===================
 
     The parallel scan wins (:func:`parallel_wins`) at ``stride >= 64``, ``n >= 32``:
     logcumsumexp always, cumsum from ``stride >= 1024`` and a 16 MiB walk (``n *
     stride`` bytes), the others from a 16 MiB walk. Measurements: the comments above
-    the constants. :func:`_native_fast` takes the forward ``native`` cells it can
-    prove from ``numel``, ``stride`` and the length alone before anything else is read.
+    the constants. :func:`_native_fast` takes the forward ``native`` cells before
+    anything else is read, from the shape, ``stride`` (and the element size) alone;
+    with no kernel to be had (:func:`~fscan.engine.cpu_kernel.kernel_possible`: mode
+    ``"off"``, no compiler) also the kernel's cells where the parallel scan does not win.
 
     The tensor's facts are read once: each read costs about 1-3 µs on a cache
     cold from the op before (the calls routed to torch's op pay it).
@@ -204,48 +219,82 @@ def _route(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, boo
         return False, False
     n, stride = shape[dim], x.stride(dim)
     kernel = numel >= KERNEL_MIN_NUMEL and not (x.requires_grad and torch.is_grad_enabled())
-    if kernel:  # not contiguous: the kernel would copy it first; torch's walk need not
+    if kernel:
         inner = math.prod(shape[dim + 1 :])
-        kernel = x.is_contiguous() and _kernel_rule(op, inner, numel, n == numel, reverse)
-    parallel = stride >= MIN_STRIDE and n >= MIN_LENGTH and numel >= MIN_NUMEL
-    if parallel and op is not torch.logcumsumexp:
-        if op is torch.cumsum and stride < CUMSUM_MIN_STRIDE:
-            parallel = False
+        if inner >= _KERNEL_INNER:
+            kernel = True  # the lane path, in place for any layout: no is_contiguous read
         else:
-            parallel = n * stride * x.element_size() >= SPAN_BYTES
-    return kernel, parallel
+            kernel = _kernel_rule(op, numel, n == numel, reverse, stride, x.is_contiguous())
+    return kernel, _parallel_rule(op, n, stride, numel, x.element_size())
 
 
-def _kernel_rule(op: Any, inner: int, numel: int, single_lane: bool, reverse: bool) -> bool:
-    """The kernel column of ``_route``'s table, for a contiguous input without grad."""
-    if inner >= _KERNEL_INNER:
+def _parallel_rule(op: Any, n: int, stride: int, numel: int, itemsize: int) -> bool:
+    """The parallel column of ``_route``'s table (see the comments above ``MIN_STRIDE``)."""
+    if stride < MIN_STRIDE or n < MIN_LENGTH or numel < MIN_NUMEL:
+        return False
+    if op is torch.logcumsumexp:
         return True
+    if op is torch.cumsum and stride < CUMSUM_MIN_STRIDE:
+        return False
+    return n * stride * itemsize >= SPAN_BYTES
+
+
+def _kernel_rule(
+    op: Any, numel: int, single_lane: bool, reverse: bool, stride: int, contiguous: bool
+) -> bool:
+    """The kernel column of ``_route``'s table for ``inner < 8`` (the innermost ``dim``,
+    say), without grad: the kernel's chained path, whose wins depend on the layout."""
     if op is torch.logcumsumexp:  # one lane: a chunked scan, twice the math; a tie
         return not single_lane
-    # Several lanes: torch's threads split them. One lane: torch's walk is serial, and
-    # reversed it flips twice.
-    return single_lane and (reverse or numel >= _ONE_LANE_KERNEL_FROM.get(op, math.inf))
+    if single_lane:  # torch's walk is serial, and reversed it flips (copies) twice
+        return reverse or (contiguous and numel >= _ONE_LANE_KERNEL_FROM.get(op, math.inf))
+    # Several lanes: contiguous, torch's threads split them and its walk streams. Not
+    # contiguous: torch copies twice to flip, and its walk along a far-strided dim lands
+    # every step on another page; the kernel reads 8 neighbouring lanes per cache line.
+    return not contiguous and (reverse or stride >= KERNEL_MIN_STRIDE)
 
 
 def _native_fast(op: Any, x: Any, dim: Any) -> Any:
     """torch's ``op(x, dim)`` where ``_route``'s table certainly picks it (a forward call
     with a plain int ``dim``), else None: the front end of a call that torch's op serves
     costs a few µs on top of it (about 3 here, against ~30 for the checks and the full
-    route, whose code is cold in the cache after the op before)."""
+    route, whose code is cold in the cache after the op before). Also where the table
+    picks the kernel but no kernel can run (:func:`kernel_possible`: mode ``"off"``, no
+    compiler) and the parallel scan does not win: then torch's op is the route."""
     if type(dim) is not int or not isinstance(x, torch.Tensor) or _is_compiling():
         return None
     try:
         numel = x.numel()
         if numel < _NATIVE_BELOW:
             return op(x, dim)
-        if x.stride(dim) < _KERNEL_INNER:  # no parallel scan; the kernel only as below
-            if x.size(dim) != numel:  # several lanes
-                return None if op is torch.logcumsumexp else op(x, dim)
-            if numel < _ONE_LANE_KERNEL_FROM.get(op, math.inf):
-                return op(x, dim)
+        stride, n = x.stride(dim), None
+        # The kernel's cells of the table, for a forward call (grad aside: the checked path
+        # sees to it). Reads cost µs each on a cold cache: the contiguous case reads least.
+        if x.is_contiguous():  # `stride` elements after dim
+            if stride >= _KERNEL_INNER:
+                kernel = True
+            elif (n := x.size(dim)) != numel:  # several lanes
+                kernel = op is torch.logcumsumexp
+            else:
+                kernel = numel >= _ONE_LANE_KERNEL_FROM.get(op, math.inf)
+        else:
+            shape = x.shape
+            n = shape[dim]
+            if math.prod(shape[dim:]) >= _KERNEL_INNER * n:  # also for a negative dim
+                kernel = True
+            elif n != numel:
+                kernel = op is torch.logcumsumexp or stride >= KERNEL_MIN_STRIDE
+            else:  # one lane, not contiguous: its stride is not 1
+                kernel = False
+        if kernel and kernel_possible():
+            return None
+        if stride >= MIN_STRIDE:
+            n = x.size(dim) if n is None else n
+            if _parallel_rule(op, n, stride, numel, x.element_size()):
+                return None
+        return op(x, dim)
     except IndexError:  # dim out of range: the checked path says so in fscan's words
         return None
-    return None
 
 
 def _kernel_call(op: Any, x: torch.Tensor) -> tuple[Any, Any, list[torch.Tensor], tuple[int, ...]]:

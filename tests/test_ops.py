@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 import torch
@@ -193,47 +194,111 @@ def test_dispatch_rule_on_the_benchmark_workloads():
     assert not wins(torch.empty(65536, 64), 0, torch.cumsum)
 
 
-# (op, shape, dim, reverse, (kernel_wins, parallel_wins)): one call per cell of _route's table.
+# Layouts of the routing table's non-contiguous cells: the memory's shape -> a view of it.
+LAYOUTS = {
+    "contiguous": lambda x: x,
+    "t": lambda x: x.t(),
+    "cols ::2": lambda x: x[:, ::2],
+    "::2": lambda x: x[::2],
+    "::64": lambda x: x[::64],
+    "expand lanes": lambda x: x[:, :1].expand(x.shape),  # stride 0 after dim 0
+    "expand steps": lambda x: x[:1].expand(x.shape),  # stride 0 along dim 0
+    "transpose(1, 2)": lambda x: x.transpose(1, 2),
+}
+
+# (op, layout, shape of memory, dim, reverse, (kernel_wins, parallel_wins)): one call per
+# cell of _route's table.
 ROUTES = [
-    (torch.cumsum, (2**15 - 1,), 0, False, (False, False)),  # small: torch's op
-    (torch.cumsum, (2**19,), 0, False, (False, False)),  # one lane, below 2**20
-    (torch.cumsum, (2**20,), 0, False, (True, False)),  # one lane, from 2**20
-    (torch.cumprod, (1, 2**20), 1, False, (True, False)),
-    (torch.cumprod, (2**17,), 0, True, (True, False)),  # one lane, reversed: torch flips
-    (torch.cumprod, (512, 512), 1, False, (False, False)),  # several lanes: torch's threads
-    (torch.cumsum, (65536, 4), 0, False, (False, False)),
-    (torch.cumsum, (4096, 256), 0, False, (True, False)),  # 256 lanes: every op
-    (torch.cummax, (4096, 256), 0, False, (True, False)),
-    (torch.cummax, (2**20,), 0, False, (False, False)),  # torch's walk wins innermost
-    (torch.cummax, (2**20,), 0, True, (True, False)),  # ... unless it flips twice
-    (torch.cummin, (4096, 256), 1, True, (False, False)),  # reversed, not one lane
-    (torch.logcumsumexp, (2**15,), 0, True, (False, False)),  # one lane: a tie, torch's
-    (torch.logcumsumexp, (4, 8192), 1, False, (True, False)),  # compute-bound: > 1 lane
-    (torch.logcumsumexp, (4096, 256), 1, False, (True, False)),
-    (torch.logcumsumexp, (4096, 256), 0, False, (True, True)),
-    (torch.cummax, (16384, 1024), 0, False, (True, True)),  # a 64 MiB walk
+    (torch.cumsum, "contiguous", (2**15 - 1,), 0, False, (False, False)),  # small: torch's op
+    (torch.cumsum, "contiguous", (2**19,), 0, False, (False, False)),  # one lane, below 2**20
+    (torch.cumsum, "contiguous", (2**20,), 0, False, (True, False)),  # one lane, from 2**20
+    (torch.cumprod, "contiguous", (1, 2**20), 1, False, (True, False)),
+    (torch.cumprod, "contiguous", (2**17,), 0, True, (True, False)),  # one lane reversed: flips
+    (torch.cumprod, "contiguous", (512, 512), 1, False, (False, False)),  # torch's threads
+    (torch.cumsum, "contiguous", (65536, 4), 0, False, (False, False)),
+    (torch.cumsum, "contiguous", (4096, 256), 0, False, (True, False)),  # 256 lanes: every op
+    (torch.cummax, "contiguous", (4096, 256), 0, False, (True, False)),
+    (torch.cummax, "contiguous", (2**20,), 0, False, (False, False)),  # torch's walk wins
+    (torch.cummax, "contiguous", (2**20,), 0, True, (True, False)),  # ... unless it flips twice
+    (torch.cummin, "contiguous", (4096, 256), 1, True, (False, False)),  # reversed, lanes
+    (torch.logcumsumexp, "contiguous", (2**15,), 0, True, (False, False)),  # one lane: a tie
+    (torch.logcumsumexp, "contiguous", (4, 8192), 1, False, (True, False)),  # compute-bound
+    (torch.logcumsumexp, "contiguous", (4096, 256), 1, False, (True, False)),
+    (torch.logcumsumexp, "contiguous", (4096, 256), 0, False, (True, True)),
+    (torch.cummax, "contiguous", (16384, 1024), 0, False, (True, True)),  # a 64 MiB walk
+    # Not contiguous: the kernel reads the view in place.
+    (torch.cumsum, "t", (256, 4096), 0, False, (True, False)),  # 256 lanes after dim
+    (torch.cummax, "t", (256, 4096), 0, False, (True, False)),
+    (torch.cumsum, "t", (256, 4096), 1, False, (True, False)),  # innermost, 4096 apart
+    (torch.cummin, "t", (256, 4096), 1, True, (True, False)),
+    (torch.logcumsumexp, "t", (256, 4096), 1, False, (True, True)),
+    (torch.cumprod, "transpose(1, 2)", (8, 256, 1024), 2, False, (True, False)),  # 1024 apart
+    (torch.cumsum, "transpose(1, 2)", (8, 1024, 256), 2, False, (False, False)),  # 256: a tie
+    (torch.cummin, "transpose(1, 2)", (8, 256, 1024), 1, False, (True, False)),
+    (torch.cumsum, "cols ::2", (4096, 512), 0, False, (True, False)),
+    (torch.cumsum, "cols ::2", (4096, 512), 1, False, (False, False)),  # 2 apart: streams
+    (torch.cummax, "cols ::2", (4096, 512), 1, True, (True, False)),  # reversed: torch copies
+    (torch.logcumsumexp, "cols ::2", (4096, 512), 1, False, (True, False)),
+    (torch.cumsum, "::2", (8192, 256), 0, False, (True, False)),
+    (torch.cumprod, "expand lanes", (4096, 256), 0, False, (True, False)),
+    (torch.cumprod, "expand lanes", (4096, 256), 1, False, (False, False)),  # stride 0
+    (torch.cumsum, "expand steps", (4096, 256), 0, False, (True, False)),
+    (torch.cumsum, "::2", (2**21,), 0, False, (False, False)),  # one strided lane: torch's
+    (torch.cumsum, "::2", (2**21,), 0, True, (True, False)),
+    (torch.logcumsumexp, "::2", (2**21,), 0, True, (False, False)),
+    (torch.cummax, "::64", (2**22,), 0, False, (False, True)),  # one lane, a 16 MiB walk
 ]
 
 
-@pytest.mark.parametrize(("op", "shape", "dim", "reverse", "route"), ROUTES)
-def test_routing_table(op, shape, dim, reverse, route):
+def routed(layout, shape):
+    return LAYOUTS[layout](torch.randn(shape, generator=torch.Generator().manual_seed(0)))
+
+
+@pytest.fixture
+def kernel_possible(monkeypatch):
+    """``kernel_possible(True)``: a compiler and mode "on"; ``(False, mode)``: none to be had,
+    by mode "off" or (mode "on") by a compiler probe that found none after the lookup."""
+    from fscan.engine import cpu_kernel
+
+    def pin(possible, mode="on"):
+        warm = threading.Event()
+        warm.set()
+        problem = None if possible else "no compiler (test)"
+        monkeypatch.setattr(cpu_kernel, "_warm", warm)
+        monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: problem)
+        monkeypatch.setattr(fscan.config, "cpu_kernel", mode)
+        assert cpu_kernel.kernel_possible() is possible
+
+    return pin
+
+
+@pytest.mark.parametrize(("op", "layout", "shape", "dim", "reverse", "route"), ROUTES)
+def test_routing_table(op, layout, shape, dim, reverse, route, kernel_possible):
     """Each cell of ``_route``'s table; the fast path takes torch's op exactly where the
-    table says native, and its result is torch's."""
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    table says native, or, with no kernel to be had, where it says no parallel scan;
+    and its result is torch's."""
+    x = routed(layout, shape)
+    assert x.is_contiguous() == (layout == "contiguous")
     assert _ops._route(op, x, dim, reverse) == route
     assert _ops.kernel_wins(x, dim, reverse, op) == route[0]
-    fast = _ops._native_fast(op, x, dim)  # forward calls only: reverse is not its case
-    assert (fast is not None) == (_ops._route(op, x, dim, False) == (False, False))
-    if fast is not None:
-        assert_same(fast, op(x, dim))
+    forward = _ops._route(op, x, dim, False)  # the fast path's case: forward calls only
+    for possible, mode in ((True, "on"), (False, "off"), (False, "on")):
+        kernel_possible(possible, mode)
+        fast = _ops._native_fast(op, x, dim)
+        native = not forward[1] and (not forward[0] or not possible)
+        assert (fast is not None) == native, (possible, mode)
+        if fast is not None and x.numel() < 2**22:
+            assert_same(fast, op(x, dim))
     if not route[0]:
         assert _ops.path(op, x, dim, reverse) == ("parallel" if route[1] else "native")
 
 
-@parametrize(name=OPS, dtype=[torch.float32, torch.int32, torch.bool])
-def test_fast_path_only_where_the_table_says_native(name, dtype):
+@parametrize(name=OPS, dtype=[torch.float32, torch.int32, torch.bool], possible=[True, False])
+def test_fast_path_only_where_the_table_says_native(name, dtype, possible, kernel_possible):
     """Over layouts, dims, grad and dtypes, ``_native_fast`` answers only for calls that
-    ``_route`` sends to torch's op, and with torch's result (int and bool sums in int64)."""
+    ``_route`` sends to torch's op (or, with no kernel to be had, to the kernel), and with
+    torch's result (int and bool sums in int64)."""
+    kernel_possible(possible, "on" if possible else "off")
     op = getattr(torch, name)
     base = sample((2, 64, 512), dtype, specials=False)
     if name == "logcumsumexp" and not dtype.is_floating_point:
@@ -254,7 +319,8 @@ def test_fast_path_only_where_the_table_says_native(name, dtype):
                 fast = _ops._native_fast(op, x, dim)
                 if fast is None:
                     continue
-                assert _ops._route(op, x, dim % x.ndim, False) == (False, False)
+                kernel, parallel = _ops._route(op, x, dim % x.ndim, False)
+                assert not parallel and (not kernel or not possible)
                 assert_same(fast, getattr(fscan, name)(x, dim))
                 with torch.no_grad():
                     assert_same(fast, op(x, dim))

@@ -21,8 +21,27 @@ from ._timing import Table, fmt_ms, optional_jax
 __all__ = ["cumsum_precision", "linear_engines", "linear_table", "ops_table"]
 
 OPS = ["cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"]
-WORKLOADS = [((2**20,), 0), ((4096, 256), 0), ((4096, 256), 1), ((8, 1024, 256), 1)]
-QUICK_WORKLOADS = [((4096, 256), 0), ((4096, 256), 1)]
+# (shape of the memory, dim, view): the view is scanned; "" is the contiguous tensor.
+VIEWS = {
+    "": lambda x: x,
+    ".t()": lambda x: x.t(),
+    "[:, ::2]": lambda x: x[:, ::2],
+    ".expand(4096, 256)": lambda x: x.expand(4096, 256),
+    ".transpose(1, 2)": lambda x: x.transpose(1, 2),
+}
+WORKLOADS = [
+    ((2**20,), 0, ""),
+    ((4096, 256), 0, ""),
+    ((4096, 256), 1, ""),
+    ((8, 1024, 256), 1, ""),
+    ((256, 4096), 0, ".t()"),
+    ((256, 4096), 1, ".t()"),
+    ((4096, 512), 0, "[:, ::2]"),
+    ((4096, 512), 1, "[:, ::2]"),
+    ((4096, 1), 0, ".expand(4096, 256)"),
+    ((8, 256, 1024), 1, ".transpose(1, 2)"),
+]
+QUICK_WORKLOADS = [((4096, 256), 0, ""), ((4096, 256), 1, ""), ((256, 4096), 0, ".t()")]
 LINEAR_SHAPE = (8, 4096, 256)
 QUICK_LINEAR_SHAPE = (8, 1024, 256)
 LOOP_STEPS = 512
@@ -48,7 +67,9 @@ def interleaved_medians(
 
 
 def ops_table(quick: bool = False) -> Table:
-    """Each drop-in op against its torch counterpart, float32, forward.
+    """Each drop-in op against its torch counterpart, float32, forward, on contiguous
+    tensors and on views (a transpose, a step slice, an expanded tensor, a permutation),
+    which torch's op and fscan's kernel read in place.
 
     The C++ kernel is built (or loaded from the disk cache) before timing, as a
     service's warm-up would (``fscan.precompile`` does it for ``associative_scan``):
@@ -61,16 +82,21 @@ def ops_table(quick: bool = False) -> Table:
         "(median; ratio = fscan / torch; path = fscan's choice)",
         ["torch", "fscan", "ratio", "no kernel", "ratio", "path"],
     )
-    for shape, dim in QUICK_WORKLOADS if quick else WORKLOADS:
-        x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    for shape, dim, view in QUICK_WORKLOADS if quick else WORKLOADS:
+        x = VIEWS[view](torch.randn(shape, generator=torch.Generator().manual_seed(0)))
         for name in OPS[:2] if quick else OPS:
             ours, theirs = getattr(fscan, name), getattr(torch, name)
             with fscan.config.override(cpu_kernel="eager"):
                 ours(x, dim)  # the warm-up: builds the kernel where it wins
 
             def off(ours=ours, x=x, dim=dim) -> object:
-                with fscan.config.override(cpu_kernel="off"):
+                # Not config.override: a context manager's cost (cold, after the op
+                # before) would be timed with the call.
+                previous, fscan.config.cpu_kernel = fscan.config.cpu_kernel, "off"
+                try:
                     return ours(x, dim)
+                finally:
+                    fscan.config.cpu_kernel = previous
 
             times = interleaved_medians(
                 {"torch": partial(theirs, x, dim), "fscan": partial(ours, x, dim), "off": off},
@@ -79,7 +105,7 @@ def ops_table(quick: bool = False) -> Table:
             cells = [fmt_ms(times["torch"]), fmt_ms(times["fscan"])]
             cells += [f"{times['fscan'] / times['torch']:.2f}x", fmt_ms(times["off"])]
             cells += [f"{times['off'] / times['torch']:.2f}x", path(theirs, x, dim)]
-            table.add(f"{name} {shape} dim {dim}", cells)
+            table.add(f"{name} {shape}{view} dim {dim}", cells)
     return table
 
 

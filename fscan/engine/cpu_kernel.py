@@ -92,6 +92,7 @@ __all__ = [
     "counters",
     "kernel_entries",
     "kernel_grad_scan",
+    "kernel_possible",
     "kernel_ready",
     "kernel_scan",
     "precompile",
@@ -550,6 +551,43 @@ def _unavailable(leaves: Sequence[torch.Tensor], wait: bool = False) -> str | No
         # the caller) and answer with the torch engine meanwhile, kernel built or not.
         _warm_up()
     return compiler_problem()
+
+
+def kernel_possible() -> bool:
+    """Whether the C++ kernel can serve any scan now: False in mode ``"off"`` and once the
+    toolchain lookup found no compiler, else True (also while that lookup is still to run:
+    the caller's checked path starts it). For callers that would otherwise pay their full
+    checks only to hear None from :func:`kernel_scan` (on a cold cache after a large op
+    the checks cost tens of µs; this, one dict lookup).
+
+    The verdict is cached, keyed on all it depends on: the mode (``fscan.config.cpu_kernel``,
+    which holds ``FSCAN_CPU_KERNEL`` as read at import), the compiler probe (the function
+    itself: it caches its answer per process) and the toolchain lookup's flag (stored only
+    once it is set, and it is never cleared).
+
+    Example:
+        >>> import fscan
+        >>> with fscan.config.override(cpu_kernel="off"):
+        ...     kernel_possible()
+        False
+    """
+    # The slot, not the property: a property call costs ~5 us on a cold cache.
+    key = (config._cpu_kernel, compiler_problem, _warm)
+    verdict = _verdicts.get(key)
+    if verdict is None:
+        if key[0] == "off":
+            verdict = False
+        elif not _warm.is_set():
+            return True  # not known yet, and not stored: the lookup may still find none
+        else:
+            verdict = compiler_problem() is None
+        if len(_verdicts) >= 16:  # a few keys in a process (tests patch the probe)
+            _verdicts.clear()
+        _verdicts[key] = verdict
+    return verdict
+
+
+_verdicts: dict[tuple[str, Callable[[], str | None], threading.Event], bool] = {}
 
 
 def _grad_wanted(leaves: Sequence[torch.Tensor]) -> str | None:
