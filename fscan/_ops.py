@@ -19,16 +19,21 @@ Each call takes the fastest of three paths, as measured (:func:`path` says which
   spreads the lanes over its threads). ``reverse=True`` is flip, op, flip.
 * the generated C++ kernel of :mod:`fscan.engine.cpu_kernel`, once it is compiled
   for the op and dtype (in the background, from the second large call), where it
-  wins (:func:`kernel_wins`): no gradient wanted, a contiguous input of at least
-  ``KERNEL_MIN_NUMEL`` elements, and a ``dim`` with at least 8 contiguous lanes
-  after it; over fewer lanes (the innermost ``dim``) for logcumsumexp over more
-  than one lane (compute-bound: the kernel's math wins; over one it is a tie, and
-  torch's op runs), for cumsum and cumprod over a single lane from
-  ``KERNEL_MIN_NUMEL_ONE_LANE`` elements (torch's 1-D walk uses one thread), and
-  for every op but logcumsumexp reversed over a single lane (torch then pays two
-  flips; torch's branchy cummax/cummin walk predicts well otherwise).
+  wins (:func:`kernel_wins`): no gradient wanted, at least ``KERNEL_MIN_NUMEL``
+  elements, and a ``dim`` with at least 8 elements after it, in any layout (the
+  kernel reads views in place through their strides: transposes, step slices,
+  expanded tensors, permutations); over fewer (the innermost ``dim``) for
+  logcumsumexp over more than one lane (compute-bound: the kernel's math wins;
+  over one it is a tie, and torch's op runs), for cumsum and cumprod over a single
+  contiguous lane from ``KERNEL_MIN_NUMEL_ONE_LANE`` elements (torch's 1-D walk uses
+  one thread), for every op but logcumsumexp reversed over a single lane (torch
+  then pays two flips; torch's branchy cummax/cummin walk predicts well otherwise),
+  and for a view over several lanes reversed (torch copies to flip) or with steps
+  ``KERNEL_MIN_STRIDE`` elements apart (torch's walk lands on a new page each step).
   cummax/cummin scan (value, index) pairs; the kernel makes the indices from each
-  element's position, reading only the values.
+  element's position, reading only the values. Where no kernel can run (mode
+  ``"off"``, no compiler: :func:`~fscan.engine.cpu_kernel.kernel_possible`),
+  ``_native_fast`` sends these calls to the next path itself, without the checks.
 * fscan's parallel scan (:mod:`fscan._ops_parallel`), which combines whole
   contiguous slices at a time. When ``dim`` has a large stride, every step of
   torch's walk lands on a new cache line; then the parallel scan is faster for

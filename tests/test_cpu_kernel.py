@@ -1331,3 +1331,24 @@ def test_the_benchmark_calls_the_bare_kernel_with_its_current_signature():
     expected = oracle(_linrec, (a, x), 0, False)
     for got, want in zip(run(), optree.tree_leaves(expected)):
         torch.testing.assert_close(got, want.float())
+
+
+def test_kernel_possible_is_keyed_on_mode_probe_and_lookup(monkeypatch):
+    """The cached verdict follows each thing it depends on: the mode, the compiler probe
+    and whether the toolchain lookup ran; an unknown answer (lookup to come) is not kept."""
+    monkeypatch.setattr(cpu_kernel, "_verdicts", {})
+    monkeypatch.setattr(cpu_kernel, "_warm", threading.Event())  # as in a fresh process
+    monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: "no compiler (test)")
+    with fscan.config.override(cpu_kernel="on"):
+        assert cpu_kernel.kernel_possible()  # not looked up yet: the checked path will
+        assert not cpu_kernel._verdicts
+        cpu_kernel._warm.set()
+        assert not cpu_kernel.kernel_possible()
+        monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: None)  # another probe
+        assert cpu_kernel.kernel_possible()
+        with fscan.config.override(cpu_kernel="off"):
+            assert not cpu_kernel.kernel_possible()
+        with fscan.config.override(cpu_kernel="eager"):
+            assert cpu_kernel.kernel_possible()
+        assert cpu_kernel.kernel_possible()
+    assert len(cpu_kernel._verdicts) == 4  # (on, no compiler), (on), (off), (eager)
