@@ -28,8 +28,9 @@ Each call takes the fastest of three paths, as measured (:func:`path` says which
   contiguous lane from ``KERNEL_MIN_NUMEL_ONE_LANE`` elements (torch's 1-D walk uses
   one thread), for every op but logcumsumexp reversed over a single lane (torch
   then pays two flips; torch's branchy cummax/cummin walk predicts well otherwise),
-  and for a view over several lanes reversed (torch copies to flip) or with steps
-  ``KERNEL_MIN_STRIDE`` elements apart (torch's walk lands on a new page each step).
+  and for a view over several lanes reversed (torch copies to flip), or, for cumsum
+  and cumprod, with steps ``KERNEL_MIN_STRIDE`` elements apart (torch's walk jumps
+  pages).
   cummax/cummin scan (value, index) pairs; the kernel makes the indices from each
   element's position, reading only the values. Where no kernel can run (mode
   ``"off"``, no compiler: :func:`~fscan.engine.cpu_kernel.kernel_possible`),
@@ -113,14 +114,16 @@ KERNEL_MIN_NUMEL = 2**15
 KERNEL_MIN_NUMEL_ONE_LANE = 2**20  # cumsum/cumprod over one lane: past the ties below
 _KERNEL_INNER = 8  # the kernel's lane path needs this many lanes after dim
 # Not contiguous (the kernel reads strided inputs in place; torch's op walks each lane;
-# 1 thread, float32, /work/notes/dropins2.md): with >= 8 lanes after dim the kernel ran
-# 0.06-0.8x torch ((256, 4096).t() dim 0, x[:, ::2], x[::2], expanded lanes or steps, a
-# (B, T, C) view of (B, C, T) memory, channels-last over C). Over fewer (the innermost
-# dim), forward, it wins where torch's walk jumps pages: 0.3-0.8x at a stride of 4096
-# elements ((256, 4096).t() dim 1), 0.7-0.9x at 1024, a tie at 256 (0.86-1.15x), and
-# loses at strides 0-2 (1.0-1.7x; 1-D x[::2]: 1.45-2.3x). Reversed, torch copies twice
-# to flip: the kernel ran 0.3-0.8x over several lanes and one.
-KERNEL_MIN_STRIDE = 1024
+# 1 thread, float32, December 2026, /work/notes/dropins2.md): with >= 8 lanes after dim
+# the kernel ran 0.06-0.8x torch ((256, 4096).t() dim 0, x[:, ::2], x[::2], expanded
+# lanes or steps, a (B, T, C) view of (B, C, T) memory, channels-last over C). Over
+# fewer (the innermost dim), forward, cumsum and cumprod win where torch's walk jumps
+# a page or more per step: 0.3-0.5x at a stride of 4096 elements ((256, 4096).t() dim
+# 1), 0.7-0.9x at 1024, a tie at 256 (0.86-1.15x); they lose at strides 0-2 (1.0-1.7x;
+# 1-D x[::2]: 1.45x). cummax/cummin there: 0.75-1.2x at 4096 (torch's). Reversed, torch
+# copies twice to flip: the kernel ran 0.3-0.8x over several lanes and one.
+KERNEL_MIN_STRIDE = 4096
+_FAR_STRIDE_OPS = (torch.cumsum, torch.cumprod)  # innermost, forward, >= KERNEL_MIN_STRIDE
 # Forward over a single lane (and < _KERNEL_INNER elements after dim), the kernel's
 # minimum size per op; the others stay torch's there (logcumsumexp: a tie).
 _ONE_LANE_KERNEL_FROM = {
@@ -192,9 +195,9 @@ def _route(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, boo
     no grad wanted,               inner >= 8: every op, any   parallel if it
     numel >= 2**15                layout; inner < 8, several  wins, else native
                                   lanes: logcumsumexp; the
-                                  others if not contiguous
-                                  and reversed or ``stride
-                                  >= 1024``; one lane:
+                                  not contiguous: reversed,
+                                  cumsum/cumprod from
+                                  ``stride >= 4096``; one lane:
                                   reversed, all but
                                   logcumsumexp; forward,
                                   cumsum/cumprod if
@@ -230,7 +233,7 @@ def _route(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, boo
             kernel = True  # the lane path, in place for any layout: no is_contiguous read
         else:
             kernel = _kernel_rule(op, numel, n == numel, reverse, stride, x.is_contiguous())
-    return kernel, _parallel_rule(op, n, stride, numel, x.element_size())
+    return kernel, stride >= MIN_STRIDE and _parallel_rule(op, n, stride, numel, x.element_size())
 
 
 def _parallel_rule(op: Any, n: int, stride: int, numel: int, itemsize: int) -> bool:
@@ -256,7 +259,7 @@ def _kernel_rule(
     # Several lanes: contiguous, torch's threads split them and its walk streams. Not
     # contiguous: torch copies twice to flip, and its walk along a far-strided dim lands
     # every step on another page; the kernel reads 8 neighbouring lanes per cache line.
-    return not contiguous and (reverse or stride >= KERNEL_MIN_STRIDE)
+    return not contiguous and (reverse or (stride >= KERNEL_MIN_STRIDE and op in _FAR_STRIDE_OPS))
 
 
 def _native_fast(op: Any, x: Any, dim: Any) -> Any:
@@ -288,7 +291,8 @@ def _native_fast(op: Any, x: Any, dim: Any) -> Any:
             if math.prod(shape[dim:]) >= _KERNEL_INNER * n:  # also for a negative dim
                 kernel = True
             elif n != numel:
-                kernel = op is torch.logcumsumexp or stride >= KERNEL_MIN_STRIDE
+                far = stride >= KERNEL_MIN_STRIDE and op in _FAR_STRIDE_OPS
+                kernel = far or op is torch.logcumsumexp
             else:  # one lane, not contiguous: its stride is not 1
                 kernel = False
         if kernel and kernel_possible():

@@ -232,7 +232,9 @@ ROUTES = [
     (torch.cumsum, "t", (256, 4096), 1, False, (True, False)),  # innermost, 4096 apart
     (torch.cummin, "t", (256, 4096), 1, True, (True, False)),
     (torch.logcumsumexp, "t", (256, 4096), 1, False, (True, True)),
-    (torch.cumprod, "transpose(1, 2)", (8, 256, 1024), 2, False, (True, False)),  # 1024 apart
+    (torch.cummax, "t", (256, 4096), 1, False, (False, False)),  # cummax/cummin: a tie
+    (torch.cumprod, "transpose(1, 2)", (8, 256, 1024), 2, False, (False, False)),  # 1024 apart
+    (torch.cumsum, "transpose(1, 2)", (8, 256, 1024), 2, True, (True, False)),
     (torch.cumsum, "transpose(1, 2)", (8, 1024, 256), 2, False, (False, False)),  # 256: a tie
     (torch.cummin, "transpose(1, 2)", (8, 256, 1024), 1, False, (True, False)),
     (torch.cumsum, "cols ::2", (4096, 512), 0, False, (True, False)),
