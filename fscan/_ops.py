@@ -59,7 +59,7 @@ from ._checks import normalize_dim
 from ._errors import ScanTypeError
 from ._ops_parallel import LOGSUMEXP, PRODUCT, SUM, Accumulation, blocked_scan, extremum_scan
 from ._pytree import flatten
-from .engine.cpu_kernel import kernel_possible, kernel_ready, kernel_scan
+from .engine.cpu_kernel import kernel_possible, kernel_ready, kernel_scan, reads_in_place
 
 __all__ = [
     "cummax",
@@ -121,7 +121,8 @@ _KERNEL_INNER = 8  # the kernel's lane path needs this many lanes after dim
 # a page or more per step: 0.3-0.5x at a stride of 4096 elements ((256, 4096).t() dim
 # 1), 0.7-0.9x at 1024, a tie at 256 (0.86-1.15x); they lose at strides 0-2 (1.0-1.7x;
 # 1-D x[::2]: 1.45x). cummax/cummin there: 0.75-1.2x at 4096 (torch's). Reversed, torch
-# copies twice to flip: the kernel ran 0.3-0.8x over several lanes and one.
+# copies twice to flip: the kernel ran 0.3-0.8x over several lanes and one, if it reads
+# the view in place (channels-last over W, which it copies first: 1.6x for cumsum).
 KERNEL_MIN_STRIDE = 4096
 _FAR_STRIDE_OPS = (torch.cumsum, torch.cumprod)  # innermost, forward, >= KERNEL_MIN_STRIDE
 # Forward over a single lane (and < _KERNEL_INNER elements after dim), the kernel's
@@ -195,9 +196,10 @@ def _route(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, boo
     no grad wanted,               inner >= 8: every op, any   parallel if it
     numel >= 2**15                layout; inner < 8, several  wins, else native
                                   lanes: logcumsumexp; the
-                                  not contiguous: reversed,
-                                  cumsum/cumprod from
-                                  ``stride >= 4096``; one lane:
+                                  not contiguous, read in
+                                  place: reversed, cumsum/
+                                  cumprod from ``stride >=
+                                  4096``; one lane:
                                   reversed, all but
                                   logcumsumexp; forward,
                                   cumsum/cumprod if
@@ -232,7 +234,10 @@ def _route(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, boo
         if inner >= _KERNEL_INNER:
             kernel = True  # the lane path, in place for any layout: no is_contiguous read
         else:
-            kernel = _kernel_rule(op, numel, n == numel, reverse, stride, x.is_contiguous())
+            contiguous = x.is_contiguous()
+            kernel = _kernel_rule(op, numel, n == numel, reverse, stride, contiguous)
+            if kernel and not contiguous and op is not torch.logcumsumexp:
+                kernel = reads_in_place(x, dim)  # else the kernel's copy loses (1.6x)
     return kernel, stride >= MIN_STRIDE and _parallel_rule(op, n, stride, numel, x.element_size())
 
 
@@ -292,7 +297,7 @@ def _native_fast(op: Any, x: Any, dim: Any) -> Any:
                 kernel = True
             elif n != numel:
                 far = stride >= KERNEL_MIN_STRIDE and op in _FAR_STRIDE_OPS
-                kernel = far or op is torch.logcumsumexp
+                kernel = op is torch.logcumsumexp or (far and reads_in_place(x, dim % x.ndim))
             else:  # one lane, not contiguous: its stride is not 1
                 kernel = False
         if kernel and kernel_possible():

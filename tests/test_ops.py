@@ -204,6 +204,8 @@ LAYOUTS = {
     "expand lanes": lambda x: x[:, :1].expand(x.shape),  # stride 0 after dim 0
     "expand steps": lambda x: x[:1].expand(x.shape),  # stride 0 along dim 0
     "transpose(1, 2)": lambda x: x.transpose(1, 2),
+    "channels last": lambda x: x.contiguous(memory_format=torch.channels_last),
+    "permute(3, 1, 0, 2)": lambda x: x.permute(3, 1, 0, 2),  # 3 outer groups: copied
 }
 
 # (op, layout, shape of memory, dim, reverse, (kernel_wins, parallel_wins)): one call per
@@ -245,6 +247,11 @@ ROUTES = [
     (torch.cumprod, "expand lanes", (4096, 256), 0, False, (True, False)),
     (torch.cumprod, "expand lanes", (4096, 256), 1, False, (False, False)),  # stride 0
     (torch.cumsum, "expand steps", (4096, 256), 0, False, (True, False)),
+    (torch.cumsum, "channels last", (8, 64, 32, 32), 1, False, (True, False)),  # over C
+    (torch.cummax, "channels last", (8, 64, 32, 32), 0, False, (True, False)),  # copied: wins
+    (torch.cumsum, "channels last", (8, 64, 32, 32), 3, True, (False, False)),  # copied: loses
+    (torch.logcumsumexp, "channels last", (8, 64, 32, 32), 3, True, (True, True)),
+    (torch.cumsum, "permute(3, 1, 0, 2)", (2, 2, 8, 4096), 3, False, (False, False)),  # copied
     (torch.cumsum, "::2", (2**21,), 0, False, (False, False)),  # one strided lane: torch's
     (torch.cumsum, "::2", (2**21,), 0, True, (True, False)),
     (torch.logcumsumexp, "::2", (2**21,), 0, True, (False, False)),

@@ -204,3 +204,24 @@ def test_without_a_kernel_forced_routes_fall_back(no_kernel, monkeypatch, name, 
     x = strided(layout, torch.float64)
     for reverse in (False, True):
         check(name, x, dim, reverse)
+
+
+@parametrize(case=CASES)
+def test_reads_in_place_says_what_strided_view_copies(case):
+    """The routing's cheap question agrees with what the kernel's reader does (no compiler
+    needed): a view is copied exactly where ``reads_in_place`` says no."""
+    layout, dim = case
+    x = strided(layout, torch.float32)
+    dim %= x.ndim
+    before = cpu_kernel.counters.copies
+    cpu_kernel.strided_view([x], dim)
+    copied = cpu_kernel.counters.copies - before
+    assert cpu_kernel.reads_in_place(x, dim) == (copied == 0)
+    assert copied == (layout == "channels last" and dim == 3)
+    y = torch.zeros(2, 2, 8, 16).permute(3, 1, 0, 2)  # over dim 3, three outer groups
+    for dim in range(4):
+        before = cpu_kernel.counters.copies
+        cpu_kernel.strided_view([y], dim)
+        copied = cpu_kernel.counters.copies - before
+        assert cpu_kernel.reads_in_place(y, dim) == (copied == 0)
+    assert not cpu_kernel.reads_in_place(y, 3)

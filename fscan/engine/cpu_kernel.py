@@ -96,6 +96,7 @@ __all__ = [
     "kernel_ready",
     "kernel_scan",
     "precompile",
+    "reads_in_place",
     "slot_key",
     "strided_layout",
     "strided_view",
@@ -1021,6 +1022,25 @@ def strided_layout(
         sb = 0 if cut is None else stride[outer[-1]]
         strides += [sa, sb, stride[dim], stride[inner[-1]] if inner else 1]
     return xs, nb, strides
+
+
+def reads_in_place(x: torch.Tensor, dim: int) -> bool:
+    """Whether :func:`strided_view` reads ``x`` alone, scanned along ``dim`` (>= 0), in
+    place: its dims after ``dim`` merge into one, those before into at most two groups.
+
+    Example:
+        >>> x = torch.zeros(2, 6, 5, 4).contiguous(memory_format=torch.channels_last)
+        >>> reads_in_place(x, 1), reads_in_place(x, 3)  # over C; over W: copied
+        (True, False)
+    """
+    if x.is_contiguous():
+        return True
+    shape, stride = x.shape, x.stride()
+    outer = [d for d in range(dim) if shape[d] != 1]
+    inner = [d for d in range(dim + 1, len(shape)) if shape[d] != 1]
+    if any(stride[a] != stride[b] * shape[b] for a, b in itertools.pairwise(inner)):
+        return False
+    return sum(stride[a] != stride[b] * shape[b] for a, b in itertools.pairwise(outer)) <= 1
 
 
 def _fresh(x: torch.Tensor) -> torch.Tensor:
