@@ -65,7 +65,7 @@ def eager():
 @pytest.fixture
 def kernel_route(monkeypatch, eager):
     """Every call routed to the kernel (small shapes included); the list of the kernel's
-    answers (None where it declined) for the test to check."""
+    answers (False where it declined) for the test to check."""
     served = []
     kernel = _ops._kernel
 
