@@ -73,6 +73,7 @@ from ._knowledge import reach
 from ._pytree import unflatten
 from ._traced_adjoint import adjoint_serves, adjoint_traced_scan
 from ._workarounds import prepare_loop_backward, quiet_function_contexts
+from .engine.traced_kernel import kernel_traceable
 
 __all__ = [
     "BLOCK",
@@ -164,7 +165,10 @@ def traced_route(
         if torch.compiler.is_dynamo_compiling() or not reach(combine_fn).tensors:
             return "hop"
         return "blocked"
-    if combine_mode == "generic" or xs[0].device.type not in CODEGEN_DEVICES:
+    if combine_mode == "generic":
+        return "blocked"
+    device = xs[0].device.type
+    if device not in CODEGEN_DEVICES and not (device == "cpu" and kernel_traceable()):
         return "blocked"
     if not torch.is_grad_enabled():
         return "hop"
