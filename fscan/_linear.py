@@ -331,8 +331,8 @@ def _solve(
     """
     n = b.shape[dim]
     a = a.expand(*(n if i == dim else s for i, s in enumerate(a.shape)))  # stride 0 if constant
-    if mask is None and (h := _kernel_solve(a, b, dim, reverse, initial)) is not None:
-        return h if out is None else out.copy_(h)
+    if mask is None and (h := _kernel_solve(a, b, dim, reverse, initial, out)) is not None:
+        return h  # `out` itself if given: the kernel wrote it in place
     chunk = _chunk_size(n)
     if chunk is not None:
         return _chunked(a, b, dim, initial, reverse, mask, chunk, fast, out)
@@ -346,6 +346,7 @@ def _kernel_solve(
     dim: int,
     reverse: bool,
     initial: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The recurrence by fscan's compiled C++ kernel (fscan.engine.cpu_kernel) where it is
     built and wins: no gradient wanted, one float dtype, enough elements, leaves of one
@@ -353,7 +354,9 @@ def _kernel_solve(
     stride 0) and read in place, at any size: with only ``h`` stored, the kernel beat
     the chunked walk at (16384, 512) for (T, 1) and (1, C) gates (docs/linear.md).
     ``initial`` enters as the kernel's carry-in: the first step's pair becomes
-    ``(a_0, a_0 initial + b_0)``, read in place of the leaves' (no copy of them)."""
+    ``(a_0, a_0 initial + b_0)``, read in place of the leaves' (no copy of them).
+    ``out``: written in place through its strides (the backward's narrowed view of
+    ``lam``) and returned; unwritten where the kernel does not serve (None)."""
     from ._ops import KERNEL_MIN_NUMEL
     from .engine.cpu_kernel import kernel_scan
 
@@ -370,8 +373,11 @@ def _kernel_solve(
         head = [a0, torch.addcmul(b0, a0, initial).expand(b0.shape)]
     # Only h is kept: the gate products are neither allocated nor stored (half the
     # writes, and the page faults of a fresh output).
-    out = kernel_scan(_API, _compose, _PAIR, [a, b], dim, reverse, keep=_KEEP_H, head=head)
-    return None if out is None else out[1]
+    into = None if out is None else [out]
+    found = kernel_scan(
+        _API, _compose, _PAIR, [a, b], dim, reverse, keep=_KEEP_H, head=head, out=into
+    )
+    return None if found is None else found[1]
 
 
 def _chunk_size(n: int) -> int | None:

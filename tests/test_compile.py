@@ -143,7 +143,9 @@ def test_drop_in_ops_recompile_at_most_once():
 
 
 def fake_leaf(device):
-    return types.SimpleNamespace(device=torch.device(device))
+    return types.SimpleNamespace(
+        device=torch.device(device), shape=(3,), is_floating_point=lambda: True
+    )
 
 
 @pytest.mark.parametrize(

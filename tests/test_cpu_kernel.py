@@ -779,8 +779,8 @@ def test_linear_recurrence_backward_adjoint_rides_on_the_carry_in(reverse, monke
     served: list[bool] = []
     solve = _linear._kernel_solve
 
-    def spy(a, b, dim, reverse, initial=None):
-        h = solve(a, b, dim, reverse, initial)
+    def spy(a, b, dim, reverse, initial=None, out=None):
+        h = solve(a, b, dim, reverse, initial, out)
         served.append(initial is not None and h is not None)  # a carried-in adjoint
         return h
 

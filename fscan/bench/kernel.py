@@ -94,6 +94,7 @@ def _bare_kernel(fn, xs) -> Callable[[], list[torch.Tensor]] | None:
     outer, steps, inner = 1, shape[0], int(torch.tensor(shape[1:]).prod().item())
     ys = [torch.empty_like(x) for x in leaves]
     xs, nb, strides = cpu_kernel.strided_view(leaves, 0)
+    strides = strides + [nb * steps * inner, steps * inner, inner, 1] * len(ys)  # dense outputs
     threads = torch.get_num_threads()
     heads = (0,) * len(xs)  # no carry-in
 

@@ -1,6 +1,6 @@
 """``python -m fscan.bench.linear [--quick]``: linear recurrences in training.
 
-Three tables:
+Four tables:
 
 * ``fscan.linear_recurrence`` forward and forward+backward on ``(B, L, D, N)``
   selective-scan shapes (Mamba's ``h_t = exp(delta A) h_{t-1} + delta B x``,
@@ -10,6 +10,8 @@ Three tables:
   power of two, its backward the reverse scan of the shifted gates). Time is
   the median of round-robin runs in this process; memory is the extra peak RSS
   of one forward+backward in a fresh process (Linux ``VmHWM``).
+* issue 11's bar for the backward: forward and forward+backward over ``(T, 256)``
+  against a copy of the leaves ``a``, ``b`` into preallocated memory.
 * ``acc_dtype=``: the error of bfloat16/float16 inputs against float64, by the
   dtype the walk accumulates in.
 * ``fscan.log_linear_recurrence`` against the two-prefix-sum (Heinsen 2023,
@@ -39,6 +41,7 @@ from ._timing import Table, fmt_ms
 __all__ = [
     "BlellochScan",
     "accuracy_table",
+    "copy_table",
     "engines_of",
     "heinsen",
     "log_table",
@@ -259,6 +262,52 @@ def training_table(quick: bool = False, clock: Callable[[], float] = time.perf_c
     return table
 
 
+# ---- against a copy ------------------------------------------------------------------
+
+COPY_LENGTHS = [4096, 16384]
+COPY_WIDTH = 256
+
+
+def copy_table(quick: bool = False, clock: Callable[[], float] = time.perf_counter) -> Table:
+    """Issue 11's bar for the backward: ``fscan.linear_recurrence`` over ``(T, 256)``
+    float32, forward (inputs requiring grad) and forward+backward (``autograd.grad`` of
+    ``a`` and ``b``), against a copy of both leaves into preallocated memory (one read and
+    one write of each: the memory-bound floor). Round-robin medians in this process."""
+    table = Table(
+        f"linear_recurrence on (T, {COPY_WIDTH}) float32, dim 0, {torch.get_num_threads()} "
+        "threads: against a copy of the leaves a, b (medians of turns)",
+        ["copy ms", "fwd ms", "fwd+bwd ms", "fwd+bwd / fwd", "fwd+bwd / copy", "engines"],
+    )
+    for length in [256] if quick else COPY_LENGTHS:
+        table.add(f"({length}, {COPY_WIDTH})", _copy_row(length, 2 if quick else 10, clock))
+    return table
+
+
+def _copy_row(length: int, budget_s: float, clock: Callable[[], float]) -> list[str]:
+    gen = torch.Generator().manual_seed(0)
+    a = (torch.rand(length, COPY_WIDTH, generator=gen) * 0.5 + 0.5).requires_grad_()
+    b = torch.randn(length, COPY_WIDTH, generator=gen).requires_grad_()
+    cot = torch.randn(length, COPY_WIDTH, generator=gen)
+    into = (torch.empty_like(a), torch.empty_like(b))
+
+    def copy() -> None:
+        into[0].copy_(a.detach())
+        into[1].copy_(b.detach())
+
+    def both() -> None:
+        torch.autograd.grad(fscan.linear_recurrence(a, b, 0), (a, b), cot)
+
+    jobs = {"copy": copy, "fwd": lambda: fscan.linear_recurrence(a, b, 0), "both": both}
+    engines = engines_of(both)  # the kernels built here, before timing
+    t = _medians(jobs, budget_s, clock)
+    return [
+        *(fmt_ms(t[k]).removesuffix(" ms") for k in ("copy", "fwd", "both")),
+        f"{t['both'] / t['fwd']:.2f}",
+        f"{t['both'] / t['copy']:.2f}",
+        engines,
+    ]
+
+
 # ---- acc_dtype -------------------------------------------------------------------
 
 
@@ -376,6 +425,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     clock = time.process_time if args.cpu_time else time.perf_counter
     print(training_table(args.quick, clock).render(), end="\n\n", flush=True)
+    print(copy_table(args.quick, clock).render(), end="\n\n", flush=True)
     print(accuracy_table(args.quick).render(), end="\n\n", flush=True)
     print(log_table(args.quick, clock).render(), flush=True)
 

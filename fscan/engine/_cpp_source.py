@@ -9,7 +9,9 @@ on the ``(outer, T, inner)`` view of the leaves (any ``dim``). The inputs are
 read through strides passed at run time (``sa, sb, st, si`` per input, with
 the outer index split in two dims of ``nb`` lanes in the second: see
 :func:`fscan.engine.cpu_kernel.strided_view`), so transposes, step slices,
-permutations and stride-0 broadcasts need no copy; outputs are dense.
+permutations and stride-0 broadcasts need no copy. The outputs are written through
+runtime strides of the same form (fresh dense outputs, or a caller's ``out=``
+memory: narrowed, step-sliced or transposed views).
 ``reverse``, the strides and the thread count are runtime arguments, so one
 compiled kernel serves every shape and layout.
 
@@ -83,7 +85,7 @@ template <int64_t B, typename F> static FSCAN_INLINE void fscan_lanes(int64_t w,
 // A leaf in memory: its data and the strides (in elements) of the (outer, T, inner) view,
 // outer split in two dims (o / nb, o % nb) so that a permuted (B, C, T) view of (B, T, C)
 // data needs no copy. Inputs come with their own strides (views: transposes, step slices,
-// stride-0 broadcasts); outputs are fresh and contiguous.
+// stride-0 broadcasts); outputs too (fresh and dense, or a caller's views of its memory).
 template <typename P> struct Ptr { P* p; int64_t sa, sb, st, si; };
 // Where a lane (o, i) is at step t.
 template <typename P> static FSCAN_INLINE Ptr<P> shift(Ptr<P> q, int64_t o, int64_t nb, int64_t t, int64_t i) {
@@ -222,6 +224,36 @@ def _gathered(name: str, fields: Sequence[tuple[str, str]]) -> list[str]:
     return lines
 
 
+def _scattered(name: str, fields: Sequence[tuple[str, str]]) -> list[str]:
+    """Row buffers for the outputs ``name`` (see :func:`_strided`): ``buffered`` points
+    each member whose inner stride is not 1 at its buffer (a dense row, so that the lane
+    loops stay plain vector loops), ``scatter`` then stores that row to its strided
+    place (in the lanes' order ``down``: see ``fscan_lanes``). Members of inner stride 1
+    are written in place and cost one untaken branch per row."""
+    lines = [
+        f"struct {name}Row {{ "
+        + " ".join(f"std::unique_ptr<{c}[]> {f};" for f, c in fields)
+        + f" explicit {name}Row(int64_t n) "
+        + (": " + ", ".join(f"{f}(new {c}[n > 0 ? n : 1])" for f, c in fields) if fields else "")
+        + " { (void)n; } };",
+        f"static FSCAN_INLINE {name} buffered(const {name} y, const {name}Row& b) "
+        f"{{ {name} r = y; (void)b;"
+        + "".join(
+            f" if (y.{f}.si != 1) {{ r.{f}.p = b.{f}.get(); r.{f}.si = 1; }}" for f, _ in fields
+        )
+        + " return r; }",
+        f"static FSCAN_INLINE void scatter(const {name} y, const {name}Row& b, int64_t w, bool down) "
+        f"{{ (void)y; (void)b; (void)w; (void)down;",
+    ]
+    for f, c in fields:
+        lines.append(
+            f"  if (y.{f}.si != 1) {{ const {c}* s = b.{f}.get(); const auto q = y.{f}; "
+            f"fscan_lanes<LANE_BLOCK>(w, down, [&](int64_t i) {{ lane<false>(q, i) = s[i]; }}); }}"
+        )
+    lines.append("}")
+    return lines
+
+
 def _structs(
     dtypes: Sequence[torch.dtype],
     compute: Sequence[str],
@@ -263,6 +295,7 @@ def _structs(
         *_strided("In", [(f"x{k}", f"const {st[k]}") for k in read]),
         *_gathered("In", [(f"x{k}", f"const {st[k]}") for k in read]),
         *_strided("Out", [(f"y{k}", st[k]) for k in kept]),
+        *_scattered("Out", [(f"y{k}", st[k]) for k in kept]),
         # A carry-in: one element per read leaf (contiguous, element position e at e)
         # that replaces the scan's first element in scan order; all null: none.
         "struct Heads { " + " ".join(f"const {st[k]}* h{k};" for k in read) + " bool any; };",
@@ -375,7 +408,8 @@ def forward_argtypes(
     types += [f"{c}*" for k, c in enumerate(st) if k not in dropped]
     types += [f"const {_param_ctype(p.dtype)}*" for p in program.params]
     n_read = len(dtypes) - len(set(positions))
-    return types + ["int64_t"] * (5 + 1 + len(STRIDES) * n_read + n_read)
+    n_kept = len(dtypes) - len(set(dropped))
+    return types + ["int64_t"] * (5 + 1 + len(STRIDES) * (n_read + n_kept) + n_read)
 
 
 def forward_source(
@@ -385,10 +419,12 @@ def forward_source(
     dropped: Sequence[int] = (),
 ) -> str:
     """The complete forward kernel:
-    ``kernel(x.., y.., p.., outer, T, inner, rev, threads, nb, strides.., heads..)``.
+    ``kernel(x.., y.., p.., outer, T, inner, rev, threads, nb, x strides.., y strides..,
+    heads..)``.
 
-    The inputs ``x`` are read through their strides (``sa, sb, st, si`` each, of the
-    ``(outer // nb, nb, T, inner)`` view: see Ptr); the outputs ``y`` are dense. The
+    The inputs ``x`` are read and the outputs ``y`` written through their strides
+    (``sa, sb, st, si`` each, of the ``(outer // nb, nb, T, inner)`` view: see Ptr;
+    outputs must not overlap each other or the inputs: the caller checks). The
     leaves in ``positions`` have no input ``x``: each element's value is its index
     along the scan dim (as for the indices of ``cummax``). The leaves in ``dropped``
     have no output ``y``: they are computed (the kept ones may depend on them) but
@@ -414,17 +450,18 @@ def forward_source(
     args = _signature(dtypes, program, [f"{st[k]}* y{k}" for k in kept], positions)
     read_idx = [k for k in R if k not in positions]
     read = [f"x{k}" for k in read_idx]
+    written = [f"y{k}" for k in kept]
     entry = (
         'extern "C" void kernel('
         + ", ".join(args)
         + ", int64_t outer, int64_t T, int64_t inner, int64_t rev, int64_t threads"
-        + _stride_params(read)
+        + _stride_params(read + written)
         + "".join(f", int64_t h{k}" for k in read_idx)
         + ") {\n"
         + "  const In x{"
         + _strided_init(read)
         + "}; const Out y{"
-        + _dense_init([f"y{k}" for k in kept])
+        + _strided_init(written)
         + "}; const Par p{"
         + ", ".join(f"p{j}" for j in range(len(program.params)))
         + "}; const Heads H{"
@@ -456,11 +493,13 @@ static constexpr int G = 8;                // chains interleaved on the chain pa
 // GATHER: inputs of other inner strides than 1 are gathered, a row at a time, into rows
 // (a separate instantiation: dense inputs keep the loop they had before strides existed;
 // the gather's pointer select in the same loop cost seg 1.45x).
+// Outputs of other inner strides than 1 are written, a row at a time, into orows and
+// scattered from there (GATHER only: the dense instantiation has unit outputs too).
 // H: a carry-in (if H.any): step 0 (in scan order) reads the head element instead of x.
 template <bool WRITE, bool GATHER>
 static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t o, int64_t i0,
                      int64_t w, int64_t s0, int64_t s1, bool rev, const Buf* carry, const Buf acc,
-                     const InRow& rows, const Heads& H) {
+                     const InRow& rows, const OutRow& orows, const Heads& H) {
   const In xc = at(x, S, o, 0, i0);
   const Out yc = at(y, S, o, 0, i0);
   const int64_t e0 = o * S.inner + i0, T = S.T, dt = rev ? -1 : 1;
@@ -468,12 +507,13 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
   if (s0 == 0 && H.any && s1 > 0) {  // peeled: the loop below stays as it was
     const int64_t t = rev ? T - 1 : 0;
     const In hr = head_at(x, H, e0);
-    const Out yr = row(yc, t);
+    const Out yr = GATHER ? buffered(row(yc, t), orows) : row(yc, t);
     fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
       const Vals v = load_i(hr, i, t);
       put(acc, i, v);
       if (WRITE) store_i(yr, i, v);
     });
+    if (WRITE && GATHER) scatter(row(yc, t), orows, w, rev);
     carry = &acc;
     sb = 1;
   }
@@ -485,7 +525,7 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
     const int64_t t = rev ? T - 1 - s : s;
     if (s > sb) { xs = row(xs, dt); ys = row(ys, dt); }
     const In xr = GATHER ? gather(xs, rows, w, rev) : xs;
-    const Out yr = ys;
+    const Out yr = GATHER ? buffered(ys, orows) : ys;
     if (s == sb && carry == nullptr) {
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
         const Vals v = load_i(xr, i, t);
@@ -500,6 +540,7 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
         if (WRITE) store_i(yr, i, v);
       });
     }
+    if (WRITE && GATHER) scatter(ys, orows, w, rev);
   }
 }
 
@@ -520,15 +561,16 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
   {
     Store scratch(W);
     const Buf acc = scratch.buf();
-    const bool dense = unit(x);
+    const bool dense = unit(x) && unit(y);
     const InRow rows(dense ? 0 : W);
+    const OutRow orows(dense ? 0 : W);
     if (C > 1) {
 #pragma omp for schedule(static)
       for (int64_t k = 0; k < ncols * (C - 1); ++k) {
         const int64_t col = k / (C - 1), c = k % (C - 1);
         const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
-        if (dense) lane_run<false, false>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W), rows, H);
-        else lane_run<false, true>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W), rows, H);
+        if (dense) lane_run<false, false>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W), rows, orows, H);
+        else lane_run<false, true>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W), rows, orows, H);
       }
 #pragma omp for schedule(static)
       for (int64_t col = 0; col < ncols; ++col) {
@@ -546,8 +588,8 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
       const Buf carry = c > 0 ? offset(tb, (col * (C - 1) + c - 1) * W) : tb;
       const int64_t s1 = std::min(T, (c + 1) * L);
-      if (dense) lane_run<true, false>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, H);
-      else lane_run<true, true>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, H);
+      if (dense) lane_run<true, false>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H);
+      else lane_run<true, true>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H);
     }
   }
 }
@@ -665,14 +707,14 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
 }
 
 // The lane path wants lanes next to each other in memory (SIMD over them); where an
-// input is laid out along T instead (a transpose: T stride below the inner stride), the
-// chain path walks each lane along its contiguous steps.
+// input or output is laid out along T instead (a transpose: T stride below the inner
+// stride), the chain path walks each lane along its contiguous steps.
 static void scan(const In x, const Out y, const Par p, const Geo& S, bool rev, int threads,
                  const Heads& H) {
   if (S.T <= 0 || S.outer <= 0 || S.inner <= 0) return;
   const int64_t total = S.outer * S.T * S.inner;
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, total / PER_THREAD));
-  if (S.inner >= VEC_MIN && !along(x)) {
+  if (S.inner >= VEC_MIN && !along(x) && !along(y)) {
     lane_path(x, y, p, S, rev, nt, H);
   } else {
     chain_path(x, y, p, S, rev, nt, H);

@@ -12,7 +12,8 @@ and requires_grad) and per pattern of which captured tensors are the same object
 Captured tensors are inputs of the kernel, read at every call. Leaves (and, in the
 backward, saved inputs, outputs and cotangents) are read through their strides where
 :func:`strided_view` can describe them, without a copy; outputs are fresh and
-contiguous, as torch's scans return them; outputs a caller drops (``keep=``)
+contiguous, as torch's scans return them, or written in place into a caller's
+memory of any strides (``out=``: see :func:`kernel_scan`); outputs a caller drops (``keep=``)
 are neither allocated nor stored (a kernel per pattern of kept outputs, in the
 slot key), and a carry-in (``head=``: the first element in scan order, replaced)
 is a runtime argument of every forward kernel. The entries live
@@ -61,6 +62,7 @@ from .._adjoint import (
 from .._cache import BoundedCache
 from .._combine import FlatCombine
 from .._config import config
+from .._errors import ScanTypeError, ScanValueError
 from .._generic import scan_along
 from .._knowledge import Knowledge, Reach, _references, knowledge, reach
 from .._purity import probeable, under_transform
@@ -94,6 +96,7 @@ __all__ = [
     "kernel_scan",
     "precompile",
     "slot_key",
+    "strided_layout",
     "strided_view",
 ]
 
@@ -177,6 +180,7 @@ def kernel_scan(
     threads: int | None = None,
     keep: Sequence[bool] | None = None,
     head: Sequence[torch.Tensor] | None = None,
+    out: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor | None] | None:
     """The scan of ``leaves`` along ``dim`` by the compiled kernel, or None (module doc).
 
@@ -194,6 +198,14 @@ def kernel_scan(
     ``reverse``), as ``combine_fn(initial, xs[first])`` folded by the caller; read
     in place, the leaves are not copied (a runtime argument: the same kernel serves).
     Not with ``positions``.
+    ``out``: memory for the results, one tensor per kept output (each its leaf's shape
+    and dtype, on CPU, any strides: narrowed, step-sliced or transposed views), written
+    in place by the kernel through runtime strides (no dense buffer, no new kernel) and
+    returned in the results' places. It must not overlap the inputs (leaves, ``head``,
+    captured tensors) or another output: a :class:`~fscan.ScanValueError` names it.
+    A layout the kernel cannot describe (see :func:`strided_layout`) is served by a
+    dense result copied into it (``counters.out_copies``). None (no kernel) leaves
+    ``out`` unwritten.
 
     Example:
         >>> import fscan, optree
@@ -206,6 +218,7 @@ def kernel_scan(
     if config.cpu_kernel == "off":
         return None
     dropped = _dropped(keep, len(leaves)) if keep is not None else ()
+    outs = None if out is None else _check_out(out, leaves, dropped, positions, head)
     reason = _unavailable(leaves) or _grad_wanted(leaves)
     if reason is not None:
         _log_once(reason)
@@ -226,7 +239,111 @@ def kernel_scan(
         if kernel is None:
             return None
     heads = None if head is None else _heads(head, leaves, element, positions)
-    return run_kernel(kernel, leaves, dim, reverse, captured, positions, threads, dropped, heads)
+    if outs is not None and captured:
+        _check_disjoint(outs, [(f"captured tensor {i}", t) for i, t in enumerate(captured)])
+    return run_kernel(
+        kernel, leaves, dim, reverse, captured, positions, threads, dropped, heads, outs
+    )
+
+
+def _check_out(
+    out: Sequence[torch.Tensor],
+    leaves: Sequence[torch.Tensor],
+    dropped: tuple[int, ...],
+    positions: tuple[int, ...],
+    head: Sequence[torch.Tensor] | None,
+) -> list[torch.Tensor]:
+    """``out`` checked (one tensor per kept output, of its leaf's shape and dtype, on CPU,
+    each element its own memory, sharing none with the leaves read, ``head`` or another
+    output), or an error naming the argument and the fix. The captured tensors, known
+    once the combine is looked up, are checked by :func:`_check_disjoint`."""
+    kept = [k for k in range(len(leaves)) if k not in dropped]
+    if isinstance(out, torch.Tensor) or len(out) != len(kept):
+        got = "a tensor" if isinstance(out, torch.Tensor) else f"{len(out)} entries"
+        raise ScanValueError(
+            f"kernel_scan: out must be a sequence of one tensor per kept output "
+            f"({len(kept)}: leaves {kept}), got {got}."
+        )
+    outs = list(out)
+    for j, (k, y) in enumerate(zip(kept, outs)):
+        x = leaves[k]
+        if type(y) is not torch.Tensor:
+            raise ScanTypeError(
+                f"kernel_scan: out[{j}] must be a plain torch.Tensor, got {type(y).__name__}."
+            )
+        if y.shape != x.shape or y.dtype != x.dtype or not y.is_cpu:
+            raise ScanValueError(
+                f"kernel_scan: out[{j}] (the output of leaf {k}) is {y.dtype} "
+                f"{tuple(y.shape)} on {y.device}, expected {x.dtype} {tuple(x.shape)} on cpu "
+                f"like leaf {k}."
+            )
+        if y.requires_grad and torch.is_grad_enabled():
+            raise ScanValueError(
+                f"kernel_scan: out[{j}] requires grad; out= memory is written without "
+                "autograd: pass a tensor that does not require grad, or run under no_grad."
+            )
+        if not _distinct_elements(y):
+            raise ScanValueError(
+                f"kernel_scan: out[{j}] has strides {y.stride()} for shape {tuple(y.shape)}, "
+                "whose elements may share memory (an expand, say); each output element "
+                "needs its own memory: pass a fresh tensor or a view such as a narrow, "
+                "step slice or transpose of one."
+            )
+    inputs = [(f"leaf {k}", x) for k, x in enumerate(leaves) if k not in positions]
+    inputs += [(f"head leaf {k}", h) for k, h in enumerate(head or ())]
+    _check_disjoint(outs, inputs)
+    for j in range(1, len(outs)):
+        _check_disjoint(outs[j : j + 1], [(f"out[{i}]", outs[i]) for i in range(j)], j)
+    return outs
+
+
+def _check_disjoint(
+    outs: Sequence[torch.Tensor], inputs: Sequence[tuple[str, torch.Tensor]], first: int = 0
+) -> None:
+    """An error naming the first output (``out[first + j]``) that overlaps a named input."""
+    for j, y in enumerate(outs):
+        for name, t in inputs:
+            if _overlap(y, t):
+                raise ScanValueError(
+                    f"kernel_scan: out[{first + j}] overlaps {name} in memory; outputs must "
+                    "not alias the inputs or each other: pass separate memory for out."
+                )
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range ``[start, end)`` a tensor's elements lie in (empty: ``(0, 0)``)."""
+    if t.numel() == 0:
+        return 0, 0
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + (last + 1) * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges of ``a`` and ``b`` intersect (conservative: interleaved
+    views of one tensor, e.g. its even and odd columns, count as overlapping)."""
+    a0, a1 = _extent(a)
+    b0, b1 = _extent(b)
+    return a0 < b1 and b0 < a1
+
+
+def _distinct_elements(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements certainly lie at distinct addresses: its dims of size > 1,
+    ordered by stride, each step past the whole span of the dims below (true of every
+    narrow, slice, transpose or permutation of a fresh tensor; false of an expand).
+
+    Example:
+        >>> _distinct_elements(torch.zeros(3, 4).t()[::2])
+        True
+        >>> _distinct_elements(torch.zeros(3).expand(2, 3))
+        False
+    """
+    reach = 0  # the farthest offset the dims of smaller strides reach
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride <= reach:
+            return False
+        reach += (size - 1) * stride
+    return True
 
 
 def _heads(
@@ -664,14 +781,17 @@ def run_kernel(
     threads: int | None = None,
     dropped: tuple[int, ...] = (),
     heads: Sequence[torch.Tensor] | None = None,
+    outs: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor | None] | None:
     """Run a READY entry's kernel into fresh outputs, or None where its params do not fit;
     on ``threads`` threads at most (default ``torch.get_num_threads()``). ``dropped``: the
     leaves the entry was built not to store (its ``_Call.dropped``): None in their place.
     ``heads``: contiguous carry-in elements, one per leaf (see :func:`kernel_scan`).
+    ``outs``: checked ``out=`` memory (see :func:`kernel_scan`), one per kept output,
+    written in place instead of fresh outputs where :func:`strided_layout` fits it.
 
     Inputs are read in place through their strides where :func:`strided_view` can
-    describe them (no copy); the outputs are fresh and contiguous, as torch's own scans
+    describe them (no copy); fresh outputs are contiguous, as torch's own scans
     (``torch.cumsum`` of a transposed tensor is contiguous) and the torch engine give."""
     program, kernel = entry.program, entry.kernel
     assert program is not None and kernel is not None
@@ -683,7 +803,10 @@ def run_kernel(
         outer, steps, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
     # empty_like is ~1 us cheaper per leaf than torch.empty(torch.Size): it matters at (64,).
     ys: list[torch.Tensor | None]
-    if dropped:  # not allocated: a fresh tensor costs its page faults when written
+    if outs is not None:
+        it = iter(outs)
+        ys = [None if k in dropped else next(it) for k in range(len(leaves))]
+    elif dropped:  # not allocated: a fresh tensor costs its page faults when written
         ys = [None if k in dropped else _fresh(x) for k, x in enumerate(leaves)]
     else:  # inline: ~1 us less per leaf than the call, which matters at (64,)
         ys = [torch.empty_like(x) if x.is_contiguous() else _empty(x) for x in leaves]
@@ -693,14 +816,25 @@ def run_kernel(
     if params is None:
         return None
     read = [x for k, x in enumerate(leaves) if k not in positions] if positions else leaves
-    for x in read:  # all contiguous (the common case) inline: ~1 us less than the call
-        if not x.is_contiguous():
-            xs, nb, strides = strided_view(read, dim)
-            break
-    else:
-        xs, nb, strides = read, 1, [steps * inner, 0, inner, 1] * len(read)
-    threads = torch.get_num_threads() if threads is None else min(threads, torch.get_num_threads())
     written = [y for y in ys if y is not None] if dropped else ys
+    if outs is None:  # fresh outputs: dense
+        for x in read:  # all contiguous (the common case) inline: ~1 us less than the call
+            if not x.is_contiguous():
+                xs, nb, strides = strided_view(read, dim)
+                break
+        else:
+            xs, nb, strides = read, 1, [steps * inner, 0, inner, 1] * len(read)
+        # Dense in the (outer // nb, nb, T, inner) view the inputs' strides use.
+        strides = strides + [nb * steps * inner, steps * inner, inner, 1] * len(written)
+    else:
+        found = strided_layout([*read, *written], dim, fixed=len(written))
+        if found is None:  # an out= layout the kernel cannot describe: a dense result
+            args = (entry, leaves, dim, reverse, captured, positions, threads, dropped, heads)
+            return _copied_out(run_kernel(*args), ys)
+        xs, nb, strides = found
+        xs = xs[: len(read)]
+        counters.wrote(len(written))
+    threads = torch.get_num_threads() if threads is None else min(threads, torch.get_num_threads())
     if heads is None:
         at = _NO_HEADS[len(read)] if len(read) < len(_NO_HEADS) else (0,) * len(read)
     else:  # the tensors stay alive in `heads` while the kernel reads them
@@ -712,18 +846,45 @@ def run_kernel(
 _NO_HEADS = [(0,) * n for n in range(9)]  # null carry-in addresses (made once: ~0.1 us)
 
 
+def _copied_out(
+    found: list[torch.Tensor | None] | None, ys: list[torch.Tensor | None]
+) -> list[torch.Tensor | None] | None:
+    """The kernel's dense results ``found`` copied into the ``out=`` memory ``ys``."""
+    if found is None:
+        return None
+    n = 0
+    for y, f in zip(ys, found):
+        if y is not None and f is not None:
+            y.copy_(f)
+            n += 1
+    counters.copied_out(n)
+    return ys
+
+
 class Counters:
     """What the kernel runs did that a test may want to see (not timing): ``copies``,
     the inputs copied to contiguous memory because :func:`strided_view` could not
-    describe their layout. Counted under a lock; read ``counters.copies``."""
+    describe their layout; ``in_place``, the outputs written straight into a caller's
+    ``out=`` memory; ``out_copies``, those computed densely and copied into it (a layout
+    :func:`strided_layout` cannot describe). Counted under a lock."""
 
     def __init__(self) -> None:
         self.copies = 0
+        self.in_place = 0
+        self.out_copies = 0
         self.lock = threading.Lock()
 
     def copied(self, n: int) -> None:
         with self.lock:
             self.copies += n
+
+    def wrote(self, n: int) -> None:
+        with self.lock:
+            self.in_place += n
+
+    def copied_out(self, n: int) -> None:
+        with self.lock:
+            self.out_copies += n
 
 
 counters = Counters()
@@ -743,6 +904,7 @@ def strided_view(
     ``.sum()``). A tensor that does not fit (nor, where the groups of the others
     disagree with its own, one with a split of its own) is copied to contiguous memory,
     counted in ``counters.copies``. Nothing is written: the tensors are read only.
+    :func:`strided_layout` describes outputs too.
 
     Example:
         >>> x = torch.zeros(4, 6)
@@ -752,6 +914,27 @@ def strided_view(
         >>> _, nb, strides = strided_view([torch.zeros(2, 5, 3).transpose(1, 2)], 2)
         >>> nb, strides  # outer (2, 3): 15 and 1 apart; T: 3 apart
         (3, [15, 1, 3, 1])
+    """
+    found = strided_layout(tensors, dim)
+    assert found is not None  # every tensor may be copied
+    return found
+
+
+def strided_layout(
+    tensors: Sequence[torch.Tensor], dim: int, fixed: int = 0
+) -> tuple[list[torch.Tensor], int, list[int]] | None:
+    """:func:`strided_view` where the last ``fixed`` tensors (outputs, written in place)
+    are never copied: None where one of them does not fit, or where their outer groups
+    disagree with each other.
+
+    Example:
+        >>> x, out = torch.zeros(4, 6), torch.zeros(6, 4).t()  # out: T stride 1
+        >>> _, nb, strides = strided_layout([x, out], 0, fixed=1)
+        >>> nb, strides
+        (1, [0, 0, 6, 1, 0, 0, 1, 4])
+        >>> y, out = torch.zeros(4, 2, 3), torch.zeros(4, 3, 2).transpose(1, 2)
+        >>> strided_layout([y, out], 0, fixed=1) is None  # out's (2, 3) lanes do not merge
+        True
     """
     if not tensors:  # every leaf a position leaf: nothing is read
         return [], 1, []
@@ -771,16 +954,22 @@ def strided_view(
 
     copies = 0
     splits: list[set[int]] = []
+    free = len(xs) - fixed  # the tensors that may be copied
     for k, x in enumerate(xs):
         stride = x.stride()
         if not all(merges(stride, a, b) for a, b in itertools.pairwise(inner)):
+            if k >= free:
+                return None
             xs[k] = x.contiguous()
             stride, copies = xs[k].stride(), copies + 1
         pairs = enumerate(itertools.pairwise(outer))
         splits.append({j for j, (a, b) in pairs if not merges(stride, a, b)})
     if len(set().union(*splits)) > 1:  # more than two outer groups: copy the split ones
-        for k, split in enumerate(splits):
-            if split:
+        kept: set[int] = set().union(*splits[free:])  # the fixed ones' split, if any
+        if len(kept) > 1:
+            return None
+        for k, split in enumerate(splits[:free]):
+            if split and split != kept:
                 xs[k], splits[k], copies = xs[k].contiguous(), set(), copies + 1
     if copies:
         counters.copied(copies)
