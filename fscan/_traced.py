@@ -17,6 +17,8 @@ compile, pointwise, CUDA/XPU, grad mode off   ``associative_scan`` HOP: Triton s
 compile, pointwise, CUDA/XPU, grad mode on,  ``adjoint``: the HOP without a tape, and
 float leaves of one shape                     the adjoint scan, a HOP too, for the
                                               gradient (:mod:`fscan._traced_adjoint`)
+compile, pointwise, CPU with a C++ compiler   ``associative_scan`` HOP: the C++ kernel
+and ``cpu_kernel`` not ``"off"``, grad off    (:mod:`fscan.engine.traced_kernel`)
 compile, anything else                        blocked scan around a ``while_loop``
 ============================================  =====================================
 
@@ -26,7 +28,8 @@ and ``combine_fn`` closes over tensors, the blocked scan is used instead: the
 non-strict trace of the HOP would bake those tensors in as constants.
 
 Why not the HOP everywhere: Inductor lowers it only where it has scan codegen
-(CUDA/XPU; on CPU the compile fails), and the HOP's autograd treats each leaf
+(CUDA/XPU; on CPU fscan gives it a lowering to its C++ kernel, which needs a
+compiler), and the HOP's autograd treats each leaf
 on its own, which is wrong as soon as ``combine_fn`` mixes leaves (for the
 linear recurrence ``(a1, b1), (a2, b2) -> (a1 a2, a2 b1 + b2)`` the gradient of
 ``a`` comes out wrong) and it drops gradients for closed-over tensors: the
@@ -167,12 +170,14 @@ def traced_route(
         return "blocked"
     if combine_mode == "generic":
         return "blocked"
-    device = xs[0].device.type
-    if device not in CODEGEN_DEVICES and not (device == "cpu" and kernel_traceable()):
-        return "blocked"
-    if not torch.is_grad_enabled():
-        return "hop"
-    return "adjoint" if adjoint_serves(xs) else "blocked"
+    device, grad = xs[0].device.type, torch.is_grad_enabled()
+    if device in CODEGEN_DEVICES:
+        if not grad:
+            return "hop"
+        return "adjoint" if adjoint_serves(xs) else "blocked"
+    # With grad on CPU, the adjoint route's backward graph met a layout Inductor fixed to
+    # the first length (a stride assertion at the next one, with dynamic shapes).
+    return "hop" if device == "cpu" and not grad and kernel_traceable() else "blocked"
 
 
 def in_functorch_transform() -> bool:

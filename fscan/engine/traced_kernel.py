@@ -59,7 +59,11 @@ _graphs: dict[str, _Graph] = {}
 _lock = threading.Lock()
 
 
-@torch.library.custom_op("fscan::kernel_scan_hop", mutates_args=())
+# flexible_layout: the kernel reads any strides in place, so Inductor need not pin or
+# copy the inputs' layout (with dynamic shapes it asserted one traced layout).
+@torch.library.custom_op(
+    "fscan::kernel_scan_hop", mutates_args=(), tags=(torch.Tag.flexible_layout,)
+)
 def _kernel_scan_hop(
     key: str, xs: list[torch.Tensor], tensors: list[torch.Tensor], numbers: list[int]
 ) -> list[torch.Tensor]:
@@ -76,12 +80,19 @@ def _kernel_scan_hop(
         )
     combine = _combine_of(graph, tensors, numbers)
     spec = optree.tree_structure(list(xs))
-    out = kernel_scan("torch.compile", combine, spec, xs, 0, False)
+    # Contiguous, as the fake implementation promises Inductor, whatever the inputs' layout.
+    ys = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
+    run = lambda: kernel_scan("torch.compile", combine, spec, xs, 0, False, out=ys)
+    out = run()
     if out is None and config.cpu_kernel != "off" and precompile(combine, list(xs)):
-        out = kernel_scan("torch.compile", combine, spec, xs, 0, False)
+        out = run()
     if out is None:
-        return scan_along(lambda a, b: combine(list(a), list(b)), xs, 0)
-    return [t for t in out if t is not None]
+        return [y.copy_(t) for y, t in zip(ys, scan_along(_listed(combine), xs, 0))]
+    return ys
+
+
+def _listed(combine: Callable[..., list]) -> Callable[..., list]:
+    return lambda a, b: combine(list(a), list(b))
 
 
 @_kernel_scan_hop.register_fake
