@@ -17,6 +17,8 @@ compile, pointwise, CUDA/XPU, grad mode off   ``associative_scan`` HOP: Triton s
 compile, pointwise, CUDA/XPU, grad mode on,  ``adjoint``: the HOP without a tape, and
 float leaves of one shape                     the adjoint scan, a HOP too, for the
                                               gradient (:mod:`fscan._traced_adjoint`)
+compile, pointwise, CPU with a C++ compiler   ``associative_scan`` HOP: the C++ kernel
+and ``cpu_kernel`` not ``"off"``, grad off    (:mod:`fscan.engine.traced_kernel`)
 compile, anything else                        blocked scan around a ``while_loop``
 ============================================  =====================================
 
@@ -26,7 +28,8 @@ and ``combine_fn`` closes over tensors, the blocked scan is used instead: the
 non-strict trace of the HOP would bake those tensors in as constants.
 
 Why not the HOP everywhere: Inductor lowers it only where it has scan codegen
-(CUDA/XPU; on CPU the compile fails), and the HOP's autograd treats each leaf
+(CUDA/XPU; on CPU fscan gives it a lowering to its C++ kernel, which needs a
+compiler), and the HOP's autograd treats each leaf
 on its own, which is wrong as soon as ``combine_fn`` mixes leaves (for the
 linear recurrence ``(a1, b1), (a2, b2) -> (a1 a2, a2 b1 + b2)`` the gradient of
 ``a`` comes out wrong) and it drops gradients for closed-over tensors: the
@@ -73,6 +76,7 @@ from ._knowledge import reach
 from ._pytree import unflatten
 from ._traced_adjoint import adjoint_serves, adjoint_traced_scan
 from ._workarounds import prepare_loop_backward, quiet_function_contexts
+from .engine.traced_kernel import kernel_traceable
 
 __all__ = [
     "BLOCK",
@@ -164,11 +168,16 @@ def traced_route(
         if torch.compiler.is_dynamo_compiling() or not reach(combine_fn).tensors:
             return "hop"
         return "blocked"
-    if combine_mode == "generic" or xs[0].device.type not in CODEGEN_DEVICES:
+    if combine_mode == "generic":
         return "blocked"
-    if not torch.is_grad_enabled():
-        return "hop"
-    return "adjoint" if adjoint_serves(xs) else "blocked"
+    device, grad = xs[0].device.type, torch.is_grad_enabled()
+    if device in CODEGEN_DEVICES:
+        if not grad:
+            return "hop"
+        return "adjoint" if adjoint_serves(xs) else "blocked"
+    # With grad on CPU, the adjoint route's backward graph met a layout Inductor fixed to
+    # the first length (a stride assertion at the next one, with dynamic shapes).
+    return "hop" if device == "cpu" and not grad and kernel_traceable() else "blocked"
 
 
 def in_functorch_transform() -> bool:

@@ -332,13 +332,15 @@ def test_cuda_torch_compile_gradients_run_on_triton_scans():
         graphs.append(gm)
         return torch._inductor.compile_fx.compile_fx(gm, inputs)
 
-    compiled = torch.compile(fn, backend=backend, fullgraph=True)
-    a = torch.rand(4, 1000, device="cuda", dtype=torch.float64, requires_grad=True)
-    b = torch.randn(4, 1000, device="cuda", dtype=torch.float64, requires_grad=True)
-    g = torch.randn(4, 1000, device="cuda", dtype=torch.float64)
-    got = torch.autograd.grad((compiled(a, b) * g).sum(), (a, b))
-    want = torch.autograd.grad((fn(a, b) * g).sum(), (a, b))
-    assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
+    # dynamic=True and two lengths: the backward graph must not fix a layout to the first.
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=True)
+    for n in (300, 1000):
+        a = torch.rand(4, n, device="cuda", dtype=torch.float64, requires_grad=True)
+        b = torch.randn(4, n, device="cuda", dtype=torch.float64, requires_grad=True)
+        g = torch.randn(4, n, device="cuda", dtype=torch.float64)
+        got = torch.autograd.grad((compiled(a, b) * g).sum(), (a, b))
+        want = torch.autograd.grad((fn(a, b) * g).sum(), (a, b))
+        assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
     code = "".join(str(gm.graph) for gm in graphs)
     assert "associative_scan" in code and "while_loop" not in code
 

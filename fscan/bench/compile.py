@@ -3,9 +3,10 @@
 Reports the first call (tracing plus Inductor's compile, with Inductor's on-disk
 graph cache off, so a cold compile), then the steady-state time of the
 compiled function against eager fscan and ``torch.cumsum``, and the number of
-compiles over four lengths with ``dynamic=True``. On CPU the traced scan is the
-blocked scan around a ``while_loop`` (see ``fscan._traced``), while eager pointwise
-calls run the C++ kernel once it is built: each row names both engines.
+compiles over four lengths with ``dynamic=True``. On CPU a traced pointwise scan is
+torch's scan op lowered to fscan's C++ kernel where a compiler is installed, else the
+blocked scan around a ``while_loop`` (see ``fscan._traced``); generic scans always take
+the blocked scan. Each row names the engines of both columns.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch._dynamo.testing
 
 import fscan
+from fscan.engine.traced_kernel import kernel_traceable
 
 from ._timing import Table, fmt_ms, median_time
 
@@ -34,13 +36,14 @@ def _workloads() -> dict[str, tuple[Callable, tuple, Callable | None]]:
     x = torch.randn(SHAPE)
     a, b = torch.rand(SHAPE), torch.randn(SHAPE)
     kernel = lambda combine, xs: "c++" if fscan.precompile(combine, xs, 0) else "torch engine"
+    traced = "c++ (scan op)" if kernel_traceable() else "blocked scan"
     return {
-        f"add {SHAPE} [compiled: blocked scan; eager: {kernel(torch.add, x)}]": (
+        f"add {SHAPE} [compiled: {traced}; eager: {kernel(torch.add, x)}]": (
             lambda x: fscan.associative_scan(torch.add, x, 0),
             (x,),
             lambda x: torch.cumsum(x, 0),
         ),
-        f"linrec {SHAPE} [compiled: blocked scan; eager: {kernel(_linrec, (a, b))}]": (
+        f"linrec {SHAPE} [compiled: {traced}; eager: {kernel(_linrec, (a, b))}]": (
             lambda a, b: fscan.associative_scan(_linrec, (a, b), 0),
             (a, b),
             None,

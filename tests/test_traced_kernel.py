@@ -1,0 +1,199 @@
+"""The C++ kernel inside ``torch.compile`` on CPU (fscan.engine.traced_kernel).
+
+Every case compiles with Inductor, the default backend, and compares with the
+sequential oracle (float64 where gradients are checked).
+"""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+from helpers import add, assert_trees_close, linear_recurrence, maximum, sequential_scan
+
+import fscan
+from fscan import _traced
+from fscan.engine import traced_kernel
+
+F64 = torch.float64
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Inductor's imports
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_on():
+    with fscan.config.override(cpu_kernel="eager"):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def compiled_scan(op, dim=0, reverse=False, **options):
+    fn = lambda xs: fscan.associative_scan(op, xs, dim, reverse)
+    return torch.compile(fn, fullgraph=True, **options)
+
+
+def kernel_calls(fn, *args):
+    """``fn(*args)`` and how many times the kernel op ran in it."""
+    calls = []
+    original = traced_kernel._combine_of
+
+    def spy(graph, tensors, numbers):
+        calls.append(graph)
+        return original(graph, tensors, numbers)
+
+    traced_kernel._combine_of = spy
+    try:
+        return fn(*args), len(calls)
+    finally:
+        traced_kernel._combine_of = original
+
+
+def test_the_route():
+    with torch.no_grad():
+        assert _traced.traced_route(add, [torch.ones(3)], "pointwise") == "hop"
+        with fscan.config.override(cpu_kernel="off"):
+            assert _traced.traced_route(add, [torch.ones(3)], "pointwise") == "blocked"
+    with torch.enable_grad():  # see traced_route
+        assert _traced.traced_route(add, [torch.ones(3)], "pointwise") == "blocked"
+
+
+@pytest.mark.parametrize(
+    ("op", "dim", "reverse"),
+    [(add, 0, False), (linear_recurrence, 1, True), (maximum, 2, True)],
+)
+def test_forward_against_the_oracle(op, dim, reverse):
+    shape = (37, 5, 6)  # dims 1 and 2: the op's input is a transposed view
+    xs = (
+        (torch.rand(shape) + 0.5, torch.randn(shape))
+        if op is linear_recurrence
+        else torch.randn(shape)
+    )
+    with torch.no_grad():
+        got, calls = kernel_calls(compiled_scan(op, dim, reverse), xs)
+    assert calls == 1
+    assert_trees_close(got, sequential_scan(op, xs, dim, reverse, "pointwise"))
+
+
+def test_linear_recurrence_and_reset_scans_with_dynamic_lengths():
+    fn = torch.compile(
+        lambda a, b, r: (
+            fscan.linear_recurrence(a, b, dim=1),
+            fscan.associative_scan(add, b, 1, reset=r),
+        ),
+        fullgraph=True,
+        dynamic=True,
+    )
+    with torch.no_grad():
+        for n in (7, 40):
+            a, b = torch.rand(3, n, 4), torch.randn(3, n, 4)
+            r = torch.rand(3, n, 4) < 0.2
+            h, s = fn(a, b, r)
+            assert_trees_close(
+                h, sequential_scan(linear_recurrence, (a, b), 1, False, "pointwise")[1]
+            )
+            assert_trees_close(s, fscan.associative_scan(add, b, 1, reset=r))
+
+
+def test_gradients_take_the_blocked_scan():
+    a = (torch.rand(23, 4, dtype=F64) + 0.5).requires_grad_()
+    b = torch.randn(23, 4, dtype=F64, requires_grad=True)
+    g = torch.randn(23, 4, dtype=F64)
+    fn = compiled_scan(linear_recurrence)
+    (got, calls) = kernel_calls(lambda: torch.autograd.grad((fn((a, b))[1] * g).sum(), (a, b)))
+    want = torch.autograd.grad((sequential_scan(linear_recurrence, (a, b), 0)[1] * g).sum(), (a, b))
+    assert calls == 0
+    assert_trees_close(got, want)
+
+
+def test_a_closed_over_tensor_is_an_input():
+    w = torch.tensor([0.9, 1.1, 1.05], dtype=F64)
+    op = lambda x, y: x * y * w  # associative: w once per combine
+    x = torch.rand(9, 3, dtype=F64) + 0.5
+    fn = compiled_scan(op)
+    with torch.no_grad():
+        got, calls = kernel_calls(fn, x)
+        assert calls == 1
+        assert_trees_close(got, sequential_scan(op, x, 0, False, "pointwise"))
+        w.mul_(1.5)  # new values of the closed-over tensor, the same graph
+        assert_trees_close(fn(x), sequential_scan(op, x, 0, False, "pointwise"))
+
+
+def compile_twice(numbers):
+    """Compile one scan site once per number, closing over each in turn."""
+    make = lambda k: lambda a, b: a + b + k  # associative: adds k once per combine
+    x = torch.randn(11, 2)
+    with torch.no_grad():
+        for k in numbers:
+            op = make(k)
+            got = torch.compile(lambda x: fscan.associative_scan(op, x, 0), fullgraph=True)(x)
+            assert_trees_close(got, sequential_scan(op, x, 0, False, "pointwise"))
+
+
+def test_a_closed_over_number_is_a_constant_of_the_graph():
+    compile_twice((2.5,))
+
+
+def test_a_closed_over_int_that_changes_is_an_input():
+    """The second compile makes it symbolic: the graph passes its value, the kernel's key
+    holds it."""
+    compile_twice((1, 2, 3))
+
+
+def test_canary_a_closed_over_float_that_changes_fails_in_dynamo():
+    """torch 2.13: a float that changes between compiles of one site becomes symbolic, and
+    Dynamo then refuses both traced routes: its check of the scan op's combine graph calls
+    it not pointwise (CPU kernel, CUDA/XPU), and ``while_loop`` takes no float input
+    (the blocked scan). docs/compile.md says so; when this starts failing, torch fixed it."""
+    with pytest.raises(Exception, match="needs to be pointwise"):
+        compile_twice((1.0, 2.0))
+    with fscan.config.override(cpu_kernel="off"), pytest.raises(Exception, match="SymFloat"):
+        torch._dynamo.reset()
+        compile_twice((1.0, 2.0))
+
+
+def test_dynamic_lengths_and_int_leaves():
+    op = lambda x, y: (x[0] + y[0], x[1] + y[1])  # (sum, count)
+    fn = compiled_scan(op, dynamic=True)
+    with torch.no_grad():
+        for n in (5, 64, 1000):
+            xs = (torch.randn(n, 3), torch.ones(n, 3, dtype=torch.int64))
+            assert_trees_close(fn(xs), sequential_scan(op, xs, 0, False, "pointwise"))
+
+
+def test_without_a_kernel_the_torch_engine_answers(monkeypatch):
+    """The graph was compiled for the kernel; at run time it cannot build one."""
+    x = torch.randn(17, 3)
+    fn = compiled_scan(add)
+    with torch.no_grad():
+        fn(x)
+        with fscan.config.override(cpu_kernel="off"):
+            fscan.clear_caches()
+            assert_trees_close(fn(x), torch.cumsum(x, 0))
+
+
+def test_an_unknown_graph_key_says_what_to_do():
+    with pytest.raises(RuntimeError, match="clear Inductor's cache"):
+        traced_kernel.OP("no such graph", [torch.ones(3)], [], [])
+
+
+def test_the_scan_op_is_not_cacheable():
+    """Inductor's and AOTAutograd's disk caches bypass graphs holding torch's scan op, so
+    a compiled graph never outlives this process's registry of combine graphs."""
+    from torch._higher_order_ops.associative_scan import associative_scan_op
+
+    assert not associative_scan_op.cacheable()
+
+
+def test_the_scan_op_spec_of_a_pytree():
+    xs = {"w": torch.rand(10, 2), "c": torch.randn(10, 2)}
+    op = lambda x, y: {"w": x["w"] * y["w"], "c": y["w"] * x["c"] + y["c"]}
+    with torch.no_grad():
+        got = compiled_scan(op)(xs)
+    assert optree.tree_structure(got) == optree.tree_structure(xs)
+    assert_trees_close(got, sequential_scan(op, xs, 0, False, "pointwise"))
