@@ -88,7 +88,6 @@ __all__ = [
     "doubling_scan",
     "hop_combine",
     "hop_scan",
-    "hop_scan_flat",
     "in_functorch_transform",
     "sequential_scan",
     "spec_source",
@@ -134,11 +133,11 @@ def traced_scan(
     spec_of = spec_source(spec)
     make = lambda operands: flat_combine(api, combine_fn, spec_of(operands), combine_mode)
     if route == "hop":
-        ys = hop_scan(api, combine_fn, spec_of, xs)
+        ys = hop_scan(make, xs)
     elif route == "adjoint":
         if torch.compiler.is_dynamo_compiling():  # it traces an autograd.Function: see there
             quiet_function_contexts()
-        ys = adjoint_traced_scan(make, xs, hop_scan_flat)
+        ys = adjoint_traced_scan(make, xs, hop_scan)
     elif route == "sequential":
         ys = sequential_scan(api, combine_fn, spec_of, xs)
     elif route == "unrolled":
@@ -216,28 +215,17 @@ def spec_source(spec: PyTreeSpec) -> SpecSource:
 
 
 def hop_scan(
-    api: str, combine_fn: Callable[[Any, Any], Any], spec_of: SpecSource, xs: Sequence[torch.Tensor]
-) -> list[torch.Tensor]:
-    """torch's ``associative_scan`` higher-order op over ``xs`` along dimension 0."""
-    return list(associative_scan_op(hop_combine(api, combine_fn, spec_of), list(xs), ()))
-
-
-def hop_scan_flat(
     make_combine: Callable[[Sequence[torch.Tensor]], FlatCombine], xs: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
-    """:func:`hop_scan` for a flat combine: ``make_combine(operands)`` gives it in the
-    HOP's trace (the convention of :func:`blocked_scan`).
+    """torch's ``associative_scan`` higher-order op over ``xs`` along dimension 0;
+    ``make_combine(operands)`` gives the flat combine in the op's trace (the convention
+    of :func:`blocked_scan`).
 
     Example:
-        >>> hop_scan_flat(lambda operands: lambda a, b: [a[0] * b[0]], [torch.arange(1.0, 5.0)])
+        >>> hop_scan(lambda operands: lambda a, b: [a[0] * b[0]], [torch.arange(1.0, 5.0)])
         [tensor([ 1.,  2.,  6., 24.])]
     """
-
-    def flat(*operands: torch.Tensor) -> list[torch.Tensor]:
-        half = len(operands) // 2
-        return list(make_combine(operands[:half])(operands[:half], operands[half:]))
-
-    return list(associative_scan_op(flat, list(xs), ()))
+    return list(associative_scan_op(_hop_convention(make_combine), list(xs), ()))
 
 
 def hop_combine(
@@ -250,11 +238,17 @@ def hop_combine(
         >>> hop_combine("demo", lambda a, b: (a[0] * b[0], a[1] + b[1]), pair)(*torch.ones(4))
         [tensor(1.), tensor(2.)]
     """
+    return _hop_convention(
+        lambda operands: flat_combine(api, combine_fn, spec_of(operands), "pointwise")
+    )
 
+
+def _hop_convention(
+    make_combine: Callable[[Sequence[torch.Tensor]], FlatCombine],
+) -> Callable[..., list[torch.Tensor]]:
     def flat(*operands: torch.Tensor) -> list[torch.Tensor]:
         half = len(operands) // 2
-        combine = flat_combine(api, combine_fn, spec_of(operands[:half]), "pointwise")
-        return list(combine(operands[:half], operands[half:]))
+        return list(make_combine(operands[:half])(operands[:half], operands[half:]))
 
     return flat
 
