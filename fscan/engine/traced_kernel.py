@@ -86,8 +86,8 @@ def _kernel_scan_hop(
     out = run()
     if out is None and config.cpu_kernel != "off" and precompile(combine, list(xs)):
         out = run()
-    if out is None:
-        return [y.copy_(t) for y, t in zip(ys, scan_along(_listed(combine), xs, 0))]
+    if out is None:  # fresh contiguous tensors too, as the fake implementation promises
+        return scan_along(_listed(combine), xs, 0)
     return ys
 
 
@@ -163,6 +163,12 @@ def _lower_on_cpu(combine_fn: Any, xs: Sequence[Any], additional_inputs: Sequenc
     from torch._inductor.lowering import fallback_handler
 
     gm = combine_fn.graph_module
+    if any(node.op == "get_attr" for node in gm.graph.nodes):
+        # Constants held by the module are not in its code, which keys the registry.
+        raise RuntimeError(
+            "fscan: combine_fn's traced graph holds tensor constants; the CPU kernel's "
+            "lowering keys graphs by their code. Compile with fscan.config.cpu_kernel='off'"
+        )
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     extra_nodes = placeholders[2 * len(xs) :]
     kinds = tuple(_kind(a, node) for a, node in zip(additional_inputs, extra_nodes))
