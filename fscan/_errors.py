@@ -12,8 +12,9 @@ from the built-in type a user would naturally catch, so existing
     │       ├── NotAssociativeError       ... fails the associativity check
     │       └── ImpureCombineError        ... mutates an input or draws random numbers
     │                                         (also a RuntimeError)
-    └── UnsupportedScanError              valid, but not something fscan can do
-        (NotImplementedError)
+    ├── UnsupportedScanError              valid, but not something fscan can do
+    │   (NotImplementedError)
+    └── PeerRankError (RuntimeError)      another rank of a fscan.distributed call failed
 
     ScanWarning (UserWarning)             fscan ran the call, but it looks like a mistake
     └── ReverseNotBoolWarning             `reverse` is not a bool (fscan.lax, once)
@@ -38,6 +39,7 @@ __all__ = [
     "CombineFnError",
     "ImpureCombineError",
     "NotAssociativeError",
+    "PeerRankError",
     "ReverseNotBoolWarning",
     "ScanError",
     "ScanIndexError",
@@ -83,6 +85,16 @@ class ImpureCombineError(CombineFnError, RuntimeError):
 
 class UnsupportedScanError(ScanError, NotImplementedError):
     """A valid request that fscan cannot carry out (e.g. in a traced context)."""
+
+
+class PeerRankError(ScanError, RuntimeError):
+    """Another rank of the process group failed in the same ``fscan.distributed`` call.
+
+    The rank that failed (say, with a wrong argument) raises its own error; every
+    other rank raises this one, naming that rank and its error, instead of waiting
+    in a collective that rank never enters. Also a ``RuntimeError``, as torch's own
+    errors about a failed peer are.
+    """
 
 
 class ScanWarning(UserWarning):
