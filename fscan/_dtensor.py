@@ -94,18 +94,22 @@ def _group_and_lengths(
     api: str, first: Any, mesh_dim: int, dim: int
 ) -> tuple[Any, tuple[int, ...]]:
     """The process group of ``mesh_dim`` and every rank's length along ``dim``, checked."""
+    from ._distributed import failing_together
+
     mesh = first.device_mesh
+    group = mesh.get_group(mesh_dim)
     lengths = _shard_lengths(first.shape[dim], mesh.size(mesh_dim))
     coordinate = mesh.get_local_rank(mesh_dim)
     local = first.to_local().shape[dim]
-    if local != lengths[coordinate]:
-        raise ScanValueError(
-            f"{api}: the local shard has length {local} along dim {dim}, but a DTensor of "
-            f"global length {first.shape[dim]} over {mesh.size(mesh_dim)} ranks holds "
-            f"{lengths[coordinate]} here; build it with DTensor.from_local(..., shape=, "
-            "stride=) or distribute_tensor."
-        )
-    return mesh.get_group(mesh_dim), lengths
+    with failing_together(api, group):  # one rank's wrong shard: every rank hears of it
+        if local != lengths[coordinate]:
+            raise ScanValueError(
+                f"{api}: the local shard has length {local} along dim {dim}, but a DTensor "
+                f"of global length {first.shape[dim]} over {mesh.size(mesh_dim)} ranks "
+                f"holds {lengths[coordinate]} here; build it with DTensor.from_local(..., "
+                "shape=, stride=) or distribute_tensor."
+            )
+    return group, lengths
 
 
 def _wrap(out: torch.Tensor, like: Any) -> Any:
