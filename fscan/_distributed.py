@@ -12,6 +12,10 @@ the whole sequence. The classic block scan (MPI_Exscan):
    into its exclusive prefix ``P`` with a scan of at most ``W * K`` elements, and
    combine ``P`` into every local result with one ``combine_fn`` call.
 
+Before step 2 the ranks agree (:func:`_agree`, one 16-byte ``all_gather``): the
+same call on every rank, and no rank failed, else every rank raises.
+Under ``torch.compile`` every call is refused at the entry.
+
 Only totals cross ranks, so the exchange does not grow with the length.
 Gradients come from autograd: the gather's transpose returns to each piece's
 total the cotangents of the later ranks' folds.
