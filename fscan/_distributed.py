@@ -827,7 +827,9 @@ def linear_recurrence(
         tensor([1.0000, 1.5000, 1.7500])
         >>> dist.destroy_process_group()
     """
-    return sharded_recurrence(a, b, dim, initial=initial, reverse=reverse, reset=reset, group=group)
+    return sharded_recurrence(
+        a, b, dim, initial=initial, reverse=reverse, reset=reset, group=group, acc_dtype=acc_dtype
+    )
 
 
 # ---- the scan ------------------------------------------------------------------
@@ -1026,78 +1028,149 @@ def sharded_recurrence(
 ) -> torch.Tensor:
     """The body of ``fscan.distributed.linear_recurrence`` (see its docstring).
 
-    Each rank reduces its piece to the affine map from its entering to its leaving
-    state, ``(prod a, h_end from 0)`` (one pass, :func:`_affine_total`), exchanges
-    it, folds the earlier ranks' maps and ``initial`` into its entering state, and
-    runs the local recurrence once from there with fscan's ``initial=``. An empty
-    piece's map is the identity ``(1, 0)``, so no lengths are exchanged.
+    Each rank runs the local recurrence from nothing and reduces its piece to the map
+    from its entering to its leaving state (:func:`_piece_map`: the product of its
+    gates, its last state, whether it holds a reset), exchanges it, folds the earlier
+    ranks' maps and ``initial`` into its entering state (:func:`_fold`), and runs the
+    local recurrence again from there with fscan's ``initial=`` (the first rank in
+    scan order keeps its first run). An empty piece's map is the identity, so no
+    lengths are exchanged. With ``acc_dtype`` all of it runs in the wider dtype,
+    the exchanged maps too, and the result is rounded once.
     """
-    from ._linear import _check_args, _mask_for
+    from ._linear import _accumulation_dtype, _check_args, _mask_for
     from ._linear import linear_recurrence as local_recurrence
 
     a, b, initial, dim = _check_args(api, a, b, dim, initial, reverse, matrix=False)
+    dtype = b.dtype
+    if acc_dtype is not None:
+        wide = _accumulation_dtype(acc_dtype, dtype, api)
+        a, b = a.to(wide), b.to(wide)
+        initial = None if initial is None else initial.to(wide)
     pg = resolve_group(api, group)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    local = dict(reverse=reverse, reset=reset, acc_dtype=acc_dtype)
     if world == 1:
-        return local_recurrence(a, b, dim, initial=initial, **local)
-    # The summary: a reset zeroes the gate, so the map drops whatever enters before it.
-    gate = a if reset is None else torch.where(_mask_for(reset, b, dim, api=api), 0, a)
-    gate = gate.reshape((1,) * (b.ndim - gate.ndim) + tuple(gate.shape)).expand_as(b)
-    wide = b.dtype if acc_dtype is None else torch.promote_types(b.dtype, acc_dtype)
-    total = _affine_total(gate.to(wide), b.to(wide), dim, reverse)
-    (gates, ends), anchor = exchange(total, pg)
-    before = range(rank + 1, world) if reverse else range(rank)
-    h_in = None if initial is None else initial.to(wide)
-    for r in reversed(before) if reverse else before:  # W - 1 steps at most, in scan order
-        h_in = ends[r] if h_in is None else torch.addcmul(ends[r], gates[r], h_in)
-    h_in = None if h_in is None else h_in.to(b.dtype)  # one rounding of the carry
-    out = local_recurrence(a, b, dim, initial=h_in, **local)
+        h = local_recurrence(a, b, dim, initial=initial, reverse=reverse, reset=reset)
+        return h.to(dtype)
+    mask = None if reset is None else _mask_for(reset, b, dim, api=api)
+    own = local_recurrence(a, b, dim, reverse=reverse, reset=reset)
+    (gates, ends, resets), anchor = exchange(_piece_map(a, b, own, mask, dim, reverse), pg)
+    order = range(world - 1, -1, -1) if reverse else range(world)
+
+    def walk_from(state: torch.Tensor) -> torch.Tensor:  # this piece's last state from `state`
+        h = local_recurrence(a, b, dim, initial=state, reverse=reverse, reset=reset)
+        n = b.shape[dim]
+        return h.select(dim, 0 if reverse else n - 1) if n else state.expand(ends.shape[1:])
+
+    h_in = _fold(gates, ends, resets, initial, order, rank, pg, walk_from)
+    if h_in is None:  # the first rank, without `initial`: its first run is its result
+        out = own
+    else:
+        out = local_recurrence(a, b, dim, initial=h_in, reverse=reverse, reset=reset)
+    out = out.to(dtype)  # one rounding, of the result
     # the first rank and empty pieces do not use the gathered maps: tie them in
-    return _tie(anchor, [out])[0] if not before or b.shape[dim] == 0 else out
+    return _tie(anchor, [out])[0] if rank == order[0] or b.shape[dim] == 0 else out
 
 
-_REDUCE_CHUNK = 64
+def _piece_map(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    own: torch.Tensor,
+    mask: torch.Tensor | None,
+    dim: int,
+    reverse: bool,
+) -> list[torch.Tensor]:
+    """``[A, B, R]``: ``h_out = B if R else A h_in + B`` over this piece, per lane.
 
-
-def _affine_total(a: torch.Tensor, b: torch.Tensor, dim: int, reverse: bool) -> list[torch.Tensor]:
-    """``[A, B]`` with ``h_out = A h_in + B`` over the whole piece (``a`` expanded to ``b``).
-
-    A chunked reduction: walk every chunk of ``_REDUCE_CHUNK`` steps from a zero
-    state at once (one pass over the data), then reduce the chunk maps the same way.
+    ``B`` is the last state of ``own`` (the local recurrence from nothing: exact, as
+    the loop), ``A`` the product of the gates, ``R`` whether a reset drops what enters
+    (a selection, never a zero gate: ``0 * inf`` is NaN). An empty piece is the
+    identity ``(1, 0, False)``, computed from the piece so that it stays in the graph.
     """
     n = b.shape[dim]
-    if n <= _REDUCE_CHUNK:
-        return _walk_total(a, b, dim, reverse)
-    tail = n % _REDUCE_CHUNK
-    start = tail if reverse else 0  # whole chunks from where the scan starts
-    a_main = a.narrow(dim, start, n - tail).unflatten(dim, (-1, _REDUCE_CHUNK))
-    b_main = b.narrow(dim, start, n - tail).unflatten(dim, (-1, _REDUCE_CHUNK))
-    gates, ends = _walk_total(a_main, b_main, dim + 1, reverse)
-    main = _affine_total(gates, ends, dim, reverse)
-    if not tail:
-        return main
-    rest_start = 0 if reverse else n - tail
-    rest = _walk_total(
-        a.narrow(dim, rest_start, tail), b.narrow(dim, rest_start, tail), dim, reverse
-    )
-    # main first in scan order, then the rest: (A1, B1) then (A2, B2)
-    return [main[0] * rest[0], torch.addcmul(rest[1], rest[0], main[1])]
+    gate = a.reshape((1,) * (b.ndim - a.ndim) + tuple(a.shape)).expand_as(b)
+    lane = b.shape[:dim] + b.shape[dim + 1 :]
+    product = gate.prod(dim).expand(lane)
+    if n:
+        last = own.select(dim, 0 if reverse else n - 1)
+    else:
+        last = b.sum(dim) if b.requires_grad else b.new_zeros(lane)
+    if mask is None:
+        drops = torch.zeros(lane, dtype=torch.bool, device=b.device)
+    else:
+        drops = mask.expand(b.shape).any(dim)
+    return [product, last, drops]
 
 
-def _walk_total(a: torch.Tensor, b: torch.Tensor, dim: int, reverse: bool) -> list[torch.Tensor]:
-    """``[prod a, h_end from 0]`` along ``dim`` by a sequential walk (identity if empty).
+class _ValueOf(torch.autograd.Function):
+    """``value`` with the gradient of ``like``: a carry walked step by step (exact, but
+    across ranks, outside the graph) standing in for the composed one (``A h + B``),
+    whose derivatives (``A``, ``h``, 1) are the walk's up to rounding."""
 
-    The gate product is accumulated in the same walk: ``torch.prod``'s backward
-    (zero-safe, through cumulative products) measured 2.5x the whole local
-    recurrence's forward and backward.
+    @staticmethod
+    def forward(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return value.clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return None, grad
+
+
+def _compose_map(
+    gate: torch.Tensor, end: torch.Tensor, drops: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    """``end if drops else gate * state + end``, also in the gradients: where the map
+    drops the state, the product runs on ``(1, 0)`` (a zero cotangent times an
+    infinite ``state`` or ``gate`` would be NaN)."""
+    gate = torch.where(drops, 1, gate)
+    state = torch.where(drops, 0, state)
+    return torch.where(drops, end, torch.addcmul(end, gate, state))
+
+
+def _fold(
+    gates: torch.Tensor,
+    ends: torch.Tensor,
+    resets: torch.Tensor,
+    initial: torch.Tensor | None,
+    order: range,
+    rank: int,
+    group: Any,
+    walk_from: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor | None:
+    """This rank's entering state: the maps of the ranks before it (in ``order``, the
+    scan order) applied to ``initial`` (None: this rank comes first, no ``initial``).
+
+    Composing a rank's map is the loop up to rounding except where its gate product
+    is not a normal number and the state is infinite, zero or huge (see
+    ``fscan._linear._inexact``). Every rank folds the same gathered maps and finds the
+    same such carries; each is then walked by the rank that holds the piece, from
+    the exact state before it, and shared with one more ``all_gather`` (values only:
+    the gradient is the composed map's, see :class:`_ValueOf`).
     """
-    a_steps, b_steps = a.unbind(dim), b.unbind(dim)
-    order = range(len(b_steps) - 1, -1, -1) if reverse else range(len(b_steps))
-    h = g = None
-    for t in order:
-        h = b_steps[t] if h is None else torch.addcmul(b_steps[t], a_steps[t], h)
-        g = a_steps[t] if g is None else g * a_steps[t]
-    if h is None:  # an empty piece: the identity map, kept in the graph of a and b
-        return [a.prod(dim), b.sum(dim)]
-    return [g, h]
+    from ._linear import _all_normal, _inexact, _values_hidden
+
+    check = (gates.is_floating_point() or gates.is_complex()) and not _values_hidden(gates, ends)
+    check = check and not _all_normal(gates)  # the common case: one reduction, one sync
+    state = entering = initial
+    # Every rank folds every map but the last: the walks are collectives that the
+    # ranks after this one need too.
+    for r in order[:-1]:
+        if r == rank:
+            entering = state
+        if state is None:
+            state = ends[r]
+            continue
+        composed = _compose_map(gates[r], ends[r], resets[r], state)
+        if check:
+            flags = _inexact(gates[r], state.detach(), composed.detach(), resets[r])
+            if bool(flags.any()):  # the same on every rank: the same maps, the same ops
+                with torch.no_grad():
+                    mine = walk_from(state.detach()) if rank == r else torch.zeros_like(ends[r])
+                    walked = exchange([mine.expand(ends.shape[1:])], group)[0][0][r]
+                exact = torch.where(flags, walked, composed.detach())
+                composed = _ValueOf.apply(exact, composed)
+        state = composed
+    return state if rank == order[-1] else entering

@@ -14,7 +14,10 @@ the standard chunked form instead (as in chunked SSM kernels):
 3. Walk each chunk again from its entering state, keeping every step.
 
 That is about four passes over memory in ``2 C + O(log n)`` sequential calls, and
-plain differentiable, vmappable torch ops. ``initial`` enters as the carry of the
+plain differentiable, vmappable torch ops. Composing a chunk multiplies its gates,
+which the loop never does: where that product leaves the floats' range and meets
+an infinite, zero or huge state, the carry is walked step by step instead
+(:func:`_repair`); scans under 32 steps are the loop itself. ``initial`` enters as the carry of the
 first chunk (folded into the first step of the chunk recurrence), not as an extra
 pass; ``reset`` selects ``h_t = b_t`` with ``torch.where`` where it is set (a zero
 gate would turn an inf or NaN before the reset into NaN after it).
@@ -66,10 +69,13 @@ def linear_recurrence(
 ) -> torch.Tensor:
     """All states of ``h_t = a_t * h_{t-1} + b_t`` along ``dim``, in one call.
 
-    Semantics (``h_{-1} = initial``, or 0)::
+    Semantics (``h_{-1} = initial``; without it ``h_0 = b_0``)::
 
         for t in range(n):
             h[t] = (b[t] if reset[t] else a[t] * h[t - 1] + b[t])   # along `dim`
+
+    NaN and inf go where this loop takes them, also where the parallel forms'
+    products of gates under- or overflow (see docs/linear.md, "NaN and inf").
 
     With ``reverse=True`` the recurrence runs from the end, ``h_t = a_t * h_{t+1}
     + b_t`` with ``h_n = initial``, and ``reset[t]`` drops ``h_{t+1}``.
@@ -336,8 +342,9 @@ def _solve(
     chunk = _chunk_size(n)
     if chunk is not None:
         return _chunked(a, b, dim, initial, reverse, mask, chunk, fast, out)
-    h = _tree(a, b, dim, initial, reverse, mask)
-    return h if out is None else out.copy_(h)
+    # Under 32 steps, the loop itself: no product of gates is formed, so none can
+    # under/overflow into 0 * inf or inf * 0 (the tree multiplies them).
+    return _sequential(_step, a, b, dim, initial, reverse, mask, fast, out)
 
 
 def _kernel_solve(
@@ -445,6 +452,9 @@ class Algebra(NamedTuple):
     solve: Callable[..., torch.Tensor]  # the recurrence over chunk ends: ``_solve``'s
     toward_end: Callable[..., torch.Tensor]  # ``_toward_end``'s
     total: Callable[[torch.Tensor, int], torch.Tensor]  # the gates of a chunk composed
+    # ``_repair``'s signature, or None where composing chunks is exact (log space:
+    # sums of logs neither under- nor overflow)
+    repair: Callable[..., torch.Tensor] | None = None
 
 
 def _chunked(
@@ -461,7 +471,7 @@ def _chunked(
 ) -> torch.Tensor:
     """Walk chunks of ``chunk`` steps from a zero state, solve the chunk ends as a
     shorter recurrence, then walk every chunk again from its entering state."""
-    step, solve, toward_end, total = algebra or _PLAIN
+    step, solve, toward_end, total, repair = algebra or _PLAIN
     n = b.shape[dim]
     tail = n % chunk
     # Whole chunks, aligned to where the scan starts; the short tail comes last.
@@ -485,15 +495,21 @@ def _chunked(
     # A chunk holding a reset restarts the chunk-level recurrence (its gate is not used).
     chunk_mask = None if mask is None else chunks(mask).any(within)
     # Step 2: the true end state of every chunk, a recurrence over chunks.
-    ends = solve(gates, ends, dim, initial, reverse, chunk_mask, fast)
+    local = ends
+    ends = solve(gates, local, dim, initial, reverse, chunk_mask, fast)
+    if repair is not None:  # where `gate * state` is not what the steps give: walk them
+        carries = _Carries(gates, local, ends, chunk_mask, initial)
+        ends = repair(step, toward_end, carries, chunks, a, b, mask, dim, reverse)
     entering = toward_end(ends, dim, reverse, initial)
     # Step 3: walk every chunk again from its entering state, keeping all steps.
     if fast and out is None:
         out = torch.empty(b.shape, dtype=b.dtype, device=b.device)
     out_steps = chunks(out).unbind(within) if fast else [None] * chunk
     states, h = [], entering
-    for t in steps:
+    for i, t in enumerate(steps):
         h = step(a_steps[t], b_steps[t], m_steps[t], h, out_steps[t])
+        if not i and initial is None:
+            h = _scan_start(h, b_steps[t], dim, reverse, fast)
         states.append(h)
     last = ends.select(dim, 0 if reverse else ends.shape[dim] - 1)
     span = range(tail - 1, -1, -1) if reverse else range(n - tail, n)
@@ -508,6 +524,21 @@ def _chunked(
         return main
     rest = _walk(step, a, b, dim, mask, span, last, None)
     return torch.cat([rest, main] if reverse else [main, rest], dim)
+
+
+def _scan_start(
+    h: torch.Tensor, b_t: torch.Tensor, dim: int, reverse: bool, fast: bool
+) -> torch.Tensor:
+    """``h`` (one step of every chunk) with the first chunk's state in scan order set to
+    its input: without ``initial`` the first state is ``b``'s first step, as in the loop,
+    the tree and the kernel; a gate applied to the zero state would make an infinite or
+    NaN first gate a NaN there."""
+    at = h.shape[dim] - 1 if reverse else 0
+    first = b_t.narrow(dim, at, 1)
+    if fast:
+        h.narrow(dim, at, 1).copy_(first)
+        return h
+    return torch.slice_scatter(h, first, dim, at, at + 1)
 
 
 def _walk(
@@ -538,7 +569,168 @@ def _walk(
     return torch.stack([states[t] for t in sorted(states)], dim) if out is None else out
 
 
-_PLAIN = Algebra(_step, _solve, _toward_end, torch.prod)
+def _sequential(
+    step: Callable[..., torch.Tensor],
+    a: torch.Tensor,
+    b: torch.Tensor,
+    dim: int,
+    initial: torch.Tensor | None,
+    reverse: bool,
+    mask: torch.Tensor | None,
+    fast: bool,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The loop, one step at a time (``b.shape[dim] >= 1``): into ``out`` (allocated
+    if ``fast``), else stacked. Without ``initial`` the first state is ``b``'s first
+    step, as in the tree and the kernel (no gate multiplies a zero state)."""
+    n = b.shape[dim]
+    order = range(n - 1, -1, -1) if reverse else range(n)
+    if fast and out is None:
+        out = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    if initial is not None:
+        return _walk(step, a, b, dim, mask, order, initial, out)
+    first = b.select(dim, order[0])
+    if out is not None:
+        out.select(dim, order[0]).copy_(first)
+        return _walk(step, a, b, dim, mask, order[1:], first, out) if n > 1 else out
+    if n == 1:
+        return b.clone()
+    rest = _walk(step, a, b, dim, mask, order[1:], first, None)
+    head = first.unsqueeze(dim)
+    return torch.cat([rest, head] if reverse else [head, rest], dim)
+
+
+# ---- carries that gate products cannot give -------------------------------------
+#
+# The chunked walk composes a chunk's steps into one map ``e -> A e + B`` (``A`` the
+# product of its gates, ``B`` its end state from zero), and the recurrence over
+# chunks applies these maps. Up to rounding that is the loop, except where ``A`` is
+# not a normal number: a product that underflowed to 0 (or a subnormal) meets an
+# infinite state (``0 * inf`` is NaN where the loop keeps the inf) or a huge one
+# (whose decayed part the loop keeps); a product that overflowed (or met an inf or
+# NaN gate) meets a zero or finite state (``inf * 0``). The loop never forms the
+# product, so it has none of these. Every composed carry is checked (one vectorised
+# test of the chunks' products, a few more where one is not normal) and the lanes
+# where one fails are walked step by step over the chunks where it fails.
+
+
+class _Carries(NamedTuple):
+    """The chunk-level recurrence of :func:`_chunked`, chunks along ``dim``: each
+    chunk's gate product and end state from zero (``local``), the solved end states
+    (``ends``), the chunks holding a reset (or None) and the state before the first."""
+
+    gates: torch.Tensor
+    local: torch.Tensor
+    ends: torch.Tensor
+    reset: torch.Tensor | None
+    initial: torch.Tensor | None
+
+
+def _inexact(
+    gate: torch.Tensor, entering: torch.Tensor, end: torch.Tensor, reset: torch.Tensor | None
+) -> torch.Tensor:
+    """Where ``end = gate * entering + local`` (a composed chunk) may differ from the
+    steps' result by more than rounding: see the comment above. A product below the
+    smallest normal number loses at most ``|entering| * tiny`` of the loop's state,
+    which matters where it exceeds the end state's rounding (``eps |end|``). A chunk
+    holding a reset drops what enters it (a selection, exact)."""
+    info = torch.finfo(gate.dtype)
+    wild = ~torch.isfinite(gate) & ~torch.isnan(entering)  # NaN stays NaN either way
+    lost = torch.isinf(entering) | (entering.abs() * info.tiny > end.abs() * info.eps)
+    bad = wild | ((gate.abs() < info.tiny) & lost)
+    return bad if reset is None else bad & ~reset
+
+
+def _all_normal(gates: torch.Tensor) -> bool:
+    """Whether every gate product is a normal number (one reduction, one sync)."""
+    size = gates.abs()
+    low, high = torch.aminmax(size)
+    info = torch.finfo(size.dtype)
+    return bool((low >= info.tiny) & (high <= info.max))  # False where a NaN is
+
+
+def _values_hidden(*ts: torch.Tensor) -> bool:
+    """Under ``vmap`` (also ``jacrev``'s, and the legacy batching of
+    ``autograd.functional.jacobian(vectorize=True)``) no branch can depend on values."""
+    functorch = torch._C._functorch
+    if any(functorch.is_legacy_batchedtensor(t) for t in ts):
+        return True
+    if functorch.peek_interpreter_stack() is None:
+        return False
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    vmap = functorch.TransformType.Vmap
+    return any(i.key() == vmap for i in retrieve_all_functorch_interpreters())
+
+
+def _repair(
+    step: Callable[..., torch.Tensor],
+    toward_end: Callable[..., torch.Tensor],
+    carries: _Carries,
+    chunks: Callable[[torch.Tensor], torch.Tensor],
+    a: torch.Tensor,
+    b: torch.Tensor,
+    mask: torch.Tensor | None,
+    dim: int,
+    reverse: bool,
+) -> torch.Tensor:
+    """``carries.ends`` with the carries :func:`_inexact` flags walked step by step.
+
+    The first flagged chunk (in scan order, over all lanes) is entered correctly:
+    every carry before it is exact. From there the flagged lanes run the
+    recurrence over chunks one chunk at a time, each chunk composed (``A e + B``)
+    where that is exact for every one of them and walked step by step where not.
+    """
+    gates, local, ends, reset, initial = carries
+    dtype = ends.dtype
+    if not (dtype.is_floating_point or dtype.is_complex) or _values_hidden(gates, ends):
+        return ends  # integers wrap alike in any order; see _values_hidden
+    if _all_normal(gates):  # the common case: one reduction and one sync
+        return ends
+    entering = toward_end(ends, dim, reverse, initial)
+    bad = _inexact(gates, entering, ends, reset).expand(ends.shape).movedim(dim, 0)
+    count = bad.shape[0]
+    order = range(count - 1, -1, -1) if reverse else range(count)
+    if initial is None:  # the first chunk starts from nothing: its end is `local`, exact
+        bad = bad & (torch.arange(count, device=bad.device) != order[0]).view(
+            -1, *[1] * (bad.ndim - 1)
+        )
+    by_chunk = bad.flatten(1).any(1)
+    if not bool(by_chunk.any()):
+        return ends
+    lanes = bad.any(0)  # the step's shape: the lanes to walk
+    first = order.index(int(by_chunk.nonzero().flatten()[-1 if reverse else 0]))
+
+    def per_chunk(x: torch.Tensor) -> torch.Tensor:  # (chunks, lanes walked)
+        return x.expand(ends.shape).movedim(dim, 0)[:, lanes]
+
+    def per_step(x: torch.Tensor) -> torch.Tensor:  # (chunks, steps, lanes walked)
+        return chunks(x.expand(b.shape)).movedim((dim, dim + 1), (0, 1))[:, :, lanes]
+
+    g, loc, state = per_chunk(gates), per_chunk(local), per_chunk(entering)
+    flags = None if reset is None else per_chunk(reset)
+    a_steps, b_steps = per_step(a), per_step(b)
+    m_steps = None if mask is None else per_step(mask)
+    within = range(a_steps.shape[1] - 1, -1, -1) if reverse else range(a_steps.shape[1])
+    e, fixed = state[order[first]], []
+    for k in order[first:]:
+        f_k = None if flags is None else flags[k]
+        composed = step(g[k], loc[k], f_k, e, None)
+        if bool(_inexact(g[k], e, composed, f_k).any()):
+            for t in within:
+                m_t = None if m_steps is None else m_steps[k, t]
+                e = step(a_steps[k, t], b_steps[k, t], m_t, e, None)
+        else:
+            e = composed
+        fixed.append(e)
+    chunk_index = torch.tensor(list(order[first:]), device=ends.device)
+    lane_index = lanes.flatten().nonzero().flatten()
+    flat = ends.movedim(dim, 0).reshape(count, -1)
+    flat = flat.index_put((chunk_index[:, None], lane_index[None, :]), torch.stack(fixed))
+    return flat.reshape(bad.shape).movedim(0, dim)
+
+
+_PLAIN = Algebra(_step, _solve, _toward_end, torch.prod, _repair)
 
 
 # ---- shared pieces -----------------------------------------------------------
@@ -670,13 +862,13 @@ def _result_dtype(b: torch.Tensor, a: torch.Tensor | Number) -> torch.dtype:
     return high
 
 
-def _accumulation_dtype(acc_dtype: Any, dtype: torch.dtype) -> torch.dtype:
+def _accumulation_dtype(acc_dtype: Any, dtype: torch.dtype, api: str = _API) -> torch.dtype:
     """The dtype the walk runs in: ``acc_dtype`` promoted with the inputs' ``dtype``."""
     if not isinstance(acc_dtype, torch.dtype) or not (
         acc_dtype.is_floating_point or acc_dtype.is_complex
     ):
         raise ScanTypeError(
-            f"{_API}: `acc_dtype` must be a floating or complex torch.dtype such as "
+            f"{api}: `acc_dtype` must be a floating or complex torch.dtype such as "
             f"torch.float32, got {describe(acc_dtype)}."
         )
     return torch.promote_types(dtype, acc_dtype)

@@ -23,6 +23,11 @@ the pairs, fill in the rest), specialised to the affine maps ``h -> A h + B``::
   is combined with it (one ``d x d`` by ``d x k`` product per level), rather than
   folded into a copy of ``B``.
 * ``reverse`` flips the inputs along time, scans and flips back.
+* Products of gates can leave the floats' range (``(2 I)**1024`` is inf, ``(0.1
+  I)**512`` is 0) and meet a state the loop would carry (``inf * 0``, ``0 * inf``:
+  NaN); the loop never forms them. Any non-finite state in the result is such a
+  suspect, so there the result is walked step by step instead (the loop's cost, on
+  inputs that are infinite, NaN or out of range anyway).
 * While ``torch.compile`` or ``torch.export`` traces, the recursion (which unrolls
   per length) gives way to ``fscan.associative_scan`` in generic mode over
   ``(flag, A, B)`` triples, one length-polymorphic op.
@@ -36,6 +41,7 @@ import torch
 
 from ._checks import normalize_dim
 from ._errors import ScanTypeError, ScanValueError
+from ._linear import _values_hidden
 from ._pytree import describe
 from ._scan import associative_scan
 
@@ -114,7 +120,12 @@ def linear_recurrence_matrix(
     if torch.compiler.is_compiling():  # one length-polymorphic graph: see _traced_scan
         h = _traced_scan(z, A, flags, carry)
     else:
-        h = _scan(z, A.squeeze(0) if shared else A, flags, carry, shared)
+        gates = A.squeeze(0) if shared else A
+        h = _scan(z, gates, flags, carry, shared)
+        if not _values_hidden(h) and not bool(torch.isfinite(h).all()):
+            # A product of gates may have left the range and met a state (0 * inf, inf
+            # * 0), where the loop never forms it: the loop's answer, step by step.
+            h = _walk(z, gates, flags, carry, shared)
     if reverse:
         h = h.flip(0)
     h = h.movedim(0, dim)

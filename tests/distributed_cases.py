@@ -491,3 +491,180 @@ CASES: dict[str, Callable[[int, int], None]] = {
     "dtensor 2-D mesh": _dtensor_2d,
     "a rank raises": _a_rank_raises,  # last: it leaves the group
 }
+
+
+# ---- linear recurrences: inf, NaN, resets and gate products across ranks -------------
+#
+# Against a float64 sequential loop (values equal, NaN and inf included): a reset
+# must stop an inf or NaN carried from another rank (a selection, never a zero gate),
+# and a rank whose gate product under- or overflows must still pass on the loop's
+# state (0 * inf, inf * 0). Both directions, uneven and empty pieces, DTensors too.
+
+NAN, INF = float("nan"), float("inf")
+# per world size: uneven pieces, and pieces with empty ones
+PIECES = {1: [[9]], 2: [[6, 3], [0, 9]], 3: [[3, 4, 2], [4, 0, 5]], 4: [[3, 0, 4, 2], [2, 3, 0, 4]]}
+
+
+def _loop(a, b, initial=None, reverse=False, reset=None):
+    """h[t] = b[t] at a reset (or the first step without `initial`), else a[t] h + b[t]."""
+    a = a.expand_as(b)
+    h, out = initial, [None] * b.shape[0]
+    for t in range(b.shape[0] - 1, -1, -1) if reverse else range(b.shape[0]):
+        restart = h is None or (reset is not None and bool(reset[t]))
+        h = b[t] if restart else a[t] * h + b[t]
+        out[t] = h.expand_as(b[t])
+    return torch.stack(out)
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float = TOL) -> None:
+    """Equal up to rtol, with NaN and inf where the reference has them."""
+    try:
+        torch.testing.assert_close(got, want, rtol=rtol, atol=rtol, equal_nan=True)
+    except AssertionError as err:
+        raise AssertionError(f"{what}: got {got}, expected {want}\n{err}") from None
+
+
+def _my_piece(x: torch.Tensor, lengths: list[int], rank: int) -> torch.Tensor:
+    return x.narrow(0, sum(lengths[:rank]), lengths[rank])
+
+
+def _linear_poison(reverse: bool):
+    """inf/NaN at the last step of every piece (the first, reversed) and a reset at the
+    first step of the next one; or inf/NaN early in a piece and a reset in its middle
+    (the later pieces must get the state after the reset); `initial` inf dropped by a
+    reset at the first step."""
+
+    def run(rank: int, world: int) -> None:
+        for lengths, within in ((p, w) for p in PIECES[world] for w in (False, True)):
+            n = sum(lengths)
+            b = torch.rand(n, 3, dtype=torch.float64)
+            a = torch.rand(n, 3, dtype=torch.float64)
+            reset = torch.zeros(n, dtype=torch.bool)
+            for k, length in enumerate(lengths):
+                start, poison = sum(lengths[:k]), [NAN, INF, -INF][k % 3]
+                if within and length >= 3:
+                    at = start + length - 2 if reverse else start + 1
+                    cut = start + (length - 2) // 2 if reverse else start + length // 2 + 1
+                elif not within and length and start + length < n:  # a later piece
+                    end = start + length
+                    at, cut = (end, end - 1) if reverse else (end - 1, end)
+                else:
+                    continue
+                b[at, k % 3] = poison
+                reset[cut] = True
+            reset[n - 1 if reverse else 0] = True  # drops the inf `initial`
+            initial = torch.tensor([INF, 1.0, -INF], dtype=torch.float64)
+            want = _loop(a, b, initial, reverse, reset)
+            pa, pb = (_my_piece(x, lengths, rank) for x in (a, b))
+            pb = pb.clone().requires_grad_()
+            got = fd.linear_recurrence(
+                pa, pb, 0, initial=initial, reverse=reverse, reset=_my_piece(reset, lengths, rank)
+            )
+            what = f"pieces {lengths}, {'within pieces' if within else 'at boundaries'}"
+            _same(got, _my_piece(want, lengths, rank), f"values, {what}")
+            # gradients of b: the adjoint recurrence, cut by the same resets
+            bw = b.clone().requires_grad_()
+            cot = torch.rand(n, 3, dtype=torch.float64)
+            (gw,) = torch.autograd.grad(_loop(a, bw, initial, reverse, reset), bw, cot)
+            (g,) = torch.autograd.grad(got, pb, _my_piece(cot, lengths, rank))
+            _same(g, _my_piece(gw, lengths, rank), f"grad of b, {what}")
+
+    return run
+
+
+def _linear_products(dtype: torch.dtype, reverse: bool):
+    """Gates whose product over a piece underflows (meeting an inf state) or
+    overflows (meeting a zero state): the loop's states, not 0 * inf or inf * 0."""
+
+    def run(rank: int, world: int) -> None:
+        tol = 1e-5 if dtype == torch.float32 else TOL
+        gate = 1e-3 if dtype == torch.float32 else 1e-30  # 20 steps: below the range
+        for lengths in ([20] * world, [30, 0, 25, 12][:world]):
+            n = sum(lengths)
+            ahead = (lambda t: n - 1 - t) if reverse else (lambda t: t)  # scan order
+            small = torch.full((n, 2), gate, dtype=dtype)
+            b = torch.ones(n, 2, dtype=dtype)
+            b[ahead(0), 0] = float("inf")  # carried as inf: gate * inf = inf each step
+            big = torch.full((n, 2), 1 / gate, dtype=dtype)
+            zeros = torch.zeros(n, 2, dtype=dtype)
+            zeros[ahead(n - 2), 1] = 1.0  # 0 until the last steps: gate * 0 = 0 before
+            inf, zero = torch.full((2,), float("inf"), dtype=dtype), torch.zeros(2, dtype=dtype)
+            for a, x, h0 in (
+                (small, b, None),
+                (small, b, inf),
+                (big, zeros, None),
+                (big, zeros, zero),
+            ):
+                want = _loop(a.double(), x.double(), h0, reverse).to(dtype)
+                pa, px = (_my_piece(t, lengths, rank) for t in (a, x))
+                got = fd.linear_recurrence(pa, px, 0, reverse=reverse, initial=h0)
+                what = f"gates {a[0, 0]} {lengths} initial {h0}"
+                _same(got, _my_piece(want, lengths, rank), what, tol)
+                if reverse and h0 is None:  # a DTensor sharded along time: the same path
+                    _dtensor_same(a, x, reverse, want, tol, world)
+
+    return run
+
+
+def _dtensor_same(a, x, reverse, want, tol, world) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    da, dx = (distribute_tensor(t, mesh, [Shard(0)]) for t in (a, x))
+    got = fscan.linear_recurrence(da, dx, 0, reverse=reverse)
+    _same(got.full_tensor(), want, "DTensor Shard(0)", tol)
+
+
+def _linear_dtensor_reset(rank: int, world: int) -> None:
+    """DTensor Shard(0) inputs to fscan.linear_recurrence: an inf and a NaN stopped by
+    resets at the shard boundaries (torch.chunk's shards: 3, 3, 3 for W = 3)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    for reverse in (False, True):
+        b = torch.ones(9, dtype=torch.float64)
+        b[1], b[7] = float("inf"), float("nan")
+        reset = torch.zeros(9, dtype=torch.bool)
+        reset[2 if reverse else 3] = True
+        reset[6 if reverse else 8] = True
+        db, dr = (distribute_tensor(t, mesh, [Shard(0)]) for t in (b, reset))
+        got = fscan.linear_recurrence(0.5, db, 0, reverse=reverse, reset=dr)
+        half = torch.tensor(0.5, dtype=torch.float64)
+        _same(got.full_tensor(), _loop(half, b, None, reverse, reset), f"reverse={reverse}")
+
+
+def _linear_acc_dtype(rank: int, world: int) -> None:
+    """acc_dtype reaches the local walks and the exchanged maps: bfloat16 gates in
+    [0.95, 1] over 2000 steps are as accurate sharded as in one process."""
+    gen = torch.Generator().manual_seed(0)
+    n = 2000
+    a = (torch.rand(n, 4, generator=gen) * 0.05 + 0.95).to(torch.bfloat16)
+    b = torch.randn(n, 4, generator=gen).to(torch.bfloat16)
+    exact = _loop(a.double(), b.double())
+    lengths = [n // world] * (world - 1) + [n - (world - 1) * (n // world)]
+    got = fd.linear_recurrence(
+        _my_piece(a, lengths, rank), _my_piece(b, lengths, rank), 0, acc_dtype=torch.float32
+    )
+    assert got.dtype == torch.bfloat16, got.dtype
+    mine = _my_piece(exact, lengths, rank)
+    floor = (mine.to(torch.bfloat16).double() - mine).abs().max()
+    error = (got.double() - mine).abs().max()
+    assert error <= 2 * floor, f"error {error} against the rounding of the result {floor}"
+
+
+CASES.update(
+    {
+        "linear inf/NaN stopped by resets across ranks": _linear_poison(False),
+        "linear inf/NaN stopped by resets across ranks, reverse": _linear_poison(True),
+        "linear gate products under/overflow, float64": _linear_products(torch.float64, False),
+        "linear gate products under/overflow, float32 reverse": _linear_products(
+            torch.float32, True
+        ),
+        "linear DTensor Shard(0) reset stops inf/NaN": _linear_dtensor_reset,
+        "linear acc_dtype across ranks": _linear_acc_dtype,
+    }
+)
+# "a rank raises" leaves the group: it stays the last case
+CASES["a rank raises"] = CASES.pop("a rank raises")

@@ -481,6 +481,180 @@ def test_initial_broadcasts_on_every_path(initial, length):
     assert_same_grads(fn, [a, b, h0])
 
 
+# ---- gate products that under- or overflow, at chunk boundaries -------------------
+#
+# The chunked walk composes chunks as `A e + B` with `A` a product of gates; the C++
+# kernel composes its chunk totals the same way. Where `A` underflows to 0 and meets
+# an inf state, or overflows and meets a zero one, the loop's answer must come back
+# (0 * inf and inf * 0 are NaN). Oracle: the float64 loop. Lengths: under 32 steps
+# (the loop itself), 1000 (chunks of 64, a chunk-level loop), 5000 (a chunk-level
+# recurrence that is chunked again); every position in scan order.
+
+
+def _scan_index(t, n, reverse):
+    """The index of the scan's step `t`."""
+    return n - 1 - t if reverse else t
+
+
+def _products_case(name, n, dtype, reverse):
+    """(a, b, initial) of `name`: values that make gate products leave the range."""
+    at = lambda t: _scan_index(t, n, reverse)
+    tiny_gate = 1e-10 if dtype == torch.float32 else 1e-80  # 8 steps: below the range
+    b = torch.ones(n, 3, dtype=dtype)
+    initial = None
+    if name == "inf state, gates underflow":
+        a = torch.full((n, 3), tiny_gate, dtype=dtype)
+        b[at(0), 0] = INF
+        b[at(min(n - 1, 63)), 1] = -INF  # the last step of the first chunk
+        initial = torch.tensor([1.0, 1.0, INF], dtype=dtype)
+    elif name == "zero state, gates overflow":  # the issue's example
+        a = torch.full((n, 3), 2.0 if n > 200 else 1 / tiny_gate, dtype=dtype)
+        b.zero_()
+        last = 100 if n > 200 else n // 2  # ones over the last steps: up to 2 ** 100
+        b[slice(0, last) if reverse else slice(n - last, n)] = 1.0
+        initial = torch.zeros(3, dtype=dtype)
+    elif name == "huge state, gates underflow":  # the loop keeps its decayed part
+        a = torch.full((n, 3), tiny_gate, dtype=dtype)
+        b.zero_()
+        big = torch.finfo(dtype).max / 4
+        for t in (min(n - 1, 63), min(n - 1, 64 * 64 - 1)):
+            b[at(t)] = big
+    elif name == "zero and inf gates meet inf states":
+        a = torch.full((n, 3), 0.5, dtype=dtype)
+        b[at(0), :] = INF
+        a[at(n // 2), 0] = 0.0  # the loop: 0 * inf = NaN from here on
+        a[at(n // 3), 1] = INF  # inf * inf = inf
+        a[at(n // 4), 2] = NAN
+    else:
+        raise AssertionError(name)
+    return a, b, initial
+
+
+PRODUCT_CASES = [
+    "inf state, gates underflow",
+    "zero state, gates overflow",
+    "huge state, gates underflow",
+    "zero and inf gates meet inf states",
+]
+
+
+def _assert_loop_answer(got, a, b, initial, reverse):
+    want = loop(a.double(), b.double(), 0, None if initial is None else initial.double(), reverse)
+    want = want.to(got.dtype)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), (got, want)
+    tol = dict(rtol=1e-4, atol=1e-30) if got.dtype == torch.float32 else dict(rtol=1e-9, atol=0)
+    torch.testing.assert_close(got, want, equal_nan=True, **tol)
+
+
+@parametrize(
+    case=PRODUCT_CASES,
+    length=[20, 1000, 5000],
+    reverse=[False, True],
+    dtype=[torch.float32, torch.float64],
+)
+def test_gate_products_out_of_range_give_the_loop_answer(case, length, reverse, dtype):
+    a, b, initial = _products_case(case, length, dtype, reverse)
+    _assert_loop_answer(fscan.linear_recurrence(a, b, 0, reverse=reverse), a, b, None, reverse)
+    got = fscan.linear_recurrence(a, b, 0, reverse=reverse, initial=initial)
+    _assert_loop_answer(got, a, b, initial, reverse)
+
+
+@parametrize(case=PRODUCT_CASES, reverse=[False, True])
+def test_gate_products_out_of_range_in_the_backward(case, reverse):
+    """The adjoint is a linear recurrence too: cotangents carried across chunks."""
+    a, b, _ = _products_case(case, 1000, torch.float64, reverse)
+    a = a.clone().requires_grad_()
+    b = b.clone().requires_grad_()
+    cot = torch.rand(b.shape, dtype=b.dtype)
+    cot[_scan_index(999, 1000, reverse), 0] = INF  # carried back over every chunk
+    got = torch.autograd.grad(fscan.linear_recurrence(a, b, 0, reverse=reverse), (a, b), cot)
+    want = torch.autograd.grad(loop(a, b, 0, reverse=reverse), (a, b), cot)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, equal_nan=True, rtol=1e-9, atol=0)
+
+
+@parametrize(case=PRODUCT_CASES[:2], reverse=[False, True], shape=["one lane", "16 lanes"])
+def test_gate_products_out_of_range_on_the_kernel(case, reverse, shape):
+    """The C++ kernel's chunk carries (chunks of 2048+ steps: float64 products leave
+    the range too): 4 threads, so that 16 lanes are split into chunks as well."""
+    n = 40000
+    a, b, initial = _products_case(case, n, torch.float64, reverse)
+    if case == "inf state, gates underflow":
+        a.fill_(0.5)  # 0.5 ** 2048 underflows; 0.5 * inf does not
+    if shape == "one lane":
+        a, b = a[:, 0].contiguous(), b[:, 0].contiguous()
+        initial = None if initial is None else initial[0]
+    else:
+        a, b = a.repeat(1, 6)[:, :16].contiguous(), b.repeat(1, 6)[:, :16].contiguous()
+        initial = None if initial is None else initial.repeat(6)[:16]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        with fscan.config.override(cpu_kernel="eager"):
+            got = fscan.linear_recurrence(a, b, 0, reverse=reverse)
+            with_initial = fscan.linear_recurrence(a, b, 0, reverse=reverse, initial=initial)
+    finally:
+        torch.set_num_threads(threads)
+    _assert_loop_answer(got, a, b, None, reverse)
+    _assert_loop_answer(with_initial, a, b, initial, reverse)
+
+
+def test_kernel_chunk_carries_keep_the_gates():
+    """With few columns per thread the kernel's lane path splits time into chunks; the
+    carries composed from their totals need each chunk's gate product, which the
+    kernel computes though it does not store it (only `h` is kept)."""
+    a, b = torch.ones(40000, 16, dtype=torch.float64), torch.ones(40000, 16, dtype=torch.float64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        with fscan.config.override(cpu_kernel="eager"):
+            got = fscan.linear_recurrence(a, b, 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, b.cumsum(0))
+
+
+@parametrize(length=[100, 300, 5000], reverse=[False, True], poison=[NAN, INF, -INF])
+def test_resets_stop_inf_nan_at_chunk_boundaries(length, reverse, poison):
+    """A poisoned last step of a chunk, a reset at the next chunk's first step (and at
+    a chunk-level boundary of 64 chunks): values and gradients as the loop's."""
+    gen = torch.Generator().manual_seed(length)
+    a = torch.rand(length, 2, dtype=torch.float64, generator=gen)
+    b = torch.randn(length, 2, dtype=torch.float64, generator=gen)
+    reset = torch.zeros(length, dtype=torch.bool)
+    for end in (64, 128, 64 * 64):
+        if end < length:
+            b[_scan_index(end - 1, length, reverse), 0] = poison
+            reset[_scan_index(end, length, reverse)] = True
+    cot = torch.randn(length, 2, dtype=torch.float64, generator=gen)
+
+    def fn(rec, a, b):
+        return rec(a, b, 0, reverse=reverse, reset=reset)
+
+    assert_same_grads(fn, [a, b], cot)
+
+
+@parametrize(length=[5, 100])
+def test_first_state_is_the_first_input(length):
+    """Without `initial` no gate multiplies a zero state: an infinite or NaN first gate
+    does not reach the first state, on the loop, the tree and the chunked walk alike."""
+    b = torch.randn(length, 2, dtype=torch.float64)
+    a = torch.rand(length, 2, dtype=torch.float64)
+    for reverse in (False, True):
+        gates = a.clone()
+        gates[-1 if reverse else 0] = torch.tensor([INF, NAN], dtype=torch.float64)
+        got = fscan.linear_recurrence(gates, b, 0, reverse=reverse)
+        torch.testing.assert_close(got, loop(gates, b, 0, None, reverse))
+        assert torch.isfinite(got).all()
+
+
+def test_out_of_range_products_under_vmap():
+    """Under vmap no branch may depend on values: no check, no error."""
+    b = torch.randn(3, 300)
+    got = torch.func.vmap(lambda x: fscan.linear_recurrence(0.1, x, 0))(b)
+    torch.testing.assert_close(got, fscan.linear_recurrence(0.1, b, 1))
+
+
 # ---- dtypes: acc_dtype and promotion -------------------------------------------------
 
 

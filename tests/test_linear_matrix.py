@@ -145,6 +145,28 @@ def test_nan_and_inf_do_not_cross_a_reset(kind, reverse):
         assert torch.isfinite(gA[after]).all()
 
 
+@parametrize(case=["overflow, zero state", "underflow, inf state"], shared=[True, False])
+@parametrize(reverse=[False, True])
+def test_gate_products_out_of_range_give_the_loop_answer(case, shared, reverse):
+    """Composed gates leave the range (1e10 I to the 32nd is inf, (1e-10 J)**64 is 0)
+    and meet a state the loop carries: 0 or inf, not NaN (inf * 0, 0 * inf)."""
+    n, d = 200, 2
+    at = (lambda t: n - 1 - t) if reverse else (lambda t: t)
+    b = torch.zeros(2, n, d, **F64)
+    if case == "overflow, zero state":
+        gate = 1e10 * torch.eye(d, **F64)
+        b[:, slice(0, 10) if reverse else slice(n - 10, n)] = 1.0  # the last 10 in scan order
+    else:
+        gate = 1e-10 * torch.ones(d, d, **F64)  # every entry > 0: inf stays inf
+        b[:, at(0)] = float("inf")
+        b[1, at(n // 2)] = 1.0
+    A = gate if shared else gate.expand(n, d, d).clone()
+    got = fscan.linear_recurrence_matrix(A, b, 1, reverse=reverse)
+    want = loop(A, b, 1, reverse=reverse)
+    assert not torch.isnan(want).any()
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-9, atol=0)
+
+
 def test_reset_at_the_first_step_drops_an_infinite_initial():
     A, b = rand(3, 3), rand(4, 3)
     h0 = torch.full((3,), float("inf"), **F64).requires_grad_()

@@ -324,6 +324,18 @@ def _structs(
         + " return v; }",
         "static FSCAN_INLINE void put(const Buf b, int64_t i, const Vals& v) { "
         "(void)b; (void)i; (void)v; " + " ".join(f"b.v{k}[i] = v.v{k};" for k in live) + " }",
+        # Every leaf: a chunk's total is the right operand of the carries composed from
+        # it, whose gates (e.g.) a kept output reads though it is not kept itself.
+        "static FSCAN_INLINE Vals get_all(const Buf b, int64_t i) { Vals v; "
+        + " ".join(f"v.v{k} = b.v{k}[i];" for k in R)
+        + " return v; }",
+        "static FSCAN_INLINE void put_all(const Buf b, int64_t i, const Vals& v) { "
+        + " ".join(f"b.v{k}[i] = v.v{k};" for k in R)
+        + " }",
+        "template <bool ALL> static FSCAN_INLINE Vals get_as(const Buf b, int64_t i) "
+        "{ return ALL ? get_all(b, i) : get(b, i); }",
+        "template <bool ALL> static FSCAN_INLINE void put_as(const Buf b, int64_t i, const Vals& v) "
+        "{ if (ALL) put_all(b, i, v); else put(b, i, v); }",
         "static FSCAN_INLINE Buf offset(const Buf b, int64_t i) { return Buf{"
         + ", ".join(f"b.v{k} + i" for k in R)
         + "}; }",
@@ -447,6 +459,22 @@ def forward_source(
         + "  return o;\n}\n"
     )
     kept = [k for k in R if k not in dropped]
+    # A carry composed from two chunk totals that a kept float output gets as NaN from
+    # non-NaN operands, or infinite from finite ones, is walked step by step instead
+    # (see FORWARD_TEMPLATE): composing is exact only up to the floats' range, e.g. the
+    # linear recurrence's gate product underflows to 0 and meets an inf state (0 * inf),
+    # or overflows and meets a zero one, where the steps never form that product.
+    checks = [
+        f"(std::isnan(o.v{k}) && !std::isnan(l.v{k}) && !std::isnan(r.v{k})) || "
+        f"(std::isinf(o.v{k}) && std::isfinite(l.v{k}) && std::isfinite(r.v{k}))"
+        for k in kept
+        if dtypes[k].is_floating_point
+    ]
+    suspect = (
+        "static FSCAN_INLINE bool suspect(const Vals& l, const Vals& r, const Vals& o) {\n"
+        "  (void)l; (void)r; (void)o;\n"
+        f"  return {' || '.join(checks) or 'false'};\n}}\n"
+    )
     args = _signature(dtypes, program, [f"{st[k]}* y{k}" for k in kept], positions)
     read_idx = [k for k in R if k not in positions]
     read = [f"x{k}" for k in read_idx]
@@ -475,6 +503,7 @@ def forward_source(
             mvec_declarations(),
             _structs(dtypes, compute, program, positions, dropped),
             combine,
+            suspect,
             FORWARD_TEMPLATE,
             entry,
         ]
@@ -496,6 +525,8 @@ static constexpr int G = 8;                // chains interleaved on the chain pa
 // Outputs of other inner strides than 1 are written, a row at a time, into orows and
 // scattered from there (GATHER only: the dense instantiation has unit outputs too).
 // H: a carry-in (if H.any): step 0 (in scan order) reads the head element instead of x.
+// !WRITE: a chunk total, kept with every leaf in acc (and carry), since the carries
+// composed from it read its leaves as a right operand (see get_all).
 template <bool WRITE, bool GATHER>
 static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t o, int64_t i0,
                      int64_t w, int64_t s0, int64_t s1, bool rev, const Buf* carry, const Buf acc,
@@ -510,7 +541,7 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
     const Out yr = GATHER ? buffered(row(yc, t), orows) : row(yc, t);
     fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
       const Vals v = load_i(hr, i, t);
-      put(acc, i, v);
+      put_as<!WRITE>(acc, i, v);
       if (WRITE) store_i(yr, i, v);
     });
     if (WRITE && GATHER) scatter(row(yc, t), orows, w, rev);
@@ -529,14 +560,14 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
     if (s == sb && carry == nullptr) {
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
         const Vals v = load_i(xr, i, t);
-        put(acc, i, v);
+        put_as<!WRITE>(acc, i, v);
         if (WRITE) store_i(yr, i, v);
       });
     } else {
       const Buf left = s == sb ? *carry : acc;
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
-        const Vals v = combine(get(left, i), load_i(xr, i, t), p, e0 + i);
-        put(acc, i, v);
+        const Vals v = combine(get_as<!WRITE>(left, i), load_i(xr, i, t), p, e0 + i);
+        put_as<!WRITE>(acc, i, v);
         if (WRITE) store_i(yr, i, v);
       });
     }
@@ -577,8 +608,15 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
         const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
         for (int64_t c = 1; c < C - 1; ++c) {
           const Buf prev = offset(tb, (col * (C - 1) + c - 1) * W), cur = offset(tb, (col * (C - 1) + c) * W);
-#pragma GCC ivdep
-          for (int64_t i = 0; i < w; ++i) put(cur, i, combine(get(prev, i), get(cur, i), p, o * inner + i0 + i));
+          bool walk = false;
+          for (int64_t i = 0; i < w; ++i) {
+            const Vals l = get_all(prev, i), r = get_all(cur, i), v = combine(l, r, p, o * inner + i0 + i);
+            walk |= suspect(l, r, v);
+            put_all(cur, i, v);
+          }
+          // Composing the chunk is not what its steps give (see suspect): walk them.
+          if (walk && dense) lane_run<false, false>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, &prev, cur, rows, orows, H);
+          else if (walk) lane_run<false, true>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, &prev, cur, rows, orows, H);
         }
       }
     }
@@ -689,8 +727,19 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
       }
 #pragma omp for schedule(static)
       for (int64_t lane = 0; lane < lanes; ++lane)
-        for (int64_t c = 1; c < C - 1; ++c)
-          tot[lane * C + c] = combine(tot[lane * C + c - 1], tot[lane * C + c], p, lane);
+        for (int64_t c = 1; c < C - 1; ++c) {
+          const int64_t k = lane * C + c;
+          const Vals v = combine(tot[k - 1], tot[k], p, lane);
+          if (!suspect(tot[k - 1], tot[k], v)) {
+            tot[k] = v;
+            continue;
+          }
+          // Composing the chunk is not what its steps give (see suspect): walk them.
+          describe(k, xb[0], yb[0], t0[0], len[0], elem[0], hb[0], head[0]);
+          has[0] = true;
+          carry[0] = tot[k - 1];
+          chain_group<false>(xb, yb, p, 1, t0, len, elem, tstep, carry, has, &tot[k], hb, head);
+        }
     }
 #pragma omp for schedule(static)
     for (int64_t gi = 0; gi < groups; ++gi) {
@@ -801,6 +850,17 @@ def backward_source(
         "static FSCAN_INLINE Lam lam_add(const Lam& a, const Lam& b) { Lam v; "
         + " ".join(f"v.v{j} = a.v{j} + b.v{j};" for j in J)
         + " return v; }",
+        # A carry composed through a chunk's transfer matrix (a product of Jacobians)
+        # that turns NaN from non-NaN operands or infinite from finite ones: see
+        # walk_down in BACKWARD_TEMPLATE, and suspect() in the forward.
+        "static FSCAN_INLINE bool lam_suspect(const Lam& a, const Lam& b, const Lam& o) { "
+        "(void)a; (void)b; (void)o; return false"
+        + "".join(
+            f" || (std::isnan(o.v{j}) && !std::isnan(a.v{j}) && !std::isnan(b.v{j}))"
+            f" || (std::isinf(o.v{j}) && std::isfinite(a.v{j}) && std::isfinite(b.v{j}))"
+            for j in J
+        )
+        + "; }",
         "struct PLam { " + " ".join(f"double v{q};" for q in range(len(pfloats))) + " };",
         "struct PBar { " + " ".join(f"double* q{q};" for q in range(len(pfloats))) + " };",
         "static FSCAN_INLINE void zero_pbar(const PBar q, int64_t e) { (void)q; (void)e; "
@@ -1001,6 +1061,20 @@ static FSCAN_INLINE void finish(const Par p, const Chunk* k, int64_t T, bool rev
   }
 }
 
+// What a chunk passes below its first step, walked from `in` (what the chunk above passes
+// down): the exact answer where composing its transfer matrix is not (see lam_suspect),
+// e.g. a product of gates that underflowed to 0 against an infinite cotangent.
+static Lam walk_down(const Par p, const Chunk& k, int64_t T, bool rev, const Lam& in) {
+  Lam lam = lam_add(load_g_t(k.g, pos(k.z - 1, T, rev)), in), out = lam_zero();
+  for (int64_t s = k.z - 1; s >= std::max<int64_t>(k.a, 1); --s) {
+    const int64_t tc = pos(s, T, rev), tp = pos(s - 1, T, rev);
+    Lam lb, rb; PLam pb;
+    vjp(load_t(k.y, tp, tp), load_t(k.x, tc, tc), lam, p, k.e, lb, rb, pb);
+    if (s > k.a) lam = lam_add(load_g_t(k.g, tp), lb); else out = lb;
+  }
+  return out;
+}
+
 // Chunks per lane: 1 with lanes enough for the threads (and the interleave).
 static int64_t chunks_per_lane(int64_t lanes, int64_t T, int nt) {
   if (lanes >= (int64_t)nt * G) return 1;
@@ -1041,6 +1115,7 @@ static void chain_bwd(const In x, const In y, const Grad g, const Bar b, const P
           ins[item] = carry;
           Lam next = outs[item];
           for (int u = 0; u < NF; ++u) next = lam_axpy(next, M[item * NF + u], carry, u);
+          if (c > 0 && lam_suspect(outs[item], carry, next)) next = walk_down(p, describe(item), T, rev, carry);
           carry = next;
         }
       }
