@@ -40,6 +40,7 @@ import optree
 import torch
 from optree import PyTreeSpec
 
+from ._checks import check_dense
 from ._combine import FlatCombine, flat_combine
 from ._errors import ScanTypeError, ScanValueError
 from ._pytree import describe, flatten, unflatten
@@ -179,6 +180,7 @@ def _check_leaf(api: str, path: str, leaf: Any, x: torch.Tensor, dim: int) -> to
         raise ScanTypeError(
             f"{api}: leaf {path} is a {describe(leaf)}, expected a torch.Tensor or a number."
         )
+    check_dense(api, f"leaf {path}", leaf)
     if leaf.device != x.device:
         raise ScanValueError(
             f"{api}: leaf {path} is on {leaf.device}, expected {x.device} like `xs`; "
