@@ -36,7 +36,7 @@ from ._checks import check_scan_args
 from ._combine import FlatCombine, flat_combine
 from ._errors import NotAssociativeError, ScanTypeError, ScanValueError
 from ._purity import probe_purity, probeable
-from ._pytree import flatten
+from ._pytree import flatten, leaf_paths
 
 __all__ = ["DEFAULT_TRIALS", "MAX_RUN", "assert_associative", "check_associative"]
 
@@ -97,6 +97,11 @@ def check_associative(
     """
     leaves, spec = flatten(xs)
     dim = check_scan_args(_API, combine_fn, xs, leaves, dim, False, combine_mode)
+    if leaves[0].is_meta:  # one device for all leaves: checked above
+        raise ScanValueError(
+            f"{_API}: leaf {leaf_paths(xs)[0]} is a meta tensor, which holds no values to "
+            "compare; pass tensors with data."
+        )
     _check_options(trials, rtol, atol, generator)
     if leaves[0].shape[dim] and probeable(leaves):
         probe_purity(_API, combine_fn, spec, leaves, dim, combine_mode)

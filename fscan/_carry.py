@@ -40,7 +40,8 @@ import optree
 import torch
 from optree import PyTreeSpec
 
-from ._combine import flat_combine
+from ._checks import check_dense
+from ._combine import FlatCombine, flat_combine
 from ._errors import ScanTypeError, ScanValueError
 from ._pytree import describe, flatten, unflatten
 from ._segmented import check_reset
@@ -84,11 +85,14 @@ def carried_heads(
     combine_mode: str,
     initial: Any,
     reset: torch.Tensor | None = None,
+    check: Callable[[FlatCombine], FlatCombine] | None = None,
 ) -> list[torch.Tensor] | None:
     """The first element in scan order with ``initial`` combined in, one tensor per leaf
     of ``xs`` (size 1 along ``dim``); None for an empty scan. :func:`swap_heads` puts
     them in place of the first element (the fold); the C++ kernel reads them in place
     of it instead, without copying the leaves (see ``fscan._routing.scan_flat``).
+    ``check`` wraps the flat combine of this one call (the caller's pointwise check:
+    with one step, the fold is the scan's only ``combine_fn`` call).
 
     Example:
         >>> xs = torch.tensor([1.0, 2.0, 3.0])
@@ -113,7 +117,8 @@ def carried_heads(
         # Where it drops it, combine_fn's result is discarded and runs on ones (as in
         # fscan._segmented): an inf `initial` never meets a zero cotangent (0 * inf).
         left, right = _ones_where(flags, left), _ones_where(flags, right)
-    carried = flat_combine(api, combine_fn, spec, combine_mode)(left, right)
+    combine = flat_combine(api, combine_fn, spec, combine_mode)
+    carried = (combine if check is None else check(combine))(left, right)
     if flags is not None:
         carried = [torch.where(f, h, c) for f, h, c in zip(flags, heads, carried)]
     return [h.movedim(0, dim) for h in carried]
@@ -175,6 +180,7 @@ def _check_leaf(api: str, path: str, leaf: Any, x: torch.Tensor, dim: int) -> to
         raise ScanTypeError(
             f"{api}: leaf {path} is a {describe(leaf)}, expected a torch.Tensor or a number."
         )
+    check_dense(api, f"leaf {path}", leaf)
     if leaf.device != x.device:
         raise ScanValueError(
             f"{api}: leaf {path} is on {leaf.device}, expected {x.device} like `xs`; "

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ._errors import ScanIndexError, ScanTypeError, ScanValueError
 from ._pytree import describe, leaf_paths
 
-__all__ = ["COMBINE_MODES", "check_scan_args", "normalize_dim"]
+__all__ = ["COMBINE_MODES", "check_dense", "check_scan_args", "normalize_dim"]
 
 COMBINE_MODES = ("pointwise", "generic")
 
@@ -54,22 +54,17 @@ def check_leaves(api: str, xs: Any, leaves: list[Any]) -> None:
             f"{api}: `xs` has no tensor leaves (got {xs!r}); pass a tensor or a pytree of tensors."
         )
     for i, leaf in enumerate(leaves):
-        if type(leaf) is not torch.Tensor:  # a plain tensor is no wrapper subclass
-            if not isinstance(leaf, torch.Tensor):
-                path = leaf_paths(xs)[i]
-                raise ScanTypeError(
-                    f"{api}: leaf {path} is a {describe(leaf)}, expected a torch.Tensor; "
-                    "convert it with torch.as_tensor()."
-                )
-            _refuse_subclass(api, xs, i, leaf)
-        elif leaf.is_nested:
-            _refuse_subclass(api, xs, i, leaf)
-        if leaf.layout != torch.strided:
+        plain = type(leaf) is torch.Tensor  # a plain tensor is no wrapper subclass
+        if not plain and not isinstance(leaf, torch.Tensor):
             path = leaf_paths(xs)[i]
             raise ScanTypeError(
-                f"{api}: leaf {path} has layout {leaf.layout}, expected a dense (strided) "
-                "tensor; convert it with .to_dense()."
+                f"{api}: leaf {path} is a {describe(leaf)}, expected a torch.Tensor; "
+                "convert it with torch.as_tensor()."
             )
+        if leaf.is_nested or leaf.layout != torch.strided or leaf.is_quantized:
+            check_dense(api, "leaf " + leaf_paths(xs)[i], leaf)
+        if not plain:
+            _refuse_subclass(api, xs, i, leaf)
         if leaf.ndim == 0:
             path = leaf_paths(xs)[i]
             raise ScanValueError(
@@ -88,20 +83,47 @@ def check_leaves(api: str, xs: Any, leaves: list[Any]) -> None:
             )
 
 
-def _refuse_subclass(api: str, xs: Any, i: int, leaf: torch.Tensor) -> None:
-    """Tensor subclasses whose storage is not their data (DTensor shards, nested and other
-    wrapper tensors) would be scanned as if it were: refuse them (not while tracing,
-    where torch's own fake and functional wrappers stand in for plain tensors)."""
-    if leaf.is_nested:
-        what, fix = "a nested tensor", "scan each component (`.unbind()`) or pad it"
-    elif is_traceable_wrapper_subclass(leaf) and not torch.compiler.is_compiling():
-        what = f"a {type(leaf).__name__} (a tensor subclass wrapping other tensors)"
-        fix = "scan its local data (e.g. `.to_local()`, `.full_tensor()`) instead"
+def check_dense(api: str, name: str, t: torch.Tensor) -> None:
+    """``t`` must hold its values as a dense tensor that torch's arithmetic runs on:
+    nested tensors, sparse (and other non-strided) layouts and quantized tensors are
+    refused with an error naming ``name`` (say "`b`") and the fix. Meta tensors (no
+    data, shapes only) and complex ones pass: scans run on them.
+
+    Example:
+        >>> check_dense("demo", "`b`", torch.ones(2))  # passes quietly
+        >>> try:
+        ...     check_dense("demo", "`b`", torch.ones(2).to_sparse())
+        ... except ScanTypeError as err:
+        ...     print(str(err)[:70])
+        demo: `b` has layout torch.sparse_coo, expected a dense (strided) tensor
+    """
+    if t.is_nested:
+        what = "is a nested tensor, which fscan cannot scan"
+        fix = "scan each component (`.unbind()`) or pad it"
+    elif t.layout != torch.strided:
+        what = f"has layout {t.layout}, expected a dense (strided) tensor"
+        fix = "convert it with .to_dense()"
+    elif t.is_quantized:
+        what = (
+            f"is a quantized tensor (dtype {t.dtype}), which fscan cannot scan: torch's "
+            "arithmetic does not run on quantized values"
+        )
+        fix = "dequantize it first with .dequantize() (and quantize the result again if need be)"
     else:
         return
-    raise ScanTypeError(
-        f"{api}: leaf {leaf_paths(xs)[i]} is {what}, which fscan cannot scan; {fix}."
-    )
+    raise ScanTypeError(f"{api}: {name} {what}; {fix}.")
+
+
+def _refuse_subclass(api: str, xs: Any, i: int, leaf: torch.Tensor) -> None:
+    """Tensor subclasses whose storage is not their data (DTensor shards and other
+    wrapper tensors) would be scanned as if it were: refuse them (not while tracing,
+    where torch's own fake and functional wrappers stand in for plain tensors)."""
+    if is_traceable_wrapper_subclass(leaf) and not torch.compiler.is_compiling():
+        what = f"a {type(leaf).__name__} (a tensor subclass wrapping other tensors)"
+        fix = "scan its local data (e.g. `.to_local()`, `.full_tensor()`) instead"
+        raise ScanTypeError(
+            f"{api}: leaf {leaf_paths(xs)[i]} is {what}, which fscan cannot scan; {fix}."
+        )
 
 
 def normalize_dim(

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from ._checks import normalize_dim
+from ._checks import check_dense, normalize_dim
 from ._dtensor import any_dtensor, dtensor_linear_recurrence
 from ._errors import ScanTypeError, ScanValueError
 from ._pytree import describe
@@ -755,6 +755,7 @@ def _check_args(
     gate = "A" if matrix else "a"
     if not isinstance(b, torch.Tensor):
         raise ScanTypeError(f"{api}: `b` must be a torch.Tensor, got {describe(b)}.")
+    check_dense(api, "`b`", b)
     if isinstance(a, Number) and not matrix:
         # In b's dtype (promoted as a Python scalar would be), not rounded to float32.
         a = torch.tensor(a, dtype=_result_dtype(b, a), device=b.device)
@@ -768,6 +769,9 @@ def _check_args(
         raise ScanTypeError(
             f"{api}: `initial` must be a torch.Tensor or None, got {describe(initial)}."
         )
+    for name, t in ((gate, a), ("initial", initial)):
+        if t is not None:
+            check_dense(api, f"`{name}`", t)
     if b.ndim < (2 if matrix else 1):
         need = "(*batch, d) with a time dimension in batch" if matrix else "at least 1-D"
         raise ScanValueError(f"{api}: `b` has shape {tuple(b.shape)}, expected {need}.")

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ._checks import normalize_dim
+from ._checks import check_dense, normalize_dim
 from ._errors import ScanTypeError, ScanValueError
 from ._linear import _values_hidden
 from ._pytree import describe
@@ -264,6 +264,9 @@ def _check(
         raise ScanTypeError(
             f"{_API}: `initial` must be a torch.Tensor or None, got {describe(initial)}."
         )
+    for name, t in (("A", A), ("b", b), ("initial", initial)):
+        if t is not None:
+            check_dense(_API, f"`{name}`", t)
     state = 2 if matrix_state else 1
     if b.ndim < state + 1:
         need = "(*batch, d, k)" if matrix_state else "(*batch, d)"
@@ -329,6 +332,7 @@ def _flags(reset: Any, b: torch.Tensor, batch: torch.Size, dim: int, state: int)
             f"{_API}: `reset` must be a bool tensor, got {describe(reset)}; "
             "build it with a comparison, e.g. `done > 0`."
         )
+    check_dense(_API, "`reset`", reset)
     if reset.device != b.device:
         raise ScanValueError(
             f"{_API}: `reset` is on {reset.device}, expected {b.device} like `b`; "

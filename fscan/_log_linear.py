@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ._checks import normalize_dim
+from ._checks import check_dense, normalize_dim
 from ._errors import ScanTypeError, ScanValueError
 from ._linear import (
     Algebra,
@@ -240,6 +240,7 @@ def _check_args(
     """Check the arguments; return ``log_a``, ``log_b``, ``initial`` in one dtype and ``dim``."""
     if not isinstance(log_b, torch.Tensor):
         raise ScanTypeError(f"{_API}: `log_b` must be a torch.Tensor, got {describe(log_b)}.")
+    check_dense(_API, "`log_b`", log_b)
     if isinstance(log_a, Number) and not isinstance(log_a, complex):
         log_a = torch.tensor(log_a, dtype=_result_dtype(log_b, log_a), device=log_b.device)
     if not isinstance(log_a, torch.Tensor):
@@ -252,6 +253,9 @@ def _check_args(
         raise ScanTypeError(
             f"{_API}: `initial` must be a torch.Tensor or None, got {describe(initial)}."
         )
+    for name, t in (("log_a", log_a), ("initial", initial)):
+        if t is not None:
+            check_dense(_API, f"`{name}`", t)
     for name, t in (("log_b", log_b), ("log_a", log_a), ("initial", initial)):
         if t is not None and not t.is_floating_point():
             raise ScanTypeError(

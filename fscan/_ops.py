@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from ._checks import normalize_dim
+from ._checks import check_dense, normalize_dim
 from ._errors import ScanTypeError
 from ._ops_parallel import LOGSUMEXP, PRODUCT, SUM, Accumulation, blocked_scan, extremum_scan
 from ._pytree import flatten
@@ -307,7 +307,9 @@ def _native_fast(op: Any, x: Any, dim: Any) -> Any:
             if _parallel_rule(op, n, stride, numel, x.element_size()):
                 return None
         return op(x, dim)
-    except IndexError:  # dim out of range: the checked path says so in fscan's words
+    except (IndexError, RuntimeError, NotImplementedError):
+        # dim out of range, or a tensor torch's op cannot take (sparse, nested, quantized):
+        # the checked path says so in fscan's words
         return None
 
 
@@ -508,6 +510,7 @@ def _prepare(
     """Check the arguments; return the input in the dtype torch computes in, and ``dim``."""
     if not isinstance(input, torch.Tensor):
         raise ScanTypeError(f"{api}: `input` must be a torch.Tensor, got {type(input).__name__}.")
+    check_dense(api, "`input`", input)
     if not isinstance(reverse, bool):
         raise ScanTypeError(
             f"{api}: `reverse` must be a bool, got {type(reverse).__name__} {reverse!r}."

@@ -26,9 +26,18 @@ This is the rule ``torch.compile`` applies to the ``combine_fn`` of torch's own
 with an fscan message. Watching a call the scan makes anyway costs no extra
 ``combine_fn`` call, nor ``make_fx``'s fake-tensor start-up (seconds).
 
-The verdict is stored in the call's :class:`~fscan._knowledge.Knowledge` entry
-(once a batch of at least two elements was watched); until it is, the compiled
-kernels are not used, so the first call per key runs fscan's own engine. Nothing is watched under
+On a batch of one element the batch dimension cannot be told apart from the
+element's own (a nested scan along dimension 0 would scan the batch of one and
+look elementwise), so a first call on one element (a scan of 2 to 4 steps runs
+one element per call, as does a reduction of 2 or 3) is checked on a batch of
+two copies of its operands instead, and then runs as it came: the verdict never
+depends on how many elements the first call happened to hold. A scan of one
+step calls ``combine_fn`` not at all and needs no verdict (its output is its
+input, as in the sequential loop).
+
+The verdict is stored in the call's :class:`~fscan._knowledge.Knowledge` entry;
+until it is, the compiled kernels are not used, so the first call per key runs
+fscan's own engine. Nothing is watched under
 ``torch.compile``/``torch.export`` tracing (``fscan._traced`` handles those), a
 ``torch.func`` transform or forward-mode AD; the check runs on the next plain call.
 """
@@ -96,8 +105,9 @@ def checked_on_first_call(
 ) -> FlatCombine:
     """``combine`` (``combine_fn`` on flat leaves), checked on its first call (module doc).
 
-    The verdict is stored in ``entry`` only when the watched call saw a batch of at
-    least two elements: on a single element, indexing the batch is invisible.
+    A first call on a batch of one element is watched on two copies of its operands
+    (module doc), so the verdict stored in ``entry`` always comes from a batch that
+    can show the batch dimension.
 
     Example:
         >>> from fscan._knowledge import Knowledge
@@ -122,16 +132,32 @@ def checked_on_first_call(
     ) -> list[torch.Tensor]:
         if not pending:
             return combine(a, b)
-        batch = a[0].shape[0] if a[0].ndim else 1
-        with _ElementwiseWatch(api, [*a, *b], batch) as watch:
+        if a[0].shape[0] >= 2:
+            out = _watched(api, combine, a, b)
+        else:  # one element: watch two of it, then run the call itself
+            _watched(api, combine, _twice(a), _twice(b))
             out = combine(a, b)
-        watch.returned(out)
         pending.clear()
-        if batch >= 2:
-            entry.elementwise = True
+        entry.elementwise = True
         return out
 
     return first_call_checked
+
+
+def _watched(
+    api: str, combine: FlatCombine, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """``combine(a, b)`` under :class:`_ElementwiseWatch` (operands: a batch of >= 2)."""
+    with _ElementwiseWatch(api, [*a, *b], a[0].shape[0]) as watch:
+        out = combine(a, b)
+    watch.returned(out)
+    return out
+
+
+def _twice(batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A batch of one element as a batch of two copies of it (fresh, contiguous memory:
+    an expanded view's zero stride would hide the batch dimension from the watch)."""
+    return [torch.cat([x, x]) for x in batch]
 
 
 class _ElementwiseWatch(TorchDispatchMode):
@@ -149,8 +175,8 @@ class _ElementwiseWatch(TorchDispatchMode):
     * what ``combine_fn`` returns must have it first again.
 
     Tensors not computed from the operands (closed-over ones, constants made
-    inside) are free: they are the same for every element. On a batch of one the
-    dimension cannot be told apart, so only the ops are checked.
+    inside) are free: they are the same for every element. The batch holds at least
+    two elements: on one, its dimension could not be told apart from the element's.
     """
 
     # torch.cond, map & co. come here too: the ops of their bodies are watched.
@@ -183,8 +209,6 @@ class _ElementwiseWatch(TorchDispatchMode):
             return func(*args, **kwargs)
         if not is_elementwise(func):
             raise CombineFnError(not_elementwise_message(self.api, func))
-        if self.batch == 1:
-            return func(*args, **kwargs)
         constants = [t for t in tensors if id(t) not in self.batched]
         offset = None if func.is_view else self._aligned_offset(func, batched, constants)
         out = func(*args, **kwargs)
@@ -235,7 +259,7 @@ class _ElementwiseWatch(TorchDispatchMode):
         """``combine_fn``'s results must carry the batch first, as the operands did."""
         for result in out:
             tracked = self.batched.get(id(result))
-            if self.batch > 1 and tracked is not None and tracked[1] != 0:
+            if tracked is not None and tracked[1] != 0:
                 raise CombineFnError(_misaligned_message(self.api, "its result"))
 
 

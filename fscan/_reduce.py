@@ -15,9 +15,14 @@ swapped, ``g(a, b) = combine_fn(b, a)``, which is associative whenever
 joins last, ``combine_fn(initial, total)`` in both directions: by associativity
 that is the scan with ``initial`` in front (behind for ``reverse``).
 
-Everything runs through ``combine_fn`` on plain torch ops, so autograd,
-``torch.func`` transforms and ``torch.compile`` (the loop unrolls to
-``log2 n`` levels for each length) apply unchanged.
+Everything runs through ``combine_fn`` on plain torch ops, so autograd and
+``torch.func`` transforms apply unchanged. Under ``torch.compile`` and
+``torch.export`` the tree is not traced: its levels and the odd elements set
+aside depend on the length, so the graph would be specialised to it (one
+compile per length with ``dynamic=True``, and an export guard on its parity).
+There the total is the last output of fscan's length-polymorphic traced scan
+(:mod:`fscan._traced`, the first output for ``reverse``): one graph for every
+length, about twice the combines of the tree, which the compiled kernels fuse.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from optree import PyTreeSpec
 
 from ._carry import check_initial
 from ._checks import check_scan_args
@@ -35,6 +41,7 @@ from ._knowledge import knowledge, reach
 from ._pointwise_check import checked_on_first_call
 from ._pytree import flatten, unflatten
 from ._routing import check_untouched, leaf_versions
+from ._traced import traced_scan
 from ._validate import validate_combine_fn
 
 __all__ = ["associative_reduce"]
@@ -99,22 +106,45 @@ def associative_reduce(
             )
         return unflatten(spec, [i.clone() for i in init])
     combine = flat_combine(_API, combine_fn, spec, combine_mode)
-    versions = None
-    if not torch.compiler.is_compiling():  # no cache lookups or probes in a graph
+    if torch.compiler.is_compiling():  # no cache lookups or probes in a graph (module doc)
+        total = traced_total(combine_fn, spec, leaves, dim, reverse, combine_mode)
+    else:
         entry = knowledge(reach(combine_fn), spec, combine_mode, leaves)
         validate_combine_fn(_API, combine_fn, spec, leaves, dim, combine_mode, validate, entry)
         if combine_mode == "pointwise" and not entry.elementwise:
             combine = checked_on_first_call(_API, combine, entry, leaves)
         versions = leaf_versions(leaves)
-    moved = [x.movedim(dim, 0) for x in leaves]
-    total = tree_reduce(_swapped(combine) if reverse else combine, moved)
-    if versions is not None:  # the combines ran on views of `xs`: see fscan._routing
+        moved = [x.movedim(dim, 0) for x in leaves]
+        total = tree_reduce(_swapped(combine) if reverse else combine, moved)
+        # The combines ran on views of `xs`: see fscan._routing.
         check_untouched(_API, spec, leaves, versions)
     if init is not None:
         total = combine([i.unsqueeze(0) for i in init], total)
     # One element's copy: the total may be an input's view (length 1, or a combine_fn
     # returning an operand), and outputs never alias inputs; cheap next to n elements.
     return unflatten(spec, [t.squeeze(0).clone() for t in total])
+
+
+def traced_total(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    reverse: bool,
+    combine_mode: str,
+) -> list[torch.Tensor]:
+    """The total while ``torch.compile``/``torch.export`` traces: the traced scan's last
+    output (first for ``reverse``), a batch of one element, for any length (module doc).
+
+    Example:
+        >>> import optree
+        >>> leaves, spec = optree.tree_flatten(torch.arange(1.0, 6.0))
+        >>> traced_total(torch.add, spec, leaves, 0, False, "pointwise")
+        [tensor([15.])]
+    """
+    scanned = traced_scan(_API, combine_fn, spec, leaves, dim, reverse, combine_mode)
+    # select, not narrow(n - 1): an index from the end keeps no expression in the length.
+    return [y.select(dim, 0 if reverse else -1).unsqueeze(0) for y in scanned]
 
 
 def tree_reduce(combine: FlatCombine, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -6,11 +6,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from optree import PyTreeSpec
 
 from ._carry import carried_heads, swap_heads
 from ._checks import check_scan_args
+from ._combine import FlatCombine
 from ._dtensor import any_dtensor, dtensor_scan
 from ._knowledge import knowledge, reach
+from ._pointwise_check import checked_on_first_call
 from ._pytree import flatten, unflatten
 from ._routing import scan_flat, scan_traced
 from ._segmented import segmented_scan
@@ -103,7 +106,9 @@ def associative_scan(
     dim = check_scan_args(_API, combine_fn, xs, leaves, dim, reverse, combine_mode)
     heads = None  # a carry-in the C++ kernel may read in place of the first element
     if initial is not None:  # folded into the first element: see fscan._carry
-        heads = carried_heads(_API, combine_fn, xs, dim, reverse, combine_mode, initial, reset)
+        check = _fold_check(combine_fn, spec, combine_mode, leaves)
+        args = (_API, combine_fn, xs, dim, reverse, combine_mode, initial, reset)
+        heads = carried_heads(*args, check=check)
         if heads is not None and (reset is not None or not _may_carry_in(leaves, heads)):
             leaves = swap_heads(leaves, heads, dim, reverse)
             xs, heads = unflatten(spec, leaves), None
@@ -119,6 +124,23 @@ def associative_scan(
     if heads is None:
         return unflatten(spec, scan_flat(*args, reverse, combine_mode, found, entry))
     return unflatten(spec, scan_flat(*args, reverse, combine_mode, found, entry, heads))
+
+
+def _fold_check(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    combine_mode: str,
+    leaves: list[torch.Tensor],
+) -> Callable[[FlatCombine], FlatCombine] | None:
+    """The pointwise check for the fold's ``combine_fn`` call: in a one-step scan it is
+    the only call, and on a batch of one element a non-elementwise ``combine_fn`` would
+    give another answer than on the element (see fscan._pointwise_check)."""
+    if combine_mode != "pointwise" or torch.compiler.is_compiling():
+        return None
+    entry = knowledge(reach(combine_fn), spec, combine_mode, leaves)
+    if entry.elementwise:
+        return None
+    return lambda combine: checked_on_first_call(_API, combine, entry, leaves)
 
 
 def _may_carry_in(leaves: list[torch.Tensor], heads: list[torch.Tensor]) -> bool:

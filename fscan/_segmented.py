@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ._checks import check_dense
 from ._combine import check_combine_output
 from ._errors import ScanTypeError, ScanValueError
 from ._pytree import describe, flatten, leaf_paths, unflatten
@@ -104,6 +105,7 @@ def check_reset(
             f"{api}: `reset` must be a bool tensor, got {describe(reset)}; "
             "build it with a comparison, e.g. `done > 0`."
         )
+    check_dense(api, "`reset`", reset)
     if reset.device != leaves[0].device:
         raise ScanValueError(
             f"{api}: `reset` is on {reset.device}, expected {leaves[0].device} like the "

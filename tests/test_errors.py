@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import warnings
 
 import pytest
 import torch
@@ -74,6 +75,134 @@ def test_non_tensor_leaf():
 def test_sparse_leaf():
     with raises(fscan.ScanTypeError, "leaf xs has layout torch.sparse_coo, expected a dense"):
         fscan.associative_scan(add, torch.eye(3).to_sparse(), 0)
+
+
+def _unscannable(kind):
+    # Quantized, nested and CSR tensors warn on creation (deprecated, prototype, beta), once.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return {
+            "quantized": lambda: torch.quantize_per_tensor(torch.randn(8), 0.1, 0, torch.quint8),
+            "nested": lambda: torch.nested.nested_tensor([torch.ones(8), torch.ones(8)]),
+            "sparse_coo": lambda: torch.randn(8).to_sparse(),
+            "sparse_csr": lambda: torch.randn(8, 8).to_sparse_csr(),
+        }[kind]()
+
+
+UNSCANNABLE = {
+    "quantized": "is a quantized tensor (dtype torch.quint8), which fscan cannot scan: torch's "
+    "arithmetic does not run on quantized values; dequantize it first with .dequantize()",
+    "sparse_coo": "has layout torch.sparse_coo, expected a dense (strided) tensor; convert it "
+    "with .to_dense()",
+    "sparse_csr": "has layout torch.sparse_csr, expected a dense (strided) tensor; convert it "
+    "with .to_dense()",
+    "nested": "is a nested tensor, which fscan cannot scan; scan each component (`.unbind()`) "
+    "or pad it",
+}
+_X = torch.randn(8)
+# The other operands: the odd tensor is refused before any shape is compared.
+_like = lambda t: torch.randn(8)
+_steps = lambda t: torch.randn(3, 8)
+# Every public entry point, with the odd tensor in the named place.
+ENTRY_POINTS = {
+    "scan": ("associative_scan: leaf xs", lambda t: fscan.associative_scan(add, t, 0)),
+    "later leaf": (
+        "associative_scan: leaf xs[1]",
+        lambda t: fscan.associative_scan(lambda a, b: b, (_X, t), 0),
+    ),
+    "generic": (
+        "associative_scan: leaf xs",
+        lambda t: fscan.associative_scan(add, t, 0, combine_mode="generic"),
+    ),
+    "initial": (
+        "associative_scan: leaf initial",
+        lambda t: fscan.associative_scan(add, _steps(t), 0, initial=t),
+    ),
+    "reduce": ("associative_reduce: leaf xs", lambda t: fscan.associative_reduce(add, t, 0)),
+    "lax": ("lax.associative_scan: leaf xs", lambda t: fscan.lax.associative_scan(add, t)),
+    "check": ("check_associative: leaf xs", lambda t: fscan.check_associative(add, t)),
+    "cumsum": ("cumsum: `input`", lambda t: fscan.cumsum(t, 0)),
+    "cumsum reverse": ("cumsum: `input`", lambda t: fscan.cumsum(t, 0, reverse=True)),
+    "cumprod": ("cumprod: `input`", lambda t: fscan.cumprod(t, 0)),
+    "cummax": ("cummax: `input`", lambda t: fscan.cummax(t, 0)),
+    "cummin": ("cummin: `input`", lambda t: fscan.cummin(t, 0, reverse=True)),
+    "logcumsumexp": ("logcumsumexp: `input`", lambda t: fscan.logcumsumexp(t, 0)),
+    "linear b": ("linear_recurrence: `b`", lambda t: fscan.linear_recurrence(0.5, t, 0)),
+    "linear a": ("linear_recurrence: `a`", lambda t: fscan.linear_recurrence(t, _like(t), 0)),
+    "linear initial": (
+        "linear_recurrence: `initial`",
+        lambda t: fscan.linear_recurrence(0.5, _steps(t), 0, initial=t),
+    ),
+    "log b": ("log_linear_recurrence: `log_b`", lambda t: fscan.log_linear_recurrence(-1, t, 0)),
+    "log a": (
+        "log_linear_recurrence: `log_a`",
+        lambda t: fscan.log_linear_recurrence(t, _like(t), 0),
+    ),
+    "matrix": (
+        "linear_recurrence_matrix: `b`",
+        lambda t: fscan.linear_recurrence_matrix(torch.randn(8, 8, 8), t, 0),
+    ),
+}
+
+
+@pytest.mark.parametrize("where", list(ENTRY_POINTS))
+@pytest.mark.parametrize("kind", list(UNSCANNABLE))
+def test_tensors_fscan_cannot_scan_are_refused_by_name(kind, where):
+    prefix, call = ENTRY_POINTS[where]
+    t = _unscannable(kind)
+    with raises(fscan.ScanTypeError, f"fscan.{prefix} {UNSCANNABLE[kind]}"):
+        call(t)
+
+
+@pytest.mark.parametrize(
+    "api", ["associative_scan", "linear_recurrence", "linear_recurrence_matrix"]
+)
+def test_a_sparse_reset_is_refused_by_name(api):
+    reset = torch.zeros(8, dtype=torch.bool).to_sparse()
+    calls = {
+        "associative_scan": lambda: fscan.associative_scan(add, _X, 0, reset=reset),
+        "linear_recurrence": lambda: fscan.linear_recurrence(0.5, _X, 0, reset=reset),
+        "linear_recurrence_matrix": lambda: fscan.linear_recurrence_matrix(
+            torch.randn(8, 2, 2), torch.randn(8, 2), 0, reset=reset
+        ),
+    }
+    with raises(fscan.ScanTypeError, f"fscan.{api}: `reset` {UNSCANNABLE['sparse_coo']}"):
+        calls[api]()
+
+
+META = torch.randn(8, device="meta")
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda t: fscan.associative_scan(add, t, 0),
+        lambda t: fscan.associative_scan(torch.mul, t, 0, reverse=True, combine_mode="generic"),
+        lambda t: fscan.associative_reduce(add, t.unsqueeze(1), 0),
+        lambda t: fscan.cumsum(t, 0),
+        lambda t: fscan.cummax(t, 0, reverse=True).values,
+        lambda t: fscan.linear_recurrence(0.5, t, 0),
+        lambda t: fscan.log_linear_recurrence(t, t, 0),
+    ],
+)
+def test_meta_tensors_scan_to_shapes(call):
+    # No values, but shapes propagate: a scan of meta tensors is a shape computation.
+    out = call(META)
+    assert out.is_meta and out.dtype == META.dtype
+
+
+def test_check_associative_refuses_meta_tensors():
+    with raises(fscan.ScanValueError, "leaf xs is a meta tensor, which holds no values to compare"):
+        fscan.check_associative(add, META)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_complex_leaves_scan(reverse):
+    z = torch.randn(9, 3, dtype=torch.complex128)
+    expected = torch.cumprod(z.flip(0), 0).flip(0) if reverse else torch.cumprod(z, 0)
+    torch.testing.assert_close(fscan.associative_scan(torch.mul, z, 0, reverse=reverse), expected)
+    torch.testing.assert_close(fscan.cumprod(z, 0, reverse=reverse), expected)
+    torch.testing.assert_close(fscan.associative_reduce(torch.mul, z, 0), torch.prod(z, 0))
 
 
 def test_empty_tree():

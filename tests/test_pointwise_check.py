@@ -179,3 +179,82 @@ def test_no_check_inside_torch_func_transforms():
 def _flat(x):
     leaves, spec = fscan._pytree.flatten(x)
     return spec, leaves
+
+
+# A batch of one element cannot show the batch axis: these look elementwise on it and
+# give another answer than the sequential loop over single elements.
+def _nested_scan(x, y):
+    return x + fscan.associative_scan(lambda p, q: p * q, y, 0, reverse=True)
+
+
+def _first_of_batch(x, y):
+    return x + y[0]
+
+
+def _slice_of_batch(x, y):
+    return x + y[:1]
+
+
+BATCH_BLIND = {
+    "nested_scan": _nested_scan,
+    "first_of_batch": _first_of_batch,
+    "slice_of_batch": _slice_of_batch,
+}
+
+
+@parametrize(name=list(BATCH_BLIND), n=[2, 3, 4, 5, 8], reverse=[False, True])
+def test_batch_mixing_is_refused_at_every_length(name, n, reverse):
+    with pytest.raises(fscan.CombineFnError, match="moves values between elements"):
+        fscan.associative_scan(BATCH_BLIND[name], torch.randn(n, 10, 2), 0, reverse=reverse)
+
+
+@parametrize(name=list(BATCH_BLIND), n=[2, 3, 5])
+def test_batch_mixing_is_refused_by_the_reduction_at_every_length(name, n):
+    with pytest.raises(fscan.CombineFnError, match="moves values between elements"):
+        fscan.associative_reduce(BATCH_BLIND[name], torch.randn(n, 10, 2), 0)
+
+
+@parametrize(name=list(BATCH_BLIND), reverse=[False, True])
+def test_the_carry_in_of_a_one_step_scan_is_checked(name, reverse):
+    # The fold of `initial` is the only combine_fn call of a one-step scan.
+    fn = BATCH_BLIND[name]
+    xs, initial = torch.randn(1, 10, 2), torch.randn(10, 2)
+    for reset in (None, torch.zeros(1, dtype=torch.bool)):
+        with pytest.raises(fscan.CombineFnError, match="moves values between elements"):
+            fscan.associative_scan(fn, xs, 0, reverse=reverse, initial=initial, reset=reset)
+    with pytest.raises(fscan.CombineFnError, match="moves values between elements"):
+        fscan.associative_reduce(fn, xs, 0, initial=initial)
+
+
+def test_a_refusal_on_a_long_scan_stands_for_short_ones():
+    with pytest.raises(fscan.CombineFnError):
+        fscan.associative_scan(_nested_scan, torch.randn(9, 10, 2), 0)
+    for n in (4, 3, 2):
+        with pytest.raises(fscan.CombineFnError):
+            fscan.associative_scan(_nested_scan, torch.randn(n, 10, 2), 0)
+
+
+def test_a_one_step_scan_needs_no_verdict():
+    # No combine_fn call, as in the loop: the output is the input.
+    xs = torch.randn(1, 10, 2)
+    torch.testing.assert_close(fscan.associative_scan(_nested_scan, xs, 0), xs, rtol=0, atol=0)
+    assert cached_verdicts("elementwise") == 0
+
+
+@parametrize(op=[add, logaddexp, _broadcast_first_component], n=[2, 3, 4], reverse=[False, True])
+def test_short_elementwise_scans_pass_and_cache_the_verdict(op, n, reverse, watches):
+    xs = torch.randn(n, 4, 3, dtype=torch.float64)
+    for _ in range(2):
+        out = fscan.associative_scan(op, xs, 0, reverse=reverse)
+        assert_trees_close(out, sequential_scan(op, xs, 0, reverse, "generic"))
+    assert watches[0] == 1 and cached_verdicts("elementwise") == 1
+
+
+@parametrize(n=[2, 3])
+def test_short_scans_keep_their_gradients(n):
+    a = (torch.rand(n, 3, dtype=torch.float64) + 0.5).requires_grad_()
+    b = torch.randn(n, 3, dtype=torch.float64, requires_grad=True)
+    scan = lambda a, b: fscan.associative_scan(linear_recurrence, (a, b), 0)[1]
+    assert torch.autograd.gradcheck(scan, (a, b))
+    loop = sequential_scan(linear_recurrence, (a.detach(), b.detach()), 0, False, "generic")[1]
+    torch.testing.assert_close(scan(a, b), loop)

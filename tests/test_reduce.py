@@ -252,3 +252,95 @@ def test_an_impure_combine_is_caught():
     with pytest.raises(fscan.ImpureCombineError):
         fscan.associative_reduce(lambda a, b: a.add_(b), x, 0)
     assert torch.equal(x, torch.ones(6))
+
+
+# ---- compile and export: one graph for every length -----------------------------------
+
+LENGTHS = (5, 2, 13, 33)  # not 3 first: Dynamo would equate the length with the element size
+
+
+def _special(n):
+    """Values with inf, -inf and NaN at the ends and across the middle."""
+    x = rand(n, 3)
+    x[0, 0], x[-1, 1], x[n // 2, 2] = float("inf"), float("-inf"), float("nan")
+    return x
+
+
+def _maximum(a, b):
+    return torch.maximum(a, b)
+
+
+TRACED = {
+    "logaddexp": (torch.logaddexp, _special),
+    "maximum": (_maximum, _special),
+    "affine": (linear_recurrence, lambda n: (torch.rand(n, 3, **F64) + 0.5, rand(n, 3))),
+}
+
+
+@parametrize(case=list(TRACED), mode=["pointwise", "generic"], reverse=[False, True])
+def test_compile_dynamic_reduces_every_length_with_one_graph(case, mode, reverse):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    fn, make = TRACED[case]
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    reduce = lambda xs: fscan.associative_reduce(fn, xs, 0, combine_mode=mode, reverse=reverse)
+    compiled = torch.compile(reduce, backend=counter, fullgraph=True, dynamic=True)
+    for n in LENGTHS:
+        xs = make(n)
+        assert_trees_close(compiled(xs), oracle_total(fn, xs, 0, reverse))
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
+@parametrize(reverse=[False, True])
+def test_compile_dynamic_gradients_at_every_length(reverse):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def fn(a, b, h0):
+        total = fscan.associative_reduce(
+            linear_recurrence, (a, b), 1, reverse=reverse, initial=(torch.ones_like(h0), h0)
+        )
+        return total[1]
+
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    for n in LENGTHS:
+        args = [torch.rand(2, n, 3, **F64) + 0.5, rand(2, n, 3), rand(2, 3)]
+        args = [t.requires_grad_() for t in args]
+        got = compiled(*args)
+        want = oracle_total(linear_recurrence, tuple(args[:2]), 1, reverse)
+        want = linear_recurrence((torch.ones_like(args[2]), args[2]), want)[1]
+        torch.testing.assert_close(got, want)
+        cot = rand(2, 3)
+        for g, w in zip(torch.autograd.grad(got, args, cot), torch.autograd.grad(want, args, cot)):
+            torch.testing.assert_close(g, w)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
+class _Reduce(torch.nn.Module):
+    def __init__(self, fn, mode, reverse):
+        super().__init__()
+        self.fn, self.mode, self.reverse = fn, mode, reverse
+
+    def forward(self, xs):
+        return fscan.associative_reduce(
+            self.fn, xs, 0, combine_mode=self.mode, reverse=self.reverse
+        )
+
+
+# torch's scan HOP (generic mode's export) imports jit, which warns that it is deprecated.
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@parametrize(case=["maximum", "affine"], mode=["pointwise", "generic"], reverse=[False, True])
+def test_export_with_a_dynamic_length(case, mode, reverse):
+    fn, make = TRACED[case]
+    seq = torch.export.Dim("seq", min=2)
+    example = make(5)
+    dims = {"xs": optree.tree_map(lambda _: {0: seq}, example)}
+    ep = torch.export.export(_Reduce(fn, mode, reverse), (example,), dynamic_shapes=dims)
+    for n in (2, 3, 4, 7, 64):
+        xs = make(n)
+        assert_trees_close(ep.module()(xs), oracle_total(fn, xs, 0, reverse))

@@ -538,6 +538,8 @@ def _unavailable(leaves: Sequence[torch.Tensor], wait: bool = False) -> str | No
     for x in leaves:  # loops, not any() of a generator: this runs on every scan
         if x.dtype not in DTYPES:
             return f"dtype {x.dtype} has no C++ kernel"
+        if x.is_neg():  # e.g. `.conj().imag`: the kernel reads memory, not the lazy negation
+            return "a negative-bit view (e.g. .conj().imag): the torch engine runs"
     if len(leaves) > 1 and any(x.shape != first.shape or not x.is_cpu for x in leaves):
         return "leaves of different shapes: the C++ kernel takes one shape"
     if not probeable(leaves) or under_transform():
@@ -1222,9 +1224,13 @@ def run_backward(
         return None
     floats = entry.floats
     # Cotangents are read through their strides (the cotangent of ``y.sum()`` is an
-    # expanded scalar: stride 0, no copy); a missing one is a zero of stride 0.
+    # expanded scalar: stride 0, no copy); a missing one is a zero of stride 0. A
+    # negative-bit view (a cotangent made from `.conj().imag`) is negated into memory:
+    # the kernel reads memory, not the lazy negation.
     gs = [
-        torch.zeros((), dtype=xs[k].dtype).expand(shape) if grads[k] is None else grads[k]
+        torch.zeros((), dtype=xs[k].dtype).expand(shape)
+        if grads[k] is None
+        else grads[k].resolve_neg()
         for k in floats
     ]
     bars = [torch.empty(shape, dtype=xs[k].dtype) for k in floats]
