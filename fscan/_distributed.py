@@ -1153,7 +1153,8 @@ def _fold(
     from ._linear import _all_normal, _inexact, _values_hidden
 
     check = (gates.is_floating_point() or gates.is_complex()) and not _values_hidden(gates, ends)
-    check = check and not _all_normal(gates)  # the common case: one reduction, one sync
+    # the common case: one reduction, one sync (complex: see _inexact)
+    check = check and (gates.is_complex() or ends.is_complex() or not _all_normal(gates))
     state = entering = initial
     # Every rank folds every map but the last: the walks are collectives that the
     # ranks after this one need too.

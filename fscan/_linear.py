@@ -633,11 +633,15 @@ def _inexact(
     steps' result by more than rounding: see the comment above. A product below the
     smallest normal number loses at most ``|entering| * tiny`` of the loop's state,
     which matters where it exceeds the end state's rounding (``eps |end|``). A chunk
-    holding a reset drops what enters it (a selection, exact)."""
-    info = torch.finfo(gate.dtype)
+    holding a reset drops what enters it (a selection, exact). A complex product meets
+    an infinite state exactly only step by step."""
+    size = gate.abs()  # real, also for complex gates
+    info = torch.finfo(size.dtype)
     wild = ~torch.isfinite(gate) & ~torch.isnan(entering)  # NaN stays NaN either way
     lost = torch.isinf(entering) | (entering.abs() * info.tiny > end.abs() * info.eps)
-    bad = wild | ((gate.abs() < info.tiny) & lost)
+    bad = wild | ((size < info.tiny) & lost)
+    if entering.is_complex():  # (a1 a2) inf and a1 (a2 inf) differ in their NaN parts
+        bad = bad | torch.isinf(entering)
     return bad if reset is None else bad & ~reset
 
 
@@ -685,27 +689,33 @@ def _repair(
     dtype = ends.dtype
     if not (dtype.is_floating_point or dtype.is_complex) or _values_hidden(gates, ends):
         return ends  # integers wrap alike in any order; see _values_hidden
-    if _all_normal(gates):  # the common case: one reduction and one sync
+    if not dtype.is_complex and _all_normal(gates):  # the common case: one reduction, one sync
         return ends
     entering = toward_end(ends, dim, reverse, initial)
+    shape = ends.movedim(dim, 0).shape  # (chunks, *the step's shape)
+    count = shape[0]
     bad = _inexact(gates, entering, ends, reset).expand(ends.shape).movedim(dim, 0)
-    count = bad.shape[0]
+    bad = bad.reshape(count, -1)  # (chunks, lanes)
     order = range(count - 1, -1, -1) if reverse else range(count)
     if initial is None:  # the first chunk starts from nothing: its end is `local`, exact
-        bad = bad & (torch.arange(count, device=bad.device) != order[0]).view(
-            -1, *[1] * (bad.ndim - 1)
-        )
-    by_chunk = bad.flatten(1).any(1)
+        bad = bad & (torch.arange(count, device=bad.device) != order[0])[:, None]
+    by_chunk = bad.any(1)
     if not bool(by_chunk.any()):
         return ends
-    lanes = bad.any(0)  # the step's shape: the lanes to walk
+    lanes = bad.any(0)  # the lanes to walk
     first = order.index(int(by_chunk.nonzero().flatten()[-1 if reverse else 0]))
+    # Boolean indexing over the step's dims (a 1-D scan: one lane) reads the walked
+    # lanes of `a` and `b` without copying the rest (they may be stride-0 broadcasts).
+    pick = lanes.view(shape[1:]) if len(shape) > 1 else lanes
+
+    def lanes_of(x: torch.Tensor, leading: int) -> torch.Tensor:
+        return x[(slice(None),) * leading + (pick,)] if len(shape) > 1 else x[..., None][..., pick]
 
     def per_chunk(x: torch.Tensor) -> torch.Tensor:  # (chunks, lanes walked)
-        return x.expand(ends.shape).movedim(dim, 0)[:, lanes]
+        return lanes_of(x.expand(ends.shape).movedim(dim, 0), 1)
 
     def per_step(x: torch.Tensor) -> torch.Tensor:  # (chunks, steps, lanes walked)
-        return chunks(x.expand(b.shape)).movedim((dim, dim + 1), (0, 1))[:, :, lanes]
+        return lanes_of(chunks(x.expand(b.shape)).movedim((dim, dim + 1), (0, 1)), 2)
 
     g, loc, state = per_chunk(gates), per_chunk(local), per_chunk(entering)
     flags = None if reset is None else per_chunk(reset)
@@ -724,10 +734,10 @@ def _repair(
             e = composed
         fixed.append(e)
     chunk_index = torch.tensor(list(order[first:]), device=ends.device)
-    lane_index = lanes.flatten().nonzero().flatten()
+    lane_index = lanes.nonzero().flatten()
     flat = ends.movedim(dim, 0).reshape(count, -1)
     flat = flat.index_put((chunk_index[:, None], lane_index[None, :]), torch.stack(fixed))
-    return flat.reshape(bad.shape).movedim(0, dim)
+    return flat.reshape(shape).movedim(0, dim)
 
 
 _PLAIN = Algebra(_step, _solve, _toward_end, torch.prod, _repair)

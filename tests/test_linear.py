@@ -560,6 +560,25 @@ def test_gate_products_out_of_range_give_the_loop_answer(case, length, reverse, 
 
 
 @parametrize(case=PRODUCT_CASES, reverse=[False, True])
+def test_gate_products_out_of_range_one_lane(case, reverse):
+    a, b, initial = _products_case(case, 1000, torch.float64, reverse)
+    a, b, initial = a[:, 0], b[:, 0], None if initial is None else initial[0]
+    got = fscan.linear_recurrence(a, b, 0, reverse=reverse, initial=initial)
+    _assert_loop_answer(got, a, b, initial, reverse)
+
+
+# complex infinities' NaN parts depend on how a step is fused (a * h + b or addcmul)
+@parametrize(case=[c for c in PRODUCT_CASES if "inf" not in c], reverse=[False, True])
+def test_gate_products_out_of_range_complex(case, reverse):
+    a, b, initial = _products_case(case, 1000, torch.float64, reverse)
+    a, b = a * torch.exp(0.1j * torch.ones(())), b.to(torch.complex128)
+    initial = None if initial is None else initial.to(torch.complex128)
+    got = fscan.linear_recurrence(a, b, 0, reverse=reverse, initial=initial)
+    want = loop(a, b, 0, initial, reverse)
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-9, atol=0)
+
+
+@parametrize(case=PRODUCT_CASES, reverse=[False, True])
 def test_gate_products_out_of_range_in_the_backward(case, reverse):
     """The adjoint is a linear recurrence too: cotangents carried across chunks."""
     a, b, _ = _products_case(case, 1000, torch.float64, reverse)
