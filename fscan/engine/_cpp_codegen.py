@@ -43,6 +43,7 @@ import torch
 from optree import PyTreeSpec
 
 __all__ = [
+    "COMPUTING_OPS",
     "DTYPES",
     "Program",
     "Unsupported",
@@ -99,8 +100,6 @@ _EXACT = frozenset(
         "neg",
         "abs",
         "clamp",
-        "clamp_min",
-        "clamp_max",
         "relu",
         "isnan",
         "isinf",
@@ -127,8 +126,8 @@ _BINARY = {
     "div": "({a} / {b})",
     "maximum": "fscan_max({a}, {b})",
     "minimum": "fscan_min({a}, {b})",
-    "fmax": "std::fmax({a}, {b})",
-    "fmin": "std::fmin({a}, {b})",
+    "fmax": "fscan_fmax({a}, {b})",
+    "fmin": "fscan_fmin({a}, {b})",
     "atan2": "std::atan2({a}, {b})",
     "pow": "std::pow({a}, {b})",
     "bitwise_and": "({a} & {b})",
@@ -139,18 +138,25 @@ _LOGICAL = {"logical_and": "&&", "logical_or": "||", "logical_xor": "!="}
 _COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _UNARY = {
     "neg": "(-{a})",
-    "logical_not": "(!({a} != 0))",
     "bitwise_not": "(~{a})",
     "reciprocal": "(1 / {a})",
     "isnan": "({a} != {a})",
     "isinf": "std::isinf({a})",
     "sigmoid": "(1 / (1 + std::exp(-{a})))",
-    "relu": "fscan_max({a}, decltype({a})(0))",
-    "rsqrt": "(1 / std::sqrt({a}))",
+    "relu": "fscan_relu({a})",
     "round": "std::nearbyint({a})",
     "sign": "fscan_sign({a})",
     "abs": "fscan_abs({a})",
 }
+# Rounding ops that leave an integer as it is (torch.round of an int64 is that int64).
+_INTEGER_IDENTITY = frozenset({"round", "floor", "ceil", "trunc"})
+# Products and quotients of a half or bfloat16 tensor and a Python number take the
+# number at float precision (torch's scalar path); other ops round it to the dtype.
+_OPMATH_SCALAR = frozenset({"mul", "div"})
+# pow(x, c) for these c, as torch computes them (pow_tensor_scalar): exact products,
+# sqrt, rsqrt or a reciprocal, not std::pow (pow(-inf, 0.5) is inf, sqrt(-inf) NaN).
+_POW_SPECIAL = (0, 1, 2, 3, -1, -2, 0.5, -0.5)
+_HALVES = (torch.float16, torch.bfloat16)
 _LIBM = [
     "exp",
     "exp2",
@@ -182,6 +188,13 @@ _LIBM = [
 # Functions a float32 combine evaluates in float even when it computes in double:
 # everything of _LIBM but the correctly rounded (sqrt) and exact (floor...) ones.
 _FLOAT_MATH = frozenset(_LIBM) - {"sqrt", "floor", "ceil", "trunc"}
+# The ops that compute (views and copies aside): what tests/test_cpu_kernel_ops.py
+# checks one by one against eager torch.
+COMPUTING_OPS = (
+    (frozenset(_BINARY) | frozenset(_LOGICAL) | frozenset(_COMPARE) | frozenset(_UNARY))
+    | frozenset(_LIBM)
+    | {"logical_not", "rsqrt", "where", "clamp", "_to_copy"}
+)
 _IDENTITY = frozenset({"clone", "alias", "detach", "lift_fresh_copy", "_to_copy", "copy"})
 # Views allowed on leaf-dependent values: they only broadcast, which is implicit per element.
 _BROADCASTS = frozenset({"expand", "view", "unsqueeze", "squeeze", "reshape", "_unsafe_view"})
@@ -495,6 +508,8 @@ class _Translator:
         self.node_wide = False  # whether the node being emitted is one of them
         self.full = (2, *element)  # every value that depends on the operands has this shape
         self.names: dict[torch.fx.Node, str] = {}
+        # Nodes whose value other ops read rounded to their dtype: the unrounded value.
+        self.exact: dict[torch.fx.Node, str] = {}
         placeholders = [nd for nd in gm.graph.nodes if nd.op == "placeholder"]
         for node, name in zip(placeholders, input_names):
             self.names[node] = name
@@ -580,15 +595,25 @@ class _Translator:
     def _ctype(self, dtype: torch.dtype) -> str:
         return compute_ctype(dtype, self.wide or self.node_wide)
 
-    def _arg(self, a: Any, ctype: str) -> str:
-        if isinstance(a, torch.fx.Node) and a not in self.dynamic and _fill_value(a) is not None:
-            return _cpp_const(_fill_value(a), ctype)  # a constant tensor (zeros, full...)
+    def _value(self, a: Any, dtype: torch.dtype, opmath: bool = False) -> str:
+        """Operand ``a`` (a node or a Python number) converted to ``dtype`` as torch
+        converts an operand, as an expression of ``dtype``'s compute type.
+
+        A Python number is rounded to ``dtype`` (torch wraps it in a tensor of the
+        operation's dtype), or, with ``opmath``, to float for half and bfloat16 (the
+        scalar path of torch's products and quotients keeps it at float precision)."""
+        ctype = self._ctype(dtype)
         if isinstance(a, torch.fx.Node):
-            name = self.names[a]
+            fill = _fill_value(a) if a not in self.dynamic else None
+            if fill is not None:  # a constant tensor (zeros, full...): its dtype's value
+                return _cpp_const(_converted(_converted(fill, _dtype(a)), dtype), ctype)
+            name, source = self.names[a], _dtype(a)
             if name.startswith("P"):
-                name = f"static_cast<{self._ctype(_dtype(a))}>(p.{name.lower()}[e])"
-            return f"static_cast<{ctype}>({name})"
-        return _cpp_const(a, ctype)
+                name = f"static_cast<{self._ctype(source)}>(p.{name.lower()}[e])"
+            return f"static_cast<{ctype}>({_conversion(name, source, dtype, ctype)})"
+        if opmath and dtype in _HALVES:
+            return _cpp_const(_converted(a, torch.float32), ctype)
+        return _cpp_const(_converted(a, dtype), ctype)
 
     def _emit(self, node: torch.fx.Node) -> None:
         out = self._val(node)
@@ -602,62 +627,133 @@ class _Translator:
             self.wide_nodes.add(node)
         oc = self._ctype(out.dtype)
         expr = self._expression(node, name, out, oc)
+        rounding = None if self.node_wide else _rounding(out.dtype, oc)
         self.node_wide = False
         if name in _EXPENSIVE or name in _LIBM:
             self.expensive = True
         var = f"v{len(self.lines)}"
-        self.names[node] = var
         self.lines.append(f"const {oc} {var} = static_cast<{oc}>({expr});")
+        self.names[node] = var
+        if rounding is not None:
+            # Every op of eager torch rounds its result to its dtype: so do the values
+            # other ops read here (a float32 product computed in double that overflows
+            # float is inf, as in eager, and inf * 0 is NaN). An output keeps the
+            # unrounded value: the running state is kept in the compute type (module doc).
+            self.exact[node] = var
+            self.names[node] = f"{var}r"
+            self.lines.append(f"const {oc} {var}r = {rounding.format(var)};")
 
     def _expression(self, node: torch.fx.Node, name: str, out: torch.Tensor, oc: str) -> str:
         args, kwargs = list(node.args), dict(node.kwargs)
+        dtype = out.dtype
+        value = lambda a, opmath=False: self._value(a, dtype, opmath)
         if name in _BROADCASTS:
-            return self._arg(args[0], oc)
+            return value(args[0])
         if name in _IDENTITY:
             if name == "copy":  # copy(dst, src): the value of src
-                return self._arg(args[1], oc)
-            return self._arg(args[0], oc)
+                return value(args[1])
+            return value(args[0])
+        if name in _INTEGER_IDENTITY and not dtype.is_floating_point:
+            return value(args[0])
         if name in _COMPARE or name in ("isnan", "isinf"):
             operands = [self._val(a) for a in args[: 1 if name in ("isnan", "isinf") else 2]]
-            cc = self._ctype(_result_type(operands))
+            common = _result_type(operands)
             if name in _COMPARE:
-                return f"({self._arg(args[0], cc)} {_COMPARE[name]} {self._arg(args[1], cc)})"
-            return _UNARY[name].format(a=self._arg(args[0], cc))
+                left, right = self._value(args[0], common), self._value(args[1], common)
+                return f"({left} {_COMPARE[name]} {right})"
+            return _UNARY[name].format(a=self._value(args[0], common))
         if name in _LOGICAL:
-            a, b = (f"({self._arg(x, self._ctype(_dtype_of(self._val(x))))} != 0)" for x in args)
+            a, b = (f"({self._value(x, _dtype_of(self._val(x)))} != 0)" for x in args)
             return f"({a} {_LOGICAL[name]} {b})"
         if name == "logical_not":
-            return f"!({self._arg(args[0], self._ctype(_dtype_of(self._val(args[0]))))} != 0)"
+            return f"!({self._value(args[0], _dtype_of(self._val(args[0])))} != 0)"
+        if name == "bitwise_not" and dtype == torch.bool:
+            return f"!{value(args[0])}"  # ~ of a C++ bool is an int (~true == -2): truthy
+        if name == "pow":
+            return self._pow(args, dtype, oc)
         if name in _BINARY:
-            if name == "div" and kwargs.get("rounding_mode") is not None:
-                raise Unsupported("div with rounding_mode")
-            if name == "div" and out.is_floating_point():
-                scale = _power_of_two_reciprocal(self._constant_value(args[1]))
-                if scale is not None:  # exact, and a division costs 10-20x a product
-                    return f"({self._arg(args[0], oc)} * {_cpp_const(scale, oc)})"
-            b = self._arg(args[1], oc)
-            alpha = kwargs.get("alpha", 1)
-            if name in ("add", "sub") and alpha != 1:
-                b = f"({b} * {_cpp_const(alpha, oc)})"
-            return _BINARY[name].format(a=self._arg(args[0], oc), b=b)
+            return self._binary(name, args, kwargs, dtype, oc)
         if name == "where":
-            cond, a, b = self._arg(args[0], "bool"), self._arg(args[1], oc), self._arg(args[2], oc)
-            return f"({cond} ? {a} : {b})"
+            cond = self._value(args[0], torch.bool)
+            return f"({cond} ? {value(args[1])} : {value(args[2])})"
+        if name == "rsqrt":  # as torch: the square root rounded, then its reciprocal
+            root = _rounding(torch.float32, oc) if dtype == torch.float32 else None
+            sqrt = f"std::sqrt({value(args[0])})"
+            return f"(1 / {root.format(sqrt) if root else sqrt})"
         if name in _UNARY:
-            return _UNARY[name].format(a=self._arg(args[0], oc))
+            return _UNARY[name].format(a=value(args[0]))
         if name in _LIBM and out.is_floating_point():
-            if oc == "double" and out.dtype == torch.float32 and name in _FLOAT_MATH:
+            if oc == "double" and dtype == torch.float32 and name in _FLOAT_MATH:
                 # As eager float32 does, at float precision (libmvec's float variants are
                 # twice as wide); the carry and the arithmetic around it stay double.
-                return f"static_cast<double>(std::{name}({self._arg(args[0], 'float')}))"
-            return f"std::{name}({self._arg(args[0], oc)})"
-        if name in ("clamp", "clamp_min", "clamp_max"):
-            return self._clamp(name, args, oc)
+                arg = f"static_cast<float>({value(args[0])})"
+                return f"static_cast<double>(std::{name}({arg}))"
+            return f"std::{name}({value(args[0])})"
+        if name == "clamp":  # clamp_min and clamp_max decompose to it
+            return self._clamp(args, dtype)
         if name == "scalar_tensor":
-            return _cpp_const(args[0], oc)
+            return value(args[0])
         if name == "full" and len(args) > 1:
-            return _cpp_const(args[1], oc)
+            return value(args[1])
         raise Unsupported(f"op aten.{name}")
+
+    def _binary(
+        self, name: str, args: list[Any], kwargs: dict[str, Any], dtype: torch.dtype, oc: str
+    ) -> str:
+        value = lambda a: self._value(a, dtype, opmath=name in _OPMATH_SCALAR)
+        if name == "div" and kwargs.get("rounding_mode") is not None:
+            # Integer division by zero raises in torch (and traps in C++); floor and
+            # trunc division of floats are not translated: the torch engine serves them.
+            raise Unsupported("div with rounding_mode")
+        if name == "div" and dtype.is_floating_point:
+            scale = _power_of_two_reciprocal(self._constant_value(args[1]))
+            if scale is not None:  # exact, and a division costs 10-20x a product
+                return f"({value(args[0])} * {_cpp_const(scale, oc)})"
+        alpha = kwargs.get("alpha", 1)
+        if name in ("add", "sub") and alpha != 1:
+            a, b = value(args[0]), value(args[1])
+            if dtype.is_floating_point:
+                # As torch's vectorised add: a fused a + alpha * b, at float precision for
+                # half and bfloat16 (inf + 3 * -max is inf; its scalar path, for tensors
+                # of a few elements, gives NaN there and rounds alpha * b apart)
+                at = torch.float32 if dtype in _HALVES else dtype
+                scale = _cpp_const(_converted(alpha if name == "add" else -alpha, at), oc)
+                return f"std::fma({b}, {scale}, {a})"
+            scale = _cpp_const(_converted(alpha, dtype), oc)
+            return _BINARY[name].format(a=a, b=f"({b} * {scale})")
+        return _BINARY[name].format(a=value(args[0]), b=value(args[1]))
+
+    def _pow(self, args: list[Any], dtype: torch.dtype, oc: str) -> str:
+        base, exponent = args[0], args[1]
+        constant = self._constant_value(exponent)
+        if not dtype.is_floating_point:
+            if dtype == torch.bool:
+                raise Unsupported("pow of bools")
+            if constant is not None and constant < 0:
+                raise Unsupported("an integer to a negative power (torch raises)")
+            return f"fscan_powi({self._value(base, dtype)}, {self._value(exponent, dtype)})"
+        x = self._value(base, dtype)
+        # A number exponent as torch's pow_tensor_scalar takes it: rounded to the dtype;
+        # 0 and 1 fill and copy; the exponents of _POW_SPECIAL (not for float16, which
+        # calls pow) as products, sqrt, rsqrt or reciprocals, each product rounded to the
+        # dtype (bfloat16's Vectorized ops too), rsqrt's root to float.
+        special = _POW_SPECIAL if dtype != torch.float16 else (0, 1)
+        if constant is None or constant not in special:
+            return f"std::pow({x}, {self._value(exponent, dtype)})"
+        rounding = _rounding(dtype, oc)
+        square = rounding.format(f"({x} * {x})") if rounding else f"({x} * {x})"
+        root = _rounding(torch.float32, oc) if dtype == torch.float32 else None
+        sqrt = f"std::sqrt({x})"
+        return {
+            0: _cpp_const(1, oc),
+            1: x,
+            2: f"({x} * {x})",
+            3: f"({square} * {x})",
+            -1: f"(1 / {x})",
+            -2: f"(1 / {square})",
+            0.5: sqrt,
+            -0.5: f"(1 / {root.format(sqrt) if root else sqrt})",
+        }[constant]
 
     def _constant_value(self, a: Any) -> Any:
         """The Python number ``a`` stands for, if it is a constant, else None."""
@@ -665,15 +761,16 @@ class _Translator:
             return _fill_value(a) if a not in self.dynamic else None
         return a if isinstance(a, (int, float)) and not isinstance(a, bool) else None
 
-    def _clamp(self, name: str, args: list[Any], oc: str) -> str:
-        expr = self._arg(args[0], oc)
-        lo = args[1] if name in ("clamp", "clamp_min") and len(args) > 1 else None
-        hi = args[2] if name == "clamp" and len(args) > 2 else None
-        hi = args[1] if name == "clamp_max" else hi
+    def _clamp(self, args: list[Any], dtype: torch.dtype) -> str:
+        # torch.clamp: min(max(x, lo), hi), x where it ties with a bound (clamp(-0.0, 0)
+        # is -0.0), NaN where x or a bound is NaN, hi where lo > hi; a bound may be None.
+        expr = self._value(args[0], dtype)
+        lo = args[1] if len(args) > 1 else None
+        hi = args[2] if len(args) > 2 else None
         if lo is not None:
-            expr = f"fscan_max({expr}, {self._arg(lo, oc)})"
+            expr = f"fscan_clamp_lo({expr}, {self._value(lo, dtype)})"
         if hi is not None:
-            expr = f"fscan_min({expr}, {self._arg(hi, oc)})"
+            expr = f"fscan_clamp_hi({expr}, {self._value(hi, dtype)})"
         return expr
 
     def _emit_outputs(self, out_dtypes: Sequence[torch.dtype]) -> None:
@@ -691,16 +788,66 @@ class _Translator:
                 # A constant output (a VJP's zero cotangent of an input that is not used)
                 if _dtype(o) != dtype:
                     raise Unsupported("combine_fn changes a leaf's dtype")
-                self.lines.append(f"o{k} = {_cpp_const(_fill_value(o), oc)};")
+                self.lines.append(f"o{k} = {_cpp_const(_converted(_fill_value(o), dtype), oc)};")
             elif isinstance(o, torch.fx.Node):
                 if o not in self.dynamic:
                     raise Unsupported("an output does not depend on the operands")
                 val = self._val(o)
                 if val.dtype != dtype:
                     raise Unsupported("combine_fn changes a leaf's dtype")
-                self.lines.append(f"o{k} = {self._arg(o, oc)};")
+                self.lines.append(f"o{k} = static_cast<{oc}>({self.exact.get(o, self.names[o])});")
             else:
-                self.lines.append(f"o{k} = {_cpp_const(o, oc)};")
+                self.lines.append(f"o{k} = {_cpp_const(_converted(o, dtype), oc)};")
+
+
+def _rounding(dtype: torch.dtype, ctype: str) -> str | None:
+    """A format string rounding a value of ``ctype`` to ``dtype``, where ``ctype`` holds
+    more (float32 in double, half and bfloat16 in float), else None."""
+    if dtype == torch.float32 and ctype == "double":
+        return "fscan_round_f32({})"
+    if dtype == torch.float16:
+        return "fscan_round_f16({})"
+    if dtype == torch.bfloat16:
+        return "fscan_round_bf16({})"
+    return None
+
+
+def _conversion(name: str, source: torch.dtype, dtype: torch.dtype, ctype: str) -> str:
+    """``name`` (a value of ``source`` in its compute type) converted to ``dtype`` (in
+    ``ctype``) as torch converts: through the float type itself where ``ctype`` is
+    wider (an int64 to float32 rounds once, to float, not to double then float)."""
+    if source == dtype or source == torch.bool:
+        return name
+    if dtype in _HALVES:
+        return _rounding(dtype, "float").format(f"static_cast<float>({name})")  # type: ignore[union-attr]
+    if dtype == torch.float32 and ctype == "double":
+        return f"static_cast<double>(static_cast<float>({name}))"
+    if dtype.is_floating_point:
+        return name
+    if dtype == torch.bool:
+        return f"({name} != 0)"
+    if source.is_floating_point and dtype == torch.uint8:
+        # torch converts floats to uint8 through int64 (-1.5 is 255): C++ would not define it
+        return f"static_cast<int64_t>({name})"
+    return name
+
+
+def _converted(value: Any, dtype: torch.dtype) -> Any:
+    """A Python number (or a value of a constant tensor) as torch converts it to ``dtype``."""
+    if isinstance(value, bool):
+        source = torch.bool
+    elif isinstance(value, int):
+        source = torch.int64
+    elif isinstance(value, float):
+        source = torch.float64
+    else:
+        raise Unsupported(f"constant {value!r} of type {type(value).__name__}")
+    if source == dtype:
+        return value
+    try:
+        return torch.tensor(value, dtype=source).to(dtype).item()
+    except (RuntimeError, OverflowError) as err:
+        raise Unsupported(f"constant {value!r} as {dtype}: {err}") from None
 
 
 def _power_of_two_reciprocal(value: Any) -> float | None:

@@ -55,11 +55,33 @@ PRELUDE = r"""
 
 #define FSCAN_INLINE __attribute__((always_inline)) inline
 
+// The ops below as torch computes them (tests/test_cpu_kernel_ops.py checks each against
+// eager torch on every dtype, special values included).
 // torch.maximum/minimum: NaN wins from either side.
 template <typename T> static FSCAN_INLINE T fscan_max(T a, T b) { if (a != a) return a; return a > b ? a : b; }
 template <typename T> static FSCAN_INLINE T fscan_min(T a, T b) { if (a != a) return a; return a < b ? a : b; }
-template <typename T> static FSCAN_INLINE T fscan_sign(T a) { return (T)((T(0) < a) - (a < T(0))) + (a != a ? a : T(0)); }
+// torch.fmax/fmin: NaN loses; integers compare as themselves (std::fmax would go through
+// double, which rounds int64 beyond 2**53).
+template <typename T> static FSCAN_INLINE T fscan_fmax(T a, T b) { return fscan_max(a, b); }
+template <typename T> static FSCAN_INLINE T fscan_fmin(T a, T b) { return fscan_min(a, b); }
+static FSCAN_INLINE float fscan_fmax(float a, float b) { return std::fmax(a, b); }
+static FSCAN_INLINE double fscan_fmax(double a, double b) { return std::fmax(a, b); }
+static FSCAN_INLINE float fscan_fmin(float a, float b) { return std::fmin(a, b); }
+static FSCAN_INLINE double fscan_fmin(double a, double b) { return std::fmin(a, b); }
+// torch.clamp's bounds: x where it ties (clamp(-0.0, 0) is -0.0), NaN from x or the bound.
+template <typename T> static FSCAN_INLINE T fscan_clamp_lo(T x, T lo) { if (lo != lo) return lo; return x < lo ? lo : x; }
+template <typename T> static FSCAN_INLINE T fscan_clamp_hi(T x, T hi) { if (hi != hi) return hi; return x > hi ? hi : x; }
+template <typename T> static FSCAN_INLINE T fscan_relu(T a) { return a < T(0) ? T(0) : a; }  // relu(-0.0) is -0.0
+// torch.sign: 0 for NaN and for -0.0.
+template <typename T> static FSCAN_INLINE T fscan_sign(T a) { return (T)((T(0) < a) - (a < T(0))); }
 template <typename T> static FSCAN_INLINE T fscan_abs(T a) { return a < T(0) ? -a : a; }
+// torch's integer pow: products that wrap; a negative exponent gives 1 / a truncated.
+template <typename T> static FSCAN_INLINE T fscan_powi(T a, T b) {
+  if (b < T(0)) return a == T(1) ? T(1) : (a == T(-1) ? ((-b) % 2 ? T(-1) : T(1)) : T(0));
+  T r = 1;
+  while (b) { if (b & 1) r = (T)(r * a); b = (T)(b / 2); a = (T)(a * a); }
+  return r;
+}
 static FSCAN_INLINE bool fscan_abs(bool a) { return a; }
 static FSCAN_INLINE float fscan_abs(float a) { return std::fabs(a); }
 static FSCAN_INLINE double fscan_abs(double a) { return std::fabs(a); }
@@ -108,6 +130,11 @@ static FSCAN_INLINE uint16_t fscan_bf16_store(float f) {
   u += 0x7fffu + ((u >> 16) & 1u);
   return (uint16_t)(u >> 16);
 }
+// A value rounded to a narrower float type and held in the wider one: what an eager op of
+// that dtype returns (the translator rounds every op's result that other ops read).
+static FSCAN_INLINE double fscan_round_f32(double x) { return (double)(float)x; }
+static FSCAN_INLINE float fscan_round_f16(float x) { return (float)(_Float16)x; }
+static FSCAN_INLINE float fscan_round_bf16(float x) { return fscan_bf16_load(fscan_bf16_store(x)); }
 """
 
 _GLIBC = platform.libc_ver()
@@ -408,6 +435,22 @@ def _dense_init(names: Sequence[str]) -> str:
     return ", ".join(f"dense({n}, nb, T, inner)" for n in names)
 
 
+def _combine_function(compute: Sequence[str], program: Program) -> str:
+    """``combine(l, r, p, e)``: the translated body over one element's ``Vals``."""
+    R = range(len(compute))
+    return (
+        "static FSCAN_INLINE Vals combine(const Vals& l, const Vals& r, const Par p, int64_t e) {\n"
+        + "".join(f"  const {compute[k]} l{k} = l.v{k};\n" for k in R)
+        + "".join(f"  const {compute[k]} r{k} = r.v{k};\n" for k in R)
+        + "  (void)p; (void)e;\n"
+        + "".join(f"  {compute[k]} o{k};\n" for k in R)
+        + "".join(f"  {line}\n" for line in program.body.splitlines())
+        + "  Vals o;\n"
+        + "".join(f"  o.v{k} = o{k};\n" for k in R)
+        + "  return o;\n}\n"
+    )
+
+
 def forward_argtypes(
     dtypes: Sequence[torch.dtype],
     program: Program,
@@ -447,17 +490,7 @@ def forward_source(
     compute = [compute_ctype(d, program.wide) for d in dtypes]
     R = range(len(dtypes))
     st = [STORAGE[d] for d in dtypes]
-    combine = (
-        "static FSCAN_INLINE Vals combine(const Vals& l, const Vals& r, const Par p, int64_t e) {\n"
-        + "".join(f"  const {compute[k]} l{k} = l.v{k};\n" for k in R)
-        + "".join(f"  const {compute[k]} r{k} = r.v{k};\n" for k in R)
-        + "  (void)p; (void)e;\n"
-        + "".join(f"  {compute[k]} o{k};\n" for k in R)
-        + "".join(f"  {line}\n" for line in program.body.splitlines())
-        + "  Vals o;\n"
-        + "".join(f"  o.v{k} = o{k};\n" for k in R)
-        + "  return o;\n}\n"
-    )
+    combine = _combine_function(compute, program)
     kept = [k for k in R if k not in dropped]
     # A carry composed from two chunk totals that a kept float output gets as NaN from
     # non-NaN operands, or infinite from finite ones, is walked step by step instead
@@ -1163,3 +1196,55 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const PB
   }
 }
 """
+
+
+def step_argtypes(dtypes: Sequence[torch.dtype], program: Program) -> list[str]:
+    """C types of the step kernel's arguments (see :func:`step_source`)."""
+    st = [STORAGE[d] for d in dtypes]
+    types = [f"const {c}*" for c in st] + [f"{c}*" for c in st]
+    types += [f"const {_param_ctype(p.dtype)}*" for p in program.params]
+    return [*types, "int64_t", "int64_t"]
+
+
+def step_source(dtypes: Sequence[torch.dtype], program: Program) -> str:
+    """One application of the translated combine per element position, for checking the
+    translation against eager torch: ``kernel(x.., y.., p.., n, vec)``.
+
+    Each input ``x`` holds ``2 n`` contiguous elements, the left operands then the right
+    ones; each output ``y``, ``n``. The loads, stores, compute types and ``combine`` are
+    the forward kernel's (:func:`forward_source`); ``vec`` picks the vectorised lane
+    loop of its lane path, else a scalar call per position, as on its chain path."""
+    compute = [compute_ctype(d, program.wide) for d in dtypes]
+    R = range(len(dtypes))
+    st = [STORAGE[d] for d in dtypes]
+    unit = lambda name: "{" + name + ", 0, 0, 0, 1}"
+    args = [f"const {st[k]}* x{k}" for k in R] + [f"{st[k]}* y{k}" for k in R]
+    args += [f"const {_param_ctype(q.dtype)}* p{j}" for j, q in enumerate(program.params)]
+    entry = (
+        "static __attribute__((noinline)) Vals scalar_step(const In l, const In r, const Par p, "
+        "int64_t i) { return combine(load_i(l, i, 0), load_i(r, i, 1), p, i); }\n"
+        'extern "C" void kernel('
+        + ", ".join(args)
+        + ", int64_t n, int64_t vec) {\n"
+        + "  const In l{"
+        + ", ".join(unit(f"x{k}") for k in R)
+        + "}; const In r{"
+        + ", ".join(unit(f"x{k} + n") for k in R)
+        + "}; const Out y{"
+        + ", ".join(unit(f"y{k}") for k in R)
+        + "}; const Par p{"
+        + ", ".join(f"p{j}" for j in range(len(program.params)))
+        + "};\n"
+        + "  if (vec) fscan_lanes<LANE_BLOCK>(n, false, [&](int64_t i) "
+        "{ store_i(y, i, combine(load_i(l, i, 0), load_i(r, i, 1), p, i)); });\n"
+        + "  else for (int64_t i = 0; i < n; ++i) store_i(y, i, scalar_step(l, r, p, i));\n}\n"
+    )
+    return "\n".join(
+        [
+            PRELUDE,
+            mvec_declarations(),
+            _structs(dtypes, compute, program),
+            _combine_function(compute, program),
+            entry,
+        ]
+    )

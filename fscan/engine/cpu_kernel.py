@@ -1272,3 +1272,54 @@ def _captured_grads(
         return [torch.zeros_like(t) for t in info.needing]
     found = torch.autograd.grad(outs, inputs, cots, allow_unused=True)
     return [torch.zeros_like(t) if g is None else g for g, t in zip(found, info.needing)]
+
+
+# --- checking the translation ----------------------------------------------------
+
+
+def combine_step(
+    combine_fn: Callable[[Any, Any], Any], left: Any, right: Any, *, vectorized: bool = True
+) -> Any:
+    """``combine_fn(left, right)`` computed by its C++ translation, one element position
+    at a time, as the forward kernel computes a step: for checking the translation of
+    each op against eager torch (special values, every dtype) at the cost of one small
+    build, where a scan kernel inlines ``combine`` in a dozen places.
+
+    ``left``, ``right``: pytrees of 1-D CPU tensors of one length ``n`` and of dtypes the
+    kernel takes; the result has their structure. ``vectorized``: the lane path's vector
+    loop, else a scalar call per position (the chain path's code). Raises
+    :class:`~fscan.engine._cpp_codegen.Unsupported` where the translator refuses
+    ``combine_fn`` (the scan then runs on the torch engine), and the compiler's error
+    where the build fails.
+
+    Example:
+        >>> import fscan
+        >>> left, right = torch.tensor([1.0, 5.0]), torch.tensor([3.0, 2.0])
+        >>> if compiler_problem() is None:  # a build: seconds, cached on disk
+        ...     assert combine_step(torch.maximum, left, right).tolist() == [3.0, 5.0]
+    """
+    from .._knowledge import reach
+    from ._cpp_source import step_argtypes, step_source
+
+    lefts, spec = flatten(left)
+    rights, right_spec = flatten(right)
+    n = lefts[0].shape[0] if lefts else 0
+    if right_spec != spec or any(
+        x.ndim != 1 or x.shape[0] != n or x.dtype != y.dtype or not x.is_cpu
+        for x, y in zip(lefts, rights)
+    ):
+        raise ScanValueError(
+            "combine_step: left and right must be pytrees of one structure whose leaves are "
+            "1-D CPU tensors of one length, leaf by leaf of one dtype."
+        )
+    dtypes = tuple(x.dtype for x in lefts)
+    captured = reach(combine_fn).tensors
+    program = translate_combine(combine_fn, spec, dtypes, (n,), captured)
+    kernel = load_kernel(step_source(dtypes, program), step_argtypes(dtypes, program))
+    xs = [torch.stack([x, y]).contiguous() for x, y in zip(lefts, rights)]
+    ys = [torch.empty(n, dtype=d) for d in dtypes]
+    params = _params(program, captured, (n,))
+    if params is None:
+        raise ScanValueError("combine_step: the captured tensors do not broadcast to one element")
+    kernel(*xs, *ys, *params, n, int(vectorized))
+    return spec.unflatten(ys)
