@@ -31,23 +31,41 @@ __all__ = ["any_dtensor", "dtensor_linear_recurrence", "dtensor_scan"]
 
 
 def any_dtensor(values: Iterable[Any]) -> bool:
-    """Whether any value is a DTensor; free when ``torch.distributed.tensor`` was
-    never imported (then no DTensor can exist).
+    """Whether any value is a DTensor. Plain tensors and non-tensors are none: only a
+    tensor subclass looks the class up (:func:`dtensor_class`).
 
     Example:
-        >>> any_dtensor([torch.ones(2), None])
+        >>> any_dtensor([torch.ones(2), None, 0.5])
         False
     """
-    module = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(module, "DTensor", None)
-    if dtensor is None:
-        return False
-    # A plain tensor is no DTensor: skip the subclass check. A loop, not any() of a
-    # generator: this runs on every scan.
-    for v in values:  # noqa: SIM110
-        if type(v) is not torch.Tensor and isinstance(v, dtensor):
-            return True
+    # A loop, not any() of a generator: this runs on every scan.
+    for v in values:
+        if type(v) is not torch.Tensor and isinstance(v, torch.Tensor):
+            dtensor = dtensor_class()
+            if dtensor is not None and isinstance(v, dtensor):
+                return True
     return False
+
+
+def dtensor_class() -> type | None:
+    """``torch.distributed.tensor.DTensor`` if that module was imported (else no DTensor
+    can exist), without importing it.
+
+    It reads ``sys.modules``, which other threads change as they import (a kernel
+    build in the background does): Dynamo, tracing it, would iterate that dict and
+    fail with "dictionary changed size during iteration". So Dynamo calls it instead
+    of tracing it (below) and keeps the class as a constant of the graph; a DTensor
+    input is a new input type, which recompiles and calls it again.
+
+    Example:
+        >>> dtensor_class() is None or dtensor_class().__name__ == "DTensor"
+        True
+    """
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+# torch.compiler.assume_constant_result, without importing Dynamo here.
+dtensor_class._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _sequence_mesh_dim(api: str, name: str, placements: tuple, dim: int) -> int | None:

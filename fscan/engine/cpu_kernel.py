@@ -639,8 +639,8 @@ def captured_occurrences(fn: Callable[..., Any]) -> list[torch.Tensor] | None:
 # a torch.compile or make_fx of another thread, either can fail. So a build traces and
 # translates in the thread of the scan that triggers it (about 0.1-0.2 s once torch's
 # tracing modules are imported), and only the C++ compile (seconds) runs in the
-# background thread, which holds the source text and nothing of the user's. The
-# imports (about 3 s, mostly torch._dynamo) are made in the background first.
+# background thread, which holds the source text and nothing of the user's. Of the
+# imports, only torch._dynamo (about 3 s) is made in the background first: see _warm_up.
 
 
 def _build(entry: Entry, call: _Call) -> None:
@@ -723,14 +723,31 @@ _warm = threading.Event()
 
 
 def _warm_up() -> None:
-    """Import what tracing and compiling need (imports are safe beside other threads)."""
-    import torch._dynamo  # noqa: F401  (make_fx imports it on first use: ~3 s)
-    from torch._decomp import core_aten_decompositions
-    from torch.fx.experimental import proxy_tensor  # noqa: F401
+    """Import torch._dynamo (make_fx imports it on first use: about 3 s).
 
-    core_aten_decompositions()
-    compiler_problem()
+    In mode "on" this runs in the background thread, beside the user's code, so it
+    imports nothing a trace could be running beside: imports add to ``sys.modules`` and
+    to the pytree registries, and a Dynamo trace iterating one of those dicts meanwhile
+    fails ("dictionary changed size during iteration"). No trace runs before
+    torch._dynamo is imported, and one that starts during this import waits for it
+    (an import in progress holds the module's lock). The rest (torch's decompositions
+    and make_fx, Inductor's C++ builder and code cache, and what a compile imports:
+    under a second, and no pytree node) is imported by the calling thread, which looks
+    up the compiler (:func:`_unavailable`), translates and imports
+    :func:`_compile_imports` before a compile is queued, so the compile thread imports
+    nothing of its own (Inductor's loader still enters each kernel's module in
+    ``sys.modules``, which nothing fscan traces reads)."""
+    import torch._dynamo  # noqa: F401
+
     _warm.set()
+
+
+@functools.cache
+def _compile_imports() -> None:
+    """Import what a compile on a cold disk cache imports (Inductor's builder reaches for
+    torch.utils.cpp_extension, and setuptools with it), in the calling thread: see
+    :func:`_warm_up`."""
+    import torch.utils.cpp_extension  # noqa: F401
 
 
 class _Worker:
@@ -782,6 +799,7 @@ def _submit(entry: Entry, call: _Call) -> None:
         if entry.source is None and not _translate(entry, call):
             return
         entry.state = State.PENDING
+    _compile_imports()
     _worker.submit(functools.partial(_compile_queued, entry))
 
 
