@@ -436,8 +436,13 @@ def _step(
     """One step ``a_t h + b_t``, or ``b_t`` where ``m_t`` (``where``, not a zero gate:
     ``0 * inf`` is NaN), into ``out`` if given."""
     if out is None:
-        new = torch.addcmul(b_t, a_t, h)
-        return new if m_t is None else torch.where(m_t, b_t, new)
+        if m_t is None:
+            return torch.addcmul(b_t, a_t, h)
+        # Where m_t drops the state the product runs on zeros: autograd through it
+        # (torch.func transforms) would give a zero cotangent times an infinite state
+        # or gate, NaN, where the loop does not use them (as in fscan._segmented).
+        a_t, h = torch.where(m_t, 0, a_t), torch.where(m_t, 0, h)
+        return torch.where(m_t, b_t, torch.addcmul(b_t, a_t, h))
     torch.addcmul(b_t, a_t, h, out=out)
     if m_t is not None:
         torch.where(m_t, b_t, out, out=out)

@@ -653,6 +653,30 @@ def test_resets_stop_inf_nan_at_chunk_boundaries(length, reverse, poison):
     assert_same_grads(fn, [a, b], cot)
 
 
+@parametrize(length=[20, 100], reverse=[False, True])
+def test_torch_func_gradients_stop_at_a_reset(length, reverse):
+    """Under torch.func the walk is differentiated by autograd: where a reset drops an
+    infinite state, the gate's gradient there is 0 (the loop does not use it), and no
+    NaN spreads through the product of the chunk holding the reset."""
+    a = torch.rand(length, 2, dtype=torch.float64)
+    b = torch.ones(length, 2, dtype=torch.float64)
+    at = (lambda t: length - 1 - t) if reverse else (lambda t: t)
+    b[at(3)] = INF
+    reset = torch.zeros(length, dtype=torch.bool)
+    reset[at(length // 2)] = True
+    later = torch.zeros(length, 2, dtype=torch.float64)  # a loss on the states after it
+    later[[at(t) for t in range(length // 2, length)]] = 1.0
+
+    def loss(rec, a):
+        return (rec(a, b, 0, reverse=reverse, reset=reset) * later).sum()
+
+    got = torch.func.grad(lambda a: loss(fscan.linear_recurrence, a))(a)
+    a_ = a.clone().requires_grad_()
+    (want,) = torch.autograd.grad(loss(reference, a_), a_)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    assert torch.isfinite(got[[at(t) for t in range(length // 2, length)]]).all()
+
+
 @parametrize(length=[5, 100])
 def test_first_state_is_the_first_input(length):
     """Without `initial` no gate multiplies a zero state: an infinite or NaN first gate
