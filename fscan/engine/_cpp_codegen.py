@@ -21,6 +21,19 @@ and the accumulation, which is what grows the error of a long scan, stays double
 (``logaddexp``'s scan stays as accurate as ``torch.logcumsumexp``, which
 accumulates in double).
 
+Semantics: each op computes what eager torch computes for its dtype, special
+values included (tests/test_cpu_kernel_ops.py checks every op on every dtype
+against eager): operands are converted as torch converts them (an int64 to float32
+rounds once, to float; a Python number is rounded to the op's dtype, or kept at
+float in products and quotients of half types, as torch's scalar path does);
+integers wrap; bools stay 0 or 1 (``~`` is ``!``); ``pow``, ``fmax``, ``clamp``,
+``sign``, ``relu`` and add with ``alpha`` follow ATen's kernels. A value held wider
+than its dtype keeps that precision but takes its dtype's range (overflow is inf,
+underflow 0, as rounding would make them: ``a * b * 0`` is NaN where ``a * b``
+overflows); discrete ops (comparisons, floor, sign, conversions) read it rounded to
+its dtype. Ops that raise in torch for some values (integer division: a zero
+divisor) are not translated.
+
 Example:
     >>> import optree, torch
     >>> _, spec = optree.tree_flatten(0)
