@@ -19,6 +19,20 @@ Inductor's precompiled ``cpp_prefix.h`` (ATen's vector headers) is not used:
 it is not needed, is slower to build and clashes with names here. The binding
 releases the GIL while the kernel runs.
 
+A cached library is verified before it is loaded. Inductor links straight into
+its cache path and loads whatever file is there: a linker killed mid-write or a
+full disk leaves a truncated library, and mapping one kills the process (SIGBUS
+inside dlopen). So fscan keeps a manifest beside each library it loads
+(``<library>.fscan``: its size and SHA-256, written atomically once a build of
+this process loaded), and loads a library only if it matches its manifest, or if
+this very load built it and its ELF headers and segments lie within the file.
+Anything else (no manifest, a mismatch, a truncated or corrupted file, a library
+of an older fscan) is removed under Inductor's lock for its key and built again,
+once; a second failure is the caller's fallback (the torch engine). The manifest
+lives beside the library, not in fscan's own directory, so it follows
+``TORCHINDUCTOR_CACHE_DIR`` and is removed with the cache; hashing a library costs
+about a millisecond per load, once per process.
+
 Example:
     >>> compiler_problem() is None or isinstance(compiler_problem(), str)
     True
@@ -26,14 +40,22 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import json
+import os
 import shutil
+import struct
+import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._cpp_source import MVEC
 
-__all__ = ["EXTRA_FLAGS", "compiler_problem", "load_kernel"]
+__all__ = ["EXTRA_FLAGS", "MANIFEST_SUFFIX", "compiler_problem", "load_kernel"]
 
 EXTRA_FLAGS = (
     "-ftree-loop-vectorize",
@@ -80,14 +102,130 @@ def _bindings() -> Any:
         def _get_uncompiled_header(cls, device: str) -> str | None:
             return None
 
+        @classmethod
+        def _load_library_inner(cls, path: str, key: str) -> Any:
+            if f"{key}.{cls.entry_function}" not in sys.modules:  # else mapped already
+                _verify(path, key)
+            return super()._load_library_inner(path, key)
+
     return ScanBindings
 
 
+MANIFEST_SUFFIX = ".fscan"  # the manifest of a cached library: <library>.fscan
+
+# When this thread's current load_kernel began (ns): a library written since was built
+# by it (the build takes far longer than the file system's clock granularity).
+_loading = threading.local()
+
+
+class _Rebuild(Exception):
+    """A cached library failed verification and was removed: load again to rebuild it."""
+
+
+def _verify(path: str, key: str) -> None:
+    """Return if the library at ``path`` may be loaded (module doc); else remove it and
+    its manifest under Inductor's lock for ``key`` and raise :class:`_Rebuild`."""
+    from torch._inductor.codecache import LOCK_TIMEOUT, get_lock_dir
+    from torch.utils._filelock import FileLock
+
+    manifest = path + MANIFEST_SUFFIX
+    with FileLock(os.path.join(get_lock_dir(), key + ".lock"), timeout=LOCK_TIMEOUT):
+        found = _inspect(path)
+        since = getattr(_loading, "since", None)
+        if found is not None:
+            size, digest, complete = found
+            if _read_manifest(manifest) == {"size": size, "sha256": digest}:
+                return
+            if complete and since is not None and os.stat(path).st_mtime_ns >= since:
+                _write_manifest(manifest, size, digest)  # built by this load
+                return
+        for stale in (path, manifest):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(stale)
+    raise _Rebuild(f"the cached kernel {path} did not match its manifest: removed")
+
+
+def _inspect(path: str) -> tuple[int, str, bool] | None:
+    """The size, SHA-256 and completeness of the file at ``path`` (None if unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return len(data), hashlib.sha256(data).hexdigest(), _complete_elf(data)
+
+
+def _complete_elf(data: bytes) -> bool:
+    """Whether an ELF file's header tables and loaded segments lie within ``data`` (a
+    truncated library's do not); True for other formats (the loader rejects garbage).
+
+    Example:
+        >>> _complete_elf(b"not ELF"), _complete_elf(b"\\x7fELF" + bytes(10))
+        (True, False)
+    """
+    if data[:4] != b"\x7fELF":
+        return True
+    if len(data) < 52 or data[4] not in (1, 2) or data[5] not in (1, 2):
+        return False
+    wide, order = data[4] == 2, "<" if data[5] == 1 else ">"
+    header = order + ("HHIQQQIHHHHHH" if wide else "HHIIIIIHHHHHH")
+    if len(data) < 16 + struct.calcsize(header):
+        return False
+    fields = struct.unpack_from(header, data, 16)
+    phoff, shoff, phentsize, phnum, shentsize, shnum = fields[4], fields[5], *fields[8:12]
+    size = len(data)
+    if phoff + phnum * phentsize > size or shoff + shnum * shentsize > size:
+        return False
+    # A segment's file extent: p_offset and p_filesz (p_type, p_flags first when 64-bit).
+    segment = order + ("IIQQQQ" if wide else "IIIII")
+    for k in range(phnum):
+        values = struct.unpack_from(segment, data, phoff + k * phentsize)
+        offset, filesz = (values[2], values[5]) if wide else (values[1], values[4])
+        if offset + filesz > size:
+            return False
+    return True
+
+
+def _read_manifest(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def _write_manifest(path: str, size: int, digest: str) -> None:
+    # Atomically (a rename): a reader sees the old manifest, or none, or the new one.
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"size": size, "sha256": digest}, f)
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: the library is loaded, just not recorded
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
 def load_kernel(source: str, argtypes: Sequence[str]) -> Callable[..., None]:
-    """Compile ``source`` (or find it in the disk cache) and return its ``kernel`` entry.
+    """Compile ``source`` (or find it, verified, in the disk cache: module doc) and
+    return its ``kernel`` entry.
 
     Raises whatever the compiler or loader raises; the caller turns that into a fallback.
     """
+    for attempt in (0, 1):
+        _loading.since = time.time_ns()
+        try:
+            return _load(source, argtypes)
+        except _Rebuild:
+            if attempt:
+                raise
+        finally:
+            _loading.since = None
+    raise AssertionError("unreachable")
+
+
+def _load(source: str, argtypes: Sequence[str]) -> Callable[..., None]:
     bindings = _bindings()
     try:
         return bindings.load_pybinding(

@@ -21,6 +21,19 @@ and the accumulation, which is what grows the error of a long scan, stays double
 (``logaddexp``'s scan stays as accurate as ``torch.logcumsumexp``, which
 accumulates in double).
 
+Semantics: each op computes what eager torch computes for its dtype, special
+values included (tests/test_cpu_kernel_ops.py checks every op on every dtype
+against eager): operands are converted as torch converts them (an int64 to float32
+rounds once, to float; a Python number is rounded to the op's dtype, or kept at
+float in products and quotients of half types, as torch's scalar path does);
+integers wrap; bools stay 0 or 1 (``~`` is ``!``); ``pow``, ``fmax``, ``clamp``,
+``sign``, ``relu`` and add with ``alpha`` follow ATen's kernels. A value held wider
+than its dtype keeps that precision but takes its dtype's range (overflow is inf,
+underflow 0, as rounding would make them: ``a * b * 0`` is NaN where ``a * b``
+overflows); discrete ops (comparisons, floor, sign, conversions) read it rounded to
+its dtype. Ops that raise in torch for some values (integer division: a zero
+divisor) are not translated.
+
 Example:
     >>> import optree, torch
     >>> _, spec = optree.tree_flatten(0)
@@ -150,6 +163,8 @@ _UNARY = {
 }
 # Rounding ops that leave an integer as it is (torch.round of an int64 is that int64).
 _INTEGER_IDENTITY = frozenset({"round", "floor", "ceil", "trunc"})
+# Ops that are not continuous: they read their operands rounded to the dtype (_value).
+_DISCRETE = _INTEGER_IDENTITY | {"sign"}
 # Products and quotients of a half or bfloat16 tensor and a Python number take the
 # number at float precision (torch's scalar path); other ops round it to the dtype.
 _OPMATH_SCALAR = frozenset({"mul", "div"})
@@ -595,13 +610,19 @@ class _Translator:
     def _ctype(self, dtype: torch.dtype) -> str:
         return compute_ctype(dtype, self.wide or self.node_wide)
 
-    def _value(self, a: Any, dtype: torch.dtype, opmath: bool = False) -> str:
+    def _value(
+        self, a: Any, dtype: torch.dtype, opmath: bool = False, discrete: bool = False
+    ) -> str:
         """Operand ``a`` (a node or a Python number) converted to ``dtype`` as torch
         converts an operand, as an expression of ``dtype``'s compute type.
 
         A Python number is rounded to ``dtype`` (torch wraps it in a tensor of the
         operation's dtype), or, with ``opmath``, to float for half and bfloat16 (the
-        scalar path of torch's products and quotients keeps it at float precision)."""
+        scalar path of torch's products and quotients keeps it at float precision).
+        ``discrete``: for an op that is not continuous (a comparison, floor, sign...),
+        which reads a value held wider than its dtype rounded to the dtype, as eager
+        holds it (1 / 0.1f is 10 in float32, and its floor 10, not 9); a conversion to
+        another dtype does too."""
         ctype = self._ctype(dtype)
         if isinstance(a, torch.fx.Node):
             fill = _fill_value(a) if a not in self.dynamic else None
@@ -610,6 +631,9 @@ class _Translator:
             name, source = self.names[a], _dtype(a)
             if name.startswith("P"):
                 name = f"static_cast<{self._ctype(source)}>(p.{name.lower()}[e])"
+            held = _rounding(source, compute_ctype(source, self.wide))
+            if held is not None and (discrete or source != dtype) and a not in self.wide_nodes:
+                name = held.format(name)
             return f"static_cast<{ctype}>({_conversion(name, source, dtype, ctype)})"
         if opmath and dtype in _HALVES:
             return _cpp_const(_converted(a, torch.float32), ctype)
@@ -627,26 +651,28 @@ class _Translator:
             self.wide_nodes.add(node)
         oc = self._ctype(out.dtype)
         expr = self._expression(node, name, out, oc)
-        rounding = None if self.node_wide else _rounding(out.dtype, oc)
+        in_range = None if self.node_wide else _range(out.dtype, oc)
         self.node_wide = False
         if name in _EXPENSIVE or name in _LIBM:
             self.expensive = True
         var = f"v{len(self.lines)}"
         self.lines.append(f"const {oc} {var} = static_cast<{oc}>({expr});")
         self.names[node] = var
-        if rounding is not None:
-            # Every op of eager torch rounds its result to its dtype: so do the values
-            # other ops read here (a float32 product computed in double that overflows
-            # float is inf, as in eager, and inf * 0 is NaN). An output keeps the
-            # unrounded value: the running state is kept in the compute type (module doc).
+        if in_range is not None:
+            # Every op of eager torch rounds its result to its dtype. The values other
+            # ops read here keep the compute type's precision (the accuracy the module
+            # doc describes) but take the dtype's range: a float32 product that
+            # overflows float is inf, as in eager, and inf * 0 NaN; one that underflows
+            # is 0. Discrete ops read them rounded (see _value). An output keeps the
+            # value as computed: the running state is kept in the compute type.
             self.exact[node] = var
             self.names[node] = f"{var}r"
-            self.lines.append(f"const {oc} {var}r = {rounding.format(var)};")
+            self.lines.append(f"const {oc} {var}r = {in_range.format(var)};")
 
     def _expression(self, node: torch.fx.Node, name: str, out: torch.Tensor, oc: str) -> str:
         args, kwargs = list(node.args), dict(node.kwargs)
         dtype = out.dtype
-        value = lambda a, opmath=False: self._value(a, dtype, opmath)
+        value = lambda a, opmath=False: self._value(a, dtype, opmath, name in _DISCRETE)
         if name in _BROADCASTS:
             return value(args[0])
         if name in _IDENTITY:
@@ -659,9 +685,10 @@ class _Translator:
             operands = [self._val(a) for a in args[: 1 if name in ("isnan", "isinf") else 2]]
             common = _result_type(operands)
             if name in _COMPARE:
-                left, right = self._value(args[0], common), self._value(args[1], common)
+                left = self._value(args[0], common, discrete=True)
+                right = self._value(args[1], common, discrete=True)
                 return f"({left} {_COMPARE[name]} {right})"
-            return _UNARY[name].format(a=self._value(args[0], common))
+            return _UNARY[name].format(a=self._value(args[0], common, discrete=True))
         if name in _LOGICAL:
             a, b = (f"({self._value(x, _dtype_of(self._val(x)))} != 0)" for x in args)
             return f"({a} {_LOGICAL[name]} {b})"
@@ -798,6 +825,19 @@ class _Translator:
                 self.lines.append(f"o{k} = static_cast<{oc}>({self.exact.get(o, self.names[o])});")
             else:
                 self.lines.append(f"o{k} = {_cpp_const(_converted(o, dtype), oc)};")
+
+
+def _range(dtype: torch.dtype, ctype: str) -> str | None:
+    """A format string bringing a value of ``ctype`` into ``dtype``'s range (overflow to
+    +-inf, underflow to +-0, as rounding to ``dtype`` would) where ``ctype`` holds more,
+    else None."""
+    if dtype == torch.float32 and ctype == "double":
+        return "fscan_range_f32({})"
+    if dtype == torch.float16:
+        return "fscan_range_f16({})"
+    if dtype == torch.bfloat16:
+        return "fscan_range_bf16({})"
+    return None
 
 
 def _rounding(dtype: torch.dtype, ctype: str) -> str | None:

@@ -131,10 +131,20 @@ static FSCAN_INLINE uint16_t fscan_bf16_store(float f) {
   return (uint16_t)(u >> 16);
 }
 // A value rounded to a narrower float type and held in the wider one: what an eager op of
-// that dtype returns (the translator rounds every op's result that other ops read).
+// that dtype returns (the translator rounds what discrete ops read: comparisons, floor...).
 static FSCAN_INLINE double fscan_round_f32(double x) { return (double)(float)x; }
 static FSCAN_INLINE float fscan_round_f16(float x) { return (float)(_Float16)x; }
 static FSCAN_INLINE float fscan_round_bf16(float x) { return fscan_bf16_load(fscan_bf16_store(x)); }
+// A value brought into a narrower float type's range, its precision kept: +-inf where
+// rounding to that type overflows (from its largest finite value plus half an ulp, a
+// tie that rounds to even: inf), +-0 where it underflows (to half its least subnormal).
+template <typename T> static FSCAN_INLINE T fscan_range(T x, T over, T under) {
+  const T m = std::fabs(x);
+  return m >= over ? std::copysign(std::numeric_limits<T>::infinity(), x) : (m <= under ? std::copysign(T(0), x) : x);
+}
+static FSCAN_INLINE double fscan_range_f32(double x) { return fscan_range(x, 0x1.ffffffp127, 0x1p-150); }
+static FSCAN_INLINE float fscan_range_f16(float x) { return fscan_range(x, 65520.0f, 0x1p-25f); }
+static FSCAN_INLINE float fscan_range_bf16(float x) { return fscan_range(x, 0x1.ffp127f, 0x1p-134f); }
 """
 
 _GLIBC = platform.libc_ver()
