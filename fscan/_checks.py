@@ -94,7 +94,7 @@ def check_dense(api: str, name: str, t: torch.Tensor) -> None:
         >>> try:
         ...     check_dense("demo", "`b`", torch.ones(2).to_sparse())
         ... except ScanTypeError as err:
-        ...     print(str(err)[:70])
+        ...     print(str(err).split(";")[0])
         demo: `b` has layout torch.sparse_coo, expected a dense (strided) tensor
     """
     if t.is_nested:

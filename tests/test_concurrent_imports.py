@@ -6,6 +6,7 @@ warm-up and compiles) imports nothing a trace could be running beside."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import textwrap
@@ -44,6 +45,11 @@ def test_a_trace_beside_a_thread_that_imports():
     interval = sys.getswitchinterval()
     # Switch threads often (every 0.1 ms): the trace's loop over a dict meets the churn.
     sys.setswitchinterval(1e-4)
+    # The churn allocates; a garbage collection it triggers would run Dynamo's weakref
+    # callbacks on the churn thread, racing torch's own unlocked dicts (an unraisable
+    # KeyError in ExactWeakKeyDictionary). That race is torch's and the churn's, not the
+    # trace's: collect only on this thread.
+    gc.disable()
     thread.start()
     try:  # on the unfixed code, every trace failed
         torch._dynamo.reset()
@@ -53,6 +59,8 @@ def test_a_trace_beside_a_thread_that_imports():
     finally:
         stop.set()
         thread.join()
+        gc.enable()
+        gc.collect()
         sys.setswitchinterval(interval)
         torch._dynamo.reset()
 

@@ -69,6 +69,14 @@ def _add_nonnegative(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return x + y
 
 
+def _add_failing_on_rank_0(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # A data-dependent test (`(y < 0).any()`) is not elementwise: the pointwise check would
+    # refuse it with its own error on every rank with data, not only on rank 0.
+    if dist.get_rank() == 0:
+        raise CombineFailed("rank 0")
+    return x + y
+
+
 def _scan(rank: int, world: int, **changes: Any) -> None:
     """One ``fscan.distributed.associative_scan`` of ``_piece`` by ``torch.add``; keyword
     arguments replace the call's parts (``xs``, ``dim``, ``fn`` or an option)."""
@@ -339,8 +347,8 @@ CASES: dict[str, Case] = {
         lambda w: 0,
         lambda: fscan.ScanValueError,
     ),
-    "scan: combine_fn raises on rank 0's data": _peer_fails(
-        lambda r, w: _scan(r, w, fn=_add_nonnegative, **_on(r, 0, {"xs": -_piece(r, w)})),
+    "scan: combine_fn raises on rank 0": _peer_fails(
+        lambda r, w: _scan(r, w, fn=_add_failing_on_rank_0),
         lambda w: 0,
         lambda: CombineFailed,
     ),
