@@ -3,6 +3,7 @@
 The public face only re-exports; every implementation module is private.
 """
 
+from . import _route_why  # noqa: F401  (registers the reasons of the "fscan" log's records)
 from . import lax as lax
 from ._associativity import check_associative as check_associative
 from ._config import config as config
@@ -17,6 +18,7 @@ from ._errors import ScanTypeError as ScanTypeError
 from ._errors import ScanValueError as ScanValueError
 from ._errors import ScanWarning as ScanWarning
 from ._errors import UnsupportedScanError as UnsupportedScanError
+from ._explain import explain as explain
 from ._knowledge import clear_caches as clear_caches
 from ._linear import linear_recurrence as linear_recurrence
 from ._linear_matrix import linear_recurrence_matrix as linear_recurrence_matrix
@@ -53,6 +55,7 @@ __all__ = [
     "cummin",
     "cumprod",
     "cumsum",
+    "explain",
     "lax",
     "linear_recurrence",
     "linear_recurrence_matrix",

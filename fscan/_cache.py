@@ -66,6 +66,12 @@ class BoundedCache(Generic[V]):
         entry[1] = True
         return entry[0]
 
+    def peek(self, key: Hashable, default: Any = None) -> Any:
+        """The value stored for ``key``, else ``default``, leaving eviction order alone
+        (for reports that must change nothing: ``fscan.explain``)."""
+        entry = self._data.get(key)
+        return default if entry is None else entry[0]
+
     def put(self, key: Hashable, value: V) -> None:
         """Store ``value`` for ``key``, evicting an entry not hit lately when full."""
         with self._lock:

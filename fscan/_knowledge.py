@@ -63,7 +63,15 @@ from optree import PyTreeSpec
 
 from ._cache import BoundedCache
 
-__all__ = ["Knowledge", "Reach", "clear_caches", "knowledge", "leaf_signature", "reach"]
+__all__ = [
+    "Knowledge",
+    "Reach",
+    "clear_caches",
+    "knowledge",
+    "known",
+    "leaf_signature",
+    "reach",
+]
 
 # How many objects one walk may visit before it gives up keying (the call still
 # runs; its verdicts are just not cached).
@@ -143,6 +151,15 @@ def knowledge(
         return Knowledge()
     key = (found.key, spec, combine_mode, leaf_signature(leaves))
     return entries.get_or_compute(key, Knowledge)
+
+
+def known(
+    found: Reach, spec: PyTreeSpec, combine_mode: str, leaves: Sequence[torch.Tensor]
+) -> Knowledge | None:
+    """The cache entry :func:`knowledge` would return, if there is one; stores nothing."""
+    if found.key is None:
+        return None
+    return entries.peek((found.key, spec, combine_mode, leaf_signature(leaves)))
 
 
 def leaf_signature(leaves: Sequence[torch.Tensor]) -> tuple[Hashable, ...]:

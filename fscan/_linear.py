@@ -41,6 +41,7 @@ from ._checks import check_dense, normalize_dim
 from ._dtensor import any_dtensor, dtensor_linear_recurrence
 from ._errors import ScanTypeError, ScanValueError
 from ._pytree import describe
+from ._route_log import logs_route, ran
 from ._routing import where
 from ._scan import associative_scan
 from ._segmented import check_reset
@@ -57,6 +58,7 @@ _PAIR = optree.tree_structure((0, 0))
 _KEEP_H = (False, True)  # of the pair (a, b) scanned by the kernel: only h
 
 
+@logs_route(_API)
 def linear_recurrence(
     a: torch.Tensor | Number,
     b: torch.Tensor,
@@ -338,7 +340,9 @@ def _solve(
     n = b.shape[dim]
     a = a.expand(*(n if i == dim else s for i, s in enumerate(a.shape)))  # stride 0 if constant
     if mask is None and (h := _kernel_solve(a, b, dim, reverse, initial, out)) is not None:
+        ran("cpp")
         return h  # `out` itself if given: the kernel wrote it in place
+    ran("blocked")  # the chunked walk (a single chunk, the loop, under 32 steps)
     chunk = _chunk_size(n)
     if chunk is not None:
         return _chunked(a, b, dim, initial, reverse, mask, chunk, fast, out)

@@ -43,6 +43,7 @@ from ._checks import check_dense, normalize_dim
 from ._errors import ScanTypeError, ScanValueError
 from ._linear import _values_hidden
 from ._pytree import describe
+from ._route_log import logs_route
 from ._scan import associative_scan
 
 __all__ = ["linear_recurrence_matrix"]
@@ -53,6 +54,7 @@ _API = "fscan.linear_recurrence_matrix"
 _SEQUENTIAL_CUTOFF = 4
 
 
+@logs_route(_API)
 def linear_recurrence_matrix(
     A: torch.Tensor,
     b: torch.Tensor,

@@ -38,6 +38,7 @@ from ._linear import (
     _result_dtype,
 )
 from ._pytree import describe
+from ._route_log import logs_route, ran
 from ._routing import where
 from ._scan import associative_scan
 
@@ -47,6 +48,7 @@ _API = "fscan.log_linear_recurrence"
 _NEG_INF = float("-inf")
 
 
+@logs_route(_API)
 def log_linear_recurrence(
     log_a: torch.Tensor | Number,
     log_b: torch.Tensor,
@@ -210,6 +212,7 @@ def _solve(
     chunk = _chunk_size(n)
     if chunk is None:
         return _tree(la, lb, dim, initial, reverse, mask)
+    ran("blocked")
     return _chunked(la, lb, dim, initial, reverse, mask, chunk, fast, algebra=_LOG)
 
 

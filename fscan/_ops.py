@@ -59,6 +59,7 @@ from ._checks import check_dense, normalize_dim
 from ._errors import ScanTypeError
 from ._ops_parallel import LOGSUMEXP, PRODUCT, SUM, Accumulation, blocked_scan, extremum_scan
 from ._pytree import flatten
+from ._route_log import logs_route, ran
 from .engine.cpu_kernel import kernel_possible, kernel_ready, kernel_scan, reads_in_place
 
 __all__ = [
@@ -339,6 +340,7 @@ def _kernel(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool) -> Any:
     )
     if out is None:
         return None
+    ran("cpp")
     return out[0] if len(out) == 1 else tuple(out)
 
 
@@ -376,6 +378,7 @@ def parallel_wins(x: torch.Tensor, dim: int, op: Any) -> bool:
     return _route(op, x, dim, False)[1]
 
 
+@logs_route("fscan.cumsum")
 def cumsum(
     input: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None, reverse: bool = False
 ) -> torch.Tensor:
@@ -413,6 +416,7 @@ def cumsum(
     return _accumulate(SUM, x, dim, reverse)
 
 
+@logs_route("fscan.cumprod")
 def cumprod(
     input: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None, reverse: bool = False
 ) -> torch.Tensor:
@@ -440,6 +444,7 @@ def cumprod(
     return _accumulate(PRODUCT, x, dim, reverse)
 
 
+@logs_route("fscan.logcumsumexp")
 def logcumsumexp(input: torch.Tensor, dim: int, *, reverse: bool = False) -> torch.Tensor:
     """``torch.logcumsumexp`` with ``reverse=``: ``out[i] = log(sum(exp(input[:i + 1])))``.
 
@@ -467,6 +472,7 @@ def logcumsumexp(input: torch.Tensor, dim: int, *, reverse: bool = False) -> tor
     return _accumulate(LOGSUMEXP, x, dim, reverse)
 
 
+@logs_route("fscan.cummax")
 def cummax(input: torch.Tensor, dim: int, *, reverse: bool = False) -> Any:
     """``torch.cummax`` with ``reverse=``: running maxima and the index of each.
 
@@ -485,6 +491,7 @@ def cummax(input: torch.Tensor, dim: int, *, reverse: bool = False) -> Any:
     return _extremum("fscan.cummax", torch.cummax, torch.return_types.cummax, input, dim, reverse)
 
 
+@logs_route("fscan.cummin")
 def cummin(input: torch.Tensor, dim: int, *, reverse: bool = False) -> Any:
     """``torch.cummin`` with ``reverse=``: running minima and their indices (see ``cummax``).
 
@@ -537,6 +544,7 @@ def _native(op: Any, x: torch.Tensor, dim: int, reverse: bool, **kw: Any) -> tor
 def _accumulate(how: Accumulation, x: torch.Tensor, dim: int, reverse: bool) -> torch.Tensor:
     """The parallel path in torch's accumulation types: half types are computed in
     float32 with float64 carries, float32 with float64 carries."""
+    ran("blocked")
     work, acc = {
         torch.float16: (torch.float32, torch.float64),
         torch.bfloat16: (torch.float32, torch.float64),
@@ -557,6 +565,7 @@ def _extremum(api: str, native: Any, result: Any, input: Any, dim: Any, reverse:
     if kernel and (out := _kernel(api, native, x, dim, reverse)) is not None:
         return result(out)
     if parallel:
+        ran("blocked")
         return result(extremum_scan(x, dim, reverse, largest=native is torch.cummax))
     return _native_extremum(native, result, x, dim, reverse)
 

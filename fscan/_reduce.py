@@ -40,6 +40,7 @@ from ._errors import ScanValueError
 from ._knowledge import knowledge, reach
 from ._pointwise_check import checked_on_first_call
 from ._pytree import flatten, unflatten
+from ._route_log import logs_route
 from ._routing import check_untouched, leaf_versions
 from ._traced import traced_scan
 from ._validate import validate_combine_fn
@@ -49,6 +50,7 @@ __all__ = ["associative_reduce"]
 _API = "fscan.associative_reduce"
 
 
+@logs_route(_API)
 def associative_reduce(
     combine_fn: Callable[[Any, Any], Any],
     xs: Any,

@@ -62,6 +62,7 @@ from ._generic import scan_along, scan_functional_along
 from ._knowledge import Knowledge, Reach
 from ._pointwise_check import checked_on_first_call
 from ._purity import under_transform
+from ._route_log import ran
 from ._traced import traced_scan
 from .engine.cpu_kernel import kernel_grad_scan, kernel_scan
 
@@ -187,6 +188,7 @@ def scan_flat(
         else:  # combine_fn changed the element's dtype or shape: the fold's cat decides
             out = None
         if out is not None:
+            ran("cpp")
             return out
         route = "inplace"
     if head is not None:  # the fold: see fscan._carry
@@ -230,6 +232,7 @@ def _run(
     if route == "triton":
         out = codegen_scan(api, combine_fn, spec, leaves, dim, reverse, found, entry)
         if out is not None:
+            ran("triton")
             return out
         route = "inplace"
     combine = flat_combine(api, combine_fn, spec, combine_mode)
@@ -244,6 +247,7 @@ def _run(
         args = (api, combine_fn, spec, combine, leaves, dim, reverse, found, entry)
         out = kernel_grad_scan(*args)
         if out is not None:
+            ran("cpp")
             return out
         plan = ScanPlan(combine, len(leaves), dim, reverse)
         return list(PointwiseScan.apply(plan, *leaves, *captured))

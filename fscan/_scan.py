@@ -15,6 +15,7 @@ from ._dtensor import any_dtensor, dtensor_scan
 from ._knowledge import knowledge, reach
 from ._pointwise_check import checked_on_first_call
 from ._pytree import flatten, unflatten
+from ._route_log import logs_route
 from ._routing import scan_flat, scan_traced
 from ._segmented import segmented_scan
 from ._validate import validate_combine_fn
@@ -24,6 +25,7 @@ __all__ = ["associative_scan"]
 _API = "fscan.associative_scan"
 
 
+@logs_route(_API)
 def associative_scan(
     combine_fn: Callable[[Any, Any], Any],
     xs: Any,

@@ -1,0 +1,159 @@
+"""The reasons in the ``"fscan"`` log's records: one function per public function.
+
+Each is registered with :func:`fscan._route_log.register` and runs only while a DEBUG
+record is made, after the call: it gets the engine the call's choices noted (None if
+none did: the engine every other path of that function runs) and the call's arguments,
+and reads fscan's state without changing it, as ``fscan.explain`` does
+(:mod:`fscan._explain`), to say why the engines before the one that ran were passed over.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from ._explain import Explanation, explain, explain_arguments, kernel_refusal
+from ._linear import _PAIR, _compose, linear_recurrence
+from ._ops import KERNEL_MIN_NUMEL, _kernel_call, _route
+from ._purity import under_transform
+from ._pytree import flatten
+from ._reduce import associative_reduce
+from ._route_log import Route, register
+
+__all__: list[str] = []  # registers its functions on import; nothing to call
+
+_NOT_READY = "it did not serve this call (not ready when it ran, or it could not take its inputs)"
+_SCAN_ORDER = ("triton", "cpp", "tree")  # the scan's engines, fastest first
+
+
+def _explained(args: tuple, kwargs: dict) -> Explanation:
+    """``fscan.explain`` of a scan ahead of it: the route as the router saw it."""
+    return explain(**explain_arguments(args, kwargs).arguments)
+
+
+def _scan(noted: str | None, args: tuple, kwargs: dict, route: Route) -> tuple[str, dict]:
+    report = route.before if route.before is not None else _explained(args, kwargs)
+    refused = dict(report.refused)
+    if report.engine in ("empty", "distributed") or (noted is None and report.engine == "tree"):
+        return report.engine, refused
+    engine = noted or "tree"
+    if engine != report.engine and report.engine in _SCAN_ORDER:
+        refused[report.engine] = _NOT_READY  # it would serve now: it got ready meanwhile
+    if engine in _SCAN_ORDER:
+        before = _SCAN_ORDER[: _SCAN_ORDER.index(engine)]
+        refused = {e: why for e, why in refused.items() if e in before}
+    return engine, refused
+
+
+_DROPIN_OPS = {
+    "fscan.cumsum": torch.cumsum,
+    "fscan.cumprod": torch.cumprod,
+    "fscan.logcumsumexp": torch.logcumsumexp,
+    "fscan.cummax": torch.cummax,
+    "fscan.cummin": torch.cummin,
+}
+
+
+def _dropin(noted: str | None, args: tuple, kwargs: dict, route: Route) -> tuple[str, dict]:
+    """Drop-ins: the kernel, else the parallel scan (``blocked``), else torch's op."""
+    engine = noted or "native"
+    if engine == "cpp":
+        return engine, {}
+    op = _DROPIN_OPS[route.api]
+    x = args[0] if args else kwargs["input"]
+    dim = args[1] if len(args) > 1 else kwargs["dim"]
+    reverse = bool(kwargs.get("reverse", False))
+    if not isinstance(x, torch.Tensor) or not x.is_cpu or x.ndim == 0:
+        return engine, {"cpp": "torch's op serves tensors off the CPU and 0-d ones"}
+    dim = dim % x.ndim
+    kernel, parallel = _route(op, x, dim, reverse)
+    refused = {"cpp": _dropin_kernel(op, x, dim, kernel)}
+    if engine == "native":
+        refused["blocked"] = (
+            "torch's op takes this dtype" if parallel else "torch's op is faster for this layout"
+        )
+    return engine, refused
+
+
+def _dropin_kernel(op: Any, x: torch.Tensor, dim: int, wins: bool) -> str:
+    if x.is_complex():
+        return "complex inputs run on torch's op"
+    if not wins:
+        if x.numel() < KERNEL_MIN_NUMEL:
+            return f"fewer than {KERNEL_MIN_NUMEL} elements: torch's op is faster"
+        if x.requires_grad and torch.is_grad_enabled():
+            return "gradients are wanted: the kernel has none here"
+        return "torch's op is faster for this dim and layout (fscan._ops' route table)"
+    combine, spec, leaves, positions = _kernel_call(op, x)
+    return kernel_refusal(combine, spec, leaves, dim, positions=positions) or _NOT_READY
+
+
+def _linear(noted: str | None, args: tuple, kwargs: dict, route: Route) -> tuple[str, dict]:
+    """``linear_recurrence``: the kernel, else the chunked walk (``blocked``)."""
+    bound = _bind(linear_recurrence, args, kwargs)
+    a, b, dim = bound["a"], bound["b"], bound["dim"]
+    if b.numel() == 0:
+        return "empty", {}
+    engine = noted or "blocked"
+    if engine == "cpp":
+        return engine, {}
+    return engine, {"cpp": _linear_kernel(a, b, dim % b.ndim, bound)}
+
+
+def _linear_kernel(a: Any, b: torch.Tensor, dim: int, bound: dict) -> str:
+    if bound["reset"] is not None:
+        return "reset= runs on the chunked walk"
+    if under_transform():
+        return "a torch.func transform is active: the torch engine runs"
+    if not b.is_floating_point():
+        return f"dtype {b.dtype}: the kernel takes floating point"
+    if b.numel() < KERNEL_MIN_NUMEL:
+        return f"fewer than {KERNEL_MIN_NUMEL} elements: the chunked walk is faster"
+    initial = bound["initial"]
+    if initial is not None and initial.requires_grad and torch.is_grad_enabled():
+        return "initial requires grad: the chunked walk carries it"
+    gates = torch.broadcast_to(torch.as_tensor(a, dtype=b.dtype), b.shape)
+    found = kernel_refusal(_compose, _PAIR, [gates, b.detach()], dim, dropped=(0,))
+    return found or _NOT_READY
+
+
+def _log_linear(noted: str | None, args: tuple, kwargs: dict, route: Route) -> tuple[str, dict]:
+    """``log_linear_recurrence``: the chunked walk from 32 steps, else one tree scan."""
+    log_b = args[1] if len(args) > 1 else kwargs["log_b"]
+    if log_b.numel() == 0:
+        return "empty", {}
+    engine = noted or "tree"
+    if engine == "blocked":
+        return engine, {}
+    return engine, {"blocked": "fewer than 32 steps: one scan instead of chunked walks"}
+
+
+def _matrix(noted: str | None, args: tuple, kwargs: dict, route: Route) -> tuple[str, dict]:
+    """``linear_recurrence_matrix``: its own tree of torch ops (no kernel route)."""
+    b = args[1] if len(args) > 1 else kwargs["b"]
+    dim = args[2] if len(args) > 2 else kwargs["dim"]
+    return ("empty" if b.shape[dim] == 0 else "tree"), {}
+
+
+def _reduce(noted: str | None, args: tuple, kwargs: dict, route: Route) -> tuple[str, dict]:
+    """``associative_reduce``: a tree reduction in torch ops (no kernel route)."""
+    bound = _bind(associative_reduce, args, kwargs)
+    leaves = flatten(bound["xs"])[0]
+    return ("empty" if leaves[0].shape[bound["dim"]] == 0 else "tree"), {}
+
+
+def _bind(fn: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+register("fscan.associative_scan", _scan, before=_explained)
+for _api in _DROPIN_OPS:
+    register(_api, _dropin)
+register("fscan.linear_recurrence", _linear)
+register("fscan.log_linear_recurrence", _log_linear)
+register("fscan.linear_recurrence_matrix", _matrix)
+register("fscan.associative_reduce", _reduce)
