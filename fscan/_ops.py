@@ -345,8 +345,8 @@ def _kernel(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool) -> Any:
 
 
 def path(op: Any, x: torch.Tensor, dim: int, reverse: bool = False) -> str:
-    """The path a drop-in for torch's ``op`` takes on ``x`` now: ``"c++"`` (the compiled
-    kernel, once loaded), ``"parallel"`` (fscan's parallel scan) or ``"native"`` (torch's).
+    """The engine a drop-in for torch's ``op`` takes on ``x`` now: ``"cpp"`` (the compiled
+    kernel, once loaded), ``"blocked"`` (fscan's parallel scan) or ``"native"`` (torch's).
 
     Example:
         >>> path(torch.cumsum, torch.ones(4096, 256), 1)
@@ -355,8 +355,8 @@ def path(op: Any, x: torch.Tensor, dim: int, reverse: bool = False) -> str:
     if kernel_wins(x, dim, reverse, op):
         combine, spec, leaves, positions = _kernel_call(op, x)
         if kernel_ready(combine, spec, leaves, dim, positions):
-            return "c++"
-    return "parallel" if parallel_wins(x, dim, op) else "native"
+            return "cpp"
+    return "blocked" if parallel_wins(x, dim, op) else "native"
 
 
 def parallel_wins(x: torch.Tensor, dim: int, op: Any) -> bool:

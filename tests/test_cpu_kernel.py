@@ -607,7 +607,7 @@ def test_drop_ins_ride_on_the_kernel(op, torch_op, dtype, reverse):
     assert _ops.kernel_wins(x, 0, reverse, torch_op)
     with torch.no_grad():
         out = op(x, 0, reverse=reverse)
-    assert _ops.path(torch_op, x, 0, reverse) == "c++"
+    assert _ops.path(torch_op, x, 0, reverse) == "cpp"
     if torch_op in (torch.cummax, torch.cummin):
         assert type(out) is type(torch_op(x, 0))
         values, indices = _ops._native_extremum(torch_op, tuple, x, 0, reverse)

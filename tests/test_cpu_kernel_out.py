@@ -333,5 +333,5 @@ def test_the_copy_table_reports_the_kernel_backward():
 
     table = copy_table(quick=True)
     ((label, cells),) = table.rows
-    assert label == "(256, 256)" and cells[-1] == "c++"
+    assert label == "(256, 256)" and cells[-1] == "cpp"
     assert all(float(c) > 0 for c in cells[:-1])

@@ -299,7 +299,7 @@ def test_routing_table(op, layout, shape, dim, reverse, route, kernel_possible):
         if fast is not None and x.numel() < 2**22:
             assert_same(fast, op(x, dim))
     if not route[0]:
-        assert _ops.path(op, x, dim, reverse) == ("parallel" if route[1] else "native")
+        assert _ops.path(op, x, dim, reverse) == ("blocked" if route[1] else "native")
 
 
 @parametrize(name=OPS, dtype=[torch.float32, torch.int32, torch.bool], possible=[True, False])
@@ -353,7 +353,7 @@ def kernel_or_skip(op, x, dim, reverse=False):
     assert _ops.kernel_wins(x, dim, reverse, op)
     with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):  # the suite runs "off"
         out = getattr(fscan, op.__name__)(x, dim, reverse=reverse)
-        assert _ops.path(op, x, dim, reverse) == "c++"
+        assert _ops.path(op, x, dim, reverse) == "cpp"
     return out
 
 

@@ -153,7 +153,7 @@ def test_routed_views_take_the_kernel(eager, name, case):
     assert not x.is_contiguous() and _ops.kernel_wins(x, dim, False, op)
     with torch.no_grad():
         check(name, x, dim, False)
-    assert _ops.path(op, x, dim) == "c++"
+    assert _ops.path(op, x, dim) == "cpp"
 
 
 @pytest.fixture(params=["off", "no compiler"])

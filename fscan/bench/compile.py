@@ -35,8 +35,8 @@ def _linrec(x, y):
 def _workloads() -> dict[str, tuple[Callable, tuple, Callable | None]]:
     x = torch.randn(SHAPE)
     a, b = torch.rand(SHAPE), torch.randn(SHAPE)
-    kernel = lambda combine, xs: "c++" if fscan.precompile(combine, xs, 0) else "torch engine"
-    traced = "c++ (scan op)" if kernel_traceable() else "blocked scan"
+    kernel = lambda combine, xs: "cpp" if fscan.precompile(combine, xs, 0) else "tree"
+    traced = "traced (cpp scan op)" if kernel_traceable() else "traced (blocked scan)"
     return {
         f"add {SHAPE} [compiled: {traced}; eager: {kernel(torch.add, x)}]": (
             lambda x: fscan.associative_scan(torch.add, x, 0),

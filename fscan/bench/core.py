@@ -112,7 +112,7 @@ def steady_engine(workload: str, leaves: list[torch.Tensor], backward_too: bool 
     """
     xs = leaves[0] if workload == "add" else tuple(leaves)
     combine = torch.add if workload == "add" else _linrec
-    return "c++" if fscan.precompile(combine, xs, 0, backward_too=backward_too) else "torch engine"
+    return "cpp" if fscan.precompile(combine, xs, 0, backward_too=backward_too) else "tree"
 
 
 def forward_memory(length: int = 2**24) -> str:

@@ -141,7 +141,7 @@ def _row(name: str, shape: tuple[int, ...]) -> list[str]:
     clone = median_time(lambda: [x.clone() for x in leaves])
     with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):
         bare = _bare_kernel(fn, xs)
-        engine = "c++" if bare is not None else "torch"
+        engine = "cpp" if bare is not None else "tree"
         scan = median_time(lambda: fscan.associative_scan(fn, xs, 0))
         kernel = median_time(bare) if bare is not None else None
     with torch.no_grad(), fscan.config.override(cpu_kernel="off"):
@@ -221,7 +221,7 @@ def _backward_row(name: str, shape: tuple[int, ...]) -> list[str]:
     with fscan.config.override(cpu_kernel="eager"):
         both()
         out = optree.tree_leaves(fscan.associative_scan(fn, xs, 0))[-1]
-        engine = "c++" if type(out.grad_fn).__name__ == "KernelScanBackward" else "torch"
+        engine = "cpp" if type(out.grad_fn).__name__ == "KernelScanBackward" else "tree"
         t = interleaved_medians({"copy": copy, "fwd": forward, "both": both}, reps=21)
     with fscan.config.override(cpu_kernel="off"):
         slow = interleaved_medians({"copy": copy, "both": both}, reps=5)

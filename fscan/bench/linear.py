@@ -182,8 +182,8 @@ def _probe(name: str, shape: tuple[int, ...]) -> None:
 def engines_of(job: Callable[[], object]) -> str:
     """Run ``job`` once with fscan's kernels built first (``cpu_kernel="eager"``, as a
     service's warm-up would) and name the engines its recurrences ran on, in order:
-    ``c++`` (the compiled kernel), ``walk`` (the chunked walk in torch ops), ``tree``
-    (the tree scan); ``torch ops`` where fscan solved none."""
+    ``cpp`` (the compiled kernel), ``blocked`` (the chunked walk in torch ops), ``tree``
+    (the tree scan); ``tree`` also where fscan solved none (docs/routes.md names them)."""
     from fscan import _linear
 
     ran: list[str] = []
@@ -197,7 +197,7 @@ def engines_of(job: Callable[[], object]) -> str:
 
         return call
 
-    originals = {"_kernel_solve": "c++", "_chunked": "walk", "_tree": "tree"}
+    originals = {"_kernel_solve": "cpp", "_chunked": "blocked", "_tree": "tree"}
     saved = {attr: getattr(_linear, attr) for attr in originals}
     try:
         for attr, name in originals.items():
@@ -207,7 +207,7 @@ def engines_of(job: Callable[[], object]) -> str:
     finally:
         for attr, original in saved.items():
             setattr(_linear, attr, original)
-    return ", ".join(dict.fromkeys(ran)) or "torch ops"
+    return ", ".join(dict.fromkeys(ran)) or "tree"
 
 
 def _medians(

@@ -171,13 +171,13 @@ def linear_table(quick: bool = False) -> Table:
 
 def linear_engines(a: torch.Tensor, b: torch.Tensor, dim: int = 1) -> dict[str, str]:
     """The engine each fscan column of :func:`linear_table` ran on, asked after its
-    warm-up: ``c++`` where the compiled kernel serves the call, else ``torch engine``."""
+    warm-up: ``cpp`` where the compiled kernel serves the call, else ``tree``."""
     from fscan._linear import _kernel_solve
 
     with torch.no_grad():
         linear = _kernel_solve(a, b, dim, False) is not None
         pair = fscan.precompile(_compose, (a, b), dim)  # built already: only says so
-    name = lambda kernel: "c++" if kernel else "torch engine"
+    name = lambda kernel: "cpp" if kernel else "tree"
     return {"fscan.linear_recurrence": name(linear), "fscan.associative_scan": name(pair)}
 
 
