@@ -160,7 +160,9 @@ def scan_route(
         return RouteFacts("triton", refused, None)
     refused["triton"] = triton
     if not wants_grad:
-        cpp = pointwise or kernel_refusal(combine_fn, spec, leaves, dim, found, holder)
+        # The kernel's own limits (mode, device, dtype) first: they hold whatever the check says.
+        cpp = _kernel_unavailable(leaves) or pointwise
+        cpp = cpp or kernel_refusal(combine_fn, spec, leaves, dim, found, holder)
         if cpp is None:
             return RouteFacts("cpp", refused, None)
         refused["cpp"] = cpp

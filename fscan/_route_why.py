@@ -114,7 +114,8 @@ def _linear_kernel(a: Any, b: torch.Tensor, dim: int, bound: dict) -> str:
     initial = bound["initial"]
     if initial is not None and initial.requires_grad and torch.is_grad_enabled():
         return "initial requires grad: the chunked walk carries it"
-    gates = torch.broadcast_to(torch.as_tensor(a, dtype=b.dtype), b.shape)
+    # As the kernel sees them: one dtype, one shape, no tape (inside the autograd Function).
+    gates = torch.broadcast_to(torch.as_tensor(a, dtype=b.dtype).detach(), b.shape)
     found = kernel_refusal(_compose, _PAIR, [gates, b.detach()], dim, dropped=(0,))
     return found or _NOT_READY
 
