@@ -69,6 +69,13 @@ def test_one_record_per_call_under_vmap(records, api):
     check_record(record, api)
 
 
+@pytest.mark.parametrize("api", sorted(PUBLIC_CALLS))
+def test_one_record_per_call_under_grad(records, api):
+    torch.func.grad(lambda x: PUBLIC_CALLS[api](x).sum())(torch.rand(8) + 1)
+    [record] = records()
+    check_record(record, api)
+
+
 def test_no_record_or_graph_break_while_compiling(records):
     def f(x):
         return fscan.associative_scan(torch.add, x, 0) + fscan.cumsum(x, 0)
