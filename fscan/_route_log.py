@@ -76,9 +76,8 @@ class Route:
 _route: contextvars.ContextVar[Route | None] = contextvars.ContextVar("fscan_route", default=None)
 _is_compiling = torch.compiler.is_compiling  # bound once: Dynamo folds it by identity
 # logging's memo of isEnabledFor, per level: cleared in place whenever any level changes,
-# and refilled by the next isEnabledFor. One dict read (which Dynamo can trace) answers the
-# common case, DEBUG off, for about half the cost of the two calls below (without the memo,
-# an empty dict: every call takes the two calls, still correct).
+# and refilled by the next isEnabledFor. One dict read answers the common case, DEBUG off,
+# cheaper than the method call (without the memo, an empty dict: the call answers).
 _enabled: dict[int, bool] = getattr(logger, "_cache", {})
 _DEBUG = logging.DEBUG
 
@@ -108,10 +107,11 @@ def logs_route(api: str) -> Callable[[_F], _F]:
     def wrap(fn: _F) -> _F:
         @functools.wraps(fn)
         def public(*args: Any, **kwargs: Any) -> Any:
-            if _enabled.get(_DEBUG) is False:
+            # is_compiling first: Dynamo would break the graph on a logging call, and
+            # guard on the memo (recompiling when a level is first read).
+            if _is_compiling() or _enabled.get(_DEBUG) is False:
                 return fn(*args, **kwargs)
-            # is_compiling first: Dynamo would break the graph on a logging call.
-            if _is_compiling() or not logger.isEnabledFor(_DEBUG):
+            if not logger.isEnabledFor(_DEBUG):
                 return fn(*args, **kwargs)
             return _logged(api, fn, args, kwargs)
 

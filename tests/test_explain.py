@@ -7,6 +7,7 @@ import pathlib
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import fscan
 from fscan._knowledge import entries
@@ -81,9 +82,14 @@ def test_no_record_or_graph_break_while_compiling(records):
         return fscan.associative_scan(torch.add, x, 0) + fscan.cumsum(x, 0)
 
     torch._dynamo.reset()
-    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
     torch.testing.assert_close(compiled(x8), f(x8))
     assert [r.fscan_api for r in records()] == ["fscan.associative_scan", "fscan.cumsum"]
+    logging.getLogger("fscan").setLevel(logging.INFO)  # a level read while off: no recompile
+    f(x8)
+    compiled(x8)
+    assert counter.frame_count == 1
 
 
 def test_nothing_gathered_with_debug_off(caplog):
