@@ -1202,7 +1202,7 @@ def _keep_leaves(name: str, shape: tuple[int, ...], gen: torch.Generator):
 
 def test_dead_leaves_are_those_no_kept_output_needs():
     from fscan.engine._cpp_codegen import translate_combine
-    from fscan.engine._cpp_source import needed
+    from fscan.engine._cpp_structs import needed
 
     f32 = [torch.float32] * 2
     spec = optree.tree_structure((0, 0))
