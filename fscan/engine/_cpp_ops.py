@@ -246,25 +246,22 @@ def range_format(dtype: torch.dtype, ctype: str) -> str | None:
     """A format string bringing a value of ``ctype`` into ``dtype``'s range (overflow to
     +-inf, underflow to +-0, as rounding to ``dtype`` would) where ``ctype`` holds more,
     else None."""
-    if dtype == torch.float32 and ctype == "double":
-        return "fscan_range_f32({})"
-    if dtype == torch.float16:
-        return "fscan_range_f16({})"
-    if dtype == torch.bfloat16:
-        return "fscan_range_bf16({})"
-    return None
+    narrow = _narrower(dtype, ctype)
+    return None if narrow is None else f"fscan_range_{narrow}({{}})"
 
 
 def rounding_format(dtype: torch.dtype, ctype: str) -> str | None:
     """A format string rounding a value of ``ctype`` to ``dtype``, where ``ctype`` holds
     more (float32 in double, half and bfloat16 in float), else None."""
+    narrow = _narrower(dtype, ctype)
+    return None if narrow is None else f"fscan_round_{narrow}({{}})"
+
+
+def _narrower(dtype: torch.dtype, ctype: str) -> str | None:
+    """The suffix of the prelude's helpers for ``dtype`` held in a wider ``ctype``, else None."""
     if dtype == torch.float32 and ctype == "double":
-        return "fscan_round_f32({})"
-    if dtype == torch.float16:
-        return "fscan_round_f16({})"
-    if dtype == torch.bfloat16:
-        return "fscan_round_bf16({})"
-    return None
+        return "f32"
+    return {torch.float16: "f16", torch.bfloat16: "bf16"}.get(dtype)
 
 
 def conversion(name: str, source: torch.dtype, dtype: torch.dtype, ctype: str) -> str:
