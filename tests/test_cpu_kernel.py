@@ -23,8 +23,10 @@ import fscan
 from fscan.engine import (
     _cpp_source,
     _kernel_builder,
+    _kernel_entry,
     _kernel_registry,
     cpu_kernel,
+    traced_kernel,
 )
 from fscan.engine._cpp_build import compiler_problem
 from fscan.engine.cpu_kernel import State, kernel_scan
@@ -1357,6 +1359,27 @@ def test_kernel_possible_is_keyed_on_mode_probe_and_lookup(monkeypatch):
             assert cpu_kernel.kernel_possible()
         assert cpu_kernel.kernel_possible()
     assert len(_kernel_registry._verdicts) == 4  # (on, no compiler), (on), (off), (eager)
+
+
+def test_clear_caches_clears_every_store_of_the_engine(monkeypatch):
+    """fscan.clear_caches() empties the engine's process-level stores: the kernel entries
+    (inside the knowledge entries), the kernel_possible verdicts, the reasons logged once
+    and the C++ files read; the traced graphs compiled code refers to stay, bounded."""
+    from fscan import _knowledge
+
+    monkeypatch.setattr(_kernel_registry, "_verdicts", {})
+    monkeypatch.setattr(_kernel_entry, "_logged", set())
+    with fscan.config.override(cpu_kernel="off"):
+        cpu_kernel.kernel_possible()
+    cpu_kernel.log_once("a reason (test)")
+    _cpp_source.csrc("tuning.h")
+    fscan.associative_scan(add, torch.ones(4), 0)
+    assert _kernel_registry._verdicts and _kernel_entry._logged
+    assert _cpp_source.csrc.cache_info().currsize and len(_knowledge.entries)
+    fscan.clear_caches()
+    assert not _kernel_registry._verdicts and not _kernel_entry._logged
+    assert not _cpp_source.csrc.cache_info().currsize and not len(_knowledge.entries)
+    assert traced_kernel._graphs.maxsize == traced_kernel.GRAPHS
 
 
 def test_the_fixed_cpp_files_are_part_of_every_kernel_source():

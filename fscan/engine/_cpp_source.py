@@ -47,6 +47,7 @@ from importlib import resources
 
 import torch
 
+from .._knowledge import on_clear
 from ._cpp_ops import STORAGE, Program, compute_ctype
 from ._cpp_structs import (
     STRIDES,
@@ -78,6 +79,10 @@ def csrc(name: str) -> str:
         True
     """
     return resources.files(__package__).joinpath("csrc", name).read_text(encoding="utf-8")
+
+
+# Read again after fscan.clear_caches(): an edited file then reaches the next kernels built.
+on_clear(csrc.cache_clear)
 
 
 def _fill(template: str, **holes: str) -> str:

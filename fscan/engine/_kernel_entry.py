@@ -19,7 +19,7 @@ import torch
 from optree import PyTreeSpec
 
 from .._cache import BoundedCache
-from .._knowledge import Knowledge
+from .._knowledge import Knowledge, on_clear
 from ._cpp_codegen import Program
 
 __all__ = [
@@ -67,7 +67,13 @@ class Entry:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+# The reasons logged once per process (a reason logged again after fscan.clear_caches()).
 _logged: set[str] = set()
+
+
+@on_clear
+def _forget_logged() -> None:
+    _logged.clear()
 
 
 def slot_key(

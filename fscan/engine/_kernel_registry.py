@@ -19,7 +19,7 @@ import torch
 from optree import PyTreeSpec
 
 from .._config import config
-from .._knowledge import Knowledge, Reach, _references, knowledge, reach
+from .._knowledge import Knowledge, Reach, _references, knowledge, on_clear, reach
 from .._purity import probeable, under_transform
 from .._pytree import flatten
 from . import _kernel_builder as builder
@@ -244,6 +244,11 @@ def kernel_possible() -> bool:
 
 
 _verdicts: dict[tuple[str, Callable[[], str | None], threading.Event], bool] = {}
+
+
+@on_clear
+def _forget_verdicts() -> None:
+    _verdicts.clear()
 
 
 def grad_wanted(leaves: Sequence[torch.Tensor]) -> str | None:
