@@ -248,12 +248,7 @@ def leaf_structs(
         "(void)b; (void)i; (void)v; " + " ".join(f"b.v{k}[i] = v.v{k};" for k in live) + " }",
         # Every leaf: a chunk's total is the right operand of the carries composed from
         # it, whose gates (e.g.) a kept output reads though it is not kept itself.
-        "static FSCAN_INLINE Vals get_all(const Buf b, int64_t i) { Vals v; "
-        + " ".join(f"v.v{k} = b.v{k}[i];" for k in R)
-        + " return v; }",
-        "static FSCAN_INLINE void put_all(const Buf b, int64_t i, const Vals& v) { "
-        + " ".join(f"b.v{k}[i] = v.v{k};" for k in R)
-        + " }",
+        *_buffer_access("get_all", "put_all", "Vals", "Buf", len(R)),
         "template <bool ALL> static FSCAN_INLINE Vals get_as(const Buf b, int64_t i) "
         "{ return ALL ? get_all(b, i) : get(b, i); }",
         "template <bool ALL> static FSCAN_INLINE void put_as(const Buf b, int64_t i, const Vals& v) "
@@ -261,15 +256,37 @@ def leaf_structs(
         "static FSCAN_INLINE Buf offset(const Buf b, int64_t i) { return Buf{"
         + ", ".join(f"b.v{k} + i" for k in R)
         + "}; }",
-        "struct Store { "
-        + " ".join(f"std::unique_ptr<{bt[k]}[]> v{k};" for k in R)
-        + " explicit Store(int64_t n) : "
-        + ", ".join(f"v{k}(new {bt[k]}[n > 0 ? n : 1])" for k in R)
-        + " {} Buf buf() { return Buf{"
-        + ", ".join(f"v{k}.get()" for k in R)
-        + "}; } };",
+        _buffer_store("Store", "Buf", bt),
     ]
     return "\n".join(lines)
+
+
+def _buffer_access(get: str, put: str, vals: str, buf: str, n: int) -> list[str]:
+    """``get``/``put``: one position of a struct ``vals`` of ``n`` values ``v0..`` read
+    from and written to the buffers ``buf`` (a pointer per value)."""
+    return [
+        f"static FSCAN_INLINE {vals} {get}(const {buf} b, int64_t i) {{ {vals} v; "
+        + " ".join(f"v.v{k} = b.v{k}[i];" for k in range(n))
+        + " return v; }",
+        f"static FSCAN_INLINE void {put}(const {buf} b, int64_t i, const {vals}& v) {{ "
+        + " ".join(f"b.v{k}[i] = v.v{k};" for k in range(n))
+        + " }",
+    ]
+
+
+def _buffer_store(store: str, buf: str, types: Sequence[str]) -> str:
+    """``store``: owned buffers of ``n`` positions, one per value type, and ``buf()``,
+    the pointers ``buf`` to them."""
+    R = range(len(types))
+    return (
+        f"struct {store} {{ "
+        + " ".join(f"std::unique_ptr<{types[k]}[]> v{k};" for k in R)
+        + f" explicit {store}(int64_t n) : "
+        + ", ".join(f"v{k}(new {types[k]}[n > 0 ? n : 1])" for k in R)
+        + f" {{}} {buf} buf() {{ return {buf}{{"
+        + ", ".join(f"v{k}.get()" for k in R)
+        + "}; } };"
+    )
 
 
 def needed(program: Program, n: int, dropped: Sequence[int]) -> list[int]:
@@ -343,12 +360,7 @@ def backward_structs(
         "static FSCAN_INLINE void store_bar_t(const Bar b, int64_t t, const Lam& v) { "
         + " ".join(f"step(b.b{j}, t) = {_store(dtypes[k], f'v.v{j}')};" for j, k in enumerate(F))
         + " }",
-        "static FSCAN_INLINE Lam get_lam(const LamBuf b, int64_t i) { Lam v; "
-        + " ".join(f"v.v{j} = b.v{j}[i];" for j in J)
-        + " return v; }",
-        "static FSCAN_INLINE void put_lam(const LamBuf b, int64_t i, const Lam& v) { "
-        + " ".join(f"b.v{j}[i] = v.v{j};" for j in J)
-        + " }",
+        *_buffer_access("get_lam", "put_lam", "Lam", "LamBuf", len(F)),
         "static FSCAN_INLINE Lam lam_add(const Lam& a, const Lam& b) { Lam v; "
         + " ".join(f"v.v{j} = a.v{j} + b.v{j};" for j in J)
         + " return v; }",
@@ -390,13 +402,7 @@ def backward_structs(
         "static FSCAN_INLINE PLam plam_add(const PLam& a, const PLam& b) { PLam v; (void)a; (void)b; "
         + " ".join(f"v.v{q} = a.v{q} + b.v{q};" for q in range(len(pfloats)))
         + " return v; }",
-        "struct LamStore { "
-        + " ".join(f"std::unique_ptr<{lam_types[j]}[]> v{j};" for j in J)
-        + " explicit LamStore(int64_t n) : "
-        + ", ".join(f"v{j}(new {lam_types[j]}[n > 0 ? n : 1])" for j in J)
-        + " {} LamBuf buf() { return LamBuf{"
-        + ", ".join(f"v{j}.get()" for j in J)
-        + "}; } };",
+        _buffer_store("LamStore", "LamBuf", lam_types),
     ]
 
 
