@@ -197,6 +197,11 @@ def unavailable(leaves: Sequence[torch.Tensor], wait: bool = False) -> str | Non
         return "leaves of different shapes: the C++ kernel takes one shape"
     if not probeable(leaves) or under_transform():
         return "tensor subclasses or torch.func transforms: the torch engine runs"
+    if torch._C._len_torch_dispatch_stack():
+        # A TorchDispatchMode sees aten ops only: the kernel's work would be hidden from
+        # it. The pointwise check is one (a scan nested in a combine_fn it watches would
+        # pass unseen), FlopCounterMode and FakeTensorMode others.
+        return "a TorchDispatchMode is active: the kernel's work would be hidden from it"
     if not builder.warm.is_set():
         if not (wait or config.cpu_kernel == "eager"):
             # Finding the compiler imports Inductor (about a second): done in the background.
