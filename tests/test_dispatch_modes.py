@@ -39,7 +39,7 @@ class _Ops(TorchDispatchMode):
 
 
 def test_a_dispatch_mode_sees_the_scan_s_aten_ops():
-    x = torch.randn(64, 8)
+    x = torch.randn(4096, 64)
     with fscan.config.override(cpu_kernel="eager"):
         want = fscan.associative_scan(torch.add, x, 0)  # built, known elementwise
         with _Ops() as mode:
