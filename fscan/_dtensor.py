@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
+from ._call import SCAN_API
 from ._checks import normalize_dim
+from ._entry import checked_call, run_scan
 from ._errors import ScanTypeError, ScanValueError, UnsupportedScanError
 from ._pytree import flatten, leaf_paths, unflatten
 
@@ -172,12 +174,12 @@ def dtensor_scan(
     initial: Any = None,
 ) -> Any:
     """``fscan.associative_scan`` on a pytree of DTensors (see the module docstring)."""
+    # torch.distributed is optional and slow to import: only DTensor calls import it.
     from torch.distributed.tensor import DTensor
 
     from ._distributed import Layout, sharded_scan
-    from ._scan import associative_scan
 
-    api = "fscan.associative_scan"
+    api = SCAN_API
     leaves, spec = flatten(xs)
     paths = leaf_paths(xs)
     for path, leaf in zip(paths, leaves):
@@ -204,16 +206,9 @@ def dtensor_scan(
             initial_spec, [_local(api, "`initial`", t, first.device_mesh) for t in initial_leaves]
         )
     if mesh_dim is None:  # the scan dimension is whole on every rank
-        out = associative_scan(
-            combine_fn,
-            local,
-            dim,
-            reverse,
-            combine_mode,
-            validate=validate,
-            reset=local_reset,
-            initial=local_initial,
-        )
+        local_leaves, local_spec = flatten(local)
+        args = (local, local_leaves, local_spec, dim, reverse, combine_mode, validate)
+        out = run_scan(checked_call(api, combine_fn, *args, local_reset, local_initial))
     elif initial is not None:
         raise UnsupportedScanError(
             f"{api}: `initial` with a DTensor sharded along the scan dimension is not "
