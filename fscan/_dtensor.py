@@ -27,6 +27,7 @@ from ._call import SCAN_API
 from ._checks import normalize_dim
 from ._entry import checked_call, run_scan
 from ._errors import ScanTypeError, ScanValueError, UnsupportedScanError
+from ._linear_solve import run_linear_recurrence
 from ._pytree import flatten, leaf_paths, unflatten
 
 __all__ = ["any_dtensor", "dtensor_linear_recurrence", "dtensor_scan"]
@@ -114,7 +115,8 @@ def _group_and_lengths(
     api: str, first: Any, mesh_dim: int, dim: int
 ) -> tuple[Any, tuple[int, ...]]:
     """The process group of ``mesh_dim`` and every rank's length along ``dim``, checked."""
-    from ._distributed import failing_together
+    # torch.distributed is optional and slow to import: only DTensor calls import it.
+    from ._distributed_agree import failing_together
 
     mesh = first.device_mesh
     group = mesh.get_group(mesh_dim)
@@ -177,7 +179,8 @@ def dtensor_scan(
     # torch.distributed is optional and slow to import: only DTensor calls import it.
     from torch.distributed.tensor import DTensor
 
-    from ._distributed import Layout, sharded_scan
+    from ._distributed_layout import Layout
+    from ._distributed_scan import sharded_scan
 
     api = SCAN_API
     leaves, spec = flatten(xs)
@@ -235,10 +238,10 @@ def dtensor_linear_recurrence(
     a: Any, b: Any, dim: int, *, initial: Any, reverse: bool, reset: Any, acc_dtype: Any = None
 ) -> Any:
     """``fscan.linear_recurrence`` with DTensor operands (see the module docstring)."""
+    # torch.distributed is optional and slow to import: only DTensor calls import it.
     from torch.distributed.tensor import DTensor
 
-    from ._distributed import sharded_recurrence
-    from ._linear import linear_recurrence
+    from ._distributed_scan import sharded_recurrence
 
     api = "fscan.linear_recurrence"
     if not isinstance(b, DTensor):
@@ -254,14 +257,8 @@ def dtensor_linear_recurrence(
             _check_aligned(api, name, value, b, dim, mesh_dim)
     a_l, initial_l, reset_l = (_local(api, n, v, mesh) for n, v in named.items())
     if mesh_dim is None:
-        out = linear_recurrence(
-            a_l,
-            b.to_local(),
-            dim,
-            initial=initial_l,
-            reverse=reverse,
-            reset=reset_l,
-            acc_dtype=acc_dtype,
+        out = run_linear_recurrence(
+            api, a_l, b.to_local(), dim, initial_l, reverse, reset_l, acc_dtype
         )
     else:
         group, _ = _group_and_lengths(api, b, mesh_dim, dim)
