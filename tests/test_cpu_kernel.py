@@ -20,7 +20,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fscan
-from fscan.engine import cpu_kernel
+from fscan.engine import (
+    _cpp_source,
+    _kernel_builder,
+    _kernel_entry,
+    _kernel_registry,
+    cpu_kernel,
+    traced_kernel,
+)
 from fscan.engine._cpp_build import compiler_problem
 from fscan.engine.cpu_kernel import State, kernel_scan
 
@@ -298,7 +305,7 @@ def _off(fn, xs, dim=0):
 
 
 def test_no_compiler_falls_back_with_identical_results(monkeypatch):
-    monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: "no compiler (test)")
+    monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: "no compiler (test)")
     x = torch.randn(40, 3)
     fn = lambda a, b: a * 0.5 + b
     assert torch.equal(_front_end(fn, x), _off(fn, x))
@@ -307,7 +314,7 @@ def test_no_compiler_falls_back_with_identical_results(monkeypatch):
 
 
 def test_unsupported_op_falls_back_silently(monkeypatch):
-    monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: None)
+    monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: None)
     x = torch.randn(40, 3)
     fn = lambda a, b: torch.remainder(a + b, 3.0)  # no C++ translation
     with warnings.catch_warnings():
@@ -320,8 +327,8 @@ def test_compile_failure_warns_once_and_falls_back(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("compiler exploded (test)")
 
-    monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: None)
-    monkeypatch.setattr(cpu_kernel, "load_kernel", broken)
+    monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: None)
+    monkeypatch.setattr(_kernel_builder, "load_kernel", broken)
     x = torch.randn(40, 3)
     fn = lambda a, b: a * 0.25 + b  # a code object no other test compiled
     with pytest.warns(UserWarning, match="building the C\\+\\+ scan kernel failed"):
@@ -353,11 +360,11 @@ def test_entry_cache_is_bounded(monkeypatch):
     from fscan import _knowledge
     from fscan._cache import BoundedCache
 
-    monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: None)
+    monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: None)
     monkeypatch.setattr(_knowledge, "entries", BoundedCache(maxsize=2))
-    monkeypatch.setattr(cpu_kernel, "MIN_CALLS", 10**9)
-    monkeypatch.setattr(cpu_kernel, "MIN_ELEMENTS", 10**18)
-    cpu_kernel._warm_up()  # what the background thread does first: imports, compiler lookup
+    monkeypatch.setattr(_kernel_registry, "MIN_CALLS", 10**9)
+    monkeypatch.setattr(_kernel_registry, "MIN_ELEMENTS", 10**18)
+    _kernel_builder.warm_up()  # what the background thread does first: imports, compiler lookup
     _, spec = optree.tree_flatten(0)
     with fscan.config.override(cpu_kernel="on"):
         for k in range(5):  # five keys: captured numbers are part of the key
@@ -798,7 +805,7 @@ def test_linear_recurrence_backward_adjoint_rides_on_the_carry_in(reverse, monke
 def test_background_build_then_switch(monkeypatch):
     import time
 
-    monkeypatch.setattr(cpu_kernel, "MIN_CALLS", 1)
+    monkeypatch.setattr(_kernel_registry, "MIN_CALLS", 1)
     _, spec = optree.tree_flatten(0)
     x = torch.randn(40, 8, dtype=torch.float64)
     fn = lambda a, b: a - b * 0.5  # a key no other test built
@@ -819,11 +826,11 @@ def test_fork_hook_requeues_pending_builds():
 
     holder = _knowledge.Knowledge()
     pending = cpu_kernel.Entry(state=State.PENDING)
-    cpu_kernel._slots(holder).put(((), (), False), pending)
+    cpu_kernel.kernel_slots(holder).put(((), (), False), pending)
     _knowledge.entries.put(("fork test",), holder)
-    old_worker = cpu_kernel._worker
-    cpu_kernel._after_fork_in_child()
-    assert pending.state is State.NEW and cpu_kernel._worker is not old_worker
+    old_worker = _kernel_builder.worker
+    _kernel_builder._after_fork_in_child()
+    assert pending.state is State.NEW and _kernel_builder.worker is not old_worker
 
 
 @needs_compiler
@@ -914,12 +921,12 @@ def test_a_waiting_build_leaves_the_toolchain_warm(monkeypatch):
     """An eager build finishes the toolchain warm-up itself: the next call in mode "on"
     runs the kernel, rather than restart the warm-up in the background and answer with
     the torch engine meanwhile (which made benchmarks time a busy core)."""
-    monkeypatch.setattr(cpu_kernel, "_warm", threading.Event())  # as in a fresh process
+    monkeypatch.setattr(_kernel_builder, "warm", threading.Event())  # as in a fresh process
     leaves, spec = optree.tree_flatten(torch.arange(64.0))
     with torch.no_grad():
         with fscan.config.override(cpu_kernel="eager"):
             assert kernel_scan("t", torch.add, spec, leaves, 0, False) is not None
-        assert cpu_kernel._warm.is_set()
+        assert _kernel_builder.warm.is_set()
         with fscan.config.override(cpu_kernel="on"):
             assert kernel_scan("t", torch.add, spec, leaves, 0, False) is not None
 
@@ -1202,7 +1209,7 @@ def _keep_leaves(name: str, shape: tuple[int, ...], gen: torch.Generator):
 
 def test_dead_leaves_are_those_no_kept_output_needs():
     from fscan.engine._cpp_codegen import translate_combine
-    from fscan.engine._cpp_source import needed
+    from fscan.engine._cpp_structs import needed
 
     f32 = [torch.float32] * 2
     spec = optree.tree_structure((0, 0))
@@ -1336,19 +1343,55 @@ def test_the_benchmark_calls_the_bare_kernel_with_its_current_signature():
 def test_kernel_possible_is_keyed_on_mode_probe_and_lookup(monkeypatch):
     """The cached verdict follows each thing it depends on: the mode, the compiler probe
     and whether the toolchain lookup ran; an unknown answer (lookup to come) is not kept."""
-    monkeypatch.setattr(cpu_kernel, "_verdicts", {})
-    monkeypatch.setattr(cpu_kernel, "_warm", threading.Event())  # as in a fresh process
-    monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: "no compiler (test)")
+    monkeypatch.setattr(_kernel_registry, "_verdicts", {})
+    monkeypatch.setattr(_kernel_builder, "warm", threading.Event())  # as in a fresh process
+    monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: "no compiler (test)")
     with fscan.config.override(cpu_kernel="on"):
         assert cpu_kernel.kernel_possible()  # not looked up yet: the checked path will
-        assert not cpu_kernel._verdicts
-        cpu_kernel._warm.set()
+        assert not _kernel_registry._verdicts
+        _kernel_builder.warm.set()
         assert not cpu_kernel.kernel_possible()
-        monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: None)  # another probe
+        monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: None)  # another probe
         assert cpu_kernel.kernel_possible()
         with fscan.config.override(cpu_kernel="off"):
             assert not cpu_kernel.kernel_possible()
         with fscan.config.override(cpu_kernel="eager"):
             assert cpu_kernel.kernel_possible()
         assert cpu_kernel.kernel_possible()
-    assert len(cpu_kernel._verdicts) == 4  # (on, no compiler), (on), (off), (eager)
+    assert len(_kernel_registry._verdicts) == 4  # (on, no compiler), (on), (off), (eager)
+
+
+def test_clear_caches_clears_every_store_of_the_engine(monkeypatch):
+    """fscan.clear_caches() empties the engine's process-level stores: the kernel entries
+    (inside the knowledge entries), the kernel_possible verdicts, the reasons logged once
+    and the C++ files read; the traced graphs compiled code refers to stay, bounded."""
+    from fscan import _knowledge
+
+    monkeypatch.setattr(_kernel_registry, "_verdicts", {})
+    monkeypatch.setattr(_kernel_entry, "_logged", set())
+    with fscan.config.override(cpu_kernel="off"):
+        cpu_kernel.kernel_possible()
+    cpu_kernel.log_once("a reason (test)")
+    _cpp_source.csrc("tuning.h")
+    fscan.associative_scan(add, torch.ones(4), 0)
+    assert _kernel_registry._verdicts and _kernel_entry._logged
+    assert _cpp_source.csrc.cache_info().currsize and len(_knowledge.entries)
+    fscan.clear_caches()
+    assert not _kernel_registry._verdicts and not _kernel_entry._logged
+    assert not _cpp_source.csrc.cache_info().currsize and not len(_knowledge.entries)
+    assert traced_kernel._graphs.maxsize == traced_kernel.GRAPHS
+
+
+def test_the_fixed_cpp_files_are_part_of_every_kernel_source():
+    """The disk cache is keyed by the source text: it must hold the csrc files' text, so
+    that editing one builds every kernel again."""
+    from fscan.engine._cpp_codegen import translate_combine
+
+    spec = optree.tree_structure(0)
+    program = translate_combine(add, spec, [torch.float32], (), ())
+    forward = _cpp_source.forward_source([torch.float32], program)
+    step = _cpp_source.step_source([torch.float32], program)
+    for name in ("prelude.h", "tuning.h", "forward.h"):
+        assert _cpp_source.csrc(name) in forward
+    assert _cpp_source.csrc("prelude.h") in step
+    assert "$" not in forward + step  # every hole filled

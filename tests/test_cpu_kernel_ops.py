@@ -33,7 +33,8 @@ from helpers import sequential_scan
 import fscan
 from fscan.engine import cpu_kernel
 from fscan.engine._cpp_build import compiler_problem
-from fscan.engine._cpp_codegen import COMPUTING_OPS, _make_fx, _op_name
+from fscan.engine._cpp_codegen import COMPUTING_OPS, _make_fx
+from fscan.engine._cpp_ops import op_name
 
 needs_compiler = pytest.mark.skipif(
     compiler_problem() is not None, reason=f"no C++ kernel here: {compiler_problem()}"
@@ -322,7 +323,7 @@ def test_the_table_covers_every_computing_op_and_dtype(family_results):
         for dtype, _, op, a, b, _ in cases:
             dtypes.add(dtype)
             graph = _make_fx(op.fn, [a[:2].clone(), b[:2].clone()]).graph
-            seen |= {_op_name(n.target) for n in graph.nodes if n.op == "call_function"}
+            seen |= {op_name(n.target) for n in graph.nodes if n.op == "call_function"}
     assert COMPUTING_OPS - seen == set()
     assert dtypes == {torch.bool, *INTS, *FLOATS}
 
