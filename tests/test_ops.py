@@ -267,14 +267,14 @@ def routed(layout, shape):
 def kernel_possible(monkeypatch):
     """``kernel_possible(True)``: a compiler and mode "on"; ``(False, mode)``: none to be had,
     by mode "off" or (mode "on") by a compiler probe that found none after the lookup."""
-    from fscan.engine import cpu_kernel
+    from fscan.engine import _kernel_builder, _kernel_registry, cpu_kernel
 
     def pin(possible, mode="on"):
         warm = threading.Event()
         warm.set()
         problem = None if possible else "no compiler (test)"
-        monkeypatch.setattr(cpu_kernel, "_warm", warm)
-        monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: problem)
+        monkeypatch.setattr(_kernel_builder, "warm", warm)
+        monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: problem)
         monkeypatch.setattr(fscan.config, "cpu_kernel", mode)
         assert cpu_kernel.kernel_possible() is possible
 

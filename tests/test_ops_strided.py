@@ -14,7 +14,7 @@ from test_ops import assert_same, reference, sample
 
 import fscan
 from fscan import _ops, _ops_rules
-from fscan.engine import cpu_kernel
+from fscan.engine import _kernel_builder, _kernel_registry, cpu_kernel
 from fscan.engine._cpp_build import compiler_problem
 
 OPS = ["cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"]
@@ -165,15 +165,15 @@ def no_kernel(request, monkeypatch):
     else:
         warm = threading.Event()
         warm.set()
-        monkeypatch.setattr(cpu_kernel, "_warm", warm)
-        monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: "no compiler (test)")
+        monkeypatch.setattr(_kernel_builder, "warm", warm)
+        monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: "no compiler (test)")
         monkeypatch.setattr(fscan.config, "cpu_kernel", "on")
 
     def refuse(*args, **kwargs):
         raise AssertionError("the kernel was asked to build")
 
-    monkeypatch.setattr(cpu_kernel, "_build", refuse)
-    monkeypatch.setattr(cpu_kernel, "_submit", refuse)
+    monkeypatch.setattr(_kernel_registry, "build", refuse)
+    monkeypatch.setattr(_kernel_registry, "submit", refuse)
     assert not cpu_kernel.kernel_possible()
     return request.param
 
