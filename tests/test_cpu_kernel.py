@@ -607,14 +607,14 @@ def test_captured_gradients_second_order_take_the_adjoint_scan():
     ],
 )
 def test_drop_ins_ride_on_the_kernel(op, torch_op, dtype, reverse):
-    from fscan import _ops
+    from fscan import _ops, _ops_rules
 
     x = torch.randn(300, 128) if dtype.is_floating_point else torch.randint(-9, 9, (300, 128))
     x = x.to(dtype) if dtype != torch.float64 else (1 + torch.rand(300, 128) * 1e-3).double()
-    assert _ops.kernel_wins(x, 0, reverse, torch_op)
+    assert _ops_rules.kernel_wins(x, 0, reverse, torch_op)
     with torch.no_grad():
         out = op(x, 0, reverse=reverse)
-    assert _ops.path(torch_op, x, 0, reverse) == "c++"
+    assert _ops_rules.path(torch_op, x, 0, reverse) == "c++"
     if torch_op in (torch.cummax, torch.cummin):
         assert type(out) is type(torch_op(x, 0))
         values, indices = _ops._native_extremum(torch_op, tuple, x, 0, reverse)
@@ -659,12 +659,12 @@ def test_cummax_cummin_kernel_indices_and_ties_match_torch(
 ):
     """The kernel's (value, index) scan, indices made from positions: torch's ties (the
     later index; the earlier one in reverse), NaN sticking, over chunked 1-D scans too."""
-    from fscan import _ops
+    from fscan import _ops, _ops_rules
 
     shape = [other, other]
     shape[dim] = length
     x = _ties_and_nans(tuple(shape), dtype, torch.Generator().manual_seed(seed))
-    combine, spec, leaves, positions = _ops._kernel_call(op, x)
+    combine, spec, leaves, positions = _ops_rules.kernel_call(op, x)
     with num_threads(threads), torch.no_grad():
         out = kernel_scan("test", combine, spec, leaves, dim, reverse, positions=positions)
     assert out is not None
@@ -677,11 +677,11 @@ def test_cummax_cummin_kernel_indices_and_ties_match_torch(
 def test_position_leaves_key_their_own_kernel():
     """The same combine over the same leaves, with and without a position leaf: two
     kernels (the slot key holds the positions), each with its own result."""
-    from fscan import _ops
+    from fscan import _ops_rules
 
     x = torch.tensor([1.0, 3.0, 3.0, 2.0])
     given = torch.tensor([7, 8, 9, 10])
-    combine, spec, _, _ = _ops._kernel_call(torch.cummax, x)
+    combine, spec, _, _ = _ops_rules.kernel_call(torch.cummax, x)
     with torch.no_grad():
         made = kernel_scan("t", combine, spec, [x, given], 0, False, positions=(1,))
         read = kernel_scan("t", combine, spec, [x, given], 0, False)
@@ -691,15 +691,15 @@ def test_position_leaves_key_their_own_kernel():
 @needs_compiler
 @pytest.mark.parametrize("reverse", [False, True])
 def test_linear_recurrence_rides_on_the_kernel(reverse, monkeypatch):
-    from fscan import _linear
+    from fscan import _linear_chunked
 
     a, b = torch.rand(600, 64, dtype=torch.float64), torch.randn(600, 64, dtype=torch.float64)
     reset = torch.rand(600) < 0.05
     with torch.no_grad():
-        assert _linear._kernel_solve(a, b, 0, reverse) is not None
+        assert _linear_chunked.kernel_solve(a, b, 0, reverse) is not None
         out = fscan.linear_recurrence(a, b, 0, reverse=reverse)
         out_reset = fscan.linear_recurrence(a, b, 0, reverse=reverse, reset=reset)
-        monkeypatch.setattr(_linear, "_kernel_solve", lambda *args: None)
+        monkeypatch.setattr(_linear_chunked, "kernel_solve", lambda *args: None)
         ref = fscan.linear_recurrence(a, b, 0, reverse=reverse)
         ref_reset = fscan.linear_recurrence(a, b, 0, reverse=reverse, reset=reset)
     torch.testing.assert_close(out, ref)
@@ -714,21 +714,21 @@ def test_linear_recurrence_rides_on_the_kernel(reverse, monkeypatch):
 def test_linear_recurrence_reads_broadcast_gates_in_place(gate, reverse, monkeypatch):
     """A gate that broadcasts to b rides on the kernel as a stride-0 view (no size
     limit, no copy) and equals the walk's result; its inputs are left as they were."""
-    from fscan import _linear
+    from fscan import _linear_chunked
 
     a = torch.rand(gate, dtype=torch.float64) * 0.5 + 0.5
     b = torch.randn(600, 64, dtype=torch.float64)
     before_a, before_b = a.clone(), b.clone()
     served = []
-    solve = _linear._kernel_solve
+    solve = _linear_chunked.kernel_solve
     monkeypatch.setattr(
-        _linear, "_kernel_solve", lambda *args: served.append(solve(*args)) or served[-1]
+        _linear_chunked, "kernel_solve", lambda *args: served.append(solve(*args)) or served[-1]
     )
     copies = _copies()
     with torch.no_grad():
         out = fscan.linear_recurrence(a, b, 0, reverse=reverse)
     assert served and served[-1] is not None and _copies() == copies
-    monkeypatch.setattr(_linear, "_kernel_solve", lambda *args: None)
+    monkeypatch.setattr(_linear_chunked, "kernel_solve", lambda *args: None)
     with torch.no_grad():
         ref = fscan.linear_recurrence(a, b, 0, reverse=reverse)
     torch.testing.assert_close(out, ref)
@@ -742,22 +742,22 @@ def test_linear_recurrence_reads_broadcast_gates_in_place(gate, reverse, monkeyp
 def test_linear_recurrence_initial_is_the_kernels_carry_in(gate, reverse, monkeypatch):
     """initial= rides on the kernel (its carry-in: no copy of the leaves) and equals the
     walk's result; with gradients wanted it takes the walk, which carries them."""
-    from fscan import _linear
+    from fscan import _linear_chunked
 
     a = torch.rand(gate, dtype=torch.float64) * 0.5 + 0.5
     b = torch.randn(600, 64, dtype=torch.float64)
     h0 = torch.randn(64, dtype=torch.float64)
     served = []
-    solve = _linear._kernel_solve
+    solve = _linear_chunked.kernel_solve
     monkeypatch.setattr(
-        _linear, "_kernel_solve", lambda *args: served.append(solve(*args)) or served[-1]
+        _linear_chunked, "kernel_solve", lambda *args: served.append(solve(*args)) or served[-1]
     )
     with torch.no_grad():
         out = fscan.linear_recurrence(a, b, 0, reverse=reverse, initial=h0)
     assert served[-1] is not None
     grad_h0 = h0.clone().requires_grad_()
     fscan.linear_recurrence(a, b, 0, reverse=reverse, initial=grad_h0).sum().backward()
-    monkeypatch.setattr(_linear, "_kernel_solve", lambda *args: None)
+    monkeypatch.setattr(_linear_chunked, "kernel_solve", lambda *args: None)
     walk_h0 = h0.clone().requires_grad_()
     ref = fscan.linear_recurrence(a, b, 0, reverse=reverse, initial=walk_h0)
     ref.sum().backward()
@@ -770,7 +770,7 @@ def test_linear_recurrence_initial_is_the_kernels_carry_in(gate, reverse, monkey
 def test_linear_recurrence_backward_adjoint_rides_on_the_carry_in(reverse, monkeypatch):
     """The backward's adjoint recurrence starts from a carried-in state (the last
     cotangent): it now runs on the kernel's carry-in, with the walk's gradients."""
-    from fscan import _linear
+    from fscan import _linear_chunked
 
     def grads(kernel: bool):
         gen, d = torch.Generator().manual_seed(1), torch.float64
@@ -779,19 +779,19 @@ def test_linear_recurrence_backward_adjoint_rides_on_the_carry_in(reverse, monke
         w = torch.randn(600, 64, generator=gen, dtype=d)
         served.clear()
         if not kernel:
-            monkeypatch.setattr(_linear, "_kernel_solve", lambda *args: None)
+            monkeypatch.setattr(_linear_chunked, "kernel_solve", lambda *args: None)
         (fscan.linear_recurrence(a, b, 0, reverse=reverse) * w).sum().backward()
         return a.grad, b.grad
 
     served: list[bool] = []
-    solve = _linear._kernel_solve
+    solve = _linear_chunked.kernel_solve
 
     def spy(a, b, dim, reverse, initial=None, out=None):
         h = solve(a, b, dim, reverse, initial, out)
         served.append(initial is not None and h is not None)  # a carried-in adjoint
         return h
 
-    monkeypatch.setattr(_linear, "_kernel_solve", spy)
+    monkeypatch.setattr(_linear_chunked, "kernel_solve", spy)
     got = grads(True)
     assert any(served), "the adjoint did not run on the kernel's carry-in"
     ref = grads(False)
@@ -1168,14 +1168,14 @@ def test_random_views_match_the_oracle(sizes, data, reverse, threads):
 def test_position_leaves_beside_strided_values(reverse):
     """cummax's (value, index) scan with the values a view (the chain path for a
     transpose, gathered rows for a step slice): indices are positions along dim."""
-    from fscan import _ops
+    from fscan import _ops, _ops_rules
 
     gen = torch.Generator().manual_seed(11)
     for x in (
         torch.randint(-3, 4, (12, 2100), generator=gen).float().t(),
         torch.randint(-3, 4, (60, 40), generator=gen).float()[:, ::2],
     ):
-        combine, spec, leaves, positions = _ops._kernel_call(torch.cummax, x)
+        combine, spec, leaves, positions = _ops_rules.kernel_call(torch.cummax, x)
         copies = _copies()
         with torch.no_grad():
             out = kernel_scan("t", combine, spec, leaves, 0, reverse, positions=positions)
