@@ -132,6 +132,8 @@ def codegen_unavailable(leaves: Sequence[torch.Tensor], found: Reach) -> str | N
         return "gradients are wanted: the autograd engine runs"
     if found.tensors:
         return "combine_fn closes over tensors, which Inductor's scan lowering cannot take"
+    if torch._C._len_torch_dispatch_stack():  # as for the C++ kernel: modes see aten ops
+        return "a TorchDispatchMode is active: the kernel's work would be hidden from it"
     return None
 
 
