@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -136,3 +137,8 @@ def cached_verdicts(name: str) -> int:
     from fscan._knowledge import entries
 
     return sum(1 for entry in entries.values() if getattr(entry, name))
+
+
+def raises(exc: type[BaseException], text: str):
+    """``pytest.raises`` for an error whose message contains ``text`` verbatim (no regex)."""
+    return pytest.raises(exc, match=re.escape(text))

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import ast
 import pathlib
-import re
 import warnings
 
 import pytest
 import torch
-from helpers import add
+from helpers import add, raises
 
 import fscan
-
-
-def raises(exc, text):
-    return pytest.raises(exc, match=re.escape(text))
 
 
 def test_combine_fn_not_callable():

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import re
 import threading
 
 import pytest
 import torch
-from helpers import parametrize
+from helpers import parametrize, raises
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -433,10 +432,6 @@ def test_property_random_shapes(shape, data, name, path, reverse, seed):
 
 
 # ---- errors --------------------------------------------------------------------
-
-
-def raises(exc, text):
-    return pytest.raises(exc, match=re.escape(text))
 
 
 def test_errors():

@@ -3,8 +3,6 @@ and the engine's promise that aliasing outputs are safe."""
 
 from __future__ import annotations
 
-import re
-
 import optree
 import pytest
 import torch
@@ -19,6 +17,7 @@ from helpers import (
     maximum,
     mul,
     parametrize,
+    raises,
     sequential_scan,
 )
 from hypothesis import given, settings
@@ -33,10 +32,6 @@ from fscan._validate import validate_combine_fn
 MODES = ["pointwise", "generic"]
 SCAN = "fscan.associative_scan: "
 CHECK = "fscan.check_associative: "
-
-
-def raises(exc, text):
-    return pytest.raises(exc, match=re.escape(text))
 
 
 def seeded(seed: int) -> torch.Generator:
