@@ -572,3 +572,19 @@ def test_user_data_is_untouched_and_gradients_are_not_tracked():
 def test_bad_arguments(kwargs, exc, text):
     with raises(exc, CHECK + text):
         fscan.check_associative(add, torch.ones(4), **kwargs)
+
+
+def test_a_value_dependent_write_into_the_input_is_reported():
+    # The probe sees batches of at most two elements; a write that only larger batches
+    # trigger is caught afterwards by the input's version counter, loudly.
+    sneaky = lambda a, b: a.add_(b) if a.shape[0] > 2 else a + b
+    x = torch.ones(16)
+    with pytest.raises(fscan.ImpureCombineError, match="Your input has been changed"):
+        fscan.associative_scan(sneaky, x, 0)
+
+
+def test_validate_on_under_vmap():
+    xs = torch.randn(3, 5)
+    with fscan.config.override(validate=True):
+        out = torch.func.vmap(lambda x: fscan.associative_scan(torch.add, x, 0))(xs)
+    torch.testing.assert_close(out, xs.cumsum(1))
