@@ -256,6 +256,8 @@ def calls_of(fn: CountingAdd, **kwargs) -> int:
     return int(fn.calls) - before
 
 
+# Counts the torch engine's combine_fn calls (the C++ kernel traces combine_fn instead).
+@pytest.mark.torch_engine
 def test_the_probe_runs_once_per_key_then_the_verdict_is_cached():
     fn = CountingAdd()
     first_call, second_call = calls_of(fn), calls_of(fn)
