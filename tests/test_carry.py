@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import optree
 import pytest
 import torch
@@ -13,6 +11,7 @@ from helpers import (
     linear_recurrence,
     matmul,
     parametrize,
+    raises,
     sequential_scan,
 )
 from hypothesis import given, settings
@@ -244,10 +243,6 @@ def test_lax_reverse_not_bool_warns_once(monkeypatch):
 
 
 # ---- errors -------------------------------------------------------------------------
-
-
-def raises(exc, text):
-    return pytest.raises(exc, match=re.escape(text))
 
 
 def test_wrong_structure():

@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 
 import fscan
 from fscan import _traced
+from fscan.engine._cpp_build import compiler_problem
 
 # Dynamo and AOT autograd without Inductor's codegen: the same graphs, compiled in
 # seconds. The default backend, Inductor, compiles every route at once in a shared
@@ -156,13 +157,22 @@ def fake_leaf(device):
         ("cuda", True, "pointwise", "adjoint"),  # the HOP without a tape, and its adjoint
         ("xpu", True, "pointwise", "adjoint"),
         ("cuda", False, "generic", "blocked"),
-        ("cpu", False, "pointwise", "blocked"),  # no scan codegen on CPU
         ("cpu", True, "generic", "blocked"),
     ],
 )
 def test_compile_routes(device, grad, mode, route):
     with torch.set_grad_enabled(grad):
         assert _traced.traced_route(torch.add, [fake_leaf(device)], mode) == route
+
+
+@pytest.mark.parametrize("cpu_kernel", ["off", "eager"])
+def test_compile_route_on_cpu_follows_the_kernel_mode(cpu_kernel):
+    """Inductor has no scan codegen on CPU: the HOP goes to fscan's C++ kernel where one is
+    to be had, else the blocked scan runs."""
+    kernel = cpu_kernel != "off" and compiler_problem() is None
+    with fscan.config.override(cpu_kernel=cpu_kernel), torch.no_grad():
+        route = _traced.traced_route(torch.add, [fake_leaf("cpu")], "pointwise")
+    assert route == ("hop" if kernel else "blocked")
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import optree
 import pytest
 import torch
+from helpers import sequential_scan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -819,6 +820,40 @@ def test_background_build_then_switch(monkeypatch):
             out = kernel_scan("test", fn, spec, [x], 0, False)
     assert out is not None, "the background build never finished"
     assert_close_to(out, oracle(fn, x, 0, False), "background")
+
+
+@needs_compiler
+def test_mode_on_switches_public_scans_to_the_kernel_once_built(monkeypatch):
+    """The default mode as users meet it, through ``fscan.associative_scan``: fscan's
+    torch engine answers while the kernel builds in the background, then the kernel
+    does, with the same results on both sides of the switch (gradients too)."""
+    import time
+
+    runs = []
+    run_kernel = cpu_kernel.run_kernel
+    monkeypatch.setattr(cpu_kernel, "run_kernel", lambda *args: runs.append(1) or run_kernel(*args))
+    fscan.clear_caches()  # a fresh kernel entry: its build starts in this test
+    a = torch.rand(40, 8, dtype=torch.float64) * 0.5 + 0.5
+    b = torch.randn(40, 8, dtype=torch.float64)
+    leaves, spec = optree.tree_flatten((a, b))
+    want = oracle(linrec, (a, b), 0, False)
+    answers = {"torch": 0, "kernel": 0}
+    with fscan.config.override(cpu_kernel="on"), torch.no_grad():
+        deadline = time.monotonic() + 300
+        while not answers["kernel"] and time.monotonic() < deadline:
+            before = len(runs)
+            assert_close_to(fscan.associative_scan(linrec, (a, b), 0), want, "on")
+            answers["kernel" if len(runs) > before else "torch"] += 1
+            time.sleep(0.02)
+        assert cpu_kernel.kernel_ready(linrec, spec, leaves, 0)
+    assert answers["kernel"], "the background build never finished"
+    assert answers["torch"], "the first call waited for a build"
+    # A call with gradients meets a backward kernel not built yet: the torch engine answers.
+    with fscan.config.override(cpu_kernel="on"):
+        x = a.clone().requires_grad_()
+        (g,) = torch.autograd.grad(fscan.associative_scan(linrec, (x, b), 0)[1].sum(), x)
+    (w,) = torch.autograd.grad(sequential_scan(linrec, (x, b), 0)[1].sum(), x)
+    torch.testing.assert_close(g, w)
 
 
 def test_fork_hook_requeues_pending_builds():

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
-from helpers import parametrize
+from helpers import parametrize, raises
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -226,10 +224,6 @@ def test_matrix_nan_inf_do_not_cross_a_reset(reverse, per_row):
 
 
 # ---- errors --------------------------------------------------------------------
-
-
-def raises(exc, text):
-    return pytest.raises(exc, match=re.escape(text))
 
 
 def test_gate_must_broadcast():

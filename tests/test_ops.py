@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import re
 import threading
 
+import numpy as np
 import pytest
 import torch
-from helpers import parametrize
+from helpers import parametrize, raises
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -435,10 +435,6 @@ def test_property_random_shapes(shape, data, name, path, reverse, seed):
 # ---- errors --------------------------------------------------------------------
 
 
-def raises(exc, text):
-    return pytest.raises(exc, match=re.escape(text))
-
-
 def test_errors():
     with raises(fscan.ScanTypeError, "fscan.cumsum: `input` must be a torch.Tensor, got list."):
         fscan.cumsum([1, 2], 0)
@@ -461,3 +457,13 @@ def test_errors():
         fscan.cummin([1, 2], 0)
     with raises(fscan.ScanTypeError, "fscan.logcumsumexp: `dim` must be an int, got bool True."):
         fscan.logcumsumexp(torch.ones(3), True)
+
+
+def test_drop_ins_take_numpy_dims_and_raise_index_error_like_torch():
+    x = torch.rand(3, 4)
+    torch.testing.assert_close(fscan.cumsum(x, np.int64(1)), torch.cumsum(x, 1))
+    torch.testing.assert_close(fscan.associative_scan(torch.add, x, np.int32(-1)), x.cumsum(1))
+    with pytest.raises(IndexError):
+        torch.cumsum(x, 5)
+    with pytest.raises(IndexError, match="out of range"):
+        fscan.cumsum(x, 5)
