@@ -21,20 +21,22 @@ all steps at once, in the backward. ``reverse=True`` mirrors every direction.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import optree
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from . import _compiled
 from ._affine import Entry, affine_combine
 from ._combine import FlatCombine
 from ._generic import scan_along, scan_functional_along
-from ._knowledge import Reach, knowledge
 
-__all__ = ["CHUNK_ELEMENTS", "PointwiseScan", "ScanPlan", "jacobian_blocks"]
+__all__ = ["CHUNK_ELEMENTS", "BackwardScan", "PointwiseScan", "ScanPlan", "jacobian_blocks"]
+
+# A faster engine for the adjoint's reverse scan, chosen by the router (fscan._routing):
+# ``(combine, key, leaves, reverse) -> outputs``, or None where it does not serve. ``key``
+# names all that ``combine`` depends on (see :func:`_adjoint_scan`).
+BackwardScan = Callable[[FlatCombine, tuple, list[torch.Tensor], bool], "list[torch.Tensor] | None"]
 
 # Elements per leaf re-evaluated at once in a first-order backward: small enough
 # for the temporaries to stay in cache and be reused by the allocator (large
@@ -46,7 +48,8 @@ class ScanPlan(NamedTuple):
     """What the backward needs besides tensors: the combine and the scan's layout.
 
     ``n_leaves`` leaves of ``xs`` come first among the Function's tensor inputs,
-    followed by the tensors ``combine`` closes over that need gradients. (A NamedTuple,
+    followed by the tensors ``combine`` closes over that need gradients. An engine never
+    picks another engine: the router passes in ``backward_scan``. (A NamedTuple,
     immutable like a frozen dataclass: made on every call, and ~0.5 us cheaper.)
     """
 
@@ -54,6 +57,8 @@ class ScanPlan(NamedTuple):
     n_leaves: int
     dim: int
     reverse: bool
+    # The engine the router passed in for the backward's reverse scan (None: fscan's own).
+    backward_scan: BackwardScan | None = None
 
 
 class PointwiseScan(torch.autograd.Function):
@@ -160,7 +165,7 @@ def adjoint(
         # Keep only the graph of the re-evaluated outputs, not their values.
         taped.append((right_at, [_edge(o) for o in outs], right))
         del outs
-    lam = _adjoint_scan(*blocks.finish(), gs, plan.reverse, create_graph)
+    lam = _adjoint_scan(*blocks.finish(), gs, plan, create_graph)
     # xbar[t] = K[t]^T lam[t] at every step with a left operand, summed over steps
     # for the closed-over tensors; at the edge step (first, or last if reversed)
     # the output is the input, so xbar is lam itself there.
@@ -438,10 +443,11 @@ def _adjoint_scan(
     pattern: list[Entry],
     blocks: dict[Entry, torch.Tensor],
     gs: list[torch.Tensor],
-    reverse: bool,
+    plan: ScanPlan,
     create_graph: bool,
 ) -> list[torch.Tensor]:
-    """``lam`` from ``lam[t] = g[t] + M[t] lam[t+1]`` (``lam[t-1]`` when reversed)."""
+    """``lam`` from ``lam[t] = g[t] + M[t] lam[t+1]`` (``lam[t-1]`` when reversed), on
+    ``plan.backward_scan`` where the router gave one and it serves."""
     if not pattern:  # f ignores its left operand: nothing flows back along the scan
         return gs
     like = next(iter(blocks.values()))
@@ -450,30 +456,15 @@ def _adjoint_scan(
     del like
     combine = affine_combine(pattern, len(gs))
     leaves = [*ms, *gs]
-    key = ("fscan adjoint", tuple(pattern), len(gs))  # all that `combine` depends on
-    out = None if create_graph else _on_compiled_kernel(combine, key, leaves, not reverse)
+    reverse = not plan.reverse
+    out = None
+    if plan.backward_scan is not None and not create_graph:
+        key = ("fscan adjoint", tuple(pattern), len(gs))  # all that `combine` depends on
+        out = plan.backward_scan(combine, key, leaves, reverse)
     if out is None:
         scan = scan_functional_along if create_graph else scan_along
-        out = scan(combine, leaves, 0, not reverse)
+        out = scan(combine, leaves, 0, reverse)
     return out[len(ms) :]
-
-
-def _on_compiled_kernel(
-    combine: FlatCombine, key: tuple, leaves: list[torch.Tensor], reverse: bool
-) -> list[torch.Tensor] | None:
-    """The adjoint recurrence as one compiled scan kernel (Triton on CUDA/XPU), or None.
-
-    The adjoint of a pointwise scan is itself a pointwise scan: composing affine maps
-    is elementwise, so the forward's compiled engine takes it. ``combine`` is made
-    afresh per backward from the block pattern and the leaf count alone, so ``key``
-    names them instead of a walk over its closure (which gives up on long patterns).
-    """
-    if _compiled.codegen_unavailable(leaves, Reach(None, ())) is not None:
-        return None  # a CPU backward: no kernel to look up (the usual case, kept cheap)
-    spec = optree.tree_structure(list(leaves))
-    found = Reach(key, ())
-    entry = knowledge(found, spec, "pointwise", leaves)
-    return _compiled.codegen_scan("fscan backward", combine, spec, leaves, 0, reverse, found, entry)
 
 
 def _closed_pattern(entries: set[Entry]) -> list[Entry]:

@@ -40,13 +40,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import optree
 import torch
 from optree import PyTreeSpec
 
-from ._knowledge import Knowledge, Reach
+from ._combine import FlatCombine
+from ._knowledge import Knowledge, Reach, knowledge
 from ._traced import CODEGEN_DEVICES, SpecSource, hop_combine, spec_source
 
-__all__ = ["SCAN_DTYPES", "codegen_scan", "codegen_unavailable"]
+__all__ = ["SCAN_DTYPES", "codegen_backward_scan", "codegen_scan", "codegen_unavailable"]
 
 logger = logging.getLogger("fscan")
 
@@ -130,6 +132,8 @@ def codegen_unavailable(leaves: Sequence[torch.Tensor], found: Reach) -> str | N
         return "gradients are wanted: the autograd engine runs"
     if found.tensors:
         return "combine_fn closes over tensors, which Inductor's scan lowering cannot take"
+    if torch._C._len_torch_dispatch_stack():  # as for the C++ kernel: modes see aten ops
+        return "a TorchDispatchMode is active: the kernel's work would be hidden from it"
     return None
 
 
@@ -189,3 +193,22 @@ def _log_once(reason: str) -> None:
     if reason not in _logged:
         _logged.add(reason)
         logger.debug("fscan: pointwise scan without compiled kernel: %s", reason)
+
+
+def codegen_backward_scan(
+    combine: FlatCombine, key: tuple, leaves: list[torch.Tensor], reverse: bool
+) -> list[torch.Tensor] | None:
+    """The adjoint recurrence of a pointwise scan as one compiled scan kernel (Triton on
+    CUDA/XPU), or None; the router hands it to the adjoint (``ScanPlan.backward_scan``).
+
+    The adjoint of a pointwise scan is itself a pointwise scan: composing affine maps
+    is elementwise, so the forward's compiled engine takes it. ``combine`` is made
+    afresh per backward from the block pattern and the leaf count alone, so ``key``
+    names them instead of a walk over its closure (which gives up on long patterns).
+    """
+    if codegen_unavailable(leaves, Reach(None, ())) is not None:
+        return None  # a CPU backward: no kernel to look up (the usual case, kept cheap)
+    spec = optree.tree_structure(list(leaves))
+    found = Reach(key, ())
+    entry = knowledge(found, spec, "pointwise", leaves)
+    return codegen_scan("fscan backward", combine, spec, leaves, 0, reverse, found, entry)

@@ -23,8 +23,11 @@ from typing import Any
 
 import torch
 
+from ._call import SCAN_API
 from ._checks import normalize_dim
+from ._entry import checked_call, run_scan
 from ._errors import ScanTypeError, ScanValueError, UnsupportedScanError
+from ._linear_solve import run_linear_recurrence
 from ._pytree import flatten, leaf_paths, unflatten
 
 __all__ = ["any_dtensor", "dtensor_linear_recurrence", "dtensor_scan"]
@@ -112,7 +115,8 @@ def _group_and_lengths(
     api: str, first: Any, mesh_dim: int, dim: int
 ) -> tuple[Any, tuple[int, ...]]:
     """The process group of ``mesh_dim`` and every rank's length along ``dim``, checked."""
-    from ._distributed import failing_together
+    # torch.distributed is optional and slow to import: only DTensor calls import it.
+    from ._distributed_agree import failing_together
 
     mesh = first.device_mesh
     group = mesh.get_group(mesh_dim)
@@ -172,12 +176,13 @@ def dtensor_scan(
     initial: Any = None,
 ) -> Any:
     """``fscan.associative_scan`` on a pytree of DTensors (see the module docstring)."""
+    # torch.distributed is optional and slow to import: only DTensor calls import it.
     from torch.distributed.tensor import DTensor
 
-    from ._distributed import Layout, sharded_scan
-    from ._scan import associative_scan
+    from ._distributed_layout import Layout
+    from ._distributed_scan import sharded_scan
 
-    api = "fscan.associative_scan"
+    api = SCAN_API
     leaves, spec = flatten(xs)
     paths = leaf_paths(xs)
     for path, leaf in zip(paths, leaves):
@@ -204,16 +209,9 @@ def dtensor_scan(
             initial_spec, [_local(api, "`initial`", t, first.device_mesh) for t in initial_leaves]
         )
     if mesh_dim is None:  # the scan dimension is whole on every rank
-        out = associative_scan(
-            combine_fn,
-            local,
-            dim,
-            reverse,
-            combine_mode,
-            validate=validate,
-            reset=local_reset,
-            initial=local_initial,
-        )
+        local_leaves, local_spec = flatten(local)
+        args = (local, local_leaves, local_spec, dim, reverse, combine_mode, validate)
+        out = run_scan(checked_call(api, combine_fn, *args, local_reset, local_initial))
     elif initial is not None:
         raise UnsupportedScanError(
             f"{api}: `initial` with a DTensor sharded along the scan dimension is not "
@@ -240,10 +238,10 @@ def dtensor_linear_recurrence(
     a: Any, b: Any, dim: int, *, initial: Any, reverse: bool, reset: Any, acc_dtype: Any = None
 ) -> Any:
     """``fscan.linear_recurrence`` with DTensor operands (see the module docstring)."""
+    # torch.distributed is optional and slow to import: only DTensor calls import it.
     from torch.distributed.tensor import DTensor
 
-    from ._distributed import sharded_recurrence
-    from ._linear import linear_recurrence
+    from ._distributed_scan import sharded_recurrence
 
     api = "fscan.linear_recurrence"
     if not isinstance(b, DTensor):
@@ -259,14 +257,8 @@ def dtensor_linear_recurrence(
             _check_aligned(api, name, value, b, dim, mesh_dim)
     a_l, initial_l, reset_l = (_local(api, n, v, mesh) for n, v in named.items())
     if mesh_dim is None:
-        out = linear_recurrence(
-            a_l,
-            b.to_local(),
-            dim,
-            initial=initial_l,
-            reverse=reverse,
-            reset=reset_l,
-            acc_dtype=acc_dtype,
+        out = run_linear_recurrence(
+            api, a_l, b.to_local(), dim, initial_l, reverse, reset_l, acc_dtype
         )
     else:
         group, _ = _group_and_lengths(api, b, mesh_dim, dim)

@@ -22,10 +22,11 @@ from typing import Any, NamedTuple
 import torch
 from optree import PyTreeSpec
 
-from ._checks import check_scan_args
+from ._call import ScanCall
 from ._compiled import codegen_unavailable
 from ._config import config
 from ._dtensor import any_dtensor
+from ._entry import checked_call
 from ._knowledge import Knowledge, Reach, known, reach
 from ._purity import probeable
 from ._pytree import flatten
@@ -33,7 +34,9 @@ from ._routing import Where, where
 from ._segmented import segmented_scan
 from .engine import cpu_kernel
 from .engine._cpp_build import compiler_problem
-from .engine.cpu_kernel import DTYPES, MIN_CALLS, MIN_ELEMENTS, State, slot_key
+from .engine._cpp_ops import DTYPES
+from .engine._kernel_builder import warm
+from .engine.cpu_kernel import MIN_CALLS, MIN_ELEMENTS, State, slot_key
 
 __all__ = ["Explanation", "RouteFacts", "explain", "kernel_refusal", "scan_route"]
 
@@ -105,13 +108,13 @@ def explain(
     leaves, spec = flatten(xs)
     if any_dtensor(leaves):
         return Explanation(_API, "distributed", MappingProxyType({}))
-    dim = check_scan_args(_API, combine_fn, xs, leaves, dim, reverse, combine_mode)
+    call = checked_call(_API, combine_fn, xs, leaves, spec, dim, reverse, combine_mode)
+    dim = call.dim
     if reset is not None:  # the pairs (flag, value) are scanned: describe that scan
-        seen: list[tuple] = []
-        capture = lambda *args, **_: seen.append(args) or (None, None)
-        segmented_scan(capture, combine_fn, xs, dim, reverse, combine_mode, reset=reset)
-        combine_fn, pairs = seen[0][0], seen[0][1]
-        leaves, spec = flatten(pairs)
+        seen: list[ScanCall] = []
+        capture = lambda pair_call: seen.append(pair_call) or (None, None)
+        segmented_scan(capture, call._replace(reset=reset))
+        combine_fn, leaves, spec = seen[0].combine_fn, seen[0].leaves, seen[0].spec
     heads = [] if initial is None else flatten(initial)[0]
     facts = scan_route(combine_fn, spec, leaves, dim, reverse, combine_mode, where(leaves), heads)
     return Explanation(_API, facts.engine, MappingProxyType(facts.refused), facts.grad)
@@ -273,7 +276,7 @@ def _kernel_unavailable(leaves: Sequence[torch.Tensor]) -> str | None:
     if not probeable(leaves):
         return "tensor subclasses or torch.func transforms: the torch engine runs"
     # The lookup's flag, read, never waited on: the engine sets it once the lookup ran.
-    if not cpu_kernel._warm.is_set():
+    if not warm.is_set():
         if config.cpu_kernel == "eager":
             return None  # the call looks the compiler up and builds, then runs the kernel
         return "the C++ toolchain is not looked up yet (a call starts that in the background)"

@@ -30,9 +30,9 @@ import torch
 
 from ._carry import check_initial
 from ._checks import check_leaves
+from ._entry import scan_tree
 from ._errors import CombineFnError, ReverseNotBoolWarning, ScanTypeError, ScanValueError
 from ._pytree import flatten, leaf_paths
-from ._scan import associative_scan as _scan
 
 __all__ = ["associative_scan"]
 
@@ -95,7 +95,7 @@ def associative_scan(
     refused: list[bool] = []
     reverse = bool(reverse)
     try:
-        return _scan(_batched(fn, axis, refused), elems, axis, reverse, initial=initial)
+        return scan_tree(_batched(fn, axis, refused), elems, axis, reverse, initial=initial)
     except CombineFnError as err:
         if not refused:  # fn returned, but the wrong structure or shapes
             raise _in_jax_words(err) from err
@@ -104,7 +104,7 @@ def associative_scan(
     # of one element, the axis in place, so fn still sees what JAX shows it.
     single = _on_single_elements(fn, axis)
     try:
-        return _scan(single, elems, axis, reverse, "generic", initial=initial)
+        return scan_tree(single, elems, axis, reverse, "generic", initial=initial)
     except CombineFnError as err:
         raise _in_jax_words(err) from err
 

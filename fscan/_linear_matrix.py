@@ -40,11 +40,11 @@ from typing import Any
 import torch
 
 from ._checks import check_dense, normalize_dim
+from ._composed_gates import values_hidden
+from ._entry import scan_tree
 from ._errors import ScanTypeError, ScanValueError
-from ._linear import _values_hidden
 from ._pytree import describe
 from ._route_log import logs_route
-from ._scan import associative_scan
 
 __all__ = ["linear_recurrence_matrix"]
 
@@ -124,7 +124,7 @@ def linear_recurrence_matrix(
     else:
         gates = A.squeeze(0) if shared else A
         h = _scan(z, gates, flags, carry, shared)
-        if not _values_hidden(h) and not bool(torch.isfinite(h).all()):
+        if not values_hidden(h) and not bool(torch.isfinite(h).all()):
             # A product of gates may have left the range and met a state (0 * inf, inf
             # * 0), where the loop never forms it: the loop's answer, step by step.
             h = _walk(z, gates, flags, carry, shared)
@@ -189,7 +189,7 @@ def _traced_scan(
     if carry is not None:
         eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device).expand(A.shape[1:])
         initial = (torch.zeros_like(flags[0]), eye, carry)
-    return associative_scan(_compose, (flags, A, z), 0, False, "generic", initial=initial)[2]
+    return scan_tree(_compose, (flags, A, z), 0, False, "generic", initial=initial)[2]
 
 
 def _compose(x: tuple, y: tuple) -> tuple:

@@ -5,12 +5,12 @@ The minGRU/minLSTM "parallel scan in log space". The two-prefix-sum formulation
 cumsum(log a)``, subtracts a running sum that grows without bound: in float32
 its error grows with the length (relative 1e-4 at 512 steps, 1e-3 at 4096). Here
 the recurrence is walked in log space instead, ``log h_t = logaddexp(log a_t +
-log h_{t-1}, log b_t)``, with the chunked form of :mod:`fscan._linear`: walk
+log h_{t-1}, log b_t)``, with the chunked form of :mod:`fscan._linear_chunked`: walk
 chunks from the empty state (``-inf``), solve the chunk-level recurrence (gates:
 each chunk's summed ``log a``), walk the chunks again. Every operand stays the
 size of a log state, so the error is that of a float32 sequential loop.
 
-The backward is one linear recurrence (:mod:`fscan._linear`) with gates in
+The backward is one linear recurrence (:mod:`fscan._linear_solve`) with gates in
 ``[0, 1]``: for ``G_t = dL/dlog h_t``, ``Lam_t = G_t + w_{t+1} Lam_{t+1}`` with
 ``w_t = exp(log a_t + log h_{t-1} - log h_t) = a_t h_{t-1} / h_t``; then
 ``dL/dlog a_t = Lam_t w_t`` and ``dL/dlog b_t = Lam_t exp(log b_t - log h_t)``.
@@ -26,21 +26,14 @@ from typing import Any
 import torch
 
 from ._checks import check_dense, normalize_dim
+from ._entry import scan_tree
 from ._errors import ScanTypeError, ScanValueError
-from ._linear import (
-    Algebra,
-    _adjoint,
-    _adjoint_differentiable,
-    _broadcasts_to,
-    _chunk_size,
-    _chunked,
-    _mask_for,
-    _result_dtype,
-)
+from ._linear_chunked import Algebra, chunk_size, chunked_solve
+from ._linear_solve import adjoint_grads, adjoint_grads_differentiable
 from ._pytree import describe
+from ._recurrence_args import broadcasts_to, reset_mask, result_dtype
 from ._route_log import logs_route, ran
 from ._routing import where
-from ._scan import associative_scan
 
 __all__ = ["log_linear_recurrence"]
 
@@ -89,7 +82,7 @@ def log_linear_recurrence(
         tensor([1.0000, 1.5000, 1.7500, 1.8750])
     """
     log_a, log_b, initial, dim = _check_args(log_a, log_b, dim, initial, reverse)
-    mask = None if reset is None else _mask_for(reset, log_b, dim, api=_API)
+    mask = None if reset is None else reset_mask(reset, log_b, dim, api=_API)
     log_a = log_a.reshape((1,) * (log_b.ndim - log_a.ndim) + tuple(log_a.shape))
     if initial is not None:
         initial = initial.reshape((1,) * (log_b.ndim - 1 - initial.ndim) + tuple(initial.shape))
@@ -104,7 +97,7 @@ def _recurrence(
     reverse: bool,
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The routes of :func:`fscan._linear._recurrence`, in log space."""
+    """The routes of :func:`fscan._linear_solve._recurrence`, in log space."""
     if lb.numel() == 0:  # still connected to every input: zero gradients
         out = lb + la * 0
         return out if initial is None else out + initial.unsqueeze(dim) * 0
@@ -139,7 +132,7 @@ class _LogLinearFn(torch.autograd.Function):
         if mask is not None:
             w = torch.where(mask, 0, w)
         # Lam: the b-gradient of the linear recurrence with gates w (grad_h's shape).
-        adjoint = _adjoint_differentiable if torch.is_grad_enabled() else _adjoint
+        adjoint = adjoint_grads_differentiable if torch.is_grad_enabled() else adjoint_grads
         _, lam, _ = adjoint(w, grad, None, mask, grad, dim, reverse, (False, True, False))
         grad_a = (lam * w).sum_to_size(la.shape) if needs_a else None
         grad_b = (lam * _ratio(lb, log_h)).sum_to_size(lb.shape) if needs_b else None
@@ -194,8 +187,8 @@ def _tree(
             head = torch.where(mask.select(dim, first), lb_first, head)
         lb = torch.slice_scatter(lb, head.unsqueeze(dim), dim, first, first + 1)
     if mask is None:
-        return associative_scan(_compose, (la, lb), dim, reverse)[1]
-    return associative_scan(_compose, (la, lb), dim, reverse, reset=mask)[1]
+        return scan_tree(_compose, (la, lb), dim, reverse)[1]
+    return scan_tree(_compose, (la, lb), dim, reverse, reset=mask)[1]
 
 
 def _solve(
@@ -209,11 +202,11 @@ def _solve(
 ) -> torch.Tensor:
     n = lb.shape[dim]
     la = la.expand(*(n if i == dim else s for i, s in enumerate(la.shape)))
-    chunk = _chunk_size(n)
+    chunk = chunk_size(n)
     if chunk is None:
         return _tree(la, lb, dim, initial, reverse, mask)
     ran("blocked")
-    return _chunked(la, lb, dim, initial, reverse, mask, chunk, fast, algebra=_LOG)
+    return chunked_solve(la, lb, dim, initial, reverse, mask, chunk, fast, algebra=_LOG)
 
 
 def _step(
@@ -245,7 +238,7 @@ def _check_args(
         raise ScanTypeError(f"{_API}: `log_b` must be a torch.Tensor, got {describe(log_b)}.")
     check_dense(_API, "`log_b`", log_b)
     if isinstance(log_a, Number) and not isinstance(log_a, complex):
-        log_a = torch.tensor(log_a, dtype=_result_dtype(log_b, log_a), device=log_b.device)
+        log_a = torch.tensor(log_a, dtype=result_dtype(log_b, log_a), device=log_b.device)
     if not isinstance(log_a, torch.Tensor):
         raise ScanTypeError(f"{_API}: `log_a` must be a torch.Tensor, got {describe(log_a)}.")
     if not isinstance(reverse, bool):
@@ -272,18 +265,18 @@ def _check_args(
     if log_b.ndim < 1:
         raise ScanValueError(f"{_API}: `log_b` has shape (), expected at least 1-D.")
     dim = normalize_dim(_API, dim, log_b.ndim, lambda: "`log_b`")
-    if not _broadcasts_to(log_a.shape, log_b.shape):
+    if not broadcasts_to(log_a.shape, log_b.shape):
         raise ScanValueError(
             f"{_API}: `log_a` of shape {tuple(log_a.shape)} does not broadcast to `log_b` of "
             f"shape {tuple(log_b.shape)}; gates are a scalar, per-channel, per-step or full."
         )
     step = log_b.shape[:dim] + log_b.shape[dim + 1 :]
-    if initial is not None and not _broadcasts_to(initial.shape, step):
+    if initial is not None and not broadcasts_to(initial.shape, step):
         raise ScanValueError(
             f"{_API}: `initial` of shape {tuple(initial.shape)} does not broadcast to one step "
             f"of `log_b`, shape {tuple(step)} (`log_b` with dim {dim} removed)."
         )
-    dtype = _result_dtype(log_b, log_a)
+    dtype = result_dtype(log_b, log_a)
     if initial is not None:
         dtype = torch.promote_types(dtype, initial.dtype)
     return (

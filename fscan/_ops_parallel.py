@@ -1,6 +1,6 @@
 """The parallel-scan paths of the drop-in cumulative ops (see :mod:`fscan._ops`).
 
-Two scans, both on the public ``fscan.associative_scan``:
+Two scans, both on fscan's internal entry (:func:`fscan._entry.scan_tree`):
 
 * :func:`blocked_scan`, for sums, products and log-sum-exp. A tree scan rounds
   each output about ``log2 n`` times, while torch's CPU kernels accumulate in a
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._scan import associative_scan
+from ._entry import scan_tree
 
 __all__ = ["BLOCK", "LOGSUMEXP", "PRODUCT", "SUM", "Accumulation", "blocked_scan", "extremum_scan"]
 
@@ -68,11 +68,11 @@ def blocked_scan(
     """
     n = x.shape[dim]
     if n < 2 * BLOCK:
-        return associative_scan(how.op, x, dim, reverse)
+        return scan_tree(how.op, x, dim, reverse)
     tail = n % BLOCK
     start = tail if reverse else 0
     blocks = x.narrow(dim, start, n - tail).unflatten(dim, (-1, BLOCK))
-    local = associative_scan(how.op, blocks, dim + 1, reverse)
+    local = scan_tree(how.op, blocks, dim + 1, reverse)
     if how.reduce is None:
         totals = local.select(dim + 1, 0 if reverse else BLOCK - 1).to(wide)
     else:
@@ -83,7 +83,7 @@ def blocked_scan(
     if not tail:
         return main
     last = carries.narrow(dim, 0 if reverse else carries.shape[dim] - 1, 1)
-    rest = associative_scan(how.op, x.narrow(dim, 0 if reverse else n - tail, tail), dim, reverse)
+    rest = scan_tree(how.op, x.narrow(dim, 0 if reverse else n - tail, tail), dim, reverse)
     rest = _carry_into(how.op, last, rest)
     return torch.cat([rest, main] if reverse else [main, rest], dim)
 
@@ -138,10 +138,10 @@ def extremum_scan(
     n = x.shape[dim]
     with torch.no_grad():
         best = torch.maximum if largest else torch.minimum
-        running = associative_scan(best, x, dim, reverse)
+        running = scan_tree(best, x, dim, reverse)
         marks = _takeovers(x, running, dim, reverse, largest)
         latest = torch.minimum if reverse else torch.maximum
-        indices = associative_scan(latest, marks, dim, reverse).long() if n else marks.long()
+        indices = scan_tree(latest, marks, dim, reverse).long() if n else marks.long()
     return x.gather(dim, indices), indices
 
 

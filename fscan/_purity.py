@@ -282,6 +282,9 @@ def probeable(leaves: Sequence[torch.Tensor]) -> bool:
             type(x) not in _PLAIN_TYPES
             or x.is_meta  # not device.type: a torch.device costs ~0.3 us per leaf
             or torch._C._functorch.is_functorch_wrapped_tensor(x)
+            # torch.autograd.grad(is_grads_batched=True), jacobian(vectorize=True): the
+            # old vmap's batched cotangents have no storage either
+            or torch._C._functorch.is_legacy_batchedtensor(x)
         ):
             return False
     return True

@@ -15,8 +15,10 @@ from typing import Any
 import torch
 
 from ._explain import Explanation, explain, explain_arguments, kernel_refusal
-from ._linear import _PAIR, _compose, linear_recurrence
-from ._ops import KERNEL_MIN_NUMEL, _kernel_call, _route
+from ._linear import linear_recurrence
+from ._linear_chunked import PAIR_SPEC, compose
+from ._ops_rules import KERNEL_MIN_NUMEL, kernel_call
+from ._ops_rules import route as dropin_route
 from ._purity import under_transform
 from ._pytree import flatten
 from ._reduce import associative_reduce
@@ -68,7 +70,7 @@ def _dropin(noted: str | None, args: tuple, kwargs: dict, route: Route) -> tuple
     if not isinstance(x, torch.Tensor) or not x.is_cpu or x.ndim == 0:
         return engine, {"cpp": "torch's op serves tensors off the CPU and 0-d ones"}
     dim = dim % x.ndim
-    kernel, parallel = _route(op, x, dim, reverse)
+    kernel, parallel = dropin_route(op, x, dim, reverse)
     refused = {"cpp": _dropin_kernel(op, x, dim, kernel)}
     if engine == "native":
         refused["blocked"] = (
@@ -86,7 +88,7 @@ def _dropin_kernel(op: Any, x: torch.Tensor, dim: int, wins: bool) -> str:
         if x.requires_grad and torch.is_grad_enabled():
             return "gradients are wanted: the kernel has none here"
         return "torch's op is faster for this dim and layout (fscan._ops' route table)"
-    combine, spec, leaves, positions = _kernel_call(op, x)
+    combine, spec, leaves, positions = kernel_call(op, x)
     return kernel_refusal(combine, spec, leaves, dim, positions=positions) or _NOT_READY
 
 
@@ -116,7 +118,7 @@ def _linear_kernel(a: Any, b: torch.Tensor, dim: int, bound: dict) -> str:
         return "initial requires grad: the chunked walk carries it"
     # As the kernel sees them: one dtype, one shape, no tape (inside the autograd Function).
     gates = torch.broadcast_to(torch.as_tensor(a, dtype=b.dtype).detach(), b.shape)
-    found = kernel_refusal(_compose, _PAIR, [gates, b.detach()], dim, dropped=(0,))
+    found = kernel_refusal(compose, PAIR_SPEC, [gates, b.detach()], dim, dropped=(0,))
     return found or _NOT_READY
 
 

@@ -56,7 +56,7 @@ from ._adjoint import PointwiseScan, ScanPlan
 from ._autograd import adjoint_applies
 from ._carry import swap_heads
 from ._combine import FlatCombine, flat_combine
-from ._compiled import codegen_scan, codegen_unavailable
+from ._compiled import codegen_backward_scan, codegen_scan, codegen_unavailable
 from ._errors import ImpureCombineError
 from ._generic import scan_along, scan_functional_along
 from ._knowledge import Knowledge, Reach
@@ -249,7 +249,7 @@ def _run(
         if out is not None:
             ran("cpp")
             return out
-        plan = ScanPlan(combine, len(leaves), dim, reverse)
+        plan = ScanPlan(combine, len(leaves), dim, reverse, codegen_backward_scan)
         return list(PointwiseScan.apply(plan, *leaves, *captured))
     return scan_functional_along(combine, leaves, dim, reverse)
 

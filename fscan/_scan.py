@@ -1,4 +1,4 @@
-"""The public front end: ``fscan.associative_scan``."""
+"""The public front end: ``fscan.associative_scan``, a door to :func:`fscan._entry.run_scan`."""
 
 from __future__ import annotations
 
@@ -6,23 +6,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from optree import PyTreeSpec
 
-from ._carry import carried_heads, swap_heads
-from ._checks import check_scan_args
-from ._combine import FlatCombine
+from ._call import SCAN_API
 from ._dtensor import any_dtensor, dtensor_scan
-from ._knowledge import knowledge, reach
-from ._pointwise_check import checked_on_first_call
-from ._pytree import flatten, unflatten
+from ._entry import checked_call, run_scan
+from ._pytree import flatten
 from ._route_log import logs_route
-from ._routing import scan_flat, scan_traced
-from ._segmented import segmented_scan
-from ._validate import validate_combine_fn
 
 __all__ = ["associative_scan"]
 
-_API = "fscan.associative_scan"
+_API = SCAN_API
 
 
 @logs_route(_API)
@@ -105,54 +98,5 @@ def associative_scan(
             reset=reset,
             initial=initial,
         )
-    dim = check_scan_args(_API, combine_fn, xs, leaves, dim, reverse, combine_mode)
-    heads = None  # a carry-in the C++ kernel may read in place of the first element
-    if initial is not None:  # folded into the first element: see fscan._carry
-        check = _fold_check(combine_fn, spec, combine_mode, leaves)
-        args = (_API, combine_fn, xs, dim, reverse, combine_mode, initial, reset)
-        heads = carried_heads(*args, check=check)
-        if heads is not None and (reset is not None or not _may_carry_in(leaves, heads)):
-            leaves = swap_heads(leaves, heads, dim, reverse)
-            xs, heads = unflatten(spec, leaves), None
-    if reset is not None:  # a scan over (flag, value) pairs: see fscan._segmented
-        args = (combine_fn, xs, dim, reverse, combine_mode)
-        return segmented_scan(associative_scan, *args, reset=reset, validate=validate)
-    args = (_API, combine_fn, spec, leaves, dim)
-    if torch.compiler.is_compiling():
-        return unflatten(spec, scan_traced(*args, reverse, combine_mode))
-    found = reach(combine_fn)
-    entry = knowledge(found, spec, combine_mode, leaves)
-    validate_combine_fn(*args, combine_mode, validate, entry)
-    if heads is None:
-        return unflatten(spec, scan_flat(*args, reverse, combine_mode, found, entry))
-    return unflatten(spec, scan_flat(*args, reverse, combine_mode, found, entry, heads))
-
-
-def _fold_check(
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    combine_mode: str,
-    leaves: list[torch.Tensor],
-) -> Callable[[FlatCombine], FlatCombine] | None:
-    """The pointwise check for the fold's ``combine_fn`` call: in a one-step scan it is
-    the only call, and on a batch of one element a non-elementwise ``combine_fn`` would
-    give another answer than on the element (see fscan._pointwise_check)."""
-    if combine_mode != "pointwise" or torch.compiler.is_compiling():
-        return None
-    entry = knowledge(reach(combine_fn), spec, combine_mode, leaves)
-    if entry.elementwise:
-        return None
-    return lambda combine: checked_on_first_call(_API, combine, entry, leaves)
-
-
-def _may_carry_in(leaves: list[torch.Tensor], heads: list[torch.Tensor]) -> bool:
-    """Whether ``scan_flat`` may get the carry-in unfolded: not while tracing (the traced
-    route folds), and no gradient wanted (gradients to ``initial`` flow through the
-    fold's torch ops; the kernel's carry-in has no backward)."""
-    if torch.compiler.is_compiling():
-        return False
-    if torch.is_grad_enabled():
-        for t in (*leaves, *heads):
-            if t.requires_grad:
-                return False
-    return True
+    args = (combine_fn, xs, leaves, spec, dim, reverse, combine_mode, validate, reset, initial)
+    return run_scan(checked_call(_API, *args))

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ._call import ScanCall
 from ._checks import check_dense
 from ._combine import check_combine_output
 from ._errors import ScanTypeError, ScanValueError
@@ -37,26 +38,16 @@ from ._pytree import describe, flatten, leaf_paths, unflatten
 
 __all__ = ["check_reset", "segmented_scan"]
 
-Scan = Callable[..., Any]
 _API = "fscan.associative_scan"
 
 
-def segmented_scan(
-    scan: Scan,
-    combine_fn: Callable[[Any, Any], Any],
-    xs: Any,
-    dim: int,
-    reverse: bool,
-    combine_mode: str,
-    *,
-    reset: Any,
-    **scan_options: Any,
-) -> Any:
-    """Scan ``xs`` along ``dim`` (non-negative, checked), restarting where ``reset`` is True.
+def segmented_scan(run: Callable[[ScanCall], Any], call: ScanCall) -> Any:
+    """Run ``call`` (``dim`` non-negative, checked), restarting where ``call.reset`` is True.
 
-    ``scan`` is the public ``fscan.associative_scan``, passed in to keep the
-    import graph acyclic; the pairs are scanned through it (with ``scan_options``,
-    e.g. ``validate``), so autograd, validation and every engine apply here too.
+    ``run`` is the internal entry (:func:`fscan._entry.run_scan`, or the distributed
+    scan), passed in to keep the import graph acyclic; the pairs are scanned through
+    it (with ``call.validate``), so autograd, validation and every engine apply here too.
+    ``call.initial`` must be folded in already.
 
     Example:
         >>> import fscan
@@ -65,8 +56,9 @@ def segmented_scan(
         >>> fscan.associative_scan(torch.add, x, 0, reset=reset)
         tensor([1., 2., 1., 2., 1., 2.])
     """
-    leaves, _ = flatten(xs)
-    flag = check_reset(_API, reset, xs, leaves, dim)
+    combine_fn, xs, dim, combine_mode = call.combine_fn, call.xs, call.dim, call.combine_mode
+    leaves = call.leaves
+    flag = check_reset(_API, call.reset, xs, leaves, dim)
 
     def segmented(x: tuple[torch.Tensor, Any], y: tuple[torch.Tensor, Any]) -> tuple:
         (fx, vx), (fy, vy) = x, y
@@ -89,7 +81,12 @@ def segmented_scan(
         return unflatten(tree_spec, ones)
 
     segmented.selects_by_mask = True  # type: ignore[attr-defined]  # see fscan._routing
-    return scan(segmented, (flag, xs), dim, reverse, combine_mode, **scan_options)[1]
+    pairs = (flag, xs)
+    pair_leaves, pair_spec = flatten(pairs)
+    pair_call = call._replace(
+        combine_fn=segmented, xs=pairs, spec=pair_spec, leaves=pair_leaves, reset=None
+    )
+    return run(pair_call)[1]
 
 
 def check_reset(

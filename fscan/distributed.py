@@ -6,9 +6,9 @@ inputs need no import: ``fscan.associative_scan`` and ``fscan.linear_recurrence`
 run these on DTensors sharded along the scan dimension. See ``docs/distributed.md``.
 """
 
-from ._distributed import Layout as Layout
 from ._distributed import associative_scan as associative_scan
-from ._distributed import exchange_bytes as exchange_bytes
 from ._distributed import linear_recurrence as linear_recurrence
+from ._distributed_exchange import exchange_bytes as exchange_bytes
+from ._distributed_layout import Layout as Layout
 
 __all__ = ["Layout", "associative_scan", "exchange_bytes", "linear_recurrence"]

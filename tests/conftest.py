@@ -1,4 +1,19 @@
-"""Test-session defaults."""
+"""Test-session defaults.
+
+Engine. The suite runs what users run: pointwise CPU scans go to the generated C++
+kernel, in mode ``cpu_kernel="eager"`` (built on the first call and waited for, so
+which engine answers never depends on timing; the default mode ``"on"`` switches
+to the kernel when its background build finishes, and has tests of its own in
+tests/test_cpu_kernel.py). ``FSCAN_CPU_KERNEL=off`` (or any mode) set in the
+environment is respected: ``FSCAN_CPU_KERNEL=off python -m pytest`` is the
+torch-engine-only run.
+
+A test that needs fscan's torch engine whatever the session runs carries
+``@pytest.mark.torch_engine`` (it then runs with ``cpu_kernel="off"``): checks
+with zero tolerance between two runs that the kernel's rounding breaks
+(gradcheck's reentrancy check, exact equality with torch's own ops), and tests of
+the torch engine itself. The marker's reason belongs in a comment beside it.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +25,33 @@ import torch
 from hypothesis import settings
 
 import fscan
+from fscan._config import ENV_CPU_KERNEL
+
+# The session's mode: the environment's when set, else "eager" (module doc).
+SESSION_CPU_KERNEL = os.environ.get(ENV_CPU_KERNEL, "").strip().lower() or "eager"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "torch_engine: run on fscan's torch engine (cpu_kernel='off') whatever the session's "
+        "mode; say why in a comment",
+    )
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _no_background_kernel_switch():
-    """Run the test suite on fscan's torch engine unless a test picks the C++ kernel.
+def _session_cpu_kernel():
+    """The session's CPU kernel mode (module doc)."""
+    with fscan.config.override(cpu_kernel=SESSION_CPU_KERNEL):
+        yield
 
-    By default a pointwise CPU scan switches to the generated C++ kernel when its
-    background build finishes: at a moment that depends on timing, and with results
-    equal only up to rounding. Checks with zero tolerance between two runs
-    (gradcheck's reentrancy check) would then fail at random. Tests of the kernel
-    choose it explicitly (``cpu_kernel="eager"``: built on the first call, no switch).
-    """
+
+@pytest.fixture(autouse=True)
+def _torch_engine_marker(request: pytest.FixtureRequest):
+    """``@pytest.mark.torch_engine``: this test runs with ``cpu_kernel="off"``."""
+    if request.node.get_closest_marker("torch_engine") is None:
+        yield
+        return
     with fscan.config.override(cpu_kernel="off"):
         yield
 
@@ -35,7 +65,10 @@ settings.load_profile("fscan")
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"fscan test seed: FSCAN_TEST_SEED={SEED}"
+    return (
+        f"fscan test seed: FSCAN_TEST_SEED={SEED}; CPU kernel mode: "
+        f"{ENV_CPU_KERNEL}={SESSION_CPU_KERNEL}"
+    )
 
 
 @pytest.fixture(autouse=True)

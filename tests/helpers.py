@@ -1,14 +1,18 @@
-"""Shared test helpers: the sequential oracle, operators, tolerances, sweeps."""
+"""Shared test helpers: the sequential oracle, operators, tolerances, sweeps, gradients
+and error checks."""
 
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable
 from typing import Any
 
 import optree
 import pytest
 import torch
+
+import fscan
 
 
 def sequential_scan(
@@ -136,3 +140,33 @@ def cached_verdicts(name: str) -> int:
     from fscan._knowledge import entries
 
     return sum(1 for entry in entries.values() if getattr(entry, name))
+
+
+def raises(exc: type[BaseException], text: str):
+    """``pytest.raises`` for an error whose message contains ``text`` verbatim (no regex)."""
+    return pytest.raises(exc, match=re.escape(text))
+
+
+def oracle_grads(combine_fn, xs, wrt, reverse=False, mode="pointwise", cot=None):
+    """Gradients of the sequential oracle's scan along dim 0 with respect to ``wrt``
+    (cotangents ``cot``, else ones)."""
+    ref = sequential_scan(combine_fn, xs, 0, reverse, mode)
+    leaves = optree.tree_leaves(ref)
+    cot = cot or [torch.ones_like(r) for r in leaves]
+    return torch.autograd.grad(leaves, wrt, cot, allow_unused=True)
+
+
+def fscan_grads(combine_fn, xs, wrt, reverse=False, mode="pointwise", cot=None):
+    """The same gradients as :func:`oracle_grads`, through ``fscan.associative_scan``."""
+    out = fscan.associative_scan(combine_fn, xs, 0, reverse, mode)
+    leaves = optree.tree_leaves(out)
+    cot = cot or [torch.ones_like(r) for r in leaves]
+    return torch.autograd.grad(leaves, wrt, cot, allow_unused=True)
+
+
+def assert_same_grads(got, want):
+    """Both None, or close (NaN where the other is NaN), gradient by gradient."""
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            torch.testing.assert_close(g, w, equal_nan=True)

@@ -10,12 +10,15 @@ import torch
 from helpers import (
     add,
     affine_compose,
+    assert_same_grads,
     assert_trees_close,
     cached_verdicts,
+    fscan_grads,
     linear_recurrence,
     logaddexp,
     matmul,
     mul,
+    oracle_grads,
     parametrize,
     sequential_scan,
 )
@@ -353,3 +356,39 @@ def test_chunked_backward(monkeypatch, reverse):
         torch.testing.assert_close(g, w)
     w = normal(3)
     assert_grads_match_oracle(lambda a, b: a + b + w, normal(9, 3), 0, reverse, "pointwise", (w,))
+
+
+def test_mixing_that_the_first_steps_values_hide_still_takes_the_exact_gradient():
+    # Column 0 of the first rows loses every maximum, so the Jacobian at the adjoint
+    # probe's steps is diagonal; later rows win and spread column 0 over the row.
+    fn = lambda a, b: torch.maximum(a[..., :1], b)
+    x = torch.randn(8, 3, dtype=F64).abs() + 1.0
+    x[:3, 0] = -10.0
+    x[4, 0] = 10.0
+    x.requires_grad_(True)
+    assert_same_grads(fscan_grads(fn, x, x), oracle_grads(fn, x, x))
+
+
+@pytest.mark.parametrize("route", ["pointwise", "generic", "lax", "reset"])
+def test_empty_element_dims_with_gradients(route):
+    x = torch.randn(7, 0, 3, requires_grad=True)
+    mul = lambda a, b: a * b
+    if route == "lax":
+        y = fscan.lax.associative_scan(mul, x, axis=0)
+    elif route == "reset":
+        y = fscan.associative_scan(mul, x, 0, reset=torch.zeros(7, dtype=torch.bool))
+    else:
+        y = fscan.associative_scan(mul, x, 0, combine_mode=route)
+    assert y.shape == (7, 0, 3)
+    y.sum().backward()
+    assert x.grad.shape == (7, 0, 3)
+
+
+def test_one_empty_leaf_beside_a_full_one():
+    a = torch.rand(5, 0, dtype=F64, requires_grad=True)
+    b = torch.rand(5, 2, dtype=F64, requires_grad=True)
+    pair = lambda x, y: (x[0] * 1.0, x[1] + y[1])
+    out = fscan.associative_scan(pair, (a, b), 0)
+    torch.testing.assert_close(out[1], b.cumsum(0))
+    (g,) = torch.autograd.grad(out[1].sum(), b)
+    torch.testing.assert_close(g, torch.arange(5, 0, -1, dtype=F64)[:, None].expand(5, 2))

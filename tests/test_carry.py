@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import optree
 import pytest
 import torch
@@ -13,6 +11,7 @@ from helpers import (
     linear_recurrence,
     matmul,
     parametrize,
+    raises,
     sequential_scan,
 )
 from hypothesis import given, settings
@@ -246,10 +245,6 @@ def test_lax_reverse_not_bool_warns_once(monkeypatch):
 # ---- errors -------------------------------------------------------------------------
 
 
-def raises(exc, text):
-    return pytest.raises(exc, match=re.escape(text))
-
-
 def test_wrong_structure():
     with raises(fscan.ScanValueError, "fscan.associative_scan: `initial` has structure"):
         fscan.associative_scan(linear_recurrence, (rand(4), rand(4)), 0, initial=rand(()))
@@ -375,10 +370,10 @@ def mixed_pair(x, y):  # a float32 gate and a float64 state: leaves of two dtype
 def kernel(monkeypatch):
     """The C++ kernel, built on first use (each combine compiles once per run, then
     Inductor's disk cache); the fold's copy is counted: the carry-in must not take it."""
-    from fscan import _routing, _scan
+    from fscan import _entry, _routing
 
     folds = []
-    for module in (_routing, _scan):
+    for module in (_routing, _entry):
         real = module.swap_heads
         monkeypatch.setattr(
             module, "swap_heads", lambda *a, _real=real: folds.append(1) or _real(*a)
@@ -526,13 +521,13 @@ def test_gradients_to_initial_take_the_fold(kernel):
 def test_property_kernel_carry_in(name, length, other, dim, reverse, threads, seed):
     shape = [other, other]
     shape[dim] = length
-    from fscan import _routing, _scan
+    from fscan import _entry, _routing
 
     folds = []
-    real = (_routing.swap_heads, _scan.swap_heads)
+    real = (_routing.swap_heads, _entry.swap_heads)
     try:
-        _routing.swap_heads = _scan.swap_heads = lambda *a: folds.append(1) or real[0](*a)
+        _routing.swap_heads = _entry.swap_heads = lambda *a: folds.append(1) or real[0](*a)
         with fscan.config.override(cpu_kernel="eager"):
             _check_carry_in(folds, name, tuple(shape), dim, reverse, torch.float64, threads, seed)
     finally:
-        _routing.swap_heads, _scan.swap_heads = real
+        _routing.swap_heads, _entry.swap_heads = real

@@ -74,9 +74,9 @@ def test_the_background_warm_up_imports_nothing_a_trace_could_run_beside():
         import sys
         import torch._dynamo
         import fscan
-        from fscan.engine import cpu_kernel
+        from fscan.engine import _kernel_builder
         before = set(sys.modules)
-        cpu_kernel._warm_up()
+        _kernel_builder.warm_up()
         print(sorted(set(sys.modules) - before))
         """
     )

@@ -16,11 +16,19 @@ from collections.abc import Iterator
 import optree
 import pytest
 import torch
+from helpers import sequential_scan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fscan
-from fscan.engine import cpu_kernel
+from fscan.engine import (
+    _cpp_source,
+    _kernel_builder,
+    _kernel_entry,
+    _kernel_registry,
+    cpu_kernel,
+    traced_kernel,
+)
 from fscan.engine._cpp_build import compiler_problem
 from fscan.engine.cpu_kernel import State, kernel_scan
 
@@ -298,7 +306,7 @@ def _off(fn, xs, dim=0):
 
 
 def test_no_compiler_falls_back_with_identical_results(monkeypatch):
-    monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: "no compiler (test)")
+    monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: "no compiler (test)")
     x = torch.randn(40, 3)
     fn = lambda a, b: a * 0.5 + b
     assert torch.equal(_front_end(fn, x), _off(fn, x))
@@ -307,7 +315,7 @@ def test_no_compiler_falls_back_with_identical_results(monkeypatch):
 
 
 def test_unsupported_op_falls_back_silently(monkeypatch):
-    monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: None)
+    monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: None)
     x = torch.randn(40, 3)
     fn = lambda a, b: torch.remainder(a + b, 3.0)  # no C++ translation
     with warnings.catch_warnings():
@@ -320,8 +328,8 @@ def test_compile_failure_warns_once_and_falls_back(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("compiler exploded (test)")
 
-    monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: None)
-    monkeypatch.setattr(cpu_kernel, "load_kernel", broken)
+    monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: None)
+    monkeypatch.setattr(_kernel_builder, "load_kernel", broken)
     x = torch.randn(40, 3)
     fn = lambda a, b: a * 0.25 + b  # a code object no other test compiled
     with pytest.warns(UserWarning, match="building the C\\+\\+ scan kernel failed"):
@@ -353,11 +361,11 @@ def test_entry_cache_is_bounded(monkeypatch):
     from fscan import _knowledge
     from fscan._cache import BoundedCache
 
-    monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: None)
+    monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: None)
     monkeypatch.setattr(_knowledge, "entries", BoundedCache(maxsize=2))
-    monkeypatch.setattr(cpu_kernel, "MIN_CALLS", 10**9)
-    monkeypatch.setattr(cpu_kernel, "MIN_ELEMENTS", 10**18)
-    cpu_kernel._warm_up()  # what the background thread does first: imports, compiler lookup
+    monkeypatch.setattr(_kernel_registry, "MIN_CALLS", 10**9)
+    monkeypatch.setattr(_kernel_registry, "MIN_ELEMENTS", 10**18)
+    _kernel_builder.warm_up()  # what the background thread does first: imports, compiler lookup
     _, spec = optree.tree_flatten(0)
     with fscan.config.override(cpu_kernel="on"):
         for k in range(5):  # five keys: captured numbers are part of the key
@@ -600,14 +608,14 @@ def test_captured_gradients_second_order_take_the_adjoint_scan():
     ],
 )
 def test_drop_ins_ride_on_the_kernel(op, torch_op, dtype, reverse):
-    from fscan import _ops
+    from fscan import _ops, _ops_rules
 
     x = torch.randn(300, 128) if dtype.is_floating_point else torch.randint(-9, 9, (300, 128))
     x = x.to(dtype) if dtype != torch.float64 else (1 + torch.rand(300, 128) * 1e-3).double()
-    assert _ops.kernel_wins(x, 0, reverse, torch_op)
+    assert _ops_rules.kernel_wins(x, 0, reverse, torch_op)
     with torch.no_grad():
         out = op(x, 0, reverse=reverse)
-    assert _ops.path(torch_op, x, 0, reverse) == "cpp"
+    assert _ops_rules.path(torch_op, x, 0, reverse) == "cpp"
     if torch_op in (torch.cummax, torch.cummin):
         assert type(out) is type(torch_op(x, 0))
         values, indices = _ops._native_extremum(torch_op, tuple, x, 0, reverse)
@@ -652,12 +660,12 @@ def test_cummax_cummin_kernel_indices_and_ties_match_torch(
 ):
     """The kernel's (value, index) scan, indices made from positions: torch's ties (the
     later index; the earlier one in reverse), NaN sticking, over chunked 1-D scans too."""
-    from fscan import _ops
+    from fscan import _ops, _ops_rules
 
     shape = [other, other]
     shape[dim] = length
     x = _ties_and_nans(tuple(shape), dtype, torch.Generator().manual_seed(seed))
-    combine, spec, leaves, positions = _ops._kernel_call(op, x)
+    combine, spec, leaves, positions = _ops_rules.kernel_call(op, x)
     with num_threads(threads), torch.no_grad():
         out = kernel_scan("test", combine, spec, leaves, dim, reverse, positions=positions)
     assert out is not None
@@ -670,11 +678,11 @@ def test_cummax_cummin_kernel_indices_and_ties_match_torch(
 def test_position_leaves_key_their_own_kernel():
     """The same combine over the same leaves, with and without a position leaf: two
     kernels (the slot key holds the positions), each with its own result."""
-    from fscan import _ops
+    from fscan import _ops_rules
 
     x = torch.tensor([1.0, 3.0, 3.0, 2.0])
     given = torch.tensor([7, 8, 9, 10])
-    combine, spec, _, _ = _ops._kernel_call(torch.cummax, x)
+    combine, spec, _, _ = _ops_rules.kernel_call(torch.cummax, x)
     with torch.no_grad():
         made = kernel_scan("t", combine, spec, [x, given], 0, False, positions=(1,))
         read = kernel_scan("t", combine, spec, [x, given], 0, False)
@@ -684,15 +692,15 @@ def test_position_leaves_key_their_own_kernel():
 @needs_compiler
 @pytest.mark.parametrize("reverse", [False, True])
 def test_linear_recurrence_rides_on_the_kernel(reverse, monkeypatch):
-    from fscan import _linear
+    from fscan import _linear_chunked
 
     a, b = torch.rand(600, 64, dtype=torch.float64), torch.randn(600, 64, dtype=torch.float64)
     reset = torch.rand(600) < 0.05
     with torch.no_grad():
-        assert _linear._kernel_solve(a, b, 0, reverse) is not None
+        assert _linear_chunked.kernel_solve(a, b, 0, reverse) is not None
         out = fscan.linear_recurrence(a, b, 0, reverse=reverse)
         out_reset = fscan.linear_recurrence(a, b, 0, reverse=reverse, reset=reset)
-        monkeypatch.setattr(_linear, "_kernel_solve", lambda *args: None)
+        monkeypatch.setattr(_linear_chunked, "kernel_solve", lambda *args: None)
         ref = fscan.linear_recurrence(a, b, 0, reverse=reverse)
         ref_reset = fscan.linear_recurrence(a, b, 0, reverse=reverse, reset=reset)
     torch.testing.assert_close(out, ref)
@@ -707,21 +715,21 @@ def test_linear_recurrence_rides_on_the_kernel(reverse, monkeypatch):
 def test_linear_recurrence_reads_broadcast_gates_in_place(gate, reverse, monkeypatch):
     """A gate that broadcasts to b rides on the kernel as a stride-0 view (no size
     limit, no copy) and equals the walk's result; its inputs are left as they were."""
-    from fscan import _linear
+    from fscan import _linear_chunked
 
     a = torch.rand(gate, dtype=torch.float64) * 0.5 + 0.5
     b = torch.randn(600, 64, dtype=torch.float64)
     before_a, before_b = a.clone(), b.clone()
     served = []
-    solve = _linear._kernel_solve
+    solve = _linear_chunked.kernel_solve
     monkeypatch.setattr(
-        _linear, "_kernel_solve", lambda *args: served.append(solve(*args)) or served[-1]
+        _linear_chunked, "kernel_solve", lambda *args: served.append(solve(*args)) or served[-1]
     )
     copies = _copies()
     with torch.no_grad():
         out = fscan.linear_recurrence(a, b, 0, reverse=reverse)
     assert served and served[-1] is not None and _copies() == copies
-    monkeypatch.setattr(_linear, "_kernel_solve", lambda *args: None)
+    monkeypatch.setattr(_linear_chunked, "kernel_solve", lambda *args: None)
     with torch.no_grad():
         ref = fscan.linear_recurrence(a, b, 0, reverse=reverse)
     torch.testing.assert_close(out, ref)
@@ -735,22 +743,22 @@ def test_linear_recurrence_reads_broadcast_gates_in_place(gate, reverse, monkeyp
 def test_linear_recurrence_initial_is_the_kernels_carry_in(gate, reverse, monkeypatch):
     """initial= rides on the kernel (its carry-in: no copy of the leaves) and equals the
     walk's result; with gradients wanted it takes the walk, which carries them."""
-    from fscan import _linear
+    from fscan import _linear_chunked
 
     a = torch.rand(gate, dtype=torch.float64) * 0.5 + 0.5
     b = torch.randn(600, 64, dtype=torch.float64)
     h0 = torch.randn(64, dtype=torch.float64)
     served = []
-    solve = _linear._kernel_solve
+    solve = _linear_chunked.kernel_solve
     monkeypatch.setattr(
-        _linear, "_kernel_solve", lambda *args: served.append(solve(*args)) or served[-1]
+        _linear_chunked, "kernel_solve", lambda *args: served.append(solve(*args)) or served[-1]
     )
     with torch.no_grad():
         out = fscan.linear_recurrence(a, b, 0, reverse=reverse, initial=h0)
     assert served[-1] is not None
     grad_h0 = h0.clone().requires_grad_()
     fscan.linear_recurrence(a, b, 0, reverse=reverse, initial=grad_h0).sum().backward()
-    monkeypatch.setattr(_linear, "_kernel_solve", lambda *args: None)
+    monkeypatch.setattr(_linear_chunked, "kernel_solve", lambda *args: None)
     walk_h0 = h0.clone().requires_grad_()
     ref = fscan.linear_recurrence(a, b, 0, reverse=reverse, initial=walk_h0)
     ref.sum().backward()
@@ -763,7 +771,7 @@ def test_linear_recurrence_initial_is_the_kernels_carry_in(gate, reverse, monkey
 def test_linear_recurrence_backward_adjoint_rides_on_the_carry_in(reverse, monkeypatch):
     """The backward's adjoint recurrence starts from a carried-in state (the last
     cotangent): it now runs on the kernel's carry-in, with the walk's gradients."""
-    from fscan import _linear
+    from fscan import _linear_chunked
 
     def grads(kernel: bool):
         gen, d = torch.Generator().manual_seed(1), torch.float64
@@ -772,19 +780,19 @@ def test_linear_recurrence_backward_adjoint_rides_on_the_carry_in(reverse, monke
         w = torch.randn(600, 64, generator=gen, dtype=d)
         served.clear()
         if not kernel:
-            monkeypatch.setattr(_linear, "_kernel_solve", lambda *args: None)
+            monkeypatch.setattr(_linear_chunked, "kernel_solve", lambda *args: None)
         (fscan.linear_recurrence(a, b, 0, reverse=reverse) * w).sum().backward()
         return a.grad, b.grad
 
     served: list[bool] = []
-    solve = _linear._kernel_solve
+    solve = _linear_chunked.kernel_solve
 
     def spy(a, b, dim, reverse, initial=None, out=None):
         h = solve(a, b, dim, reverse, initial, out)
         served.append(initial is not None and h is not None)  # a carried-in adjoint
         return h
 
-    monkeypatch.setattr(_linear, "_kernel_solve", spy)
+    monkeypatch.setattr(_linear_chunked, "kernel_solve", spy)
     got = grads(True)
     assert any(served), "the adjoint did not run on the kernel's carry-in"
     ref = grads(False)
@@ -798,7 +806,7 @@ def test_linear_recurrence_backward_adjoint_rides_on_the_carry_in(reverse, monke
 def test_background_build_then_switch(monkeypatch):
     import time
 
-    monkeypatch.setattr(cpu_kernel, "MIN_CALLS", 1)
+    monkeypatch.setattr(_kernel_registry, "MIN_CALLS", 1)
     _, spec = optree.tree_flatten(0)
     x = torch.randn(40, 8, dtype=torch.float64)
     fn = lambda a, b: a - b * 0.5  # a key no other test built
@@ -814,16 +822,50 @@ def test_background_build_then_switch(monkeypatch):
     assert_close_to(out, oracle(fn, x, 0, False), "background")
 
 
+@needs_compiler
+def test_mode_on_switches_public_scans_to_the_kernel_once_built(monkeypatch):
+    """The default mode as users meet it, through ``fscan.associative_scan``: fscan's
+    torch engine answers while the kernel builds in the background, then the kernel
+    does, with the same results on both sides of the switch (gradients too)."""
+    import time
+
+    runs = []
+    run_kernel = cpu_kernel.run_kernel
+    monkeypatch.setattr(cpu_kernel, "run_kernel", lambda *args: runs.append(1) or run_kernel(*args))
+    fscan.clear_caches()  # a fresh kernel entry: its build starts in this test
+    a = torch.rand(40, 8, dtype=torch.float64) * 0.5 + 0.5
+    b = torch.randn(40, 8, dtype=torch.float64)
+    leaves, spec = optree.tree_flatten((a, b))
+    want = oracle(linrec, (a, b), 0, False)
+    answers = {"torch": 0, "kernel": 0}
+    with fscan.config.override(cpu_kernel="on"), torch.no_grad():
+        deadline = time.monotonic() + 300
+        while not answers["kernel"] and time.monotonic() < deadline:
+            before = len(runs)
+            assert_close_to(fscan.associative_scan(linrec, (a, b), 0), want, "on")
+            answers["kernel" if len(runs) > before else "torch"] += 1
+            time.sleep(0.02)
+        assert cpu_kernel.kernel_ready(linrec, spec, leaves, 0)
+    assert answers["kernel"], "the background build never finished"
+    assert answers["torch"], "the first call waited for a build"
+    # A call with gradients meets a backward kernel not built yet: the torch engine answers.
+    with fscan.config.override(cpu_kernel="on"):
+        x = a.clone().requires_grad_()
+        (g,) = torch.autograd.grad(fscan.associative_scan(linrec, (x, b), 0)[1].sum(), x)
+    (w,) = torch.autograd.grad(sequential_scan(linrec, (x, b), 0)[1].sum(), x)
+    torch.testing.assert_close(g, w)
+
+
 def test_fork_hook_requeues_pending_builds():
     from fscan import _knowledge
 
     holder = _knowledge.Knowledge()
     pending = cpu_kernel.Entry(state=State.PENDING)
-    cpu_kernel._slots(holder).put(((), (), False), pending)
+    cpu_kernel.kernel_slots(holder).put(((), (), False), pending)
     _knowledge.entries.put(("fork test",), holder)
-    old_worker = cpu_kernel._worker
-    cpu_kernel._after_fork_in_child()
-    assert pending.state is State.NEW and cpu_kernel._worker is not old_worker
+    old_worker = _kernel_builder.worker
+    _kernel_builder._after_fork_in_child()
+    assert pending.state is State.NEW and _kernel_builder.worker is not old_worker
 
 
 @needs_compiler
@@ -914,12 +956,12 @@ def test_a_waiting_build_leaves_the_toolchain_warm(monkeypatch):
     """An eager build finishes the toolchain warm-up itself: the next call in mode "on"
     runs the kernel, rather than restart the warm-up in the background and answer with
     the torch engine meanwhile (which made benchmarks time a busy core)."""
-    monkeypatch.setattr(cpu_kernel, "_warm", threading.Event())  # as in a fresh process
+    monkeypatch.setattr(_kernel_builder, "warm", threading.Event())  # as in a fresh process
     leaves, spec = optree.tree_flatten(torch.arange(64.0))
     with torch.no_grad():
         with fscan.config.override(cpu_kernel="eager"):
             assert kernel_scan("t", torch.add, spec, leaves, 0, False) is not None
-        assert cpu_kernel._warm.is_set()
+        assert _kernel_builder.warm.is_set()
         with fscan.config.override(cpu_kernel="on"):
             assert kernel_scan("t", torch.add, spec, leaves, 0, False) is not None
 
@@ -1161,14 +1203,14 @@ def test_random_views_match_the_oracle(sizes, data, reverse, threads):
 def test_position_leaves_beside_strided_values(reverse):
     """cummax's (value, index) scan with the values a view (the chain path for a
     transpose, gathered rows for a step slice): indices are positions along dim."""
-    from fscan import _ops
+    from fscan import _ops, _ops_rules
 
     gen = torch.Generator().manual_seed(11)
     for x in (
         torch.randint(-3, 4, (12, 2100), generator=gen).float().t(),
         torch.randint(-3, 4, (60, 40), generator=gen).float()[:, ::2],
     ):
-        combine, spec, leaves, positions = _ops._kernel_call(torch.cummax, x)
+        combine, spec, leaves, positions = _ops_rules.kernel_call(torch.cummax, x)
         copies = _copies()
         with torch.no_grad():
             out = kernel_scan("t", combine, spec, leaves, 0, reverse, positions=positions)
@@ -1202,7 +1244,7 @@ def _keep_leaves(name: str, shape: tuple[int, ...], gen: torch.Generator):
 
 def test_dead_leaves_are_those_no_kept_output_needs():
     from fscan.engine._cpp_codegen import translate_combine
-    from fscan.engine._cpp_source import needed
+    from fscan.engine._cpp_structs import needed
 
     f32 = [torch.float32] * 2
     spec = optree.tree_structure((0, 0))
@@ -1336,19 +1378,55 @@ def test_the_benchmark_calls_the_bare_kernel_with_its_current_signature():
 def test_kernel_possible_is_keyed_on_mode_probe_and_lookup(monkeypatch):
     """The cached verdict follows each thing it depends on: the mode, the compiler probe
     and whether the toolchain lookup ran; an unknown answer (lookup to come) is not kept."""
-    monkeypatch.setattr(cpu_kernel, "_verdicts", {})
-    monkeypatch.setattr(cpu_kernel, "_warm", threading.Event())  # as in a fresh process
-    monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: "no compiler (test)")
+    monkeypatch.setattr(_kernel_registry, "_verdicts", {})
+    monkeypatch.setattr(_kernel_builder, "warm", threading.Event())  # as in a fresh process
+    monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: "no compiler (test)")
     with fscan.config.override(cpu_kernel="on"):
         assert cpu_kernel.kernel_possible()  # not looked up yet: the checked path will
-        assert not cpu_kernel._verdicts
-        cpu_kernel._warm.set()
+        assert not _kernel_registry._verdicts
+        _kernel_builder.warm.set()
         assert not cpu_kernel.kernel_possible()
-        monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: None)  # another probe
+        monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: None)  # another probe
         assert cpu_kernel.kernel_possible()
         with fscan.config.override(cpu_kernel="off"):
             assert not cpu_kernel.kernel_possible()
         with fscan.config.override(cpu_kernel="eager"):
             assert cpu_kernel.kernel_possible()
         assert cpu_kernel.kernel_possible()
-    assert len(cpu_kernel._verdicts) == 4  # (on, no compiler), (on), (off), (eager)
+    assert len(_kernel_registry._verdicts) == 4  # (on, no compiler), (on), (off), (eager)
+
+
+def test_clear_caches_clears_every_store_of_the_engine(monkeypatch):
+    """fscan.clear_caches() empties the engine's process-level stores: the kernel entries
+    (inside the knowledge entries), the kernel_possible verdicts, the reasons logged once
+    and the C++ files read; the traced graphs compiled code refers to stay, bounded."""
+    from fscan import _knowledge
+
+    monkeypatch.setattr(_kernel_registry, "_verdicts", {})
+    monkeypatch.setattr(_kernel_entry, "_logged", set())
+    with fscan.config.override(cpu_kernel="off"):
+        cpu_kernel.kernel_possible()
+    cpu_kernel.log_once("a reason (test)")
+    _cpp_source.csrc("tuning.h")
+    fscan.associative_scan(add, torch.ones(4), 0)
+    assert _kernel_registry._verdicts and _kernel_entry._logged
+    assert _cpp_source.csrc.cache_info().currsize and len(_knowledge.entries)
+    fscan.clear_caches()
+    assert not _kernel_registry._verdicts and not _kernel_entry._logged
+    assert not _cpp_source.csrc.cache_info().currsize and not len(_knowledge.entries)
+    assert traced_kernel._graphs.maxsize == traced_kernel.GRAPHS
+
+
+def test_the_fixed_cpp_files_are_part_of_every_kernel_source():
+    """The disk cache is keyed by the source text: it must hold the csrc files' text, so
+    that editing one builds every kernel again."""
+    from fscan.engine._cpp_codegen import translate_combine
+
+    spec = optree.tree_structure(0)
+    program = translate_combine(add, spec, [torch.float32], (), ())
+    forward = _cpp_source.forward_source([torch.float32], program)
+    step = _cpp_source.step_source([torch.float32], program)
+    for name in ("prelude.h", "tuning.h", "forward.h"):
+        assert _cpp_source.csrc(name) in forward
+    assert _cpp_source.csrc("prelude.h") in step
+    assert "$" not in forward + step  # every hole filled

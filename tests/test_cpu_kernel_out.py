@@ -46,7 +46,7 @@ def _layout(name: str, shape: tuple[int, ...], dim: int):
     how: Callable[[torch.Tensor], torch.Tensor]
     if name == "dense":
         how = lambda t: t
-    elif name == "narrowed along dim":  # as _linear._adjoint's earlier(lam)
+    elif name == "narrowed along dim":  # as _linear_solve.adjoint_grads's earlier(lam)
         grown[dim] += 3
         how = lambda t: t.narrow(dim, 1, shape[dim])
     elif name == "narrowed lanes":
@@ -267,9 +267,9 @@ def test_out_must_not_alias_a_captured_tensor():
 @pytest.fixture
 def small_kernel_sizes(monkeypatch):
     """The kernel serves linear_recurrence at any size (gradcheck needs small shapes)."""
-    from fscan import _ops
+    from fscan import _linear_chunked
 
-    monkeypatch.setattr(_ops, "KERNEL_MIN_NUMEL", 0)
+    monkeypatch.setattr(_linear_chunked, "KERNEL_MIN_NUMEL", 0)
 
 
 @needs_compiler
@@ -305,7 +305,7 @@ def test_linear_recurrence_gradcheck_with_the_adjoint_in_place(shape, dim, gate,
 def test_solve_returns_its_out_written_in_place(monkeypatch):
     """``_solve(..., out=)`` on the kernel returns ``out`` itself; the kernel's result is
     never copied into it (``Tensor.copy_`` is not called)."""
-    from fscan import _linear
+    from fscan import _linear_chunked
 
     gen = torch.Generator().manual_seed(4)
     a = torch.rand(40, 9, generator=gen, dtype=F64)
@@ -318,7 +318,7 @@ def test_solve_returns_its_out_written_in_place(monkeypatch):
         torch.Tensor, "copy_", lambda s, *a, **k: copies.append(1) or real_copy(s, *a, **k)
     )
     with torch.no_grad():
-        got = _linear._solve(a, b, 0, None, False, None, True, out)
+        got = _linear_chunked.solve(a, b, 0, None, False, None, True, out)
     monkeypatch.undo()
     assert got is out and not copies
     assert base[0].isnan().all()

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import ast
 import pathlib
-import re
 import warnings
 
 import pytest
 import torch
-from helpers import add
+from helpers import add, raises
 
 import fscan
-
-
-def raises(exc, text):
-    return pytest.raises(exc, match=re.escape(text))
 
 
 def test_combine_fn_not_callable():
@@ -294,3 +289,16 @@ def test_every_raise_in_fscan_uses_the_hierarchy():
             if name[:1].isupper() and name not in allowed:
                 offenders.append(f"{path.name}:{node.lineno} raises {name}")
     assert not offenders, offenders
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_nested_tensors_are_refused():
+    nested = torch.nested.nested_tensor([torch.ones(3), torch.ones(2)])
+    with pytest.raises(fscan.ScanTypeError, match="nested tensor"):
+        fscan.associative_scan(torch.add, nested, 0)
+
+
+def test_python_control_flow_in_generic_mode_names_the_fix():
+    branchy = lambda a, b: a if a[0] >= b[0] else b
+    with raises(fscan.CombineFnError, "torch.where"):
+        fscan.associative_scan(branchy, torch.randn(8, 2), 0, combine_mode="generic")

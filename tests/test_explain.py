@@ -15,6 +15,10 @@ from fscan._route_log import ENGINES
 from fscan.engine import cpu_kernel
 from fscan.engine._cpp_build import compiler_problem
 
+# Written against the torch engine's routes (the session's default is the kernel); the
+# tests of the kernel's route pick cpu_kernel="eager" themselves.
+pytestmark = pytest.mark.torch_engine
+
 needs_compiler = pytest.mark.skipif(
     compiler_problem() is not None, reason=f"no C++ kernel here: {compiler_problem()}"
 )

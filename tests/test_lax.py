@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import optree
 import pytest
 import torch
-from helpers import parametrize
+from helpers import parametrize, raises
 
 import fscan
 from fscan import lax
@@ -122,10 +120,6 @@ def test_reverse_order_is_jaxs():
 def test_gradients_flow():
     x = torch.randn(12, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: lax.associative_scan(torch.mul, t, axis=0), (x,))
-
-
-def raises(exc, text):
-    return pytest.raises(exc, match=re.escape(text))
 
 
 def test_errors_use_jax_names():

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
-from helpers import parametrize
+from helpers import parametrize, raises
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fscan
-from fscan._linear import _chunk_size
+from fscan._linear_chunked import chunk_size
 
 # 0-31: the tree alone; 32+: chunked walks, with and without a tail, and (257,
 # 1000) with a chunk-level recurrence that is itself chunked.
@@ -36,7 +34,7 @@ def full(a, b):
 
 
 def test_chunk_sizes():
-    assert [_chunk_size(n) for n in (31, 32, 100, 256, 257, 4096)] == [None, 8, 16, 64, 64, 64]
+    assert [chunk_size(n) for n in (31, 32, 100, 256, 257, 4096)] == [None, 8, 16, 64, 64, 64]
 
 
 @parametrize(length=LENGTHS, reverse=[False, True], initial=[False, True])
@@ -226,10 +224,6 @@ def test_matrix_nan_inf_do_not_cross_a_reset(reverse, per_row):
 
 
 # ---- errors --------------------------------------------------------------------
-
-
-def raises(exc, text):
-    return pytest.raises(exc, match=re.escape(text))
 
 
 def test_gate_must_broadcast():
@@ -725,7 +719,7 @@ def test_acc_dtype_checked():
 
 
 def test_result_dtype_matches_torch():
-    from fscan._linear import _result_dtype
+    from fscan._recurrence_args import result_dtype
 
     dtypes = [torch.bool, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64]
     dtypes += [torch.complex64, torch.complex128]
@@ -733,9 +727,9 @@ def test_result_dtype_matches_torch():
         b = torch.zeros(2, dtype=high)
         for low in dtypes:
             for a in (torch.zeros((), dtype=low), torch.zeros(2, dtype=low)):
-                assert _result_dtype(b, a) == torch.result_type(b, a), (high, a)
+                assert result_dtype(b, a) == torch.result_type(b, a), (high, a)
         for number in (True, 2, 0.5, 1j):
-            assert _result_dtype(b, number) == torch.result_type(b, number), (high, number)
+            assert result_dtype(b, number) == torch.result_type(b, number), (high, number)
 
 
 # ---- torch.compile and torch.export -------------------------------------------------

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
-from helpers import parametrize
+from helpers import parametrize, raises
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fscan
@@ -235,10 +233,6 @@ def test_dtype_promotion_and_new_memory():
 
 
 # ---- errors ---------------------------------------------------------------------------
-
-
-def raises(exc, text):
-    return pytest.raises(exc, match=re.escape(text))
 
 
 def test_errors():

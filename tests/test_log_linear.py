@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
-from helpers import parametrize
+from helpers import parametrize, raises
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -208,10 +206,6 @@ def test_property_matches_loop(length, reverse, with_initial, zeros, seed):
     h0 = torch.randn(2, dtype=torch.float64, generator=gen) if with_initial else None
     out = fscan.log_linear_recurrence(la, lb, 0, initial=h0, reverse=reverse)
     torch.testing.assert_close(out, loop(la, lb, 0, h0, reverse))
-
-
-def raises(exc, text):
-    return pytest.raises(exc, match=re.escape(text))
 
 
 def test_errors():

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import re
 import threading
 
+import numpy as np
 import pytest
 import torch
-from helpers import parametrize
+from helpers import parametrize, raises
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fscan
-from fscan import _ops
+from fscan import _ops, _ops_rules
 
 OPS = ["cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"]
 PATHS = ["native", "parallel"]
@@ -36,8 +36,8 @@ def force(monkeypatch):
 
     def pin(path):
         wins = path == "parallel"
-        monkeypatch.setattr(_ops, "_route", lambda op, x, dim, rev: (False, wins and x.ndim > 0))
-        monkeypatch.setattr(_ops, "_native_fast", lambda op, x, dim: None)  # _route decides
+        monkeypatch.setattr(_ops, "route", lambda op, x, dim, rev: (False, wins and x.ndim > 0))
+        monkeypatch.setattr(_ops, "native_fast", lambda op, x, dim: None)  # _route decides
 
     return pin
 
@@ -157,7 +157,7 @@ def test_gradients_match_torch(force, name, path, reverse):
 def test_cumprod_gradient_with_zeros_is_exact():
     steps = torch.tensor([2.0, 0.0, 3.0, 0.0, 5.0, 1.5, -1.0, 0.5] * 64, dtype=torch.float64)
     x = (steps[:, None] * torch.rand(1, 4096, dtype=torch.float64)).requires_grad_()
-    assert _ops.parallel_wins(x, 0, torch.cumprod)  # the scan path, on its own merits
+    assert _ops_rules.parallel_wins(x, 0, torch.cumprod)  # the scan path, on its own merits
     (got,) = torch.autograd.grad(fscan.cumprod(x, 0).sum(), x)
     (expected,) = torch.autograd.grad(torch.cumprod(x, 0).sum(), x)
     torch.testing.assert_close(got, expected)
@@ -176,7 +176,7 @@ def test_returns_torch_structs():
 
 
 def test_dispatch_rule_on_the_benchmark_workloads():
-    wins = _ops.parallel_wins
+    wins = _ops_rules.parallel_wins
     for op in (torch.cumsum, torch.cumprod, torch.cummax, torch.cummin, torch.logcumsumexp):
         assert not wins(torch.empty(2**20), 0, op)  # contiguous: torch's kernel
         assert not wins(torch.empty(4096, 256), 1, op)
@@ -267,14 +267,14 @@ def routed(layout, shape):
 def kernel_possible(monkeypatch):
     """``kernel_possible(True)``: a compiler and mode "on"; ``(False, mode)``: none to be had,
     by mode "off" or (mode "on") by a compiler probe that found none after the lookup."""
-    from fscan.engine import cpu_kernel
+    from fscan.engine import _kernel_builder, _kernel_registry, cpu_kernel
 
     def pin(possible, mode="on"):
         warm = threading.Event()
         warm.set()
         problem = None if possible else "no compiler (test)"
-        monkeypatch.setattr(cpu_kernel, "_warm", warm)
-        monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: problem)
+        monkeypatch.setattr(_kernel_builder, "warm", warm)
+        monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: problem)
         monkeypatch.setattr(fscan.config, "cpu_kernel", mode)
         assert cpu_kernel.kernel_possible() is possible
 
@@ -288,18 +288,18 @@ def test_routing_table(op, layout, shape, dim, reverse, route, kernel_possible):
     and its result is torch's."""
     x = routed(layout, shape)
     assert x.is_contiguous() == (layout == "contiguous")
-    assert _ops._route(op, x, dim, reverse) == route
-    assert _ops.kernel_wins(x, dim, reverse, op) == route[0]
-    forward = _ops._route(op, x, dim, False)  # the fast path's case: forward calls only
+    assert _ops_rules.route(op, x, dim, reverse) == route
+    assert _ops_rules.kernel_wins(x, dim, reverse, op) == route[0]
+    forward = _ops_rules.route(op, x, dim, False)  # the fast path's case: forward calls only
     for possible, mode in ((True, "on"), (False, "off"), (False, "on")):
         kernel_possible(possible, mode)
-        fast = _ops._native_fast(op, x, dim)
+        fast = _ops_rules.native_fast(op, x, dim)
         native = not forward[1] and (not forward[0] or not possible)
         assert (fast is not None) == native, (possible, mode)
         if fast is not None and x.numel() < 2**22:
             assert_same(fast, op(x, dim))
     if not route[0]:
-        assert _ops.path(op, x, dim, reverse) == ("blocked" if route[1] else "native")
+        assert _ops_rules.path(op, x, dim, reverse) == ("blocked" if route[1] else "native")
 
 
 @parametrize(name=OPS, dtype=[torch.float32, torch.int32, torch.bool], possible=[True, False])
@@ -325,10 +325,10 @@ def test_fast_path_only_where_the_table_says_native(name, dtype, possible, kerne
         for dim in range(-x.ndim, x.ndim):
             for grad in (False, True) if dtype.is_floating_point else (False,):
                 x = x.detach().requires_grad_(grad)
-                fast = _ops._native_fast(op, x, dim)
+                fast = _ops_rules.native_fast(op, x, dim)
                 if fast is None:
                     continue
-                kernel, parallel = _ops._route(op, x, dim % x.ndim, False)
+                kernel, parallel = _ops_rules.route(op, x, dim % x.ndim, False)
                 assert not parallel and (not kernel or not possible)
                 assert_same(fast, getattr(fscan, name)(x, dim))
                 with torch.no_grad():
@@ -337,11 +337,11 @@ def test_fast_path_only_where_the_table_says_native(name, dtype, possible, kerne
 
 def test_fast_path_leaves_checks_and_tracing_to_the_checked_path(monkeypatch):
     x = torch.ones(8)
-    assert _ops._native_fast(torch.cumsum, x, 1) is None  # out of range: fscan's error
-    assert _ops._native_fast(torch.cumsum, x, True) is None  # a bool is no dim
-    assert _ops._native_fast(torch.cumsum, [1.0], 0) is None
-    monkeypatch.setattr(_ops, "_is_compiling", lambda: True)
-    assert _ops._native_fast(torch.cumsum, x, 0) is None
+    assert _ops_rules.native_fast(torch.cumsum, x, 1) is None  # out of range: fscan's error
+    assert _ops_rules.native_fast(torch.cumsum, x, True) is None  # a bool is no dim
+    assert _ops_rules.native_fast(torch.cumsum, [1.0], 0) is None
+    monkeypatch.setattr(_ops_rules, "_is_compiling", lambda: True)
+    assert _ops_rules.native_fast(torch.cumsum, x, 0) is None
 
 
 def kernel_or_skip(op, x, dim, reverse=False):
@@ -350,10 +350,10 @@ def kernel_or_skip(op, x, dim, reverse=False):
 
     if compiler_problem() is not None:
         pytest.skip(f"no C++ kernel here: {compiler_problem()}")
-    assert _ops.kernel_wins(x, dim, reverse, op)
+    assert _ops_rules.kernel_wins(x, dim, reverse, op)
     with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):  # the suite runs "off"
         out = getattr(fscan, op.__name__)(x, dim, reverse=reverse)
-        assert _ops.path(op, x, dim, reverse) == "cpp"
+        assert _ops_rules.path(op, x, dim, reverse) == "cpp"
     return out
 
 
@@ -427,16 +427,12 @@ def test_property_random_shapes(shape, data, name, path, reverse, seed):
     x = sample(shape, torch.float64, generator=torch.Generator().manual_seed(seed))
     with pytest.MonkeyPatch.context() as patch:
         wins = path == "parallel"
-        patch.setattr(_ops, "_route", lambda op, x, dim, rev: (False, wins))
-        patch.setattr(_ops, "_native_fast", lambda op, x, dim: None)
+        patch.setattr(_ops, "route", lambda op, x, dim, rev: (False, wins))
+        patch.setattr(_ops, "native_fast", lambda op, x, dim: None)
         assert_same(*run_both(name, x, dim, reverse))
 
 
 # ---- errors --------------------------------------------------------------------
-
-
-def raises(exc, text):
-    return pytest.raises(exc, match=re.escape(text))
 
 
 def test_errors():
@@ -461,3 +457,13 @@ def test_errors():
         fscan.cummin([1, 2], 0)
     with raises(fscan.ScanTypeError, "fscan.logcumsumexp: `dim` must be an int, got bool True."):
         fscan.logcumsumexp(torch.ones(3), True)
+
+
+def test_drop_ins_take_numpy_dims_and_raise_index_error_like_torch():
+    x = torch.rand(3, 4)
+    torch.testing.assert_close(fscan.cumsum(x, np.int64(1)), torch.cumsum(x, 1))
+    torch.testing.assert_close(fscan.associative_scan(torch.add, x, np.int32(-1)), x.cumsum(1))
+    with pytest.raises(IndexError):
+        torch.cumsum(x, 5)
+    with pytest.raises(IndexError, match="out of range"):
+        fscan.cumsum(x, 5)

@@ -13,8 +13,8 @@ from helpers import parametrize
 from test_ops import assert_same, reference, sample
 
 import fscan
-from fscan import _ops
-from fscan.engine import cpu_kernel
+from fscan import _ops, _ops_rules
+from fscan.engine import _kernel_builder, _kernel_registry, cpu_kernel
 from fscan.engine._cpp_build import compiler_problem
 
 OPS = ["cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"]
@@ -74,8 +74,8 @@ def kernel_route(monkeypatch, eager):
         served.append(out is not None)
         return out
 
-    monkeypatch.setattr(_ops, "_route", lambda op, x, dim, rev: (True, False))
-    monkeypatch.setattr(_ops, "_native_fast", lambda op, x, dim: None)
+    monkeypatch.setattr(_ops, "route", lambda op, x, dim, rev: (True, False))
+    monkeypatch.setattr(_ops, "native_fast", lambda op, x, dim: None)
     monkeypatch.setattr(_ops, "_kernel", record)
     return served
 
@@ -148,12 +148,12 @@ def test_routed_views_take_the_kernel(eager, name, case):
     x = view(torch.randn(shape, generator=torch.Generator().manual_seed(case)))
     op = getattr(torch, name)
     if case == INNERMOST_FAR and name in ("cummax", "cummin"):
-        assert not _ops.kernel_wins(x, dim, False, op)
+        assert not _ops_rules.kernel_wins(x, dim, False, op)
         return
-    assert not x.is_contiguous() and _ops.kernel_wins(x, dim, False, op)
+    assert not x.is_contiguous() and _ops_rules.kernel_wins(x, dim, False, op)
     with torch.no_grad():
         check(name, x, dim, False)
-    assert _ops.path(op, x, dim) == "cpp"
+    assert _ops_rules.path(op, x, dim) == "cpp"
 
 
 @pytest.fixture(params=["off", "no compiler"])
@@ -165,15 +165,15 @@ def no_kernel(request, monkeypatch):
     else:
         warm = threading.Event()
         warm.set()
-        monkeypatch.setattr(cpu_kernel, "_warm", warm)
-        monkeypatch.setattr(cpu_kernel, "compiler_problem", lambda: "no compiler (test)")
+        monkeypatch.setattr(_kernel_builder, "warm", warm)
+        monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: "no compiler (test)")
         monkeypatch.setattr(fscan.config, "cpu_kernel", "on")
 
     def refuse(*args, **kwargs):
         raise AssertionError("the kernel was asked to build")
 
-    monkeypatch.setattr(cpu_kernel, "_build", refuse)
-    monkeypatch.setattr(cpu_kernel, "_submit", refuse)
+    monkeypatch.setattr(_kernel_registry, "build", refuse)
+    monkeypatch.setattr(_kernel_registry, "submit", refuse)
     assert not cpu_kernel.kernel_possible()
     return request.param
 
@@ -186,8 +186,8 @@ def test_without_a_kernel_routed_views_are_torchs_op(no_kernel, name, case):
     shape, view, dim = ROUTED[case]
     x = view(sample(shape, torch.float32))
     op = getattr(torch, name)
-    fast = _ops._native_fast(op, x, dim)
-    assert (fast is None) == _ops.parallel_wins(x, dim, op)
+    fast = _ops_rules.native_fast(op, x, dim)
+    assert (fast is None) == _ops_rules.parallel_wins(x, dim, op)
     if fast is not None:
         assert_same(fast, op(x, dim))
     check(name, x, dim, False)
@@ -198,8 +198,8 @@ def test_without_a_kernel_routed_views_are_torchs_op(no_kernel, name, case):
 def test_without_a_kernel_forced_routes_fall_back(no_kernel, monkeypatch, name, case):
     """The kernel's route forced on small views: the fallback is torch's op (or the
     parallel scan), same results, no build."""
-    monkeypatch.setattr(_ops, "_route", lambda op, x, dim, rev: (True, False))
-    monkeypatch.setattr(_ops, "_native_fast", lambda op, x, dim: None)
+    monkeypatch.setattr(_ops, "route", lambda op, x, dim, rev: (True, False))
+    monkeypatch.setattr(_ops, "native_fast", lambda op, x, dim: None)
     layout, dim = case
     x = strided(layout, torch.float64)
     for reverse in (False, True):

@@ -38,6 +38,7 @@ def _with_casts(a, b):
     return (a.double() + b.double()).to(a.dtype) * torch.ones_like(a)
 
 
+F64 = torch.float64
 W = torch.rand(3) + 0.5
 
 
@@ -258,3 +259,65 @@ def test_short_scans_keep_their_gradients(n):
     assert torch.autograd.gradcheck(scan, (a, b))
     loop = sequential_scan(linear_recurrence, (a.detach(), b.detach()), 0, False, "generic")[1]
     torch.testing.assert_close(scan(a, b), loop)
+
+
+def test_within_element_views_are_elementwise_in_pointwise_mode():
+    # `a[..., :1]` keeps the batch of elements in place: allowed, and exact.
+    fn = lambda a, b: a[..., :1] + b
+    x = torch.randn(9, 3, dtype=F64)
+    torch.testing.assert_close(fscan.associative_scan(fn, x, 0), sequential_scan(fn, x, 0))
+
+
+@pytest.mark.parametrize(
+    "combine_fn",
+    [
+        lambda a, b: a + b[0],
+        lambda a, b: a + b[1:2],
+        lambda a, b: a + b[:1],
+        lambda a, b: a + b.narrow(0, 0, 1),
+        lambda a, b: a + b.index_select(0, torch.tensor([0])),
+        lambda a, b: a + b[torch.tensor([0])],
+        lambda a, b: a + b.unbind(0)[0],
+        lambda a, b: a + b.sum(0),
+        lambda a, b: a + b.flip(0),
+        lambda a, b: a + b.roll(1, 0),
+        lambda a, b: a + b.T.T.contiguous().view(-1).view(b.shape).flip(0),
+        lambda a, b: (a[:, None] + b)[:, 0],
+        lambda a, b: a + b.reshape(-1)[: b.numel()].reshape(b.shape).flip(0),
+    ],
+    ids=[
+        "select",
+        "slice",
+        "slice-head",
+        "narrow",
+        "index_select",
+        "advanced",
+        "unbind",
+        "reduction",
+        "flip",
+        "roll",
+        "reshape-flip",
+        "misaligned-broadcast",
+        "flatten",
+    ],
+)
+def test_indexing_the_batch_is_refused_in_pointwise_mode(combine_fn):
+    x = torch.randn(8, 3)
+    with pytest.raises(fscan.CombineFnError, match="not elementwise"):
+        fscan.associative_scan(combine_fn, x, 0)
+
+
+def test_select_on_scalar_elements_is_refused():
+    with pytest.raises(fscan.CombineFnError, match=re.escape("aten.select")):
+        fscan.associative_scan(lambda a, b: a + b[0], torch.randn(8), 0)
+
+
+def test_constants_made_inside_and_views_within_an_element_pass():
+    x = torch.randn(8, 4, 1)
+    for fn in (
+        lambda a, b: a + b * torch.ones(4, 1),
+        lambda a, b: a + b[..., 0:1],
+        lambda a, b: a + b.unsqueeze(-1)[..., 0],
+    ):
+        got = fscan.associative_scan(fn, x, 0)
+        torch.testing.assert_close(got, sequential_scan(fn, x, 0, combine_mode="pointwise"))

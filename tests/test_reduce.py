@@ -79,6 +79,8 @@ def test_empty_returns_initial_or_raises():
         fscan.associative_reduce(torch.add, torch.zeros(0, 3), 0)
 
 
+# Counts the torch engine's combine_fn calls (the C++ kernel calls it once, to trace).
+@pytest.mark.torch_engine
 def test_half_the_scans_work():
     """n - 1 elements combined, against about 2 n for the scan."""
     seen = []

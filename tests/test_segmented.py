@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import re
-
 import optree
-import pytest
 import torch
 from helpers import (
     add,
@@ -16,6 +13,7 @@ from helpers import (
     maximum,
     mul,
     parametrize,
+    raises,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -139,10 +137,6 @@ def test_property_random_masks(length, p, reverse, mode, seed):
 
 
 # ---- errors --------------------------------------------------------------------
-
-
-def raises(exc, text):
-    return pytest.raises(exc, match=re.escape(text))
 
 
 def test_mask_must_be_bool():

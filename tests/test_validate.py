@@ -3,8 +3,6 @@ and the engine's promise that aliasing outputs are safe."""
 
 from __future__ import annotations
 
-import re
-
 import optree
 import pytest
 import torch
@@ -19,6 +17,7 @@ from helpers import (
     maximum,
     mul,
     parametrize,
+    raises,
     sequential_scan,
 )
 from hypothesis import given, settings
@@ -33,10 +32,6 @@ from fscan._validate import validate_combine_fn
 MODES = ["pointwise", "generic"]
 SCAN = "fscan.associative_scan: "
 CHECK = "fscan.check_associative: "
-
-
-def raises(exc, text):
-    return pytest.raises(exc, match=re.escape(text))
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -261,6 +256,8 @@ def calls_of(fn: CountingAdd, **kwargs) -> int:
     return int(fn.calls) - before
 
 
+# Counts the torch engine's combine_fn calls (the C++ kernel traces combine_fn instead).
+@pytest.mark.torch_engine
 def test_the_probe_runs_once_per_key_then_the_verdict_is_cached():
     fn = CountingAdd()
     first_call, second_call = calls_of(fn), calls_of(fn)
@@ -577,3 +574,19 @@ def test_user_data_is_untouched_and_gradients_are_not_tracked():
 def test_bad_arguments(kwargs, exc, text):
     with raises(exc, CHECK + text):
         fscan.check_associative(add, torch.ones(4), **kwargs)
+
+
+def test_a_value_dependent_write_into_the_input_is_reported():
+    # The probe sees batches of at most two elements; a write that only larger batches
+    # trigger is caught afterwards by the input's version counter, loudly.
+    sneaky = lambda a, b: a.add_(b) if a.shape[0] > 2 else a + b
+    x = torch.ones(16)
+    with pytest.raises(fscan.ImpureCombineError, match="Your input has been changed"):
+        fscan.associative_scan(sneaky, x, 0)
+
+
+def test_validate_on_under_vmap():
+    xs = torch.randn(3, 5)
+    with fscan.config.override(validate=True):
+        out = torch.func.vmap(lambda x: fscan.associative_scan(torch.add, x, 0))(xs)
+    torch.testing.assert_close(out, xs.cumsum(1))

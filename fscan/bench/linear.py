@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import fscan
-from fscan._linear import _solve
+from fscan._linear_chunked import solve
 
 from ._timing import Table, fmt_ms
 
@@ -136,7 +136,7 @@ class BlellochScan(torch.autograd.Function):
 
 def _walk_autograd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """fscan's chunked walk differentiated by autograd (the path before the custom backward)."""
-    return _solve(a, b, 1, None, False, None, fast=False)
+    return solve(a, b, 1, None, False, None, fast=False)
 
 
 RUNNERS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -184,7 +184,7 @@ def engines_of(job: Callable[[], object]) -> str:
     service's warm-up would) and name the engines its recurrences ran on, in order:
     ``cpp`` (the compiled kernel), ``blocked`` (the chunked walk in torch ops), ``tree``
     (the tree scan); ``tree`` also where fscan solved none (docs/routes.md names them)."""
-    from fscan import _linear
+    from fscan import _linear_chunked, _linear_solve
 
     ran: list[str] = []
 
@@ -197,16 +197,21 @@ def engines_of(job: Callable[[], object]) -> str:
 
         return call
 
-    originals = {"_kernel_solve": "cpp", "_chunked": "blocked", "_tree": "tree"}
-    saved = {attr: getattr(_linear, attr) for attr in originals}
+    # Each engine spied on in the module that looks it up.
+    originals = {
+        (_linear_chunked, "kernel_solve"): "cpp",
+        (_linear_chunked, "chunked_solve"): "blocked",
+        (_linear_solve, "tree_solve"): "tree",
+    }
+    saved = {key: getattr(*key) for key in originals}
     try:
-        for attr, name in originals.items():
-            setattr(_linear, attr, spy(name, saved[attr]))
+        for (module, attr), name in originals.items():
+            setattr(module, attr, spy(name, saved[module, attr]))
         with fscan.config.override(cpu_kernel="eager"):
             job()
     finally:
-        for attr, original in saved.items():
-            setattr(_linear, attr, original)
+        for (module, attr), original in saved.items():
+            setattr(module, attr, original)
     return ", ".join(dict.fromkeys(ran)) or "tree"
 
 

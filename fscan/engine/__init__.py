@@ -1,8 +1,8 @@
 """fscan's compiled engines.
 
 * :mod:`fscan.engine.cpu_kernel`: a C++ scan kernel generated from a pointwise
-  ``combine_fn`` for CPU (trace: :mod:`._cpp_codegen`, source:
-  :mod:`._cpp_source`, build: :mod:`._cpp_build`).
+  ``combine_fn`` for CPU (its face; the modules behind it are listed in its
+  docstring; the fixed C++ is in ``csrc/``).
 
 The torch engine (``fscan._generic``), the traced op for ``torch.compile``
 (``fscan._traced``) and the Triton kernel on CUDA/XPU (``fscan._compiled``)

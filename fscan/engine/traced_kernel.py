@@ -36,6 +36,7 @@ import optree
 import torch
 from torch._higher_order_ops.associative_scan import associative_scan_op
 
+from .._cache import BoundedCache
 from .._config import config
 from ._cpp_build import compiler_problem
 
@@ -55,8 +56,15 @@ class _Graph(NamedTuple):
     extra: tuple[str, ...]  # each extra input's kind
 
 
-_graphs: dict[str, _Graph] = {}
-_lock = threading.Lock()
+# The combine graphs compiled code refers to by key. Not a cache that fscan.clear_caches()
+# empties: a compiled function still alive would find its key gone and fail (the hop
+# cannot rebuild a graph from its key). Bounded all the same, so that a process that
+# compiles ever new combines does not grow without end; a graph in use is hit on each
+# call, so the least recently used go first, and a program that compiled more than
+# GRAPHS distinct combines and calls an evicted one is told to compile again.
+GRAPHS = 4096
+_graphs: BoundedCache[_Graph] = BoundedCache(maxsize=GRAPHS)
+_lock = threading.Lock()  # installing the lowering
 
 
 # flexible_layout: the kernel reads any strides in place, so Inductor need not pin or
@@ -73,10 +81,12 @@ def _kernel_scan_hop(
     from .cpu_kernel import kernel_scan, precompile
 
     graph = _graphs.get(key)
-    if graph is None:  # cannot happen while the scan op keeps graphs out of disk caches
+    if graph is None:  # only after GRAPHS newer graphs, or from a disk cache (the scan
+        # op keeps graphs out of those)
         raise RuntimeError(
             f"fscan: a compiled graph refers to combine graph {key[:12]}, unknown in this "
-            "process; clear Inductor's cache (TORCHINDUCTOR_CACHE_DIR) and compile again"
+            f"process (or evicted after {GRAPHS} newer ones); compile again "
+            "(torch._dynamo.reset(), and clear Inductor's cache: TORCHINDUCTOR_CACHE_DIR)"
         )
     combine = _combine_of(graph, tensors, numbers)
     spec = optree.tree_structure(list(xs))
@@ -173,8 +183,7 @@ def _lower_on_cpu(combine_fn: Any, xs: Sequence[Any], additional_inputs: Sequenc
     extra_nodes = placeholders[2 * len(xs) :]
     kinds = tuple(_kind(a, node) for a, node in zip(additional_inputs, extra_nodes))
     key = hashlib.sha256(f"{kinds}\n{gm.code}".encode()).hexdigest()
-    with _lock:
-        _graphs.setdefault(key, _Graph(gm.forward.__func__, kinds))
+    _graphs.get_or_compute(key, lambda: _Graph(gm.forward.__func__, kinds))
     tensors = [a for a, k in zip(additional_inputs, kinds) if k == _TENSOR]
     numbers = [a for a, k in zip(additional_inputs, kinds) if k == _NUMBER]
     return fallback_handler(OP, add_to_fallback_set=False)(key, list(xs), tensors, numbers)

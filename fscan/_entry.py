@@ -1,0 +1,131 @@
+"""The internal entry: :func:`run_scan` runs a checked :class:`~fscan._call.ScanCall`.
+
+Below every public door and above the router. It folds ``initial`` into the first
+element (:mod:`fscan._carry`), turns ``reset=`` into a scan of ``(flag, value)``
+pairs (:mod:`fscan._segmented`, which it hands itself to), and gives the router
+(:mod:`fscan._routing`) flat leaves together with what :mod:`fscan._knowledge`
+knows about ``combine_fn``, after the validation ``validate=`` asks for. fscan's own
+scans (the drop-ins' blocked scans, the chunked recurrence's tree, ``fscan.lax``,
+DTensor's local scans, the distributed pieces) enter here, never through
+``fscan.associative_scan`` again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from optree import PyTreeSpec
+
+from ._call import SCAN_API, ScanCall
+from ._carry import carried_heads, swap_heads
+from ._checks import check_scan_args
+from ._combine import FlatCombine
+from ._knowledge import knowledge, reach
+from ._pointwise_check import checked_on_first_call
+from ._pytree import flatten, unflatten
+from ._routing import scan_flat, scan_traced
+from ._segmented import segmented_scan
+from ._validate import validate_combine_fn
+
+__all__ = ["checked_call", "run_scan", "scan_tree"]
+
+
+def checked_call(
+    api: str,
+    combine_fn: Callable[[Any, Any], Any],
+    xs: Any,
+    leaves: list[torch.Tensor],
+    spec: PyTreeSpec,
+    dim: Any,
+    reverse: Any,
+    combine_mode: Any,
+    validate: bool | None = None,
+    reset: torch.Tensor | None = None,
+    initial: Any = None,
+) -> ScanCall:
+    """The record of a call with arguments from a user, checked (``leaves, spec`` are
+    ``flatten(xs)``)."""
+    dim = check_scan_args(api, combine_fn, xs, leaves, dim, reverse, combine_mode)
+    args = (combine_fn, xs, spec, leaves, dim, reverse, combine_mode, validate, reset, initial)
+    return ScanCall(api, *args)
+
+
+def scan_tree(
+    combine_fn: Callable[[Any, Any], Any],
+    xs: Any,
+    dim: int,
+    reverse: bool = False,
+    combine_mode: str = "pointwise",
+    *,
+    validate: bool | None = None,
+    reset: torch.Tensor | None = None,
+    initial: Any = None,
+) -> Any:
+    """The scan of ``xs`` for fscan's own callers, whose arguments fscan made or checked:
+    ``dim`` non-negative, every leaf a dense tensor with that dimension, of one length.
+
+    Example:
+        >>> scan_tree(torch.add, torch.arange(1.0, 5.0), 0)
+        tensor([ 1.,  3.,  6., 10.])
+    """
+    leaves, spec = flatten(xs)
+    args = (combine_fn, xs, spec, leaves, dim, reverse, combine_mode, validate, reset, initial)
+    return run_scan(ScanCall(SCAN_API, *args))
+
+
+def run_scan(call: ScanCall) -> Any:
+    """Run a checked call; return a pytree of ``xs``'s structure and shapes, in new memory."""
+    api, combine_fn, xs, spec, leaves, dim, reverse, combine_mode, validate, reset, initial = call
+    heads = None  # a carry-in the C++ kernel may read in place of the first element
+    if initial is not None:  # folded into the first element: see fscan._carry
+        check = _fold_check(api, combine_fn, spec, combine_mode, leaves)
+        args = (api, combine_fn, xs, dim, reverse, combine_mode, initial, reset)
+        heads = carried_heads(*args, check=check)
+        if heads is not None and (reset is not None or not _may_carry_in(leaves, heads)):
+            leaves = swap_heads(leaves, heads, dim, reverse)
+            xs, heads = unflatten(spec, leaves), None
+            call = call._replace(xs=xs, leaves=leaves)
+    if reset is not None:  # a scan over (flag, value) pairs: see fscan._segmented
+        return segmented_scan(run_scan, call._replace(initial=None))
+    args = (api, combine_fn, spec, leaves, dim)
+    if torch.compiler.is_compiling():
+        return unflatten(spec, scan_traced(*args, reverse, combine_mode))
+    found = reach(combine_fn)
+    entry = knowledge(found, spec, combine_mode, leaves)
+    validate_combine_fn(*args, combine_mode, validate, entry)
+    if heads is None:
+        return unflatten(spec, scan_flat(*args, reverse, combine_mode, found, entry))
+    return unflatten(spec, scan_flat(*args, reverse, combine_mode, found, entry, heads))
+
+
+def _fold_check(
+    api: str,
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    combine_mode: str,
+    leaves: list[torch.Tensor],
+) -> Callable[[FlatCombine], FlatCombine] | None:
+    """The pointwise check for the fold's ``combine_fn`` call: in a one-step scan it is
+    the only call, and on a batch of one element a non-elementwise ``combine_fn`` would
+    give another answer than on the element (see fscan._pointwise_check)."""
+    if combine_mode != "pointwise" or torch.compiler.is_compiling():
+        return None
+    entry = knowledge(reach(combine_fn), spec, combine_mode, leaves)
+    if entry.elementwise:
+        return None
+    return lambda combine: checked_on_first_call(api, combine, entry, leaves)
+
+
+def _may_carry_in(leaves: list[torch.Tensor], heads: list[torch.Tensor]) -> bool:
+    """Whether ``scan_flat`` may get the carry-in unfolded: not while tracing (the traced
+    route folds), and no gradient wanted (gradients to ``initial`` flow through the
+    fold's torch ops; the kernel's carry-in has no backward)."""
+    if torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled():
+        for t in (*leaves, *heads):
+            if t.requires_grad:
+                return False
+    return True

@@ -1,0 +1,151 @@
+"""Running a READY kernel entry: sizes, params, outputs and the call into C++.
+
+:func:`run_kernel` calls a forward kernel on a call's leaves (read through their
+strides, see :mod:`._kernel_layout`) into fresh outputs or a caller's ``out=``
+memory; :func:`kernel_params` evaluates the prologue of the translated combine
+(the values it reads from the captured tensors) for one call's element shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ._cpp_codegen import Program
+from ._cpp_source import param_dtype
+from ._kernel_entry import Entry
+from ._kernel_layout import counters, strided_layout, strided_view
+
+__all__ = ["kernel_params", "run_kernel"]
+
+
+def run_kernel(
+    entry: Entry,
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    reverse: bool,
+    captured: Sequence[torch.Tensor],
+    positions: tuple[int, ...] = (),
+    threads: int | None = None,
+    dropped: tuple[int, ...] = (),
+    heads: Sequence[torch.Tensor] | None = None,
+    outs: Sequence[torch.Tensor] | None = None,
+) -> list[torch.Tensor | None] | None:
+    """Run a READY entry's kernel into fresh outputs, or None where its params do not fit;
+    on ``threads`` threads at most (default ``torch.get_num_threads()``). ``dropped``: the
+    leaves the entry was built not to store (its ``BuildCall.dropped``): None in their place.
+    ``heads``: contiguous carry-in elements, one per leaf (see :func:`~.cpu_kernel.kernel_scan`).
+    ``outs``: checked ``out=`` memory (see :func:`~.cpu_kernel.kernel_scan`), one per kept output,
+    written in place instead of fresh outputs where :func:`~._kernel_layout.strided_layout` fits it.
+
+    Inputs are read in place through their strides where :func:`~._kernel_layout.strided_view` can
+    describe them (no copy); fresh outputs are contiguous, as torch's own scans
+    (``torch.cumsum`` of a transposed tensor is contiguous) and the torch engine give."""
+    program, kernel = entry.program, entry.kernel
+    assert program is not None and kernel is not None
+    shape = leaves[0].shape
+    dim = dim % len(shape)
+    if len(shape) == 1:  # the cheap common case of the sizes below (torch.Size slices)
+        outer, steps, inner = 1, shape[0], 1
+    else:
+        outer, steps, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
+    # empty_like is ~1 us cheaper per leaf than torch.empty(torch.Size): it matters at (64,).
+    ys: list[torch.Tensor | None]
+    if outs is not None:
+        it = iter(outs)
+        ys = [None if k in dropped else next(it) for k in range(len(leaves))]
+    elif dropped:  # not allocated: a fresh tensor costs its page faults when written
+        ys = [None if k in dropped else _fresh(x) for k, x in enumerate(leaves)]
+    else:  # inline: ~1 us less per leaf than the call, which matters at (64,)
+        ys = [torch.empty_like(x) if x.is_contiguous() else _empty(x) for x in leaves]
+    if outer * steps * inner == 0:
+        return ys
+    params = (
+        kernel_params(program, captured, shape[:dim] + shape[dim + 1 :]) if program.params else []
+    )
+    if params is None:
+        return None
+    read = [x for k, x in enumerate(leaves) if k not in positions] if positions else leaves
+    written = [y for y in ys if y is not None] if dropped else ys
+    if outs is None:  # fresh outputs: dense
+        for x in read:  # all contiguous (the common case) inline: ~1 us less than the call
+            if not x.is_contiguous():
+                xs, nb, strides = strided_view(read, dim)
+                break
+        else:
+            xs, nb, strides = read, 1, [steps * inner, 0, inner, 1] * len(read)
+        # Dense in the (outer // nb, nb, T, inner) view the inputs' strides use.
+        strides = strides + [nb * steps * inner, steps * inner, inner, 1] * len(written)
+    else:
+        found = strided_layout([*read, *written], dim, fixed=len(written))
+        if found is None:  # an out= layout the kernel cannot describe: a dense result
+            args = (entry, leaves, dim, reverse, captured, positions, threads, dropped, heads)
+            return _copied_out(run_kernel(*args), ys)
+        xs, nb, strides = found
+        xs = xs[: len(read)]
+        counters.wrote(len(written))
+    threads = torch.get_num_threads() if threads is None else min(threads, torch.get_num_threads())
+    if heads is None:
+        at = _NO_HEADS[len(read)] if len(read) < len(_NO_HEADS) else (0,) * len(read)
+    else:  # the tensors stay alive in `heads` while the kernel reads them
+        at = tuple([h.data_ptr() for k, h in enumerate(heads) if k not in positions])
+    kernel(*xs, *written, *params, outer, steps, inner, int(reverse), threads, nb, *strides, *at)
+    return ys
+
+
+_NO_HEADS = [(0,) * n for n in range(9)]  # null carry-in addresses (made once: ~0.1 us)
+
+
+def _copied_out(
+    found: list[torch.Tensor | None] | None, ys: list[torch.Tensor | None]
+) -> list[torch.Tensor | None] | None:
+    """The kernel's dense results ``found`` copied into the ``out=`` memory ``ys``."""
+    if found is None:
+        return None
+    n = 0
+    for y, f in zip(ys, found):
+        if y is not None and f is not None:
+            y.copy_(f)
+            n += 1
+    counters.copied_out(n)
+    return ys
+
+
+def _fresh(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x) if x.is_contiguous() else _empty(x)
+
+
+def _empty(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tuple(x.shape), dtype=x.dtype)
+
+
+def kernel_params(
+    program: Program, captured: Sequence[torch.Tensor], element: Sequence[int]
+) -> list[torch.Tensor] | None:
+    """The prologue's values, broadcast to one element (scan dim first, as combine_fn sees it)."""
+    if not program.params:
+        return []
+    try:
+        if torch.is_grad_enabled():  # no_grad only where it changes something (~1 us)
+            with torch.no_grad():
+                return _param_values(program, captured, element)
+        return _param_values(program, captured, element)
+    except RuntimeError:  # the captured tensors do not broadcast to this call's elements
+        return None
+
+
+def _param_values(
+    program: Program, captured: Sequence[torch.Tensor], element: Sequence[int]
+) -> list[torch.Tensor] | None:
+    out = []
+    for value, param in zip(program.prologue(captured), program.params):
+        if not isinstance(value, torch.Tensor):
+            value = torch.as_tensor(value)
+        if value.ndim > len(element) + 1:
+            return None
+        if value.ndim or element:  # one number is one element already: no view needed
+            value = torch.broadcast_to(value, (1, *element))
+        out.append(value.to(param_dtype(param.dtype)).contiguous())
+    return out

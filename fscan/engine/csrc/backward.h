@@ -1,0 +1,215 @@
+// The backward scan: one reverse pass per lane through the traced VJP of combine, on
+// columns of lanes (lane_bwd) or on chains split into chunks (chain_bwd).
+// fscan.engine._cpp_source places this after the generated part it is written against
+// (the forward's structs, Lam, Grad, Bar, LamBuf, LamStore, PLam, PBar, NF, vjp and the
+// lam_* helpers) and before the generated entry point, which calls backward().
+
+// Lanes [i0, i0 + w) of outer index o, all T steps backwards in scan order.
+// The params' cotangents of these lanes (element positions e0..) sum into q, which
+// this column owns. Rows of x, y and g with other inner strides than 1 are gathered.
+struct BwdRows { InRow x, y; GradRow g; explicit BwdRows(int64_t n) : x(n), y(n), g(n) {} };
+
+template <bool GATHER>
+static void lane_bwd(const In x, const In y, const Grad g, const Bar b, const PBar q, const Par p,
+                     const Geo& S, int64_t o, int64_t i0, int64_t w, bool rev, const LamBuf lam,
+                     const BwdRows& rows) {
+  const In xc = at(x, S, o, 0, i0), yc = at(y, S, o, 0, i0);
+  const Grad gc = at(g, S, o, 0, i0);
+  const Bar bc = at(b, S, o, 0, i0);
+  const int64_t T = S.T, e0 = o * S.inner + i0;
+  const Grad glast = GATHER ? gather(row(gc, rev ? 0 : T - 1), rows.g, w, false) : row(gc, rev ? 0 : T - 1);
+#pragma GCC ivdep
+  for (int64_t i = 0; i < w; ++i) { put_lam(lam, i, load_g_i(glast, i)); zero_pbar(q, e0 + i); }
+  for (int64_t s = T - 1; s >= 1; --s) {
+    const int64_t tc = rev ? T - 1 - s : s, tp = rev ? T - s : s - 1;
+    const In xr = GATHER ? gather(row(xc, tc), rows.x, w, !rev) : row(xc, tc);
+    const In yr = GATHER ? gather(row(yc, tp), rows.y, w, !rev) : row(yc, tp);
+    const Grad gr = GATHER ? gather(row(gc, tp), rows.g, w, !rev) : row(gc, tp);
+    const Bar br = row(bc, tc);
+    fscan_lanes<LANE_BLOCK>(w, !rev, [&](int64_t i) {  // !rev: walking memory backwards
+      Lam lb, rb;
+      PLam pb;
+      vjp(load_i(yr, i, tp), load_i(xr, i, tc), get_lam(lam, i), p, e0 + i, lb, rb, pb);
+      store_bar_i(br, i, rb);
+      put_lam(lam, i, lam_add(load_g_i(gr, i), lb));
+      add_pbar(q, e0 + i, pb);
+    });
+  }
+  const Bar bfirst = row(bc, rev ? T - 1 : 0);
+#pragma GCC ivdep
+  for (int64_t i = 0; i < w; ++i) store_bar_i(bfirst, i, get_lam(lam, i));
+}
+
+// --- Chains: few lanes (1-D, or a scan over the last dim), or lanes laid out along T (a
+// transpose), G interleaved per thread, each lane in C chunks of steps. The adjoint
+// recurrence lam[s-1] = g[s-1] + A_s^T lam[s] is linear, so a chunk [a, z) maps the lam
+// its top step receives from above (in) to what its bottom step passes down
+// (out = M in + o). With C > 1, pass 1: o and M (M's columns: the VJP of unit
+// cotangents, NF extra VJPs a step, no stores); pass 2: each lane's chunk carries, top
+// down. Pass 3: each chunk (again) from its true carry, storing the gradients; then the
+// params' per-chunk sums are added in chunk order.
+
+struct Chunk { In x, y; Grad g; Bar b; int64_t e, a, z; };  // a lane's start, position, steps [a, z)
+
+static FSCAN_INLINE int64_t pos(int64_t s, int64_t T, bool rev) { return rev ? T - 1 - s : s; }
+
+template <int NG>
+static FSCAN_INLINE void transfer(const Par p, const Chunk* k, int64_t T, bool rev, Lam* out, Lam* M) {
+  Lam lam[NG], U[NG][NF];
+  int64_t n[NG], common = INT64_MAX;
+  for (int c = 0; c < NG; ++c) {
+    lam[c] = load_g_t(k[c].g, pos(k[c].z - 1, T, rev));
+    for (int u = 0; u < NF; ++u) U[c][u] = lam_unit(u);
+    n[c] = k[c].z - std::max<int64_t>(k[c].a, 1);
+    common = std::min(common, n[c]);
+    out[c] = lam_zero();
+  }
+  auto one = [&](int c, int64_t r) {
+    const int64_t s = k[c].z - 1 - r, tc = pos(s, T, rev), tp = pos(s - 1, T, rev);
+    const Vals l = load_t(k[c].y, tp, tp), v = load_t(k[c].x, tc, tc);
+    Lam lb, rb; PLam pb;
+    vjp(l, v, lam[c], p, k[c].e, lb, rb, pb);
+    for (int u = 0; u < NF; ++u) { Lam ub, urb; PLam upb; vjp(l, v, U[c][u], p, k[c].e, ub, urb, upb); U[c][u] = ub; }
+    if (s > k[c].a) lam[c] = lam_add(load_g_t(k[c].g, tp), lb); else out[c] = lb;
+  };
+  for (int64_t r = 0; r < common; ++r) {
+#pragma GCC unroll 8
+    for (int c = 0; c < NG; ++c) one(c, r);
+  }
+  for (int c = 0; c < NG; ++c) {
+    for (int64_t r = common; r < n[c]; ++r) one(c, r);
+    for (int u = 0; u < NF; ++u) M[c * NF + u] = U[c][u];
+  }
+}
+
+template <int NG>
+static FSCAN_INLINE void finish(const Par p, const Chunk* k, int64_t T, bool rev, const Lam* in,
+                                PLam* ptot) {
+  Lam lam[NG]; PLam pacc[NG];
+  int64_t n[NG], common = INT64_MAX;
+  for (int c = 0; c < NG; ++c) {
+    lam[c] = lam_add(load_g_t(k[c].g, pos(k[c].z - 1, T, rev)), in[c]);
+    pacc[c] = plam_zero();
+    n[c] = k[c].z - std::max<int64_t>(k[c].a, 1);
+    common = std::min(common, n[c]);
+  }
+  auto one = [&](int c, int64_t r) {
+    const int64_t s = k[c].z - 1 - r, tc = pos(s, T, rev), tp = pos(s - 1, T, rev);
+    Lam lb, rb; PLam pb;
+    vjp(load_t(k[c].y, tp, tp), load_t(k[c].x, tc, tc), lam[c], p, k[c].e, lb, rb, pb);
+    store_bar_t(k[c].b, tc, rb);
+    pacc[c] = plam_add(pacc[c], pb);
+    if (s > k[c].a) lam[c] = lam_add(load_g_t(k[c].g, tp), lb);
+  };
+  for (int64_t r = 0; r < common; ++r) {
+#pragma GCC unroll 8
+    for (int c = 0; c < NG; ++c) one(c, r);
+  }
+  for (int c = 0; c < NG; ++c) {
+    for (int64_t r = common; r < n[c]; ++r) one(c, r);
+    if (k[c].a == 0) store_bar_t(k[c].b, pos(0, T, rev), lam[c]);
+    ptot[c] = pacc[c];
+  }
+}
+
+// What a chunk passes below its first step, walked from `in` (what the chunk above passes
+// down): the exact answer where composing its transfer matrix is not (see lam_suspect),
+// e.g. a product of gates that underflowed to 0 against an infinite cotangent.
+static Lam walk_down(const Par p, const Chunk& k, int64_t T, bool rev, const Lam& in) {
+  Lam lam = lam_add(load_g_t(k.g, pos(k.z - 1, T, rev)), in), out = lam_zero();
+  for (int64_t s = k.z - 1; s >= std::max<int64_t>(k.a, 1); --s) {
+    const int64_t tc = pos(s, T, rev), tp = pos(s - 1, T, rev);
+    Lam lb, rb; PLam pb;
+    vjp(load_t(k.y, tp, tp), load_t(k.x, tc, tc), lam, p, k.e, lb, rb, pb);
+    if (s > k.a) lam = lam_add(load_g_t(k.g, tp), lb); else out = lb;
+  }
+  return out;
+}
+
+// Chunks per lane: 1 with lanes enough for the threads (and the interleave).
+static int64_t chunks_per_lane(int64_t lanes, int64_t T, int nt) {
+  if (lanes >= (int64_t)nt * G) return 1;
+  int64_t C = std::min<int64_t>(((int64_t)nt * G + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
+  if (C >= G) C = C / G * G;
+  return C;
+}
+
+static void chain_bwd(const In x, const In y, const Grad g, const Bar b, const PBar q, const Par p,
+                      const Geo& S, bool rev, int nt, int64_t C) {
+  const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
+  const int64_t L = (T + C - 1) / C;
+  C = (T + L - 1) / L;
+  const int64_t items = lanes * C, groups = (items + G - 1) / G;
+  auto describe = [&](int64_t item) {
+    const int64_t lane = item / C, c = item % C, o = lane / inner, i = lane % inner;
+    return Chunk{at(x, S, o, 0, i), at(y, S, o, 0, i), at(g, S, o, 0, i), at(b, S, o, 0, i),
+                 lane, c * L, std::min(T, (c + 1) * L)};
+  };
+  std::vector<Lam> outs(C > 1 ? items : 0), ins(items, lam_zero()), M(C > 1 ? items * NF : 0);
+  std::vector<PLam> ptot(items);
+#pragma omp parallel num_threads(nt)
+  {
+    Chunk k[G];
+    if (C > 1) {
+#pragma omp for schedule(static)
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const int ng = (int)std::min<int64_t>(G, items - gi * G);
+        for (int c = 0; c < ng; ++c) k[c] = describe(gi * G + c);
+        if (ng == G) transfer<G>(p, k, T, rev, &outs[gi * G], &M[gi * G * NF]);
+        else for (int c = 0; c < ng; ++c) transfer<1>(p, k + c, T, rev, &outs[gi * G + c], &M[(gi * G + c) * NF]);
+      }
+#pragma omp for schedule(static)
+      for (int64_t lane = 0; lane < lanes; ++lane) {
+        Lam carry = lam_zero();  // what the chunk above passes down
+        for (int64_t c = C - 1; c >= 0; --c) {
+          const int64_t item = lane * C + c;
+          ins[item] = carry;
+          Lam next = outs[item];
+          for (int u = 0; u < NF; ++u) next = lam_axpy(next, M[item * NF + u], carry, u);
+          if (c > 0 && lam_suspect(outs[item], carry, next)) next = walk_down(p, describe(item), T, rev, carry);
+          carry = next;
+        }
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int ng = (int)std::min<int64_t>(G, items - gi * G);
+      for (int c = 0; c < ng; ++c) k[c] = describe(gi * G + c);
+      if (ng == G) finish<G>(p, k, T, rev, &ins[gi * G], &ptot[gi * G]);
+      else for (int c = 0; c < ng; ++c) finish<1>(p, k + c, T, rev, &ins[gi * G + c], &ptot[gi * G + c]);
+    }
+#pragma omp for schedule(static)
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      zero_pbar(q, lane);
+      for (int64_t c = 0; c < C; ++c) add_pbar(q, lane, ptot[lane * C + c]);
+    }
+  }
+}
+
+static void backward(const In x, const In y, const Grad g, const Bar b, const PBar q, const Par p,
+                     const Geo& S, bool rev, int threads) {
+  if (S.T <= 0 || S.outer <= 0 || S.inner <= 0) return;
+  const int64_t outer = S.outer, inner = S.inner;
+  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, outer * S.T * inner / PER_THREAD));
+  // As the forward: chains for few inner lanes or inputs laid out along T.
+  if (inner < VEC_MIN || along(x) || along(y) || along(g)) {
+    chain_bwd(x, y, g, b, q, p, S, rev, nt, chunks_per_lane(outer * inner, S.T, nt));
+    return;
+  }
+  // Columns of up to TILE lanes (halved until every thread has one).
+  int64_t W = std::min<int64_t>(inner, TILE);
+  while (W > 16 && outer * ((inner + W - 1) / W) < nt) W = (W / 2 + 15) / 16 * 16;
+  const int64_t ntiles = (inner + W - 1) / W, ncols = outer * ntiles;
+  const bool dense = unit(x) && unit(y) && unit(g);
+#pragma omp parallel num_threads(nt)
+  {
+    LamStore store(W);
+    const BwdRows rows(dense ? 0 : W);
+#pragma omp for schedule(static)
+    for (int64_t col = 0; col < ncols; ++col) {
+      const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
+      if (dense) lane_bwd<false>(x, y, g, b, q, p, S, o, i0, w, rev, store.buf(), rows);
+      else lane_bwd<true>(x, y, g, b, q, p, S, o, i0, w, rev, store.buf(), rows);
+    }
+  }
+}

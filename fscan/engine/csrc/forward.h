@@ -1,0 +1,259 @@
+// The forward scan: the lane path (columns of lanes, vector loops along each row) and
+// the chain path (lanes walked one by one, G interleaved), each splitting T into chunks
+// when there are too few columns or chains for the threads. fscan.engine._cpp_source
+// places this after the generated part it is written against (Vals, In, Out, Par, Buf,
+// Store, InRow, OutRow, Heads, LANE_BLOCK, load_*/store_*/get*/put*, combine, suspect)
+// and before the generated entry point, which calls scan().
+
+// Steps [s0, s1) (in scan order) of lanes [i0, i0 + w) of outer index o. The running
+// values live in acc (w entries); carry (or nullptr) holds the inclusive result before s0.
+// GATHER: inputs of other inner strides than 1 are gathered, a row at a time, into rows
+// (a separate instantiation: dense inputs keep the loop they had before strides existed;
+// the gather's pointer select in the same loop cost seg 1.45x).
+// Outputs of other inner strides than 1 are written, a row at a time, into orows and
+// scattered from there (GATHER only: the dense instantiation has unit outputs too).
+// H: a carry-in (if H.any): step 0 (in scan order) reads the head element instead of x.
+// !WRITE: a chunk total, kept with every leaf in acc (and carry), since the carries
+// composed from it read its leaves as a right operand (see get_all).
+template <bool WRITE, bool GATHER>
+static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t o, int64_t i0,
+                     int64_t w, int64_t s0, int64_t s1, bool rev, const Buf* carry, const Buf acc,
+                     const InRow& rows, const OutRow& orows, const Heads& H) {
+  const In xc = at(x, S, o, 0, i0);
+  const Out yc = at(y, S, o, 0, i0);
+  const int64_t e0 = o * S.inner + i0, T = S.T, dt = rev ? -1 : 1;
+  int64_t sb = s0;  // the first step read from x
+  if (s0 == 0 && H.any && s1 > 0) {  // peeled: the loop below stays as it was
+    const int64_t t = rev ? T - 1 : 0;
+    const In hr = head_at(x, H, e0);
+    const Out yr = GATHER ? buffered(row(yc, t), orows) : row(yc, t);
+    fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
+      const Vals v = load_i(hr, i, t);
+      put_as<!WRITE>(acc, i, v);
+      if (WRITE) store_i(yr, i, v);
+    });
+    if (WRITE && GATHER) scatter(row(yc, t), orows, w, rev);
+    carry = &acc;
+    sb = 1;
+  }
+  if (sb >= s1) return;
+  // The rows' pointers step along (recomputing them from t cost 10% on 8-step columns).
+  In xs = row(xc, rev ? T - 1 - sb : sb);
+  Out ys = row(yc, rev ? T - 1 - sb : sb);
+  for (int64_t s = sb; s < s1; ++s) {
+    const int64_t t = rev ? T - 1 - s : s;
+    if (s > sb) { xs = row(xs, dt); ys = row(ys, dt); }
+    const In xr = GATHER ? gather(xs, rows, w, rev) : xs;
+    const Out yr = GATHER ? buffered(ys, orows) : ys;
+    if (s == sb && carry == nullptr) {
+      fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
+        const Vals v = load_i(xr, i, t);
+        put_as<!WRITE>(acc, i, v);
+        if (WRITE) store_i(yr, i, v);
+      });
+    } else {
+      const Buf left = s == sb ? *carry : acc;
+      fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
+        const Vals v = combine(get_as<!WRITE>(left, i), load_i(xr, i, t), p, e0 + i);
+        put_as<!WRITE>(acc, i, v);
+        if (WRITE) store_i(yr, i, v);
+      });
+    }
+    if (WRITE && GATHER) scatter(ys, orows, w, rev);
+  }
+}
+
+static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool rev, int nt,
+                      const Heads& H) {
+  const int64_t outer = S.outer, T = S.T, inner = S.inner;
+  int64_t W = std::min<int64_t>(inner, TILE);
+  while (outer * ((inner + W - 1) / W) < nt && W > 16) W = (W / 2 + 15) / 16 * 16;
+  const int64_t ntiles = (inner + W - 1) / W, ncols = outer * ntiles;
+  int64_t C = 1;  // chunks per column
+  if (ncols < nt) C = std::min<int64_t>((nt + ncols - 1) / ncols * 2, std::max<int64_t>(1, T / MIN_CHUNK));
+  const int64_t L = (T + C - 1) / C;
+  C = (T + L - 1) / L;
+  // Totals of chunks 0..C-2 of every column, W lanes each, then their inclusive scan.
+  Store tot(C > 1 ? ncols * (C - 1) * W : 0);
+  const Buf tb = tot.buf();
+#pragma omp parallel num_threads(nt)
+  {
+    Store scratch(W);
+    const Buf acc = scratch.buf();
+    const bool dense = unit(x) && unit(y);
+    const InRow rows(dense ? 0 : W);
+    const OutRow orows(dense ? 0 : W);
+    if (C > 1) {
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < ncols * (C - 1); ++k) {
+        const int64_t col = k / (C - 1), c = k % (C - 1);
+        const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
+        if (dense) lane_run<false, false>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W), rows, orows, H);
+        else lane_run<false, true>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W), rows, orows, H);
+      }
+#pragma omp for schedule(static)
+      for (int64_t col = 0; col < ncols; ++col) {
+        const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
+        for (int64_t c = 1; c < C - 1; ++c) {
+          const Buf prev = offset(tb, (col * (C - 1) + c - 1) * W), cur = offset(tb, (col * (C - 1) + c) * W);
+          bool walk = false;
+          for (int64_t i = 0; i < w; ++i) {
+            const Vals l = get_all(prev, i), r = get_all(cur, i), v = combine(l, r, p, o * inner + i0 + i);
+            walk |= suspect(l, r, v);
+            put_all(cur, i, v);
+          }
+          // Composing the chunk is not what its steps give (see suspect): walk them.
+          if (walk && dense) lane_run<false, false>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, &prev, cur, rows, orows, H);
+          else if (walk) lane_run<false, true>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, &prev, cur, rows, orows, H);
+        }
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < ncols * C; ++k) {
+      const int64_t col = k / C, c = k % C;
+      const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
+      const Buf carry = c > 0 ? offset(tb, (col * (C - 1) + c - 1) * W) : tb;
+      const int64_t s1 = std::min(T, (c + 1) * L);
+      if (dense) lane_run<true, false>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H);
+      else lane_run<true, true>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H);
+    }
+  }
+}
+
+// NG chains interleaved: chain g is the lane whose start (t = 0) is xb[g]/yb[g]; it runs
+// len[g] steps from position t0[g], tstep (+-1) apart, at element position elem[g];
+// carry[g] (if has[g]) is its inclusive carry-in.
+// WRITE: store every output; else only the final values, into last[g].
+// head[g]: the chain's first step reads hb[g] (a carry-in's head element) instead of x.
+template <int NG, bool WRITE>
+static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const int64_t* t0,
+                                const int64_t* len, const int64_t* elem, int64_t tstep,
+                                const Vals* carry, const bool* has, Vals* last,
+                                const In* hb, const bool* head) {
+  Vals acc[NG];
+  In xp[NG];  // each chain's inputs and outputs at its first step
+  Out yp[NG];
+  int64_t common = len[0];
+  for (int g = 1; g < NG; ++g) common = std::min(common, len[g]);
+#pragma GCC unroll 8
+  for (int g = 0; g < NG; ++g) {
+    xp[g] = row(xb[g], t0[g]);
+    yp[g] = row(yb[g], t0[g]);
+    const Vals v = head[g] ? load_t(hb[g], 0, t0[g]) : load_t(xp[g], 0, t0[g]);
+    acc[g] = has[g] ? combine(carry[g], v, p, elem[g]) : v;
+    if (WRITE) store_t(yp[g], 0, acc[g]);
+  }
+  for (int64_t s = 1; s < common; ++s) {
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; ++g) {
+      acc[g] = combine(acc[g], load_t(xp[g], s * tstep, t0[g] + s * tstep), p, elem[g]);
+      if (WRITE) store_t(yp[g], s * tstep, acc[g]);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    for (int64_t s = common; s < len[g]; ++s) {
+      acc[g] = combine(acc[g], load_t(xp[g], s * tstep, t0[g] + s * tstep), p, elem[g]);
+      if (WRITE) store_t(yp[g], s * tstep, acc[g]);
+    }
+    if (!WRITE) last[g] = acc[g];
+  }
+}
+
+template <bool WRITE>
+static void chain_group(const In* xb, const Out* yb, const Par p, int ng, const int64_t* t0,
+                        const int64_t* len, const int64_t* elem, int64_t tstep, const Vals* carry,
+                        const bool* has, Vals* last, const In* hb, const bool* head) {
+  if (ng == G) {
+    chains<G, WRITE>(xb, yb, p, t0, len, elem, tstep, carry, has, last, hb, head);
+    return;
+  }
+  for (int g = 0; g < ng; ++g)
+    chains<1, WRITE>(xb + g, yb + g, p, t0 + g, len + g, elem + g, tstep, carry + g, has + g,
+                     last + g, hb + g, head + g);
+}
+
+static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool rev, int nt,
+                       const Heads& H) {
+  const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
+  int64_t C = 1;  // chunks per lane
+  if (lanes < (int64_t)nt * G) {
+    C = std::min<int64_t>(((int64_t)nt * G + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
+    if (C >= G) C = C / G * G;
+  }
+  int64_t L = (T + C - 1) / C;
+  // Interleaved chunks of one lane at power-of-two distances share cache sets: skew them.
+  if (C > 1 && inner == 1) L = (L + 15) / 16 * 16 + 16;
+  C = (T + L - 1) / L;
+  const int64_t tstep = rev ? -1 : 1;
+  const int64_t items = lanes * C, groups = (items + G - 1) / G;
+  auto describe = [&](int64_t k, In& xb, Out& yb, int64_t& t0, int64_t& len, int64_t& elem,
+                      In& hb, bool& head) {
+    const int64_t lane = k / C, c = k % C, o = lane / inner, i = lane % inner;
+    const int64_t s = c * L;
+    t0 = rev ? T - 1 - s : s;
+    xb = at(x, S, o, 0, i);
+    yb = at(y, S, o, 0, i);
+    len = std::min(T, s + L) - s;
+    elem = lane;
+    head = H.any && c == 0;  // the scan's first step: from the carry-in's head element
+    if (head) hb = head_at(x, H, lane);
+  };
+  std::vector<Vals> tot(C > 1 ? items : 0);
+#pragma omp parallel num_threads(nt)
+  {
+    In xb[G], hb[G];
+    Out yb[G];
+    int64_t t0[G], len[G], elem[G];
+    Vals carry[G];
+    bool has[G], head[G];
+    if (C > 1) {
+#pragma omp for schedule(static)
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const int ng = (int)std::min<int64_t>(G, items - gi * G);
+        for (int g = 0; g < ng; ++g) { describe(gi * G + g, xb[g], yb[g], t0[g], len[g], elem[g], hb[g], head[g]); has[g] = false; }
+        chain_group<false>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, tot.data() + gi * G, hb, head);
+      }
+#pragma omp for schedule(static)
+      for (int64_t lane = 0; lane < lanes; ++lane)
+        for (int64_t c = 1; c < C - 1; ++c) {
+          const int64_t k = lane * C + c;
+          const Vals v = combine(tot[k - 1], tot[k], p, lane);
+          if (!suspect(tot[k - 1], tot[k], v)) {
+            tot[k] = v;
+            continue;
+          }
+          // Composing the chunk is not what its steps give (see suspect): walk them.
+          describe(k, xb[0], yb[0], t0[0], len[0], elem[0], hb[0], head[0]);
+          has[0] = true;
+          carry[0] = tot[k - 1];
+          chain_group<false>(xb, yb, p, 1, t0, len, elem, tstep, carry, has, &tot[k], hb, head);
+        }
+    }
+#pragma omp for schedule(static)
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int ng = (int)std::min<int64_t>(G, items - gi * G);
+      for (int g = 0; g < ng; ++g) {
+        const int64_t k = gi * G + g;
+        describe(k, xb[g], yb[g], t0[g], len[g], elem[g], hb[g], head[g]);
+        has[g] = k % C != 0;
+        if (has[g]) carry[g] = tot[k - 1];
+      }
+      chain_group<true>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, nullptr, hb, head);
+    }
+  }
+}
+
+// The lane path wants lanes next to each other in memory (SIMD over them); where an
+// input or output is laid out along T instead (a transpose: T stride below the inner
+// stride), the chain path walks each lane along its contiguous steps.
+static void scan(const In x, const Out y, const Par p, const Geo& S, bool rev, int threads,
+                 const Heads& H) {
+  if (S.T <= 0 || S.outer <= 0 || S.inner <= 0) return;
+  const int64_t total = S.outer * S.T * S.inner;
+  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, total / PER_THREAD));
+  if (S.inner >= VEC_MIN && !along(x) && !along(y)) {
+    lane_path(x, y, p, S, rev, nt, H);
+  } else {
+    chain_path(x, y, p, S, rev, nt, H);
+  }
+}
