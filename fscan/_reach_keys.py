@@ -27,6 +27,20 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "BUILTIN_CALLABLES",
+    "LIBRARIES",
+    "SCALARS",
+    "Uncacheable",
+    "cell_contents",
+    "code_names",
+    "identity_key",
+    "is_library",
+    "opaque_key",
+    "tensor_kind",
+    "unbound",
+]
+
 # How many code objects' loaded names are remembered (as many as knowledge entries).
 CODE_ENTRIES = 1024
 
