@@ -19,9 +19,10 @@ import torch
 from optree import PyTreeSpec
 
 from .._config import config
-from .._knowledge import Knowledge, Reach, _references, knowledge, on_clear, reach
+from .._knowledge import Knowledge, Reach, knowledge, on_clear, reach
 from .._purity import probeable, under_transform
 from .._pytree import flatten
+from .._reach import references
 from . import _kernel_builder as builder
 from ._cpp_build import compiler_problem
 from ._cpp_codegen import DTYPES
@@ -266,7 +267,7 @@ def grad_wanted(leaves: Sequence[torch.Tensor]) -> str | None:
 
 def captured_occurrences(fn: Callable[..., Any]) -> list[torch.Tensor] | None:
     """Every tensor ``fn`` reaches, once per place it is reached from, in walk order (the
-    edges of :func:`fscan._knowledge.reach`); None where that order is not fixed (a set
+    edges of :func:`fscan._reach.reach`); None where that order is not fixed (a set
     holding tensors).
 
     Example:
@@ -292,5 +293,5 @@ def captured_occurrences(fn: Callable[..., Any]) -> list[torch.Tensor] | None:
         seen.add(id(obj))
         if isinstance(obj, (set, frozenset)) and any(isinstance(v, torch.Tensor) for v in obj):
             return None
-        todo.extend(_references(obj, names))
+        todo.extend(references(obj, names))
     return tensors
