@@ -38,7 +38,9 @@ from torch._higher_order_ops.associative_scan import associative_scan_op
 
 from .._cache import BoundedCache
 from .._config import config
+from .._generic import scan_along
 from ._cpp_build import compiler_problem
+from .cpu_kernel import kernel_scan, precompile
 
 __all__ = ["OP", "install_lowering", "kernel_traceable"]
 
@@ -76,10 +78,6 @@ def _kernel_scan_hop(
     key: str, xs: list[torch.Tensor], tensors: list[torch.Tensor], numbers: list[int]
 ) -> list[torch.Tensor]:
     """Inclusive scan of ``xs`` along dimension 0 by the combine graph ``key`` names."""
-    # Imported here: fscan._traced imports this module, and the engines import it.
-    from .._generic import scan_along
-    from .cpu_kernel import kernel_scan, precompile
-
     graph = _graphs.get(key)
     if graph is None:  # only after GRAPHS newer graphs, or from a disk cache (the scan
         # op keeps graphs out of those)
