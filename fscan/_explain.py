@@ -89,8 +89,14 @@ def explain(
     cached (module doc). On a first call, or while a kernel builds, ``refused`` says so.
 
     Args:
-        combine_fn, xs, dim, reverse, combine_mode, validate, reset, initial: as for
-            ``fscan.associative_scan`` (``validate`` changes no route).
+        combine_fn: as for ``fscan.associative_scan`` (so are the rest).
+        xs: the pytree of tensors to scan.
+        dim: the dimension to scan along.
+        reverse: scan from the last element to the first.
+        combine_mode: ``"pointwise"`` or ``"generic"``.
+        validate: checks ``combine_fn``; it changes no route.
+        reset: the segment starts, as for ``fscan.associative_scan``.
+        initial: the carry-in, as for ``fscan.associative_scan``.
 
     Returns:
         Explanation: ``.engine`` (a name of the closed set in docs/routes.md),
