@@ -124,6 +124,7 @@ def traced_scan(
         >>> cumsum = lambda x: fscan.associative_scan(torch.add, x, 0)  # comes here when traced
         >>> torch.compile(cumsum, backend="eager", fullgraph=True)(torch.arange(1.0, 5.0))
         tensor([ 1.,  3.,  6., 10.])
+        >>> torch._dynamo.reset()  # Dynamo's clean-up of this example's globals runs now
     """
     # No movedim for dim 0: it would stay in an exported graph as a no-op node.
     xs = [x.movedim(dim, 0) if dim else x for x in leaves]

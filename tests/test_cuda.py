@@ -49,8 +49,10 @@ def fresh_caches():
 
 @pytest.fixture
 def cpu_codegen(monkeypatch):
-    """Let the engine serve CPU tensors through aot_eager; returns the compile counter."""
+    """Let the engine serve CPU tensors through aot_eager; returns the compile counter.
+    The C++ kernel is off: on CPU it would take these calls (and their backward) first."""
     counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(fscan.config, "cpu_kernel", "off")
     monkeypatch.setattr(_compiled, "CODEGEN_DEVICES", ("cpu",))
     monkeypatch.setattr(_compiled, "BACKEND", counter)
     monkeypatch.setattr(_compiled, "_has_triton", lambda: True)
