@@ -28,15 +28,13 @@ from ._config import config
 from ._dtensor import any_dtensor
 from ._entry import checked_call
 from ._knowledge import Knowledge, Reach, known, reach
-from ._purity import probeable
 from ._pytree import flatten
 from ._routing import Where, where
 from ._segmented import segmented_scan
 from .engine import cpu_kernel
 from .engine._cpp_build import compiler_problem
-from .engine._cpp_ops import DTYPES
 from .engine._kernel_builder import warm
-from .engine.cpu_kernel import MIN_CALLS, MIN_ELEMENTS, State, slot_key
+from .engine.cpu_kernel import MIN_CALLS, MIN_ELEMENTS, State, leaf_refusal, slot_key
 
 __all__ = ["Explanation", "RouteFacts", "explain", "kernel_refusal", "scan_route"]
 
@@ -269,18 +267,9 @@ def _kernel_unavailable(leaves: Sequence[torch.Tensor]) -> str | None:
     (it starts the toolchain lookup where none ran yet)."""
     if config.cpu_kernel == "off":
         return "fscan.config.cpu_kernel is 'off'"
-    first = leaves[0]
-    if not first.is_cpu:
-        return f"no C++ kernel on {first.device.type}"
-    for x in leaves:
-        if x.dtype not in DTYPES:
-            return f"dtype {x.dtype} has no C++ kernel"
-        if x.is_neg():
-            return "a negative-bit view (e.g. .conj().imag): the torch engine runs"
-    if any(x.shape != first.shape or not x.is_cpu for x in leaves):
-        return "leaves of different shapes: the C++ kernel takes one shape"
-    if not probeable(leaves):
-        return "tensor subclasses or torch.func transforms: the torch engine runs"
+    reason = leaf_refusal(leaves)
+    if reason is not None:
+        return reason
     # The lookup's flag, read, never waited on: the engine sets it once the lookup ran.
     if not warm.is_set():
         if config.cpu_kernel == "eager":

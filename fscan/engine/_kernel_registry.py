@@ -37,6 +37,7 @@ __all__ = [
     "grad_wanted",
     "kernel_possible",
     "kernel_ready",
+    "leaf_refusal",
     "lookup_kernels",
     "precompile",
     "ready_entry",
@@ -183,9 +184,10 @@ def precompile(
     return ready
 
 
-def unavailable(leaves: Sequence[torch.Tensor], wait: bool = False) -> str | None:
-    """Why the kernel cannot serve leaves like these (gradients aside), or None. Unless
-    ``wait`` (or the mode is "eager"), the compiler lookup is left to the background."""
+def leaf_refusal(leaves: Sequence[torch.Tensor]) -> str | None:
+    """Why the kernel cannot serve leaves like these (gradients and the toolchain aside),
+    or None: the checks of :func:`unavailable` that have no side effect (``fscan.explain``
+    asks them too)."""
     first = leaves[0]
     if not first.is_cpu:  # is_cpu, not device.type: a torch.device costs ~0.3 us per call
         return f"no C++ kernel on {first.device.type}"
@@ -203,6 +205,15 @@ def unavailable(leaves: Sequence[torch.Tensor], wait: bool = False) -> str | Non
         # it. The pointwise check is one (a scan nested in a combine_fn it watches would
         # pass unseen), FlopCounterMode and FakeTensorMode others.
         return "a TorchDispatchMode is active: the kernel's work would be hidden from it"
+    return None
+
+
+def unavailable(leaves: Sequence[torch.Tensor], wait: bool = False) -> str | None:
+    """Why the kernel cannot serve leaves like these (gradients aside), or None. Unless
+    ``wait`` (or the mode is "eager"), the compiler lookup is left to the background."""
+    reason = leaf_refusal(leaves)
+    if reason is not None:
+        return reason
     if not builder.warm.is_set():
         if not (wait or config.cpu_kernel == "eager"):
             # Finding the compiler imports Inductor (about a second): done in the background.

@@ -95,6 +95,7 @@ from ._kernel_registry import (
     serving_lookup,
 )
 from ._kernel_registry import captured_occurrences as captured_occurrences
+from ._kernel_registry import leaf_refusal as leaf_refusal
 from ._kernel_run import kernel_params, run_kernel
 
 __all__ = [
