@@ -5,8 +5,8 @@ The public face only re-exports; every implementation module is private.
 
 from . import _route_why  # noqa: F401  (registers the reasons of the "fscan" log's records)
 from . import lax as lax
-from ._associativity import check_associative as check_associative
 from ._config import config as config
+from ._engines.cpp.cpu_kernel import precompile as precompile
 from ._errors import CombineFnError as CombineFnError
 from ._errors import ImpureCombineError as ImpureCombineError
 from ._errors import NotAssociativeError as NotAssociativeError
@@ -19,7 +19,8 @@ from ._errors import ScanValueError as ScanValueError
 from ._errors import ScanWarning as ScanWarning
 from ._errors import UnsupportedScanError as UnsupportedScanError
 from ._explain import explain as explain
-from ._knowledge import clear_caches as clear_caches
+from ._knowledge.associativity import check_associative as check_associative
+from ._knowledge.store import clear_caches as clear_caches
 from ._linear import linear_recurrence as linear_recurrence
 from ._linear_matrix import linear_recurrence_matrix as linear_recurrence_matrix
 from ._log_linear import log_linear_recurrence as log_linear_recurrence
@@ -30,7 +31,6 @@ from ._ops import cumsum as cumsum
 from ._ops import logcumsumexp as logcumsumexp
 from ._reduce import associative_reduce as associative_reduce
 from ._scan import associative_scan as associative_scan
-from .engine.cpu_kernel import precompile as precompile
 
 __version__ = "0.1.0"
 

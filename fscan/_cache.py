@@ -1,6 +1,6 @@
-"""A bounded, thread-safe cache: the store behind :mod:`fscan._knowledge` and the kernels.
+"""A bounded, thread-safe cache: the store behind :mod:`fscan._knowledge.store` and the kernels.
 
-Keys are built elsewhere (:func:`fscan._knowledge.reach` keys a ``combine_fn``
+Keys are built elsewhere (:func:`fscan._knowledge.store.reach` keys a ``combine_fn``
 on everything a verdict depends on); this module only bounds how many entries
 are kept (entries not used lately go first) and makes hits cheap and safe
 from several threads.

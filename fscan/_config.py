@@ -7,7 +7,7 @@
 A debugging aid; it costs a few combine calls per scan.
 
 ``fscan.config.cpu_kernel`` (default from ``FSCAN_CPU_KERNEL``, else ``"on"``)
-governs the generated C++ kernel for pointwise scans on CPU (``fscan.engine``):
+governs the generated C++ kernel for pointwise scans on CPU (``fscan._engines.cpp``):
 ``"on"`` compiles it in the background once a combine_fn is worth it and uses
 it when ready (fscan's torch engine answers meanwhile), ``"eager"`` compiles on
 the first call and waits for it (tests, benchmarks, services that warm up),

@@ -7,7 +7,7 @@ the whole sequence. The classic block scan (MPI_Exscan):
 1. scan each local piece with fscan; its total is its last element (first, in
    reverse);
 2. exchange the totals with one ``all_gather`` of one element per piece
-   (:mod:`fscan._distributed_exchange`; its backward is one ``reduce_scatter``);
+   (:mod:`fscan._sharded.exchange`; its backward is one ``reduce_scatter``);
 3. fold the totals of the pieces before each local piece (after it, in reverse)
    into its exclusive prefix ``P`` with a scan of at most ``W * K`` elements, and
    combine ``P`` into every local result with one ``combine_fn`` call.
@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from ._distributed_layout import Layout
-from ._distributed_scan import sharded_recurrence, sharded_scan
+from ._sharded.layout import Layout
+from ._sharded.scan import sharded_recurrence, sharded_scan
 
 __all__ = ["associative_scan", "linear_recurrence"]
 

@@ -3,7 +3,7 @@
 Below every public door and above the router. It folds ``initial`` into the first
 element (:mod:`fscan._carry`), turns ``reset=`` into a scan of ``(flag, value)``
 pairs (:mod:`fscan._segmented`, which it hands itself to), and gives the router
-(:mod:`fscan._routing`) flat leaves together with what :mod:`fscan._knowledge`
+(:mod:`fscan._routing`) flat leaves together with what :mod:`fscan._knowledge.store`
 knows about ``combine_fn``, after the validation ``validate=`` asks for. fscan's own
 scans (the drop-ins' blocked scans, the chunked recurrence's tree, ``fscan.lax``,
 DTensor's local scans, the distributed pieces) enter here, never through
@@ -22,12 +22,12 @@ from ._call import SCAN_API, ScanCall
 from ._carry import carried_heads, swap_heads
 from ._checks import check_scan_args
 from ._combine import FlatCombine
-from ._knowledge import knowledge, reach
-from ._pointwise_check import checked_on_first_call
+from ._knowledge.pointwise_check import checked_on_first_call
+from ._knowledge.store import knowledge, reach
+from ._knowledge.validate import validate_combine_fn
 from ._pytree import flatten, unflatten
 from ._routing import scan_flat, scan_traced
 from ._segmented import segmented_scan
-from ._validate import validate_combine_fn
 
 __all__ = ["checked_call", "run_scan", "scan_tree"]
 
@@ -109,7 +109,7 @@ def _fold_check(
 ) -> Callable[[FlatCombine], FlatCombine] | None:
     """The pointwise check for the fold's ``combine_fn`` call: in a one-step scan it is
     the only call, and on a batch of one element a non-elementwise ``combine_fn`` would
-    give another answer than on the element (see fscan._pointwise_check)."""
+    give another answer than on the element (see fscan._knowledge.pointwise_check)."""
     if combine_mode != "pointwise" or torch.compiler.is_compiling():
         return None
     entry = knowledge(reach(combine_fn), spec, combine_mode, leaves)

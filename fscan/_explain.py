@@ -2,7 +2,7 @@
 
 The report reads fscan's state without changing it: it runs no scan and no
 ``combine_fn``, starts no kernel build or toolchain lookup, records no verdict and
-touches no cache's order (:func:`fscan._knowledge.known` and
+touches no cache's order (:func:`fscan._knowledge.store.known` and
 :meth:`~fscan._cache.BoundedCache.peek` look entries up without storing them).
 The router's order (``fscan._routing``'s table) is followed: ``empty``,
 ``traced``, a ``torch.func`` transform (``tree``), ``triton``, ``cpp``, then
@@ -23,18 +23,18 @@ import torch
 from optree import PyTreeSpec
 
 from ._call import ScanCall
-from ._compiled import codegen_unavailable
 from ._config import config
-from ._dtensor import any_dtensor
+from ._engines.cpp import cpu_kernel
+from ._engines.cpp._cpp_build import compiler_problem
+from ._engines.cpp._kernel_builder import warm
+from ._engines.cpp.cpu_kernel import MIN_CALLS, MIN_ELEMENTS, State, leaf_refusal, slot_key
+from ._engines.triton import codegen_unavailable
 from ._entry import checked_call
-from ._knowledge import Knowledge, Reach, known, reach
+from ._knowledge.store import Knowledge, Reach, known, reach
 from ._pytree import flatten
 from ._routing import Where, where
 from ._segmented import segmented_scan
-from .engine import cpu_kernel
-from .engine._cpp_build import compiler_problem
-from .engine._kernel_builder import warm
-from .engine.cpu_kernel import MIN_CALLS, MIN_ELEMENTS, State, leaf_refusal, slot_key
+from ._sharded.dtensor import any_dtensor
 
 __all__ = ["Explanation", "RouteFacts", "explain", "kernel_refusal", "scan_route"]
 
@@ -224,7 +224,7 @@ def kernel_refusal(
     backward: int = 0,
 ) -> str | None:
     """Why the C++ kernel would not serve a scan like this now, or None if it would (read
-    as ``fscan.engine.cpu_kernel`` decides, without its side effects). ``backward``: 0 the
+    as ``fscan._engines.cpp.cpu_kernel`` decides, without its side effects). ``backward``: 0 the
     forward kernel, 1 the gradient kernel, 2 that with captured tensors' gradients."""
     static = _kernel_unavailable(leaves)
     if static is not None:

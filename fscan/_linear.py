@@ -1,7 +1,7 @@
 """The door of ``fscan.linear_recurrence``: ``h_t = a_t * h_{t-1} + b_t``, elementwise.
 
-(Matrices: ``_linear_matrix``.) The walks live in :mod:`fscan._linear_chunked`, the
-route and the gradients in :mod:`fscan._linear_solve`; this module holds the public
+(Matrices: ``_linear_matrix``.) The walks live in :mod:`fscan._recurrences.chunked`, the
+route and the gradients in :mod:`fscan._recurrences.solve`; this module holds the public
 function and its DTensor dispatch.
 
 ``h -> a h + b`` maps compose associatively, ``(a1, b1) then (a2, b2) = (a1 a2,
@@ -21,14 +21,14 @@ That is about four passes over memory in ``2 C + O(log n)`` sequential calls, an
 plain differentiable, vmappable torch ops. Composing a chunk multiplies its gates,
 which the loop never does: where that product leaves the floats' range and meets an
 infinite, zero or huge state, the carry is walked step by step instead
-(:mod:`fscan._linear_chunked`); scans under 32 steps are the loop itself.
+(:mod:`fscan._recurrences.chunked`); scans under 32 steps are the loop itself.
 ``initial`` enters as the carry of the first chunk (folded into the first step of
 the chunk recurrence), not as an extra pass; ``reset`` selects ``h_t = b_t`` with
 ``torch.where`` where it is set (a zero gate would turn an inf or NaN before the
 reset into NaN after it).
 
 Gradients come from a custom autograd Function
-(:class:`fscan._linear_solve.LinearRecurrenceFn`): the adjoint of a linear
+(:class:`fscan._recurrences.solve.LinearRecurrenceFn`): the adjoint of a linear
 recurrence is a linear recurrence running the other way, so the backward reuses the
 same walk, saving only ``a`` and ``h``. Without a tape to feed, the walks write into
 preallocated memory (``out=``).
@@ -40,9 +40,9 @@ from numbers import Number
 
 import torch
 
-from ._dtensor import any_dtensor, dtensor_linear_recurrence
-from ._linear_solve import run_linear_recurrence
+from ._recurrences.solve import run_linear_recurrence
 from ._route_log import logs_route
+from ._sharded.dtensor import any_dtensor, dtensor_linear_recurrence
 
 __all__ = ["linear_recurrence"]
 
@@ -105,7 +105,7 @@ def linear_recurrence(
         >>> fscan.linear_recurrence(0.5, torch.ones(4), 0, reset=torch.tensor([0, 0, 1, 0]) > 0)
         tensor([1.0000, 1.5000, 1.0000, 1.5000])
     """
-    if any_dtensor((a, b, initial, reset)):  # sharded across ranks: see fscan._dtensor
+    if any_dtensor((a, b, initial, reset)):  # sharded across ranks: see fscan._sharded.dtensor
         args = dict(initial=initial, reverse=reverse, reset=reset, acc_dtype=acc_dtype)
         return dtensor_linear_recurrence(a, b, dim, **args)
     return run_linear_recurrence(_API, a, b, dim, initial, reverse, reset, acc_dtype)

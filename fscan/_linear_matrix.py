@@ -2,7 +2,7 @@
 
 States are vectors ``(d,)`` or matrices ``(d, k)`` (the DeltaNet / linear-attention
 state); gates ``A`` are ``(d, d)``, per step or shared. One recursion serves every
-case: the odd/even scan of :mod:`fscan._generic` (combine neighbouring pairs, scan
+case: the odd/even scan of :mod:`fscan._engines.tree` (combine neighbouring pairs, scan
 the pairs, fill in the rest), specialised to the affine maps ``h -> A h + B``::
 
     (A1, B1) then (A2, B2) = (A2 @ A1, A2 @ B1 + B2)
@@ -40,10 +40,10 @@ from typing import Any
 import torch
 
 from ._checks import check_dense, normalize_dim
-from ._composed_gates import values_hidden
 from ._entry import scan_tree
 from ._errors import ScanTypeError, ScanValueError
 from ._pytree import describe
+from ._recurrences.composed_gates import values_hidden
 from ._route_log import logs_route
 
 __all__ = ["linear_recurrence_matrix"]
@@ -178,7 +178,7 @@ def _traced_scan(
 ) -> torch.Tensor:
     """The same maps through ``fscan.associative_scan`` in generic mode, for
     ``torch.compile`` and ``torch.export``: the recursion above unrolls per length,
-    while the scan is one length-polymorphic op (``fscan._traced``). The gates are
+    while the scan is one length-polymorphic op (``fscan._engines.traced``). The gates are
     expanded per step here (a view; the traced op materialises what it needs)."""
     steps = z.shape[:-2]
     A = A.expand(*steps, *A.shape[-2:])

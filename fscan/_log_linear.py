@@ -5,12 +5,12 @@ The minGRU/minLSTM "parallel scan in log space". The two-prefix-sum formulation
 cumsum(log a)``, subtracts a running sum that grows without bound: in float32
 its error grows with the length (relative 1e-4 at 512 steps, 1e-3 at 4096). Here
 the recurrence is walked in log space instead, ``log h_t = logaddexp(log a_t +
-log h_{t-1}, log b_t)``, with the chunked form of :mod:`fscan._linear_chunked`: walk
+log h_{t-1}, log b_t)``, with the chunked form of :mod:`fscan._recurrences.chunked`: walk
 chunks from the empty state (``-inf``), solve the chunk-level recurrence (gates:
 each chunk's summed ``log a``), walk the chunks again. Every operand stays the
 size of a log state, so the error is that of a float32 sequential loop.
 
-The backward is one linear recurrence (:mod:`fscan._linear_solve`) with gates in
+The backward is one linear recurrence (:mod:`fscan._recurrences.solve`) with gates in
 ``[0, 1]``: for ``G_t = dL/dlog h_t``, ``Lam_t = G_t + w_{t+1} Lam_{t+1}`` with
 ``w_t = exp(log a_t + log h_{t-1} - log h_t) = a_t h_{t-1} / h_t``; then
 ``dL/dlog a_t = Lam_t w_t`` and ``dL/dlog b_t = Lam_t exp(log b_t - log h_t)``.
@@ -28,10 +28,10 @@ import torch
 from ._checks import check_dense, normalize_dim
 from ._entry import scan_tree
 from ._errors import ScanTypeError, ScanValueError
-from ._linear_chunked import Algebra, chunk_size, chunked_solve
-from ._linear_solve import adjoint_grads, adjoint_grads_differentiable
 from ._pytree import describe
-from ._recurrence_args import broadcasts_to, reset_mask, result_dtype
+from ._recurrences.args import broadcasts_to, reset_mask, result_dtype
+from ._recurrences.chunked import Algebra, chunk_size, chunked_solve
+from ._recurrences.solve import adjoint_grads, adjoint_grads_differentiable
 from ._route_log import logs_route, ran
 from ._routing import where
 
@@ -97,7 +97,7 @@ def _recurrence(
     reverse: bool,
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The routes of :func:`fscan._linear_solve._recurrence`, in log space."""
+    """The routes of :func:`fscan._recurrences.solve._recurrence`, in log space."""
     if lb.numel() == 0:  # still connected to every input: zero gradients
         out = lb + la * 0
         return out if initial is None else out + initial.unsqueeze(dim) * 0

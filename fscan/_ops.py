@@ -7,8 +7,8 @@ casts first), shapes (0-d inputs, empty dimensions), ``(values, indices)``
 structs with torch's tie-breaking and NaN rules, and the same precision
 (accumulation in float64 for float32, in float32 for half types).
 
-Each call takes the fastest of three paths, as measured (:mod:`fscan._ops_rules`:
-:func:`~fscan._ops_rules.path` says which; ``route``'s docstring has the table):
+Each call takes the fastest of three paths, as measured (:mod:`fscan._cumulative.rules`:
+:func:`~fscan._cumulative.rules.path` says which; ``route``'s docstring has the table):
 
 * torch's native kernel, taken first and cheaply by ``_native_fast`` (a few
   µs of checks) where nothing else can win: under ``MIN_NUMEL`` elements, and at
@@ -17,7 +17,7 @@ Each call takes the fastest of three paths, as measured (:mod:`fscan._ops_rules`
   (1-D, say) for cummax/cummin/logcumsumexp and for cumsum/cumprod below
   ``KERNEL_MIN_NUMEL_ONE_LANE``. There torch's walk is contiguous (and torch
   spreads the lanes over its threads). ``reverse=True`` is flip, op, flip.
-* the generated C++ kernel of :mod:`fscan.engine.cpu_kernel`, once it is compiled
+* the generated C++ kernel of :mod:`fscan._engines.cpp.cpu_kernel`, once it is compiled
   for the op and dtype (in the background, from the second large call), where it
   wins (:func:`kernel_wins`): no gradient wanted, at least ``KERNEL_MIN_NUMEL``
   elements, and a ``dim`` with at least 8 elements after it, in any layout (the
@@ -33,9 +33,9 @@ Each call takes the fastest of three paths, as measured (:mod:`fscan._ops_rules`
   pages).
   cummax/cummin scan (value, index) pairs; the kernel makes the indices from each
   element's position, reading only the values. Where no kernel can run (mode
-  ``"off"``, no compiler: :func:`~fscan.engine.cpu_kernel.kernel_possible`),
+  ``"off"``, no compiler: :func:`~fscan._engines.cpp.cpu_kernel.kernel_possible`),
   ``_native_fast`` sends these calls to the next path itself, without the checks.
-* fscan's parallel scan (:mod:`fscan._ops_parallel`), which combines whole
+* fscan's parallel scan (:mod:`fscan._cumulative.blocked`), which combines whole
   contiguous slices at a time. When ``dim`` has a large stride, every step of
   torch's walk lands on a new cache line; then the parallel scan is faster for
   logcumsumexp, and for the others once the walk spans more memory than the
@@ -55,11 +55,11 @@ from typing import Any
 import torch
 
 from ._checks import check_dense, normalize_dim
+from ._cumulative.blocked import LOGSUMEXP, PRODUCT, SUM, Accumulation, blocked_scan, extremum_scan
+from ._cumulative.rules import kernel_call, native_fast, route
+from ._engines.cpp.cpu_kernel import kernel_scan
 from ._errors import ScanTypeError
-from ._ops_parallel import LOGSUMEXP, PRODUCT, SUM, Accumulation, blocked_scan, extremum_scan
-from ._ops_rules import kernel_call, native_fast, route
 from ._route_log import logs_route, ran
-from .engine.cpu_kernel import kernel_scan
 
 __all__ = ["cummax", "cummin", "cumprod", "cumsum", "logcumsumexp"]
 

@@ -21,7 +21,7 @@ Everything runs through ``combine_fn`` on plain torch ops, so autograd and
 aside depend on the length, so the graph would be specialised to it (one
 compile per length with ``dynamic=True``, and an export guard on its parity).
 There the total is the last output of fscan's length-polymorphic traced scan
-(:mod:`fscan._traced`, the first output for ``reverse``): one graph for every
+(:mod:`fscan._engines.traced`, the first output for ``reverse``): one graph for every
 length, about twice the combines of the tree, which the compiled kernels fuse.
 """
 
@@ -36,14 +36,14 @@ from optree import PyTreeSpec
 from ._carry import check_initial
 from ._checks import check_scan_args
 from ._combine import FlatCombine, flat_combine
+from ._engines.traced import traced_scan
 from ._errors import ScanValueError
-from ._knowledge import knowledge, reach
-from ._pointwise_check import checked_on_first_call
+from ._knowledge.pointwise_check import checked_on_first_call
+from ._knowledge.store import knowledge, reach
+from ._knowledge.validate import validate_combine_fn
 from ._pytree import flatten, unflatten
 from ._route_log import logs_route
 from ._routing import check_untouched, leaf_versions
-from ._traced import traced_scan
-from ._validate import validate_combine_fn
 
 __all__ = ["associative_reduce"]
 

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
+from ._cumulative.rules import KERNEL_MIN_NUMEL, kernel_call
+from ._cumulative.rules import route as dropin_route
 from ._explain import Explanation, explain, explain_arguments, kernel_refusal
+from ._knowledge.purity import under_transform
 from ._linear import linear_recurrence
-from ._linear_chunked import PAIR_SPEC, compose
-from ._ops_rules import KERNEL_MIN_NUMEL, kernel_call
-from ._ops_rules import route as dropin_route
-from ._purity import under_transform
 from ._pytree import flatten
+from ._recurrences.chunked import PAIR_SPEC, compose
 from ._reduce import associative_reduce
 from ._route_log import Route, register
 

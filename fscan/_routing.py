@@ -2,7 +2,7 @@
 
 :func:`where` answers "where are we running" (tracing, a ``torch.func``
 transform or dual level, grad mode, device) and :func:`pick_route` turns that,
-the leaves and what :mod:`fscan._knowledge` knows about ``combine_fn`` into a
+the leaves and what :mod:`fscan._knowledge.store` knows about ``combine_fn`` into a
 route. :func:`scan_flat` runs it. Every route, in the order they are tried:
 
 =============  ===================================================================
@@ -10,15 +10,15 @@ route          when, and what runs
 =============  ===================================================================
 ``empty``      length 0 along ``dim``, or no element at all: copies of the leaves
 ``traced``     ``torch.compile``/``torch.export`` traces: one length-polymorphic
-               op (:mod:`fscan._traced` has its own table: HOP, blocked scan,
+               op (:mod:`fscan._engines.traced` has its own table: HOP, blocked scan,
                sequential ``scan``; unrolled inside a ``torch.func`` transform)
 ``functional`` a ``torch.func`` transform or a dual level (forward AD) is active:
                the out-of-place engine, which those transforms differentiate
 ``triton``     pointwise, CUDA/XPU, ``combine_fn`` checked elementwise, no
                gradient wanted, no captured tensor: the compiled Triton kernel
-               (:mod:`fscan._compiled`); falls back to ``inplace`` if it cannot
+               (:mod:`fscan._engines.triton`); falls back to ``inplace`` if it cannot
 ``cpp``        pointwise, CPU, ``combine_fn`` checked elementwise, no gradient
-               wanted: the generated C++ kernel (:mod:`fscan.engine.cpu_kernel`)
+               wanted: the generated C++ kernel (:mod:`fscan._engines.cpp.cpu_kernel`)
                once compiled (in the background); ``inplace`` until then, or if
                it cannot serve. A carry-in (``initial=``, no gradient wanted, no
                ``reset=``) is read by the kernel in place of the first element;
@@ -41,7 +41,7 @@ route          when, and what runs
 
 Pointwise calls whose ``combine_fn`` has not passed the elementwise check yet
 run ``inplace``/``adjoint``/``autograd`` with the check watching their first
-combine call (:mod:`fscan._pointwise_check`).
+combine call (:mod:`fscan._knowledge.pointwise_check`).
 """
 
 from __future__ import annotations
@@ -52,19 +52,19 @@ from typing import Any, NamedTuple
 import torch
 from optree import PyTreeSpec
 
-from ._adjoint import PointwiseScan, ScanPlan
-from ._autograd import adjoint_applies
 from ._carry import swap_heads
 from ._combine import FlatCombine, flat_combine
-from ._compiled import codegen_backward_scan, codegen_scan, codegen_unavailable
+from ._engines.adjoint import PointwiseScan, ScanPlan
+from ._engines.adjoint_probe import adjoint_applies
+from ._engines.cpp.cpu_kernel import kernel_grad_scan, kernel_scan
+from ._engines.traced import traced_scan
+from ._engines.tree import scan_along, scan_functional_along
+from ._engines.triton import codegen_backward_scan, codegen_scan, codegen_unavailable
 from ._errors import ImpureCombineError
-from ._generic import scan_along, scan_functional_along
-from ._knowledge import Knowledge, Reach
-from ._pointwise_check import checked_on_first_call
-from ._purity import under_transform
+from ._knowledge.pointwise_check import checked_on_first_call
+from ._knowledge.purity import under_transform
+from ._knowledge.store import Knowledge, Reach
 from ._route_log import ran
-from ._traced import traced_scan
-from .engine.cpu_kernel import kernel_grad_scan, kernel_scan
 
 __all__ = [
     "Where",
@@ -161,8 +161,8 @@ def scan_flat(
 ) -> list[torch.Tensor]:
     """Scan already-checked flat ``leaves`` along ``dim`` on the route :func:`pick_route` picks.
 
-    ``found`` and ``entry`` are :func:`~fscan._knowledge.reach` of ``combine_fn`` and
-    its :func:`~fscan._knowledge.knowledge` entry for this call (not while tracing:
+    ``found`` and ``entry`` are :func:`~fscan._knowledge.store.reach` of ``combine_fn`` and
+    its :func:`~fscan._knowledge.store.knowledge` entry for this call (not while tracing:
     see :func:`scan_traced`). ``head``: a carry-in (:func:`fscan._carry.carried_heads`,
     no gradient wanted), the first element in scan order to scan instead of the
     leaves': the C++ kernel reads it in place; other routes scan a copy of the leaves
@@ -170,7 +170,7 @@ def scan_flat(
 
     Example:
         >>> import optree
-        >>> from fscan._knowledge import knowledge, reach
+        >>> from fscan._knowledge.store import knowledge, reach
         >>> leaves, spec = optree.tree_flatten(torch.arange(1.0, 5.0))
         >>> found = reach(torch.add)
         >>> entry = knowledge(found, spec, "pointwise", leaves)

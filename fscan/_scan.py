@@ -8,10 +8,10 @@ from typing import Any
 import torch
 
 from ._call import SCAN_API
-from ._dtensor import any_dtensor, dtensor_scan
 from ._entry import checked_call, run_scan
 from ._pytree import flatten
 from ._route_log import logs_route
+from ._sharded.dtensor import any_dtensor, dtensor_scan
 
 __all__ = ["associative_scan"]
 
@@ -87,7 +87,7 @@ def associative_scan(
         tensor([11., 12., 13.])
     """
     leaves, spec = flatten(xs)
-    if any_dtensor(leaves):  # sharded across ranks: see fscan._dtensor
+    if any_dtensor(leaves):  # sharded across ranks: see fscan._sharded.dtensor
         return dtensor_scan(
             combine_fn,
             xs,

@@ -63,7 +63,7 @@ def segmented_scan(run: Callable[[ScanCall], Any], call: ScanCall) -> Any:
     def segmented(x: tuple[torch.Tensor, Any], y: tuple[torch.Tensor, Any]) -> tuple:
         (fx, vx), (fy, vy) = x, y
         # The structure of vy, not `spec`: when torch.export traces this inside a HOP,
-        # the spec must be made in that trace (see fscan._traced).
+        # the spec must be made in that trace (see fscan._engines.traced).
         y_leaves, y_spec = flatten(vy)
         x_leaves = flatten(vx)[0]
         flags = [_align(fy, leaf) for leaf in y_leaves]

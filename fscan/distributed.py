@@ -8,7 +8,7 @@ run these on DTensors sharded along the scan dimension. See ``docs/distributed.m
 
 from ._distributed import associative_scan as associative_scan
 from ._distributed import linear_recurrence as linear_recurrence
-from ._distributed_exchange import exchange_bytes as exchange_bytes
-from ._distributed_layout import Layout as Layout
+from ._sharded.exchange import exchange_bytes as exchange_bytes
+from ._sharded.layout import Layout as Layout
 
 __all__ = ["Layout", "associative_scan", "exchange_bytes", "linear_recurrence"]

@@ -14,8 +14,8 @@ F64 = torch.float64
 def core_routes(a, b, m, r, w):
     """The routes whose loops Inductor lowers, once each: pointwise pytrees mixing leaves,
     issue 10's product along dim 1, forward and reverse (reverse met an Inductor bug with
-    symbolic lengths: fscan._workarounds), reverse with a closure over a tensor requiring
-    grad, generic mode in reverse, and reset= (all blocked scans around a while_loop)."""
+    symbolic lengths: fscan._engines.traced_workarounds), reverse with a closure over a tensor
+    requiring grad, generic mode in reverse, and reset= (all blocked scans around a while_loop)."""
     _, h = fscan.associative_scan(linear_recurrence, (a, b), 0)
     prod = fscan.associative_scan(lambda x, y: x * y, a.T, 1)
     prod_rev = fscan.associative_scan(lambda x, y: x * y, a.T, 1, reverse=True)

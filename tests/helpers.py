@@ -137,7 +137,7 @@ def matmul(a, b):
 def cached_verdicts(name: str) -> int:
     """How many fscan knowledge entries hold a ``name`` verdict (``pure``, ``elementwise``,
     ``adjoint``): what the first-call checks cached."""
-    from fscan._knowledge import entries
+    from fscan._knowledge.store import entries
 
     return sum(1 for entry in entries.values() if getattr(entry, name))
 

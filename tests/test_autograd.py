@@ -25,7 +25,7 @@ from helpers import (
 from torch.autograd import gradcheck, gradgradcheck
 
 import fscan
-from fscan._knowledge import Knowledge, reach
+from fscan._knowledge.store import Knowledge, reach
 from fscan._pytree import flatten
 from fscan._routing import scan_flat
 
@@ -33,7 +33,7 @@ MODES = ["pointwise", "generic"]
 F64 = torch.float64
 
 # The adjoint route's Functions: fscan's adjoint scan, or (on CPU, once compiled in the
-# background) the C++ forward and backward kernels of fscan.engine.cpu_kernel.
+# background) the C++ forward and backward kernels of fscan._engines.cpp.cpu_kernel.
 ADJOINT = ("PointwiseScanBackward", "KernelScanBackward")
 
 
@@ -337,7 +337,7 @@ def scalar_until_midway(length):
 
 @parametrize(reverse=[False, True])
 def test_chunked_backward(monkeypatch, reverse):
-    monkeypatch.setattr(fscan._adjoint, "CHUNK_ELEMENTS", 5)  # two steps of 3 per chunk
+    monkeypatch.setattr(fscan._engines.adjoint, "CHUNK_ELEMENTS", 5)  # two steps of 3 per chunk
     pair = lambda x, y: (x[0] * y[0], x[1] * y[1])
     cases = [
         (linear_recurrence, (positive(9, 3), normal(9, 3))),

@@ -16,7 +16,7 @@ from helpers import cached_verdicts
 
 import fscan
 from fscan._cache import BoundedCache
-from fscan._knowledge import entries
+from fscan._knowledge.store import entries
 
 
 @pytest.fixture(autouse=True)

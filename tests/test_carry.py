@@ -353,7 +353,7 @@ def test_a_dropped_infinite_initial_leaves_gradients_finite(mode, reverse):
 # ---- the C++ kernel's carry-in (no copy of the leaves) -------------------------------
 
 needs_compiler = pytest.mark.skipif(
-    __import__("fscan.engine._cpp_build", fromlist=["x"]).compiler_problem() is not None,
+    __import__("fscan._engines.cpp._cpp_build", fromlist=["x"]).compiler_problem() is not None,
     reason="no C++ compiler: the kernel's carry-in is not built here",
 )
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fscan
-from fscan import _adjoint
+from fscan._engines import adjoint as _adjoint
 
 F64 = torch.float64
 

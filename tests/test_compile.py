@@ -1,5 +1,5 @@
 """fscan under torch.compile on CPU: no graph break, eager results, at most one recompile when
-the length changes, correct gradients (fscan._traced), with Inductor and without it."""
+the length changes, correct gradients (fscan._engines.traced), with Inductor and without it."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from helpers import affine_compose, assert_trees_close, linear_recurrence, seque
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fscan
-from fscan import _traced
-from fscan.engine._cpp_build import compiler_problem
+from fscan._engines import traced as _traced
+from fscan._engines.cpp._cpp_build import compiler_problem
 
 # Dynamo and AOT autograd without Inductor's codegen: the same graphs, compiled in
 # seconds. The default backend, Inductor, compiles every route at once in a shared
@@ -204,7 +204,7 @@ def test_the_traced_algorithms_run_eagerly_too(scan, n):
 
 def test_canary_torch_hop_autograd_is_wrong_when_leaves_mix():
     """Why differentiable traced calls never let torch's associative_scan HOP record a
-    tape (fscan._traced_adjoint differentiates around it). If this starts failing,
+    tape (fscan._engines.traced_adjoint differentiates around it). If this starts failing,
     torch fixed the HOP's autograd for leaves that mix (closures are still dropped)."""
     from torch._higher_order_ops.associative_scan import associative_scan_op
 
@@ -235,7 +235,8 @@ def test_every_route_matches_eager():
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_gradients_without_fullgraph(dynamic):
     """The while_loop backward's .item() needs scalar outputs, which Dynamo allows only with
-    fullgraph=True: it crashed, then raised a spurious CombineFnError (fscan._workarounds)."""
+    fullgraph=True: it crashed, then raised a spurious CombineFnError
+    (fscan._engines.traced_workarounds)."""
     counter = CompileCounterWithBackend(BACKEND)
     fn = lambda x: fscan.associative_scan(lambda a, b: a * b, x, 0)
     compiled = torch.compile(fn, backend=counter, dynamic=dynamic)

@@ -1,7 +1,7 @@
 """fscan under torch.compile with Inductor, the default backend, on CPU: every compiled
 route against eager, values and gradients, and the Inductor bugs fscan works around
-(fscan._workarounds). A file of its own: these compiles take minutes on 2 cores, and the
-test runner spreads whole files over its workers."""
+(fscan._engines.traced_workarounds). A file of its own: these compiles take minutes on 2
+cores, and the test runner spreads whole files over its workers."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 # Inductor's C++ backend as on a multi-core machine (it takes its parallel atomic_add
-# path: bug 3 of fscan._workarounds shows only there), whatever this machine has.
+# path: bug 3 of fscan._engines.traced_workarounds shows only there), whatever this machine has.
 TWO_THREADS = {"cpp.threads": 2}
 
 
@@ -60,7 +60,7 @@ def test_inductor_forward_and_gradients_match_eager(inductor_routes):
     """Issue 10 case 0: Inductor's while_loop backward reused a donated buffer, so the
     gradient at the last step of every 8-step block was wrong (rows 7 and 15 at length
     16); reverse scans along dim 1 got wrong gradients from Inductor's 2-D tiled scatter
-    (fscan._workarounds); without fullgraph the backward crashed."""
+    (fscan._engines.traced_workarounds); without fullgraph the backward crashed."""
     compiled, counter = inductor_routes
     assert_matches_eager(compiled, core_routes, (11,))  # rows 7: the last of a block
     frames = counter.frame_count
@@ -93,7 +93,7 @@ def test_inductor_several_scans_of_one_input():
     """With several blocked scans of one input in one backward graph, Inductor (torch 2.13)
     fused the sum of that input's gradient into a kernel that ran before the scatter-adds
     of one scan's step gradients, and read their buffers zero-filled (grad off by 4.44).
-    fscan._traced.StepGather's backward gathers instead: no scatter to misorder."""
+    fscan._engines.traced.StepGather's backward gathers instead: no scatter to misorder."""
     x = (torch.rand(16, 4, dtype=F64) + 0.5).requires_grad_()  # static shapes
     with torch._inductor.config.patch(TWO_THREADS):
         got = outputs_and_gradients(torch.compile(several_scans_of_x, fullgraph=True), (x,))
@@ -117,8 +117,8 @@ def test_inductor_with_static_shapes():
 @pytest.fixture
 def torchs_tile_indices(monkeypatch):
     """Inductor's C++ codegen as torch ships it: without fscan's fix of its 2-D tiles (bug 3
-    of fscan._workarounds), with two threads and without the compile caches (which could
-    hand back code generated with the fix)."""
+    of fscan._engines.traced_workarounds), with two threads and without the compile caches
+    (which could hand back code generated with the fix)."""
     from torch._inductor.codegen.cpp import CppTile2DKernel
 
     shift = inspect.unwrap(CppTile2DKernel.transform_indexing)
@@ -134,7 +134,8 @@ def torchs_tile_indices(monkeypatch):
 @pytest.mark.xfail(
     strict=True,
     reason="torch 2.13: Inductor's 2-D tiled C++ kernels shift a parallel scatter's index "
-    "twice (pytorch/pytorch#191837); fscan._workarounds fixes it, this test undoes the fix",
+    "twice (pytorch/pytorch#191837); fscan._engines.traced_workarounds fixes it, this test "
+    "undoes the fix",
 )
 def test_canary_inductor_gradient_of_a_transposed_result_with_symbolic_lengths(
     torchs_tile_indices,
@@ -144,7 +145,8 @@ def test_canary_inductor_gradient_of_a_transposed_result_with_symbolic_lengths(
     the scatter of the last gather reads the flipped, transposed cotangent, so Inductor
     tiles it in 2-D and writes column j of each tile to column 2j (``x0 + 2*x0_inner``):
     a wrong gradient (and out-of-bounds writes where no padding follows, a crash).
-    When this passes, torch fixed it: drop shift_tile_indices_once from fscan._workarounds."""
+    When this passes, torch fixed it: drop shift_tile_indices_once from
+    fscan._engines.traced_workarounds."""
 
     def within_blocks(a):  # running products within blocks of 8 steps, flipped, dim 0 -> 1
         a = a.T.movedim(1, 0)  # fscan moves dim 1 of a.T to the front

@@ -72,7 +72,7 @@ def test_the_background_warm_up_imports_nothing_a_trace_could_run_beside():
         import sys
         import torch._dynamo
         import fscan
-        from fscan.engine import _kernel_builder
+        from fscan._engines.cpp import _kernel_builder
         before = set(sys.modules)
         _kernel_builder.warm_up()
         print(sorted(set(sys.modules) - before))

@@ -1,4 +1,4 @@
-"""The generated C++ scan kernel (fscan.engine.cpu_kernel) against fscan's torch engine
+"""The generated C++ scan kernel (fscan._engines.cpp.cpu_kernel) against fscan's torch engine
 and a float64 sequential oracle; its fallbacks, key, cache and threads.
 
 Each combine below compiles once per test run (module-level cache, warm on reruns
@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fscan
-from fscan.engine import (
+from fscan._engines.cpp import (
     _cpp_source,
     _kernel_builder,
     _kernel_entry,
@@ -29,8 +29,8 @@ from fscan.engine import (
     cpu_kernel,
     traced_kernel,
 )
-from fscan.engine._cpp_build import compiler_problem
-from fscan.engine.cpu_kernel import State, kernel_scan
+from fscan._engines.cpp._cpp_build import compiler_problem
+from fscan._engines.cpp.cpu_kernel import State, kernel_scan
 
 needs_compiler = pytest.mark.skipif(
     compiler_problem() is not None, reason=f"no C++ kernel here: {compiler_problem()}"
@@ -351,15 +351,15 @@ def test_gradients_take_the_autograd_engine():
 
 
 def _all_kernel_entries() -> list[cpu_kernel.Entry]:
-    from fscan import _knowledge
+    from fscan._knowledge.store import store as _knowledge
 
     holders = map(_knowledge.entries.get, list(_knowledge.entries._data))
     return [e for h in holders if h is not None for e in cpu_kernel.kernel_entries(h)]
 
 
 def test_entry_cache_is_bounded(monkeypatch):
-    from fscan import _knowledge
     from fscan._cache import BoundedCache
+    from fscan._knowledge.store import store as _knowledge
 
     monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: None)
     monkeypatch.setattr(_knowledge, "entries", BoundedCache(maxsize=2))
@@ -608,7 +608,8 @@ def test_captured_gradients_second_order_take_the_adjoint_scan():
     ],
 )
 def test_drop_ins_ride_on_the_kernel(op, torch_op, dtype, reverse):
-    from fscan import _ops, _ops_rules
+    from fscan import _ops
+    from fscan._cumulative import rules as _ops_rules
 
     x = torch.randn(300, 128) if dtype.is_floating_point else torch.randint(-9, 9, (300, 128))
     x = x.to(dtype) if dtype != torch.float64 else (1 + torch.rand(300, 128) * 1e-3).double()
@@ -660,7 +661,8 @@ def test_cummax_cummin_kernel_indices_and_ties_match_torch(
 ):
     """The kernel's (value, index) scan, indices made from positions: torch's ties (the
     later index; the earlier one in reverse), NaN sticking, over chunked 1-D scans too."""
-    from fscan import _ops, _ops_rules
+    from fscan import _ops
+    from fscan._cumulative import rules as _ops_rules
 
     shape = [other, other]
     shape[dim] = length
@@ -678,7 +680,7 @@ def test_cummax_cummin_kernel_indices_and_ties_match_torch(
 def test_position_leaves_key_their_own_kernel():
     """The same combine over the same leaves, with and without a position leaf: two
     kernels (the slot key holds the positions), each with its own result."""
-    from fscan import _ops_rules
+    from fscan._cumulative import rules as _ops_rules
 
     x = torch.tensor([1.0, 3.0, 3.0, 2.0])
     given = torch.tensor([7, 8, 9, 10])
@@ -692,7 +694,7 @@ def test_position_leaves_key_their_own_kernel():
 @needs_compiler
 @pytest.mark.parametrize("reverse", [False, True])
 def test_linear_recurrence_rides_on_the_kernel(reverse, monkeypatch):
-    from fscan import _linear_chunked
+    from fscan._recurrences import chunked as _linear_chunked
 
     a, b = torch.rand(600, 64, dtype=torch.float64), torch.randn(600, 64, dtype=torch.float64)
     reset = torch.rand(600) < 0.05
@@ -715,7 +717,7 @@ def test_linear_recurrence_rides_on_the_kernel(reverse, monkeypatch):
 def test_linear_recurrence_reads_broadcast_gates_in_place(gate, reverse, monkeypatch):
     """A gate that broadcasts to b rides on the kernel as a stride-0 view (no size
     limit, no copy) and equals the walk's result; its inputs are left as they were."""
-    from fscan import _linear_chunked
+    from fscan._recurrences import chunked as _linear_chunked
 
     a = torch.rand(gate, dtype=torch.float64) * 0.5 + 0.5
     b = torch.randn(600, 64, dtype=torch.float64)
@@ -743,7 +745,7 @@ def test_linear_recurrence_reads_broadcast_gates_in_place(gate, reverse, monkeyp
 def test_linear_recurrence_initial_is_the_kernels_carry_in(gate, reverse, monkeypatch):
     """initial= rides on the kernel (its carry-in: no copy of the leaves) and equals the
     walk's result; with gradients wanted it takes the walk, which carries them."""
-    from fscan import _linear_chunked
+    from fscan._recurrences import chunked as _linear_chunked
 
     a = torch.rand(gate, dtype=torch.float64) * 0.5 + 0.5
     b = torch.randn(600, 64, dtype=torch.float64)
@@ -771,7 +773,7 @@ def test_linear_recurrence_initial_is_the_kernels_carry_in(gate, reverse, monkey
 def test_linear_recurrence_backward_adjoint_rides_on_the_carry_in(reverse, monkeypatch):
     """The backward's adjoint recurrence starts from a carried-in state (the last
     cotangent): it now runs on the kernel's carry-in, with the walk's gradients."""
-    from fscan import _linear_chunked
+    from fscan._recurrences import chunked as _linear_chunked
 
     def grads(kernel: bool):
         gen, d = torch.Generator().manual_seed(1), torch.float64
@@ -857,7 +859,7 @@ def test_mode_on_switches_public_scans_to_the_kernel_once_built(monkeypatch):
 
 
 def test_fork_hook_requeues_pending_builds():
-    from fscan import _knowledge
+    from fscan._knowledge.store import store as _knowledge
 
     holder = _knowledge.Knowledge()
     pending = cpu_kernel.Entry(state=State.PENDING)
@@ -1203,7 +1205,8 @@ def test_random_views_match_the_oracle(sizes, data, reverse, threads):
 def test_position_leaves_beside_strided_values(reverse):
     """cummax's (value, index) scan with the values a view (the chain path for a
     transpose, gathered rows for a step slice): indices are positions along dim."""
-    from fscan import _ops, _ops_rules
+    from fscan import _ops
+    from fscan._cumulative import rules as _ops_rules
 
     gen = torch.Generator().manual_seed(11)
     for x in (
@@ -1243,8 +1246,8 @@ def _keep_leaves(name: str, shape: tuple[int, ...], gen: torch.Generator):
 
 
 def test_dead_leaves_are_those_no_kept_output_needs():
-    from fscan.engine._cpp_codegen import translate_combine
-    from fscan.engine._cpp_structs import needed
+    from fscan._engines.cpp._cpp_codegen import translate_combine
+    from fscan._engines.cpp._cpp_structs import needed
 
     f32 = [torch.float32] * 2
     spec = optree.tree_structure((0, 0))
@@ -1347,7 +1350,7 @@ def test_keep_is_part_of_the_kernel_key():
 
 
 def _holder_of(fn, spec, leaves):
-    from fscan._knowledge import knowledge, reach
+    from fscan._knowledge.store import knowledge, reach
 
     return knowledge(reach(fn), spec, "pointwise", leaves)
 
@@ -1400,7 +1403,7 @@ def test_clear_caches_clears_every_store_of_the_engine(monkeypatch):
     """fscan.clear_caches() empties the engine's process-level stores: the kernel entries
     (inside the knowledge entries), the kernel_possible verdicts, the reasons logged once
     and the C++ files read; the traced graphs compiled code refers to stay, bounded."""
-    from fscan import _knowledge
+    from fscan._knowledge.store import store as _knowledge
 
     monkeypatch.setattr(_kernel_registry, "_verdicts", {})
     monkeypatch.setattr(_kernel_entry, "_logged", set())
@@ -1420,7 +1423,7 @@ def test_clear_caches_clears_every_store_of_the_engine(monkeypatch):
 def test_the_fixed_cpp_files_are_part_of_every_kernel_source():
     """The disk cache is keyed by the source text: it must hold the csrc files' text, so
     that editing one builds every kernel again."""
-    from fscan.engine._cpp_codegen import translate_combine
+    from fscan._engines.cpp._cpp_codegen import translate_combine
 
     spec = optree.tree_structure(0)
     program = translate_combine(add, spec, [torch.float32], (), ())

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import fscan
-from fscan.engine._cpp_build import MANIFEST_SUFFIX, _complete_elf, compiler_problem
+from fscan._engines.cpp._cpp_build import MANIFEST_SUFFIX, _complete_elf, compiler_problem
 
 needs_compiler = pytest.mark.skipif(
     compiler_problem() is not None, reason=f"no C++ kernel here: {compiler_problem()}"
@@ -29,7 +29,7 @@ needs_compiler = pytest.mark.skipif(
 # whether the kernel served and whether the two agree.
 CHILD = """
 import json, optree, torch, fscan
-from fscan.engine import cpu_kernel
+from fscan._engines.cpp import cpu_kernel
 x = torch.arange(1.0, 2001.0, dtype=torch.float64).reshape(200, 10)
 fn = lambda a, b: a + b
 leaves, spec = optree.tree_flatten(x)

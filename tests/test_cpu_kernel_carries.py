@@ -1,4 +1,4 @@
-"""The C++ kernel's chunk carries against the sequential loop (fscan.engine._cpp_source).
+"""The C++ kernel's chunk carries against the sequential loop (fscan._engines.cpp._cpp_source).
 
 Where the kernel splits the scan dimension into chunks (few lanes for the threads, or
 the 8-way interleave of the chain path), it composes chunk totals: associative up to
@@ -15,7 +15,7 @@ import torch
 from helpers import parametrize
 
 import fscan
-from fscan.engine.cpu_kernel import kernel_scan
+from fscan._engines.cpp.cpu_kernel import kernel_scan
 
 INF = float("inf")
 _API = "fscan.associative_scan"

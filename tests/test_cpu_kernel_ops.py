@@ -4,7 +4,7 @@ the kernel takes, with special values.
 The op table below runs each op on all pairs of a dtype's special values (NaN, +-inf,
 +-0, subnormals, the largest finite, integer min and max, shifts of the bit width,
 products that wrap or overflow...), as ``combine_fn(left, right)``, through
-:func:`fscan.engine.cpu_kernel.combine_step`: the forward kernel's own translation
+:func:`fscan._engines.cpp.cpu_kernel.combine_step`: the forward kernel's own translation
 of the combine, loads, stores and compute types, applied once per position, in its
 lane path's vector loop and as its chain path's scalar call. One combine computes
 every op of a dtype family as a leaf of a pytree, so each family costs one build
@@ -31,10 +31,10 @@ import torch
 from helpers import sequential_scan
 
 import fscan
-from fscan.engine import cpu_kernel
-from fscan.engine._cpp_build import compiler_problem
-from fscan.engine._cpp_codegen import COMPUTING_OPS, _make_fx
-from fscan.engine._cpp_ops import op_name
+from fscan._engines.cpp import cpu_kernel
+from fscan._engines.cpp._cpp_build import compiler_problem
+from fscan._engines.cpp._cpp_codegen import COMPUTING_OPS, _make_fx
+from fscan._engines.cpp._cpp_ops import op_name
 
 needs_compiler = pytest.mark.skipif(
     compiler_problem() is not None, reason=f"no C++ kernel here: {compiler_problem()}"

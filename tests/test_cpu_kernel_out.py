@@ -15,8 +15,8 @@ import torch
 from test_cpu_kernel import add, linrec, needs_compiler, num_threads, oracle
 
 import fscan
-from fscan.engine import cpu_kernel
-from fscan.engine.cpu_kernel import kernel_scan
+from fscan._engines.cpp import cpu_kernel
+from fscan._engines.cpp.cpu_kernel import kernel_scan
 
 F64 = torch.float64
 
@@ -267,7 +267,7 @@ def test_out_must_not_alias_a_captured_tensor():
 @pytest.fixture
 def small_kernel_sizes(monkeypatch):
     """The kernel serves linear_recurrence at any size (gradcheck needs small shapes)."""
-    from fscan import _linear_chunked
+    from fscan._recurrences import chunked as _linear_chunked
 
     monkeypatch.setattr(_linear_chunked, "KERNEL_MIN_NUMEL", 0)
 
@@ -305,7 +305,7 @@ def test_linear_recurrence_gradcheck_with_the_adjoint_in_place(shape, dim, gate,
 def test_solve_returns_its_out_written_in_place(monkeypatch):
     """``_solve(..., out=)`` on the kernel returns ``out`` itself; the kernel's result is
     never copied into it (``Tensor.copy_`` is not called)."""
-    from fscan import _linear_chunked
+    from fscan._recurrences import chunked as _linear_chunked
 
     gen = torch.Generator().manual_seed(4)
     a = torch.rand(40, 9, generator=gen, dtype=F64)

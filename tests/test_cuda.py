@@ -1,4 +1,4 @@
-"""The compiled pointwise engine (fscan._compiled).
+"""The compiled pointwise engine (fscan._engines.triton).
 
 Its dispatch, cache and fallbacks are tested everywhere by letting it treat CPU
 as a codegen device, with torch.compile's "aot_eager" backend (the HOP's eager
@@ -27,8 +27,8 @@ from helpers import (
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fscan
-from fscan import _compiled
-from fscan._knowledge import entries, knowledge, reach
+from fscan._engines import triton as _compiled
+from fscan._knowledge.store import entries, knowledge, reach
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -311,7 +311,7 @@ def test_cuda_backward_recurrence_on_triton(reverse):
 @pytest.mark.parametrize("grad", [False, True])
 def test_cuda_torch_compile_fullgraph(grad):
     # Without grad the traced scan is the HOP (a Triton kernel); with it, the HOP without a
-    # tape and the adjoint scan, a HOP too, for the backward (fscan._traced_adjoint).
+    # tape and the adjoint scan, a HOP too, for the backward (fscan._engines.traced_adjoint).
     fn = lambda a, b: fscan.associative_scan(linear_recurrence, (a, b), 1, reverse=True)[1]
     compiled = torch.compile(fn, fullgraph=True)
     for n in (100, 1000):

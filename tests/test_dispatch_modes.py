@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fscan
-from fscan.engine import cpu_kernel
+from fscan._engines.cpp import cpu_kernel
 
 pytestmark = pytest.mark.skipif(cpu_kernel.compiler_problem() is not None, reason="no C++ compiler")
 

@@ -313,7 +313,7 @@ CASES: dict[str, Case] = {
     # through the body that the public function and DTensor inputs share (the public
     # function may not pass acc_dtype on)
     "recurrence: acc_dtype": _mismatch(
-        lambda r, w: fscan._distributed_scan.sharded_recurrence(
+        lambda r, w: fscan._sharded.scan.sharded_recurrence(
             0.5,
             _piece(r, w, dtype=torch.float32),
             0,

@@ -10,10 +10,10 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fscan
-from fscan._knowledge import entries
+from fscan._engines.cpp import cpu_kernel
+from fscan._engines.cpp._cpp_build import compiler_problem
+from fscan._knowledge.store import entries
 from fscan._route_log import ENGINES
-from fscan.engine import cpu_kernel
-from fscan.engine._cpp_build import compiler_problem
 
 # Written against the torch engine's routes (the session's default is the kernel); the
 # tests of the kernel's route pick cpu_kernel="eager" themselves.

@@ -1,4 +1,4 @@
-"""torch.export of fscan scans with a dynamic scan length (fscan._traced)."""
+"""torch.export of fscan scans with a dynamic scan length (fscan._engines.traced)."""
 
 from __future__ import annotations
 

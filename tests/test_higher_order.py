@@ -9,8 +9,8 @@ from functorch.experimental import control_flow
 from helpers import assert_trees_close
 
 import fscan
-from fscan._knowledge import Knowledge
-from fscan._pointwise_check import checked_on_first_call
+from fscan._knowledge.pointwise_check import checked_on_first_call
+from fscan._knowledge.store import Knowledge
 
 F64 = torch.float64
 ON = torch.tensor(True)

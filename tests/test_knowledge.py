@@ -1,4 +1,4 @@
-"""fscan._knowledge: one walk over what a combine_fn reaches gives its key and its tensors."""
+"""fscan._knowledge.store: one walk over what a combine_fn reaches gives its key and its tensors."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from helpers import add, cached_verdicts
 
 import fscan
-from fscan._knowledge import leaf_signature, reach
+from fscan._knowledge.store import leaf_signature, reach
 
 
 @pytest.fixture(autouse=True)

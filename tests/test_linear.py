@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fscan
-from fscan._linear_chunked import chunk_size
+from fscan._recurrences.chunked import chunk_size
 
 # 0-31: the tree alone; 32+: chunked walks, with and without a tail, and (257,
 # 1000) with a chunk-level recurrence that is itself chunked.
@@ -719,7 +719,7 @@ def test_acc_dtype_checked():
 
 
 def test_result_dtype_matches_torch():
-    from fscan._recurrence_args import result_dtype
+    from fscan._recurrences.args import result_dtype
 
     dtypes = [torch.bool, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64]
     dtypes += [torch.complex64, torch.complex128]
@@ -753,7 +753,7 @@ def _compiled_cases(length):
 def _several(a, b, h0, reset):
     """Gates full and scalar, `initial`, `reverse`, `reset=` and acc_dtype in one graph,
     and issue 10 case 0's computed reverse gate (Inductor once got its gradient wrong:
-    a donated buffer reused by the while_loop backward; fscan._workarounds)."""
+    a donated buffer reused by the while_loop backward; fscan._engines.traced_workarounds)."""
     return (
         fscan.linear_recurrence(a, b, 1, initial=h0, reset=reset),
         fscan.linear_recurrence(0.9, b, 1, reverse=True, acc_dtype=torch.float64),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fscan
-from fscan.engine._cpp_build import compiler_problem
+from fscan._engines.cpp._cpp_build import compiler_problem
 
 needs_compiler = pytest.mark.skipif(
     compiler_problem() is not None, reason=f"no C++ kernel here: {compiler_problem()}"

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fscan
-from fscan import _ops, _ops_rules
+from fscan import _ops
+from fscan._cumulative import rules as _ops_rules
 
 OPS = ["cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"]
 PATHS = ["native", "parallel"]
@@ -267,7 +268,7 @@ def routed(layout, shape):
 def kernel_possible(monkeypatch):
     """``kernel_possible(True)``: a compiler and mode "on"; ``(False, mode)``: none to be had,
     by mode "off" or (mode "on") by a compiler probe that found none after the lookup."""
-    from fscan.engine import _kernel_builder, _kernel_registry, cpu_kernel
+    from fscan._engines.cpp import _kernel_builder, _kernel_registry, cpu_kernel
 
     def pin(possible, mode="on"):
         warm = threading.Event()
@@ -346,7 +347,7 @@ def test_fast_path_leaves_checks_and_tracing_to_the_checked_path(monkeypatch):
 
 def kernel_or_skip(op, x, dim, reverse=False):
     """The drop-in's kernel route, built now; skip where this machine cannot build it."""
-    from fscan.engine._cpp_build import compiler_problem
+    from fscan._engines.cpp._cpp_build import compiler_problem
 
     if compiler_problem() is not None:
         pytest.skip(f"no C++ kernel here: {compiler_problem()}")

@@ -13,9 +13,10 @@ from helpers import parametrize
 from test_ops import assert_same, reference, sample
 
 import fscan
-from fscan import _ops, _ops_rules
-from fscan.engine import _kernel_builder, _kernel_registry, cpu_kernel
-from fscan.engine._cpp_build import compiler_problem
+from fscan import _ops
+from fscan._cumulative import rules as _ops_rules
+from fscan._engines.cpp import _kernel_builder, _kernel_registry, cpu_kernel
+from fscan._engines.cpp._cpp_build import compiler_problem
 
 OPS = ["cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"]
 

@@ -1,4 +1,7 @@
-"""combine_mode="pointwise" accepts elementwise combine_fns only (fscan._pointwise_check)."""
+"""combine_mode="pointwise" accepts elementwise combine_fns only.
+
+The check: fscan._knowledge.pointwise_check.
+"""
 
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ from helpers import (
 )
 
 import fscan
-from fscan import _pointwise_check
-from fscan._knowledge import Knowledge
+from fscan._knowledge.store import Knowledge
+from fscan._knowledge.store import pointwise_check as _pointwise_check
 
 
 @pytest.fixture(autouse=True)

@@ -115,7 +115,7 @@ def test_hand_written_where_resets_stop_specials_as_the_loop_does(kind, reverse,
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_the_stepwise_backward_agrees_with_the_adjoint_and_the_loop(reverse):
-    from fscan._adjoint import ScanPlan, adjoint, stepwise_adjoint
+    from fscan._engines.adjoint import ScanPlan, adjoint, stepwise_adjoint
 
     w = torch.rand(3, dtype=F64, requires_grad=True)
     combine_fn = lambda a, b: (a[0] | b[0], torch.where(b[0], b[1], a[1] * b[1] * w))

@@ -1,4 +1,4 @@
-"""The ``adjoint`` traced route: compile with grad on CUDA/XPU (fscan._traced_adjoint).
+"""The ``adjoint`` traced route: compile with grad on CUDA/XPU (fscan._engines.traced_adjoint).
 
 On CUDA the forward and the backward are each torch's ``associative_scan`` HOP,
 lowered by Inductor to a Triton scan. Here CPU stands in for a codegen device and
@@ -17,9 +17,9 @@ import torch
 from helpers import add, assert_trees_close, linear_recurrence, logaddexp, sequential_scan
 
 import fscan
-from fscan import _traced
 from fscan._combine import flat_combine
-from fscan._traced_adjoint import adjoint_traced_scan
+from fscan._engines import traced as _traced
+from fscan._engines.traced_adjoint import adjoint_traced_scan
 
 F64 = torch.float64
 

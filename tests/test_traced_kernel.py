@@ -1,4 +1,4 @@
-"""The C++ kernel inside ``torch.compile`` on CPU (fscan.engine.traced_kernel).
+"""The C++ kernel inside ``torch.compile`` on CPU (fscan._engines.cpp.traced_kernel).
 
 Every case compiles with Inductor, the default backend, and compares with the
 sequential oracle (float64 where gradients are checked).
@@ -12,8 +12,8 @@ import torch
 from helpers import add, assert_trees_close, linear_recurrence, maximum, sequential_scan
 
 import fscan
-from fscan import _traced
-from fscan.engine import traced_kernel
+from fscan._engines import traced as _traced
+from fscan._engines.cpp import traced_kernel
 
 F64 = torch.float64
 

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 
 import fscan
 from fscan._config import Config, _env_flag
-from fscan._knowledge import Knowledge
-from fscan._purity import probeable
-from fscan._validate import validate_combine_fn
+from fscan._knowledge.purity import probeable
+from fscan._knowledge.store import Knowledge
+from fscan._knowledge.validate import validate_combine_fn
 
 MODES = ["pointwise", "generic"]
 SCAN = "fscan.associative_scan: "

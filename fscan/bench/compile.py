@@ -5,7 +5,7 @@ graph cache off, so a cold compile), then the steady-state time of the
 compiled function against eager fscan and ``torch.cumsum``, and the number of
 compiles over four lengths with ``dynamic=True``. On CPU a traced pointwise scan is
 torch's scan op lowered to fscan's C++ kernel where a compiler is installed, else the
-blocked scan around a ``while_loop`` (see ``fscan._traced``); generic scans always take
+blocked scan around a ``while_loop`` (see ``fscan._engines.traced``); generic scans always take
 the blocked scan. Each row names the engines of both columns.
 """
 
@@ -18,7 +18,7 @@ import torch
 import torch._dynamo.testing
 
 import fscan
-from fscan.engine.traced_kernel import kernel_traceable
+from fscan._engines.cpp.traced_kernel import kernel_traceable
 
 from ._timing import Table, fmt_ms, median_time
 

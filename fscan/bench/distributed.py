@@ -93,7 +93,7 @@ def _rank_main(rank: int, world: int, port: int, t: int, queue: Any) -> None:
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
-        from fscan._distributed_exchange import exchange
+        from fscan._sharded.exchange import exchange
 
         out = {}
         torch.manual_seed(rank)
@@ -150,7 +150,7 @@ def _ms(seconds: float) -> str:
 
 def distributed_table(quick: bool = False, world_sizes: tuple[int, ...] = (1, 2, 4)) -> str:
     """The timing table and the bytes table, rendered."""
-    from fscan._distributed_exchange import exchange_bytes
+    from fscan._sharded.exchange import exchange_bytes
 
     t = 2**12 if quick else 2**16
     timing = Table(

@@ -1,4 +1,4 @@
-"""``python -m fscan.bench.kernel``: the generated C++ CPU kernel (``fscan.engine``).
+"""``python -m fscan.bench.kernel``: the generated C++ CPU kernel (``fscan._engines.cpp``).
 
 Forward rows (float32, scan over dim 0, median times): per combine, shape and
 thread count, the engine ``fscan.associative_scan`` used, and ratios to
@@ -33,7 +33,7 @@ import optree
 import torch
 
 import fscan
-from fscan.engine import cpu_kernel
+from fscan._engines.cpp import cpu_kernel
 
 from ._timing import Table, median_time
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import fscan
-from fscan._linear_chunked import solve
+from fscan._recurrences.chunked import solve
 
 from ._timing import Table, fmt_ms
 
@@ -184,7 +184,8 @@ def engines_of(job: Callable[[], object]) -> str:
     service's warm-up would) and name the engines its recurrences ran on, in order:
     ``cpp`` (the compiled kernel), ``blocked`` (the chunked walk in torch ops), ``tree``
     (the tree scan); ``tree`` also where fscan solved none (docs/routes.md names them)."""
-    from fscan import _linear_chunked, _linear_solve
+    from fscan._recurrences import chunked as _linear_chunked
+    from fscan._recurrences import solve as _linear_solve
 
     ran: list[str] = []
 

@@ -14,7 +14,7 @@ from functools import partial
 import torch
 
 import fscan
-from fscan._ops_rules import path
+from fscan._cumulative.rules import path
 
 from ._timing import Table, fmt_ms, optional_jax
 
@@ -172,7 +172,7 @@ def linear_table(quick: bool = False) -> Table:
 def linear_engines(a: torch.Tensor, b: torch.Tensor, dim: int = 1) -> dict[str, str]:
     """The engine each fscan column of :func:`linear_table` ran on, asked after its
     warm-up: ``cpp`` where the compiled kernel serves the call, else ``tree``."""
-    from fscan._linear_chunked import kernel_solve
+    from fscan._recurrences.chunked import kernel_solve
 
     with torch.no_grad():
         linear = kernel_solve(a, b, dim, False) is not None

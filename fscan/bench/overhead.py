@@ -24,9 +24,9 @@ import torch
 
 import fscan
 from fscan._checks import check_scan_args
-from fscan._knowledge import knowledge, reach
+from fscan._knowledge.store import knowledge, reach
+from fscan._knowledge.validate import validate_combine_fn
 from fscan._pytree import flatten
-from fscan._validate import validate_combine_fn
 
 from ._timing import Table, median_time
 

@@ -1,0 +1,326 @@
+"""C++ source of the scan kernels: fixed C++ files around a translated combine (or its VJP).
+
+The generated part is small: structs holding one element's values (``Vals``),
+the leaves (``In``/``Out``: strided pointers), the broadcast inputs (``Par``)
+and scratch buffers (``Buf``), with loads, stores (:mod:`._cpp_structs`) and
+``combine``. The algorithms are fixed C++ written once against those names, in
+files shipped with the package (``fscan/_engines/cpp/csrc``): ``prelude.h`` (ops as
+torch computes them, strided pointers), ``tuning.h`` (the constants),
+``forward.h`` and ``backward.h`` (the scans); each kernel is a template
+(``forward.cpp.in``, ``backward.cpp.in``, ``step.cpp.in``, with ``combine.cpp.in``)
+whose ``${name}`` holes this module fills. The files' text is part of the source
+that Inductor's cache is keyed by, so a change to them builds every kernel again.
+
+The kernel works on the ``(outer, T, inner)`` view of the leaves (any ``dim``). The inputs are
+read through strides passed at run time (``sa, sb, st, si`` per input, with
+the outer index split in two dims of ``nb`` lanes in the second: see
+:func:`fscan._engines.cpp.cpu_kernel.strided_view`), so transposes, step slices,
+permutations and stride-0 broadcasts need no copy. The outputs are written through
+runtime strides of the same form (fresh dense outputs, or a caller's ``out=``
+memory: narrowed, step-sliced or transposed views).
+``reverse``, the strides and the thread count are runtime arguments, so one
+compiled kernel serves every shape and layout.
+
+* Lane path (``inner >= 8``): columns (outer index, tile of up to 1024
+  lanes) run in parallel with OpenMP; each walks T sequentially with vector
+  loops over its lanes, its running values in a local buffer of the compute
+  type. Inputs whose inner stride is not 1 are gathered a row at a time into
+  an L1 row buffer (a stride-0 row: filled with its value), so the loops over
+  lanes stay dense vector loops in every layout (contiguous leaves: one
+  untaken branch per row and input).
+* Chain path (``inner < 8``: 1-D, or a scan over the last dim; or inputs laid
+  out along T, such as a transpose, whose T stride is below their inner
+  stride): each lane is a chain; 8 chains run interleaved (instruction-level
+  parallelism), each walking its steps.
+* Either path splits T into chunks when there are too few columns or chains
+  for the threads (and, on the chain path, for the 8-way interleave):
+  reduce-then-scan (chunk totals, a short scan of the totals, then each chunk
+  scanned from its carry-in).
+"""
+
+from __future__ import annotations
+
+import functools
+import string
+from collections.abc import Sequence
+from importlib import resources
+
+import torch
+
+from ..._knowledge.store import on_clear
+from ._cpp_ops import STORAGE, Program, compute_ctype
+from ._cpp_structs import (
+    STRIDES,
+    backward_structs,
+    leaf_structs,
+    mvec_declarations,
+    param_ctype,
+    param_dtype,
+)
+
+__all__ = [
+    "backward_argtypes",
+    "backward_source",
+    "csrc",
+    "forward_argtypes",
+    "forward_source",
+    "param_dtype",
+    "step_argtypes",
+    "step_source",
+]
+
+
+@functools.cache
+def csrc(name: str) -> str:
+    """The text of the package's C++ file ``csrc/<name>`` (read once per process).
+
+    Example:
+        >>> "static constexpr int64_t TILE" in csrc("tuning.h")
+        True
+    """
+    return resources.files(__package__).joinpath("csrc", name).read_text(encoding="utf-8")
+
+
+# Read again after fscan.clear_caches(): an edited file then reaches the next kernels built.
+on_clear(csrc.cache_clear)
+
+
+def _fill(template: str, **holes: str) -> str:
+    """The template file ``csrc/<template>`` with its ``${name}`` holes filled (a hole
+    left unfilled is a KeyError, a stray ``$`` a ValueError: no silent gaps)."""
+    return string.Template(csrc(template)).substitute(holes)
+
+
+def _kernel(template: str, **holes: str) -> str:
+    """A whole kernel: every one starts with the prelude and glibc's vector math."""
+    return _fill(template, prelude=csrc("prelude.h"), mvec=mvec_declarations(), **holes)
+
+
+def _signature(
+    dtypes: Sequence[torch.dtype], program: Program, extra: Sequence[str], positions: Sequence[int]
+) -> list[str]:
+    st = [STORAGE[d] for d in dtypes]
+    args = [f"const {c}* x{k}" for k, c in enumerate(st) if k not in positions]
+    args += extra
+    args += _param_args(program)
+    return args
+
+
+def _param_args(program: Program) -> list[str]:
+    return [f"const {param_ctype(p.dtype)}* p{j}" for j, p in enumerate(program.params)]
+
+
+def _param_names(program: Program) -> str:
+    return ", ".join(f"p{j}" for j in range(len(program.params)))
+
+
+def _stride_params(names: Sequence[str]) -> str:
+    """``int64_t nb`` and the strides of each input in ``names``, as C parameters."""
+    return ", int64_t nb" + "".join(f", int64_t {n}_{s}" for n in names for s in STRIDES)
+
+
+def _strided_init(names: Sequence[str]) -> str:
+    return ", ".join("{" + ", ".join([n] + [f"{n}_{s}" for s in STRIDES]) + "}" for n in names)
+
+
+def _dense_init(names: Sequence[str]) -> str:
+    return ", ".join(f"dense({n}, nb, T, inner)" for n in names)
+
+
+def _lines(lines: Sequence[str]) -> str:
+    """``lines`` as indented lines of a function body."""
+    return "".join(f"  {line}\n" for line in lines)
+
+
+def _combine_function(compute: Sequence[str], program: Program) -> str:
+    """``combine(l, r, p, e)``: the translated body over one element's ``Vals``."""
+    R = range(len(compute))
+    return _fill(
+        "combine.cpp.in",
+        operands=_lines([f"const {compute[k]} l{k} = l.v{k};" for k in R])
+        + _lines([f"const {compute[k]} r{k} = r.v{k};" for k in R]),
+        results=_lines([f"{compute[k]} o{k};" for k in R]),
+        body=_lines(program.body.splitlines()),
+        outputs=_lines([f"o.v{k} = o{k};" for k in R]),
+    )
+
+
+def forward_argtypes(
+    dtypes: Sequence[torch.dtype],
+    program: Program,
+    positions: Sequence[int] = (),
+    dropped: Sequence[int] = (),
+) -> list[str]:
+    """C types of the forward kernel's arguments (for the Python binding)."""
+    st = [STORAGE[d] for d in dtypes]
+    types = [f"const {c}*" for k, c in enumerate(st) if k not in positions]
+    types += [f"{c}*" for k, c in enumerate(st) if k not in dropped]
+    types += [f"const {param_ctype(p.dtype)}*" for p in program.params]
+    n_read = len(dtypes) - len(set(positions))
+    n_kept = len(dtypes) - len(set(dropped))
+    return types + ["int64_t"] * (5 + 1 + len(STRIDES) * (n_read + n_kept) + n_read)
+
+
+def forward_source(
+    dtypes: Sequence[torch.dtype],
+    program: Program,
+    positions: Sequence[int] = (),
+    dropped: Sequence[int] = (),
+) -> str:
+    """The complete forward kernel:
+    ``kernel(x.., y.., p.., outer, T, inner, rev, threads, nb, x strides.., y strides..,
+    heads..)``.
+
+    The inputs ``x`` are read and the outputs ``y`` written through their strides
+    (``sa, sb, st, si`` each, of the ``(outer // nb, nb, T, inner)`` view: see Ptr;
+    outputs must not overlap each other or the inputs: the caller checks). The
+    leaves in ``positions`` have no input ``x``: each element's value is its index
+    along the scan dim (as for the indices of ``cummax``). The leaves in ``dropped``
+    have no output ``y``: they are computed (the kept ones may depend on them) but
+    never stored. ``heads``: per input, the address of one element (contiguous, in the
+    leaf's dtype) that replaces the scan's first element in scan order (the last for
+    ``rev``), or 0 for none (all or none): a carry-in folded into that element, read
+    without copying the leaves."""
+    compute = [compute_ctype(d, program.wide) for d in dtypes]
+    R = range(len(dtypes))
+    st = [STORAGE[d] for d in dtypes]
+    kept = [k for k in R if k not in dropped]
+    # See suspect() in csrc/forward.cpp.in: only kept float outputs are checked.
+    checks = [
+        f"(std::isnan(o.v{k}) && !std::isnan(l.v{k}) && !std::isnan(r.v{k})) || "
+        f"(std::isinf(o.v{k}) && std::isfinite(l.v{k}) && std::isfinite(r.v{k}))"
+        for k in kept
+        if dtypes[k].is_floating_point
+    ]
+    read_idx = [k for k in R if k not in positions]
+    read = [f"x{k}" for k in read_idx]
+    written = [f"y{k}" for k in kept]
+    heads = [f"reinterpret_cast<const {st[k]}*>(h{k}), " for k in read_idx]
+    return _kernel(
+        "forward.cpp.in",
+        structs=leaf_structs(dtypes, compute, program, positions, dropped),
+        combine=_combine_function(compute, program),
+        suspect=" || ".join(checks) or "false",
+        tuning=csrc("tuning.h"),
+        forward=csrc("forward.h"),
+        arguments=", ".join(
+            _signature(dtypes, program, [f"{st[k]}* y{k}" for k in kept], positions)
+        ),
+        strides=_stride_params(read + written),
+        heads="".join(f", int64_t h{k}" for k in read_idx),
+        x=_strided_init(read),
+        y=_strided_init(written),
+        params=_param_names(program),
+        head_init="".join(heads) + (f"h{read_idx[0]} != 0" if read_idx else "false"),
+    )
+
+
+def backward_argtypes(
+    dtypes: Sequence[torch.dtype],
+    floats: Sequence[int],
+    program: Program,
+    pfloats: Sequence[int] = (),
+) -> list[str]:
+    """C types of the backward kernel's arguments: x.., y.., g.., xbar.., pbar.., p.., sizes."""
+    st = [STORAGE[d] for d in dtypes]
+    types = [f"const {c}*" for c in st] * 2
+    types += [f"const {st[k]}*" for k in floats] + [f"{st[k]}*" for k in floats]
+    types += ["double*"] * len(pfloats)
+    types += [f"const {param_ctype(p.dtype)}*" for p in program.params]
+    return types + ["int64_t"] * (5 + 1 + len(STRIDES) * (2 * len(dtypes) + len(floats)))
+
+
+def backward_source(
+    dtypes: Sequence[torch.dtype],
+    floats: Sequence[int],
+    program: Program,
+    pfloats: Sequence[int] = (),
+) -> str:
+    """The backward kernel: one reverse pass per lane through the traced VJP of combine.
+
+    ``kernel(x.., y.., g.., xbar.., pbar.., p.., outer, T, inner, rev, threads, nb,
+    strides..)`` (the strides of x, y and g, each read through them as the forward's
+    inputs; xbar dense): for
+    ``y[s] = f(y[s-1], x[s])`` (s in scan order) the cotangents pull back as
+    ``lam[T-1] = g[T-1]``, ``(lb, rb) = vjp_f(y[s-1], x[s]; lam[s])``,
+    ``xbar[s] = rb``, ``lam[s-1] = g[s-1] + lb`` and ``xbar[0] = lam[0]``;
+    ``lam`` lives in a per-column buffer; it sums cotangents along the whole scan, so
+    float32 leaves keep it in double whatever the VJP computes in (one rounding per
+    stored gradient, as the forward's accumulation). With ``pfloats`` (the float
+    params, from :func:`translate_param_vjp`), the VJP's cotangents of those params
+    are summed over the steps per element position, in double, into ``pbar``
+    (one element each); each position is one lane, summed by one thread.
+    """
+    compute = [compute_ctype(d, program.wide) for d in dtypes]
+    F = list(floats)
+    R = range(len(dtypes))
+    J = range(len(F))
+    st = [STORAGE[d] for d in dtypes]
+    # lam sums cotangents along the whole scan: float32 leaves keep it in double.
+    lam_types = ["double" if dtypes[k] == torch.float32 else compute[k] for k in F]
+    nf = len(F)
+    args = [f"const {c}* x{k}" for k, c in enumerate(st)]
+    args += [f"const {c}* y{k}" for k, c in enumerate(st)]
+    args += [f"const {st[k]}* g{j}" for j, k in enumerate(F)]
+    args += [f"{st[k]}* b{j}" for j, k in enumerate(F)]
+    args += [f"double* q{q}" for q in range(len(pfloats))]
+    args += _param_args(program)
+    strided = [f"x{k}" for k in R] + [f"y{k}" for k in R] + [f"g{j}" for j in J]
+    structs = [
+        leaf_structs(dtypes, compute, program),
+        *backward_structs(dtypes, lam_types, F, pfloats),
+    ]
+    return _kernel(
+        "backward.cpp.in",
+        structs="\n".join(structs),
+        operands=_lines([f"const {compute[k]} l{k} = l.v{k};" for k in R])
+        + _lines([f"const {compute[k]} r{k} = r.v{k};" for k in R])
+        + _lines([f"const {lam_types[j]} c{k} = c.v{j};" for j, k in enumerate(F)]),
+        results=_lines([f"{lam_types[j]}& o{j} = lb.v{j};" for j in J])
+        + _lines([f"{lam_types[j]}& o{nf + j} = rb.v{j};" for j in J])
+        + _lines([f"double& o{2 * nf + q} = pb.v{q};" for q in range(len(pfloats))]),
+        body=_lines(program.body.splitlines()),
+        tuning=csrc("tuning.h"),
+        backward=csrc("backward.h"),
+        arguments=", ".join(args),
+        strides=_stride_params(strided),
+        x=_strided_init([f"x{k}" for k in R]),
+        y=_strided_init([f"y{k}" for k in R]),
+        g=_strided_init([f"g{j}" for j in J]),
+        b=_dense_init([f"b{j}" for j in J]),
+        q=", ".join(f"q{q}" for q in range(len(pfloats))),
+        params=_param_names(program),
+    )
+
+
+def step_argtypes(dtypes: Sequence[torch.dtype], program: Program) -> list[str]:
+    """C types of the step kernel's arguments (see :func:`step_source`)."""
+    st = [STORAGE[d] for d in dtypes]
+    types = [f"const {c}*" for c in st] + [f"{c}*" for c in st]
+    types += [f"const {param_ctype(p.dtype)}*" for p in program.params]
+    return [*types, "int64_t", "int64_t"]
+
+
+def step_source(dtypes: Sequence[torch.dtype], program: Program) -> str:
+    """One application of the translated combine per element position, for checking the
+    translation against eager torch: ``kernel(x.., y.., p.., n, vec)``.
+
+    Each input ``x`` holds ``2 n`` contiguous elements, the left operands then the right
+    ones; each output ``y``, ``n``. The loads, stores, compute types and ``combine`` are
+    the forward kernel's (:func:`forward_source`); ``vec`` picks the vectorised lane
+    loop of its lane path, else a scalar call per position, as on its chain path."""
+    compute = [compute_ctype(d, program.wide) for d in dtypes]
+    R = range(len(dtypes))
+    st = [STORAGE[d] for d in dtypes]
+    unit = lambda name: "{" + name + ", 0, 0, 0, 1}"
+    args = [f"const {st[k]}* x{k}" for k in R] + [f"{st[k]}* y{k}" for k in R]
+    return _kernel(
+        "step.cpp.in",
+        structs=leaf_structs(dtypes, compute, program),
+        combine=_combine_function(compute, program),
+        arguments=", ".join(args + _param_args(program)),
+        lefts=", ".join(unit(f"x{k}") for k in R),
+        rights=", ".join(unit(f"x{k} + n") for k in R),
+        y=", ".join(unit(f"y{k}") for k in R),
+        params=_param_names(program),
+    )

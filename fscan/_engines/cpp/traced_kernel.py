@@ -1,0 +1,193 @@
+"""The C++ kernel inside ``torch.compile`` on CPU: a lowering for torch's scan op.
+
+Under ``torch.compile`` a scan is traced as one length-polymorphic operation
+(:mod:`fscan._engines.traced`). On CUDA/XPU that is torch's ``associative_scan``
+higher-order op, which Inductor lowers to a Triton scan; on CPU Inductor has no
+scan codegen and fails, so CPU traces took fscan's blocked scan: plain tensor
+ops around a ``while_loop``, 10-25x slower than the eager C++ kernel.
+
+Here the op gets a CPU lowering too. Dynamo traces ``combine_fn`` into the op's
+combine graph, with its guards (closed-over Python numbers, globals) and with
+closed-over tensors lifted into inputs; Inductor hands that graph, now in core
+aten ops, to :func:`_lower_on_cpu`, which registers it under a key naming its
+code and emits one call of the custom op ``fscan::kernel_scan_hop``. At run
+time that op builds (once per key, structure, dtypes and element shape, as for
+eager calls) and runs the generated C++ kernel for the graph, with the lifted
+tensors as its broadcast inputs; where no kernel can serve (no compiler,
+``cpu_kernel="off"``, an op the translation lacks) it runs fscan's torch
+engine: the same results.
+
+The registry lives in this process. torch's scan op is not cacheable, so
+Inductor's and AOTAutograd's on-disk graph caches bypass every graph holding
+one (``test_the_scan_op_is_not_cacheable`` checks this torch still says so):
+no compiled graph outlives the registry it names. The key is the graph's code
+and its input layout, so equal graphs share one entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import types
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torch._higher_order_ops.associative_scan import associative_scan_op
+
+from ..._cache import BoundedCache
+from ..._config import config
+from ..tree import scan_along
+from ._cpp_build import compiler_problem
+from .cpu_kernel import kernel_scan, precompile
+
+__all__ = ["OP", "install_lowering", "kernel_traceable"]
+
+# What each extra input of a combine graph is: a lifted tensor, a number the graph
+# computes with (a closed-over int the trace made symbolic), or one it never reads
+# (a size the trace lifted), for which any number stands in: passing the real one
+# would make a kernel per length.
+_TENSOR, _NUMBER, _UNREAD = "tensor", "number", "unread"
+
+
+class _Graph(NamedTuple):
+    """A combine graph from Inductor: ``forward(self, *lhs, *rhs, *extra)``."""
+
+    forward: types.FunctionType
+    extra: tuple[str, ...]  # each extra input's kind
+
+
+# The combine graphs compiled code refers to by key. Not a cache that fscan.clear_caches()
+# empties: a compiled function still alive would find its key gone and fail (the hop
+# cannot rebuild a graph from its key). Bounded all the same, so that a process that
+# compiles ever new combines does not grow without end; a graph in use is hit on each
+# call, so the least recently used go first, and a program that compiled more than
+# GRAPHS distinct combines and calls an evicted one is told to compile again.
+GRAPHS = 4096
+_graphs: BoundedCache[_Graph] = BoundedCache(maxsize=GRAPHS)
+_lock = threading.Lock()  # installing the lowering
+
+
+# flexible_layout: the kernel reads any strides in place, so Inductor need not pin or
+# copy the inputs' layout (with dynamic shapes it asserted one traced layout).
+@torch.library.custom_op(
+    "fscan::kernel_scan_hop", mutates_args=(), tags=(torch.Tag.flexible_layout,)
+)
+def _kernel_scan_hop(
+    key: str, xs: list[torch.Tensor], tensors: list[torch.Tensor], numbers: list[int]
+) -> list[torch.Tensor]:
+    """Inclusive scan of ``xs`` along dimension 0 by the combine graph ``key`` names."""
+    graph = _graphs.get(key)
+    if graph is None:  # only after GRAPHS newer graphs, or from a disk cache (the scan
+        # op keeps graphs out of those)
+        raise RuntimeError(
+            f"fscan: a compiled graph refers to combine graph {key[:12]}, unknown in this "
+            f"process (or evicted after {GRAPHS} newer ones); compile again "
+            "(torch._dynamo.reset(), and clear Inductor's cache: TORCHINDUCTOR_CACHE_DIR)"
+        )
+    combine = _combine_of(graph, tensors, numbers)
+    spec = optree.tree_structure(list(xs))
+    # Contiguous, as the fake implementation promises Inductor, whatever the inputs' layout.
+    ys = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
+    run = lambda: kernel_scan("torch.compile", combine, spec, xs, 0, False, out=ys)
+    out = run()
+    if out is None and config.cpu_kernel != "off" and precompile(combine, list(xs)):
+        out = run()
+    if out is None:  # fresh contiguous tensors too, as the fake implementation promises
+        return scan_along(_listed(combine), xs, 0)
+    return ys
+
+
+def _listed(combine: Callable[..., list]) -> Callable[..., list]:
+    return lambda a, b: combine(list(a), list(b))
+
+
+@_kernel_scan_hop.register_fake
+def _(
+    key: str, xs: list[torch.Tensor], tensors: list[torch.Tensor], numbers: list[int]
+) -> list[torch.Tensor]:
+    return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
+
+
+OP = torch.ops.fscan.kernel_scan_hop.default
+
+
+def _combine_of(
+    graph: _Graph, tensors: Sequence[torch.Tensor], numbers: Sequence[int]
+) -> Callable[..., list]:
+    """``combine(lhs, rhs)`` on flat leaf lists: the graph with this call's extra inputs
+    (the numbers are closed over: the kernel's key holds their values)."""
+    given = {_TENSOR: iter(tensors), _NUMBER: iter(numbers)}
+    extra = [next(given[kind]) if kind in given else 1 for kind in graph.extra]
+    forward = graph.forward
+
+    def combine(lhs: list[torch.Tensor], rhs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(forward(None, *lhs, *rhs, *extra))
+
+    return combine
+
+
+def kernel_traceable() -> bool:
+    """Whether CPU scans traced now should take the kernel's lowering (a C++ compiler,
+    and ``fscan.config.cpu_kernel`` not ``"off"``), with the lowering installed."""
+    if config.cpu_kernel == "off" or compiler_problem() is not None:
+        return False
+    return install_lowering()
+
+
+# Dynamo cannot trace the config read and the compiler probe: it calls this while it
+# traces and keeps the result as a constant (torch.compiler.assume_constant_result).
+kernel_traceable._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def install_lowering() -> bool:
+    """Give torch's scan op :func:`_lower_on_cpu` for CPU tensors, once; True."""
+    from torch._inductor import lowering
+
+    current = lowering.lowerings[associative_scan_op]
+    if getattr(current, "_fscan_cpu", False):
+        return True
+    with _lock:
+        current = lowering.lowerings[associative_scan_op]
+        if not getattr(current, "_fscan_cpu", False):
+            lowered = _with_cpu_lowering(current)
+            lowered._fscan_cpu = True  # type: ignore[attr-defined]
+            lowering.lowerings[associative_scan_op] = lowered
+    return True
+
+
+def _with_cpu_lowering(original: Callable[..., Any]) -> Callable[..., Any]:
+    def lower(combine_fn: Any, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
+        if xs[0].get_device().type != "cpu":
+            return original(combine_fn, xs, additional_inputs)
+        return _lower_on_cpu(combine_fn, xs, additional_inputs)
+
+    return lower
+
+
+def _lower_on_cpu(combine_fn: Any, xs: Sequence[Any], additional_inputs: Sequence[Any]) -> Any:
+    """One ``fscan::kernel_scan_hop`` call for the op (module doc)."""
+    from torch._inductor.lowering import fallback_handler
+
+    gm = combine_fn.graph_module
+    if any(node.op == "get_attr" for node in gm.graph.nodes):
+        # Constants held by the module are not in its code, which keys the registry.
+        raise RuntimeError(
+            "fscan: combine_fn's traced graph holds tensor constants; the CPU kernel's "
+            "lowering keys graphs by their code. Compile with fscan.config.cpu_kernel='off'"
+        )
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    extra_nodes = placeholders[2 * len(xs) :]
+    kinds = tuple(_kind(a, node) for a, node in zip(additional_inputs, extra_nodes))
+    key = hashlib.sha256(f"{kinds}\n{gm.code}".encode()).hexdigest()
+    _graphs.get_or_compute(key, lambda: _Graph(gm.forward.__func__, kinds))
+    tensors = [a for a, k in zip(additional_inputs, kinds) if k == _TENSOR]
+    numbers = [a for a, k in zip(additional_inputs, kinds) if k == _NUMBER]
+    return fallback_handler(OP, add_to_fallback_set=False)(key, list(xs), tensors, numbers)
+
+
+def _kind(value: Any, placeholder: Any) -> str:
+    if hasattr(value, "get_dtype"):  # an IR node: a tensor
+        return _TENSOR
+    return _NUMBER if placeholder.users else _UNREAD

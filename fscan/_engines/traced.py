@@ -1,0 +1,429 @@
+"""What ``fscan.associative_scan`` runs while ``torch.compile`` or ``torch.export`` traces it.
+
+Tracing the eager engine would unroll its recursion, whose depth depends on the
+scan length: Dynamo would specialise the graph to that length (a recompile for
+every new length; and Inductor needs ~2 minutes for the unrolled graph of a
+4096-step scan on 2 cores), and ``torch.export`` could not keep the length
+symbolic. So a traced scan becomes one length-polymorphic operation instead:
+
+============================================  =====================================
+case                                          route
+============================================  =====================================
+inside ``vmap``, ``grad`` & co. (a nested     ``unrolled``: the out-of-place eager
+scan in a generic ``combine_fn``)             engine, traced (no HOP can run there)
+export, pointwise                             ``associative_scan`` HOP (*)
+export, generic                               sequential ``scan`` HOP
+compile, pointwise, CUDA/XPU, grad mode off   ``associative_scan`` HOP: Triton scan
+compile, pointwise, CUDA/XPU, grad mode on,  ``adjoint``: the HOP without a tape, and
+float leaves of one shape                     the adjoint scan, a HOP too, for the
+                                              gradient (:mod:`fscan._engines.traced_adjoint`)
+compile, pointwise, CPU with a C++ compiler   ``associative_scan`` HOP: the C++ kernel
+and ``cpu_kernel`` not ``"off"``, grad off    (:mod:`fscan._engines.cpp.traced_kernel`)
+compile, anything else                        blocked scan around a ``while_loop``
+============================================  =====================================
+
+(*) the seed contract: one node ``associative_scan(combine_graph, [xs], ())``
+whose ``combine_graph`` works on one element. When the export is non-strict
+and ``combine_fn`` closes over tensors, the blocked scan is used instead: the
+non-strict trace of the HOP would bake those tensors in as constants.
+
+Why not the HOP everywhere: Inductor lowers it only where it has scan codegen
+(CUDA/XPU; on CPU fscan gives it a lowering to its C++ kernel, which needs a
+compiler), and the HOP's autograd treats each leaf
+on its own, which is wrong as soon as ``combine_fn`` mixes leaves (for the
+linear recurrence ``(a1, b1), (a2, b2) -> (a1 a2, a2 b1 + b2)`` the gradient of
+``a`` comes out wrong) and it drops gradients for closed-over tensors: the
+``adjoint`` route runs it without a tape and differentiates around it.
+
+The blocked scan is plain tensor code: autograd, closures and both modes work.
+It scans blocks of ``BLOCK`` steps with a fixed, unrolled loop, scans the block
+totals by doubling in a ``while_loop`` (``log2(n / BLOCK)`` iterations), then
+carries each block's prefix in with one more combine: about ``2n`` combines in
+all, which Inductor fuses into a few passes over the data. A plain doubling
+scan over all ``n`` steps would be simpler but does ``n log2(n)`` combines: on
+CPU it ran 3x slower than the eager engine, the blocked scan 1.6-2x faster.
+
+Generic mode cannot go through the ``associative_scan`` HOP (Dynamo requires
+its ``combine_fn`` to be pointwise), and an exported ``while_loop`` cannot run a
+``vmap``'ed ``combine_fn`` (``ep.module()`` fails with a functorch error), so
+generic exports use torch's sequential ``scan``: ``combine_fn`` on single
+elements, one step per element, differentiable.
+
+The ``while_loop`` and ``scan`` front ends start a Dynamo trace of their own when
+called outside one (non-strict export, eager calls), and Dynamo's optree
+support only accepts tree specs made inside its trace (and mishandles
+unflattening constants into a dict). So outside a trace, the functions handed
+to them get the structure as a *template*, the pytree with leaf numbers for
+leaves, and rebuild the spec inside by mapping the template onto their operands.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+from optree import PyTreeSpec
+from torch._higher_order_ops.associative_scan import associative_scan_op
+from torch._higher_order_ops.scan import scan
+from torch._higher_order_ops.while_loop import while_loop
+
+from .._combine import FlatCombine, check_combine_output, flat_combine
+from .._knowledge.store import reach
+from .._pytree import unflatten
+from .cpp.traced_kernel import kernel_traceable
+from .traced_adjoint import adjoint_serves, adjoint_traced_scan
+from .traced_workarounds import prepare_loop_backward, quiet_function_contexts
+from .tree import scan_functional
+
+__all__ = [
+    "BLOCK",
+    "CODEGEN_DEVICES",
+    "SpecSource",
+    "StepGather",
+    "block_step",
+    "blocked_scan",
+    "doubling_scan",
+    "hop_combine",
+    "hop_scan",
+    "in_functorch_transform",
+    "sequential_scan",
+    "spec_source",
+    "traced_route",
+    "traced_scan",
+]
+
+# Devices where Inductor lowers the associative_scan HOP to a scan kernel.
+CODEGEN_DEVICES = ("cuda", "xpu")
+# Steps per block of the blocked scan: 8, 16 and 32 ran alike on CPU (within 10%);
+# the time to trace and compile grows with it.
+BLOCK = 8
+
+# The pytree spec of ``xs``, got inside a trace from the leaves of one operand.
+SpecSource = Callable[[Sequence[torch.Tensor]], PyTreeSpec]
+
+
+def traced_scan(
+    api: str,
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    reverse: bool,
+    combine_mode: str,
+) -> list[torch.Tensor]:
+    """Scan checked flat ``leaves`` along ``dim`` as one traceable operation (module doc).
+
+    Like torch's front end, it moves ``dim`` to the front and flips for
+    ``reverse``, so the operation itself always scans forward along dimension 0.
+
+    Example:
+        >>> import fscan
+        >>> cumsum = lambda x: fscan.associative_scan(torch.add, x, 0)  # comes here when traced
+        >>> torch.compile(cumsum, backend="eager", fullgraph=True)(torch.arange(1.0, 5.0))
+        tensor([ 1.,  3.,  6., 10.])
+        >>> torch._dynamo.reset()  # Dynamo's clean-up of this example's globals runs now
+    """
+    # No movedim for dim 0: it would stay in an exported graph as a no-op node.
+    xs = [x.movedim(dim, 0) if dim else x for x in leaves]
+    if reverse:
+        xs = [x.flip(0) for x in xs]
+    route = traced_route(combine_fn, xs, combine_mode)
+    spec_of = spec_source(spec)
+    make = lambda operands: flat_combine(api, combine_fn, spec_of(operands), combine_mode)
+    if route == "hop":
+        ys = hop_scan(make, xs)
+    elif route == "adjoint":
+        if torch.compiler.is_dynamo_compiling():  # it traces an autograd.Function: see there
+            quiet_function_contexts()
+        ys = adjoint_traced_scan(make, xs, hop_scan)
+    elif route == "sequential":
+        ys = sequential_scan(api, combine_fn, spec_of, xs)
+    elif route == "unrolled":
+        ys = scan_functional(flat_combine(api, combine_fn, spec_of(xs), combine_mode), xs)
+    else:
+        if torch.is_grad_enabled() and torch.compiler.is_dynamo_compiling():
+            # torch bugs in the while_loop's backward: see fscan._engines.traced_workarounds
+            prepare_loop_backward()
+        ys = blocked_scan(make, xs)
+    if reverse:
+        ys = [y.flip(0) for y in ys]
+    return [y.movedim(0, dim) if dim else y for y in ys]
+
+
+def traced_route(
+    combine_fn: Callable[[Any, Any], Any], xs: Sequence[torch.Tensor], combine_mode: str
+) -> str:
+    """``"hop"``, ``"adjoint"``, ``"sequential"``, ``"unrolled"`` or ``"blocked"``: the module
+    doc's table."""
+    if in_functorch_transform():
+        return "unrolled"
+    if torch.compiler.is_exporting():
+        if combine_mode == "generic":
+            return "sequential"
+        # Strict export runs under Dynamo, which lifts closed-over tensors into
+        # HOP inputs itself (and cannot trace the introspection below).
+        if torch.compiler.is_dynamo_compiling() or not reach(combine_fn).tensors:
+            return "hop"
+        return "blocked"
+    if combine_mode == "generic":
+        return "blocked"
+    device, grad = xs[0].device.type, torch.is_grad_enabled()
+    if device in CODEGEN_DEVICES:
+        if not grad:
+            return "hop"
+        return "adjoint" if adjoint_serves(xs) else "blocked"
+    # With grad on CPU, the adjoint route's backward graph met a layout Inductor fixed to
+    # the first length (a stride assertion at the next one, with dynamic shapes).
+    return "hop" if device == "cpu" and not grad and kernel_traceable() else "blocked"
+
+
+def in_functorch_transform() -> bool:
+    """Whether this trace runs inside ``vmap``, ``grad`` & co., e.g. a nested scan.
+
+    Example:
+        >>> inside = lambda x: x * in_functorch_transform()
+        >>> in_functorch_transform(), torch.func.vmap(inside)(torch.ones(2))
+        (False, tensor([1., 1.]))
+    """
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+# Dynamo cannot trace the functorch query itself: it calls a function so marked while
+# it traces (torch.compiler.assume_constant_result, without importing Dynamo here).
+in_functorch_transform._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def spec_source(spec: PyTreeSpec) -> SpecSource:
+    """A way to get ``spec`` inside a trace that may start after this call (module doc).
+
+    Example:
+        >>> spec = optree.tree_structure((0, {"h": 0, "c": 0}))
+        >>> spec_source(spec)([torch.ones(1)] * 3) == spec
+        True
+    """
+    if torch.compiler.is_dynamo_compiling():  # already in a trace: its spec serves nested ones
+        return lambda operands: spec
+    template = unflatten(spec, list(range(spec.num_leaves)))
+
+    def rebuilt(operands: Sequence[torch.Tensor]) -> PyTreeSpec:
+        tree = optree.tree_map(lambda i: operands[i], template, none_is_leaf=False)
+        return optree.tree_structure(tree, none_is_leaf=False)
+
+    return rebuilt
+
+
+def hop_scan(
+    make_combine: Callable[[Sequence[torch.Tensor]], FlatCombine], xs: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """torch's ``associative_scan`` higher-order op over ``xs`` along dimension 0;
+    ``make_combine(operands)`` gives the flat combine in the op's trace (the convention
+    of :func:`blocked_scan`).
+
+    Example:
+        >>> hop_scan(lambda operands: lambda a, b: [a[0] * b[0]], [torch.arange(1.0, 5.0)])
+        [tensor([ 1.,  2.,  6., 24.])]
+    """
+    return list(associative_scan_op(_hop_convention(make_combine), list(xs), ()))
+
+
+def hop_combine(
+    api: str, combine_fn: Callable[[Any, Any], Any], spec_of: SpecSource
+) -> Callable[..., list[torch.Tensor]]:
+    """``combine_fn`` in the HOP's calling convention, ``(*lhs, *rhs) -> [leaves]``.
+
+    Example:
+        >>> pair = spec_source(optree.tree_structure((0, 0)))
+        >>> hop_combine("demo", lambda a, b: (a[0] * b[0], a[1] + b[1]), pair)(*torch.ones(4))
+        [tensor(1.), tensor(2.)]
+    """
+    return _hop_convention(
+        lambda operands: flat_combine(api, combine_fn, spec_of(operands), "pointwise")
+    )
+
+
+def _hop_convention(
+    make_combine: Callable[[Sequence[torch.Tensor]], FlatCombine],
+) -> Callable[..., list[torch.Tensor]]:
+    def flat(*operands: torch.Tensor) -> list[torch.Tensor]:
+        half = len(operands) // 2
+        return list(make_combine(operands[:half])(operands[:half], operands[half:]))
+
+    return flat
+
+
+def blocked_scan(
+    make_combine: Callable[[Sequence[torch.Tensor]], FlatCombine], xs: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Inclusive scan along dimension 0 in blocks of ``BLOCK`` steps (module doc).
+
+    The length is padded to whole blocks (and more) by repeating the last element:
+    padding only follows the real elements, so it changes no real output. Every shape is
+    an expression in the symbolic length and nothing branches on it.
+    ``make_combine(operands)`` gives the flat combine in the current trace.
+
+    Example:
+        >>> blocked_scan(lambda operands: lambda a, b: [a[0] + b[0]], [torch.arange(1.0, 20.0)])[0]
+        tensor([  1.,   3.,   6.,  10.,  15.,  21.,  28.,  36.,  45.,  55.,  66.,  78.,
+                 91., 105., 120., 136., 153., 171., 190.])
+    """
+    combine = make_combine(xs)
+    n, device = xs[0].shape[0], xs[0].device
+    # At least two blocks and one spare step, provably (n // BLOCK is exact for
+    # Dynamo and export): a derived size of 1 would be specialised. The tail is
+    # padded by gathering with clamped indices, not with sizes to prove >= 0.
+    m = n // BLOCK + 2
+    # Step j of block i is element i * BLOCK + j, gathered: splitting a symbolic
+    # dimension with a view asks export to prove divisibility, which it cannot. One
+    # gather per step, not views of one gather: combine_fn's operands must not share
+    # memory where it calls torch.cond & co. (Dynamo refuses aliased HOP inputs).
+    step_j = lambda j: [block_step(x, j) for x in xs]
+    # 1. Within each block, step by step: BLOCK - 1 combines over all blocks at once.
+    running = step_j(0)
+    steps = [running]
+    for j in range(1, BLOCK):
+        running = combine(running, step_j(j))
+        steps.append(running)
+    # 2. The block totals (the last step), scanned: the prefix up to each block.
+    totals = doubling_scan(make_combine, running)
+    # 3. Each block but the first gets the prefix of the blocks before it.
+    flat = lambda t: t.reshape(m * BLOCK, *t.shape[2:])
+    within = [flat(torch.stack([s[k] for s in steps], 1)) for k in range(len(xs))]
+    previous = (torch.arange(m, device=device) - 1).clamp(min=0)  # block 0: a placeholder
+    before = [t.index_select(0, previous) for t in totals]
+    before = [flat(t.unsqueeze(1).expand(m, BLOCK, *t.shape[1:])) for t in before]
+    carried = combine(before, within)
+    first_block = torch.arange(m * BLOCK, device=device) < BLOCK
+    real = torch.arange(n, device=device)
+    return [
+        torch.where(first_block.view(-1, *[1] * (w.ndim - 1)), w, c).index_select(0, real)
+        for w, c in zip(within, carried)
+    ]
+
+
+def block_step(x: torch.Tensor, j: int) -> torch.Tensor:
+    """Step ``j`` of every block of ``x`` (element ``i * BLOCK + j`` of block ``i``; past the
+    end, the last element): ``x.index_select(0, (arange(m) * BLOCK + j).clamp(max=n - 1))``.
+
+    Where a backward is traced (compile with grad), it is ``StepGather``, whose backward
+    gathers instead of scattering (its docstring says why).
+
+    Example:
+        >>> block_step(torch.arange(10.0), 3)
+        tensor([3., 9., 9.])
+    """
+    if torch.is_grad_enabled() and torch.compiler.is_dynamo_compiling():
+        return StepGather.apply(x, j)
+    n = x.shape[0]
+    first = torch.arange(n // BLOCK + 2, device=x.device) * BLOCK
+    return x.index_select(0, (first + j).clamp(max=n - 1))
+
+
+class StepGather(torch.autograd.Function):
+    """``block_step`` whose backward is a gather and a masked sum, never a scatter.
+
+    The backward of ``index_select`` is a scatter-add (``index_put`` accumulate). With
+    several blocked scans of one tensor in one compiled backward, Inductor (torch 2.13)
+    fused the sum of that tensor's gradient with the zero-fill of one scan's scatter
+    targets into a kernel that ran before the scatters (after the ``while_loop`` they
+    wait for): the gradient read zeros. Here the gradient of element ``r`` is read
+    from its block, ``g[r // BLOCK]`` where ``r % BLOCK == j``, and the last element
+    also gets the steps clamped onto it: the same sums, with nothing to order.
+
+    Example:
+        >>> x = torch.arange(10.0, requires_grad=True)
+        >>> StepGather.apply(x, 3).backward(torch.tensor([1.0, 2.0, 4.0]))
+        >>> x.grad
+        tensor([0., 0., 0., 1., 0., 0., 0., 0., 0., 6.])
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, j: int) -> torch.Tensor:
+        n = x.shape[0]
+        ctx.n, ctx.j = n, j
+        first = torch.arange(n // BLOCK + 2, device=x.device) * BLOCK
+        return x.index_select(0, (first + j).clamp(max=n - 1))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        n, j = ctx.n, ctx.j
+        column = lambda mask: mask.view(-1, *[1] * (g.ndim - 1))
+        rows = torch.arange(n, device=g.device)
+        own = torch.where(column(rows % BLOCK == j), g.index_select(0, rows // BLOCK), 0)
+        past = torch.arange(g.shape[0], device=g.device) * BLOCK + j > n - 1
+        clamped = torch.where(column(past), g, 0).sum(0)
+        return own + torch.where(column(rows == n - 1), clamped, 0), None
+
+
+def doubling_scan(
+    make_combine: Callable[[Sequence[torch.Tensor]], FlatCombine], xs: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Inclusive scan along dimension 0 by doubling (Hillis and Steele), in one ``while_loop``.
+
+    Step ``k`` combines every position ``i >= 2**k`` with position ``i - 2**k``, the
+    earlier one on the left, so after ``ceil(log2(n))`` steps position ``i`` holds
+    the combination of ``xs[0..i]``. Shapes never change, so the length stays
+    symbolic; positions ``i < 2**k`` are computed on a clamped index and discarded.
+    ``make_combine(operands)`` is called inside the loop body, in its trace.
+
+    Example:
+        >>> doubling_scan(lambda operands: lambda a, b: [a[0] + b[0]], [torch.arange(1.0, 7.0)])
+        [tensor([ 1.,  3.,  6., 10., 15., 21.])]
+    """
+    n = xs[0].shape[0]
+    positions = torch.arange(n, device=xs[0].device)
+
+    def unfinished(offset: torch.Tensor, *ys: torch.Tensor) -> torch.Tensor:
+        return offset < n
+
+    def step(offset: torch.Tensor, *ys: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        earlier = (positions - offset).clamp(min=0)
+        combined = make_combine(ys)([y.index_select(0, earlier) for y in ys], list(ys))
+        reached = positions >= offset
+        kept = [
+            torch.where(reached.view(-1, *[1] * (y.ndim - 1)), c, y) for c, y in zip(combined, ys)
+        ]
+        return (offset * 2, *kept)
+
+    # The loop carries must keep their strides from step to step: start contiguous.
+    start = [x.clone(memory_format=torch.contiguous_format) for x in xs]
+    offset = torch.ones((), dtype=torch.int64, device=xs[0].device)
+    if torch.compiler.is_dynamo_compiling():
+        return list(while_loop(unfinished, step, (offset, *start))[1:])
+    # Outside Dynamo, while_loop compiles itself, and Dynamo reads `.grad` of carries
+    # that are results of autograd (a non-leaf warning the user could do nothing about).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not")
+        return list(while_loop(unfinished, step, (offset, *start))[1:])
+
+
+def sequential_scan(
+    api: str, combine_fn: Callable[[Any, Any], Any], spec_of: SpecSource, xs: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Inclusive scan along dimension 0 with torch's sequential ``scan`` HOP, one element a step.
+
+    ``combine_fn`` sees single elements (generic mode). The carry holds a flag
+    that makes the first step output ``xs[0]`` itself: the scan runs over all
+    ``n`` elements (not ``xs[1:]``, whose length export would have to assume is
+    not 1), so the combine of that step is computed and discarded.
+
+    Example:
+        >>> one = spec_source(optree.tree_structure(0))
+        >>> sequential_scan("demo", torch.mul, one, [torch.arange(1.0, 5.0)])
+        [tensor([ 1.,  2.,  6., 24.])]
+    """
+
+    def step(carry: list[torch.Tensor], x: list[torch.Tensor]) -> tuple[list, list]:
+        *acc, first = carry
+        spec = spec_of(x)
+        out = combine_fn(unflatten(spec, acc), unflatten(spec, x))
+        combined = check_combine_output(api, out, spec, x, "generic")
+        ys = [torch.where(first > 0, e, c) for e, c in zip(x, combined)]
+        return [*ys, first * 0], [y.clone() for y in ys]
+
+    # A float flag: torch's scan autograd rejects a non-differentiable bool carry.
+    first = torch.ones((), dtype=torch.float32, device=xs[0].device)
+    _, ys = scan(step, [*(x[0].clone() for x in xs), first], list(xs))
+    return list(ys)

@@ -1,0 +1,287 @@
+"""``fscan.check_associative``: a randomized test that ``combine_fn`` is associative.
+
+A scan regroups ``combine_fn`` calls freely, so its result is only the sequential
+one if ``f(f(a, b), c) == f(a, f(b, c))``. The check draws random triples of
+operands from the data itself, each a real element or a partial result (the
+combination of a random run of up to ``MAX_RUN`` adjacent elements, as the scan
+produces), evaluates both groupings for all triples in a few batched calls, and
+compares them leaf by leaf.
+
+Tolerance: exact for integer and bool leaves. For floating and complex leaves
+the two groupings differ by roundoff that grows with the magnitude of the
+values involved, so a difference is flagged only above
+``atol + rtol * scale``, where ``scale`` is the largest finite magnitude among
+the operands, the two intermediates and both results of that triple, and the
+default ``rtol`` is the cube root of the dtype's machine epsilon (6.1e-6 for
+float64, 4.9e-3 for float32, 0.099 for float16, 0.20 for bfloat16). That leaves
+a wide margin over the roundoff of associative operations (sums, products,
+logaddexp, chains of matrix products, in every float dtype, tested over many
+seeds), while the operations that are not associative (``a - b``,
+``(a + b) / 2``, ``a * b + 1``) miss by a sizeable fraction of ``scale`` and
+are caught within a few trials even in bfloat16.
+Positions where either grouping is not finite are skipped: overflow makes
+roundoff unbounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from optree import PyTreeSpec
+
+from .._checks import check_scan_args
+from .._combine import FlatCombine, flat_combine
+from .._errors import NotAssociativeError, ScanTypeError, ScanValueError
+from .._pytree import flatten, leaf_paths
+from .purity import probe_purity, probeable
+
+__all__ = ["DEFAULT_TRIALS", "MAX_RUN", "assert_associative", "check_associative"]
+
+_API = "fscan.check_associative"
+DEFAULT_TRIALS = 64
+MAX_RUN = 3
+
+
+def check_associative(
+    combine_fn: Callable[[Any, Any], Any],
+    xs: Any,
+    dim: int = 0,
+    *,
+    combine_mode: str = "generic",
+    trials: int = DEFAULT_TRIALS,
+    rtol: float | None = None,
+    atol: float | None = None,
+    generator: torch.Generator | None = None,
+) -> None:
+    """Check on random triples from ``xs`` that ``combine_fn`` is associative; raise if not.
+
+    For each trial, ``a``, ``b``, ``c`` are elements of ``xs`` along ``dim`` or
+    combinations of short runs of adjacent elements, and the check compares::
+
+        combine_fn(combine_fn(a, b), c)  with  combine_fn(a, combine_fn(b, c))
+
+    First ``combine_fn`` goes through the same purity probe as a scan's first call.
+
+    Args:
+        combine_fn: the function to check, as passed to ``fscan.associative_scan``.
+        xs: a tensor or pytree of tensors, as for ``fscan.associative_scan``.
+        dim (int, default 0): the scan dimension.
+        combine_mode (str, default "generic"): how ``combine_fn`` is called, as in
+            ``fscan.associative_scan``: on single elements, or on batches.
+        trials (int, default 64): how many triples to draw (evaluated in one batch).
+        rtol (float or None): relative tolerance, against the largest magnitude in
+            the triple; None means 0 for integer and bool leaves and ``eps ** (1/3)``
+            of the dtype for floating ones.
+        atol (float or None): absolute tolerance; None means 0.
+        generator (torch.Generator or None): where the positions are drawn from; None
+            means a fixed seed, so the check never touches the global random state
+            and gives the same verdict for the same data.
+
+    Raises:
+        NotAssociativeError: naming the leaf, the two values, their difference and
+            the tolerance, and the positions drawn for ``a``, ``b`` and ``c``.
+        ImpureCombineError, CombineFnError: as the purity probe of a scan would.
+
+    Examples:
+        >>> import fscan, torch
+        >>> xs = torch.randn(100, generator=torch.Generator().manual_seed(0))
+        >>> fscan.check_associative(torch.logaddexp, xs)  # passes quietly
+        >>> try:
+        ...     fscan.check_associative(lambda a, b: (a + b) / 2, xs)
+        ... except fscan.NotAssociativeError as err:
+        ...     print(str(err)[:69])
+        fscan.check_associative: `combine_fn` is not associative: for leaf xs
+    """
+    leaves, spec = flatten(xs)
+    dim = check_scan_args(_API, combine_fn, xs, leaves, dim, False, combine_mode)
+    if leaves[0].is_meta:  # one device for all leaves: checked above
+        raise ScanValueError(
+            f"{_API}: leaf {leaf_paths(xs)[0]} is a meta tensor, which holds no values to "
+            "compare; pass tensors with data."
+        )
+    _check_options(trials, rtol, atol, generator)
+    if leaves[0].shape[dim] and probeable(leaves):
+        probe_purity(_API, combine_fn, spec, leaves, dim, combine_mode)
+    assert_associative(
+        _API, combine_fn, spec, leaves, dim, combine_mode, trials, rtol, atol, generator
+    )
+
+
+def assert_associative(
+    api: str,
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    combine_mode: str,
+    trials: int = DEFAULT_TRIALS,
+    rtol: float | None = None,
+    atol: float | None = None,
+    generator: torch.Generator | None = None,
+) -> None:
+    """The check on already-checked flat ``leaves``; returns quietly for an empty ``dim``."""
+    moved = [x.detach().movedim(dim, 0) for x in leaves]
+    n = moved[0].shape[0]
+    if n == 0:
+        return
+    starts, lengths = _draw(n, trials, generator)
+    combine = flat_combine(api, combine_fn, spec, combine_mode)
+    with torch.no_grad():
+        a, b, c = (_fold_runs(combine, moved, starts[k], lengths[k]) for k in range(3))
+        ab, bc = combine(a, b), combine(b, c)
+        lhs, rhs = combine(ab, c), combine(a, bc)
+    for i in range(len(leaves)):
+        involved = [a[i], b[i], c[i], ab[i], bc[i]]
+        worst = _worst_violation(lhs[i], rhs[i], involved, rtol, atol)
+        if worst is not None:
+            raise NotAssociativeError(_message(api, spec, i, worst, starts, lengths, dim))
+
+
+def _check_options(trials: Any, rtol: Any, atol: Any, generator: Any) -> None:
+    if isinstance(trials, bool) or not isinstance(trials, int):
+        raise ScanTypeError(f"{_API}: `trials` must be an int, got {type(trials).__name__}.")
+    if trials < 1:
+        raise ScanValueError(f"{_API}: `trials` must be at least 1, got {trials}.")
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ScanTypeError(
+                f"{_API}: `{name}` must be a float or None, got {type(value).__name__}."
+            )
+        if not value >= 0:
+            raise ScanValueError(f"{_API}: `{name}` must be >= 0, got {value}.")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ScanTypeError(
+            f"{_API}: `generator` must be a torch.Generator or None, "
+            f"got {type(generator).__name__}."
+        )
+
+
+def _draw(
+    n: int, trials: int, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Start positions and run lengths (3 x trials each, on the CPU) of a, b and c."""
+    if generator is None:
+        generator = torch.Generator().manual_seed(0)
+    device = generator.device
+    starts = torch.randint(0, n, (3, trials), generator=generator, device=device).cpu()
+    lengths = torch.randint(1, MAX_RUN + 1, (3, trials), generator=generator, device=device)
+    return starts, torch.minimum(lengths.cpu(), n - starts)
+
+
+def _fold_runs(
+    combine: FlatCombine, moved: Sequence[torch.Tensor], starts: torch.Tensor, lengths: torch.Tensor
+) -> list[torch.Tensor]:
+    """For each trial, the left fold of ``combine`` over ``lengths`` elements from ``starts``."""
+    n, device = moved[0].shape[0], moved[0].device
+    acc = [x.index_select(0, starts.to(device)) for x in moved]
+    for k in range(1, int(lengths.max())):
+        step = (starts + k).clamp(max=n - 1).to(device)
+        nxt = combine(acc, [x.index_select(0, step) for x in moved])
+        # Runs shorter than k + 1 keep their value; their lanes of `nxt` are discarded.
+        keep = (lengths > k).to(device)
+        acc = [torch.where(keep.view(-1, *[1] * (x.ndim - 1)), y, x) for x, y in zip(acc, nxt)]
+    return acc
+
+
+@dataclass
+class _Violation:
+    trial: int
+    index: tuple[int, ...]
+    lhs: Any
+    rhs: Any
+    diff: float
+    tol: float
+    exact: bool
+
+
+def _worst_violation(
+    lhs: torch.Tensor,
+    rhs: torch.Tensor,
+    involved: Sequence[torch.Tensor],
+    rtol: float | None,
+    atol: float | None,
+) -> _Violation | None:
+    """The entry where the two groupings differ most beyond the tolerance, if any."""
+    trials = lhs.shape[0]
+    if lhs.numel() == 0:
+        return None
+    inexact = lhs.dtype.is_floating_point or lhs.dtype.is_complex
+    if rtol is None:
+        rtol = torch.finfo(lhs.dtype).eps ** (1 / 3) if inexact else 0.0
+    atol = 0.0 if atol is None else atol
+    wide = torch.complex128 if lhs.dtype.is_complex else torch.float64
+    left, right = lhs.to(wide).reshape(trials, -1), rhs.to(wide).reshape(trials, -1)
+    finite = torch.isfinite(left) & torch.isfinite(right)
+    diff = torch.where(finite, (left - right).abs(), 0.0)
+    values = (*(v.to(wide).reshape(trials, -1) for v in involved), left, right)
+    magnitudes = [_finite_abs_max(v) for v in values]
+    tol = atol + rtol * torch.stack(magnitudes).amax(0, keepdim=True).T
+    excess = diff - tol
+    if not inexact and rtol == 0 and atol == 0:
+        # Integers compare exactly, even beyond float64's 53 bits.
+        excess = torch.where(lhs.reshape(trials, -1) != rhs.reshape(trials, -1), 1.0, -1.0)
+    if not bool((excess > 0).any()):
+        return None
+    flat = int(excess.argmax())
+    trial, entry = divmod(flat, excess.shape[1])
+    index = tuple(torch.unravel_index(torch.tensor(entry), lhs.shape[1:])) if lhs.ndim > 1 else ()
+    return _Violation(
+        trial=trial,
+        index=tuple(int(i) for i in index),
+        lhs=lhs.reshape(trials, -1)[trial, entry].item(),
+        rhs=rhs.reshape(trials, -1)[trial, entry].item(),
+        diff=float(diff[trial, entry]),
+        tol=float(tol[trial, 0]),
+        exact=not inexact,
+    )
+
+
+def _finite_abs_max(v: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(v), v.abs(), 0.0).amax(1)
+
+
+def _message(
+    api: str,
+    spec: PyTreeSpec,
+    i: int,
+    worst: _Violation,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    dim: int,
+) -> str:
+    path = spec.accessors()[i].codify("xs")
+    at = f" at index {worst.index} of the element" if worst.index else ""
+    operands = ", ".join(
+        f"{name} = {_describe_run(int(starts[k, worst.trial]), int(lengths[k, worst.trial]))}"
+        for k, name in enumerate("abc")
+    )
+    if worst.exact:
+        gap = f"they differ by {worst.diff:.6g}"
+        hint = ""
+    else:
+        gap = f"they differ by {worst.diff:.3g}, above the tolerance {worst.tol:.3g}"
+        hint = (
+            " If the difference is only float roundoff, check with "
+            "fscan.check_associative(..., rtol=...) and a larger rtol."
+        )
+    return (
+        f"{api}: `combine_fn` is not associative: for leaf {path}{at}, "
+        f"f(f(a, b), c) = {_fmt(worst.lhs)} but f(a, f(b, c)) = {_fmt(worst.rhs)}; {gap}, "
+        f"with {operands} along dim {dim}. A scan regroups combine_fn calls freely, "
+        f"so it needs f(f(a, b), c) == f(a, f(b, c)) for all elements.{hint}"
+    )
+
+
+def _describe_run(start: int, length: int) -> str:
+    if length == 1:
+        return f"element {start}"
+    return f"the combination of elements {start}..{start + length - 1}"
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,170 @@
+"""Argument checks of the linear recurrences (elementwise, matrix, log-space, sharded).
+
+One place for what ``fscan.linear_recurrence`` and its siblings accept: tensor
+types, shapes that broadcast, devices, the dtype the gates, inputs and ``initial``
+promote to, the ``reset`` mask and ``acc_dtype``. Errors name the calling API.
+"""
+
+from __future__ import annotations
+
+from numbers import Number
+from typing import Any
+
+import torch
+
+from .._checks import check_dense, normalize_dim
+from .._errors import ScanTypeError, ScanValueError
+from .._pytree import describe
+from .._segmented import check_reset
+
+__all__ = [
+    "accumulation_dtype",
+    "broadcasts_to",
+    "check_recurrence_args",
+    "reset_mask",
+    "result_dtype",
+]
+
+_API = "fscan.linear_recurrence"
+
+
+def reset_mask(reset: Any, b: torch.Tensor, dim: int, api: str = _API) -> torch.Tensor:
+    """``reset`` checked against ``b`` and viewed with ``b``'s number of dimensions."""
+    mask = check_reset(api, reset, b, [b], dim)
+    return mask.reshape(tuple(mask.shape) + (1,) * (b.ndim - mask.ndim))
+
+
+def check_recurrence_args(
+    api: str,
+    a: Any,
+    b: Any,
+    dim: Any,
+    initial: Any,
+    reverse: Any,
+    matrix: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """Check the arguments; return ``a``, ``b``, ``initial`` in one dtype and ``dim``."""
+    gate = "A" if matrix else "a"
+    if not isinstance(b, torch.Tensor):
+        raise ScanTypeError(f"{api}: `b` must be a torch.Tensor, got {describe(b)}.")
+    check_dense(api, "`b`", b)
+    if isinstance(a, Number) and not matrix:
+        # In b's dtype (promoted as a Python scalar would be), not rounded to float32.
+        a = torch.tensor(a, dtype=result_dtype(b, a), device=b.device)
+    if not isinstance(a, torch.Tensor):
+        raise ScanTypeError(f"{api}: `{gate}` must be a torch.Tensor, got {describe(a)}.")
+    if not isinstance(reverse, bool):
+        raise ScanTypeError(
+            f"{api}: `reverse` must be a bool, got {type(reverse).__name__} {reverse!r}."
+        )
+    if initial is not None and not isinstance(initial, torch.Tensor):
+        raise ScanTypeError(
+            f"{api}: `initial` must be a torch.Tensor or None, got {describe(initial)}."
+        )
+    for name, t in ((gate, a), ("initial", initial)):
+        if t is not None:
+            check_dense(api, f"`{name}`", t)
+    if b.ndim < (2 if matrix else 1):
+        need = "(*batch, d) with a time dimension in batch" if matrix else "at least 1-D"
+        raise ScanValueError(f"{api}: `b` has shape {tuple(b.shape)}, expected {need}.")
+    dim = normalize_dim(api, dim, b.ndim, lambda: "`b`")
+    if matrix and dim == b.ndim - 1:
+        raise ScanValueError(
+            f"{api}: `dim` {dim} is the state dimension of `b` (shape {tuple(b.shape)}), "
+            "expected a batch dimension; `b` is (*batch, d) with time in batch."
+        )
+    for name, t in ((gate, a), ("initial", initial)):
+        if t is not None and t.device != b.device:
+            raise ScanValueError(f"{api}: `{name}` is on {t.device}, expected {b.device} like `b`.")
+    _check_gate_shape(api, gate, a, b, matrix)
+    if initial is not None:
+        step = b.shape[:dim] + b.shape[dim + 1 :]
+        if not broadcasts_to(initial.shape, step):
+            raise ScanValueError(
+                f"{api}: `initial` of shape {tuple(initial.shape)} does not broadcast to one "
+                f"step of `b`, shape {tuple(step)} (`b` with dim {dim} removed)."
+            )
+    dtype = result_dtype(b, a)
+    if initial is not None:
+        dtype = torch.promote_types(dtype, initial.dtype)
+    return a.to(dtype), b.to(dtype), None if initial is None else initial.to(dtype), dim
+
+
+def _check_gate_shape(api: str, gate: str, a: torch.Tensor, b: torch.Tensor, matrix: bool) -> None:
+    if not matrix:
+        if not broadcasts_to(a.shape, b.shape):
+            raise ScanValueError(
+                f"{api}: `a` of shape {tuple(a.shape)} does not broadcast to `b` of shape "
+                f"{tuple(b.shape)}; gates are a scalar, per-channel, per-step or full."
+            )
+        return
+    d = b.shape[-1]
+    batch = b.shape[:-1]
+    if a.ndim != b.ndim + 1 or a.shape[-2:] != (d, d) or not broadcasts_to(a.shape[:-2], batch):
+        raise ScanValueError(
+            f"{api}: `A` of shape {tuple(a.shape)} does not fit `b` of shape "
+            f"{tuple(b.shape)}: expected {(*batch, d, d)}, sizes 1 allowed in the batch."
+        )
+
+
+def broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
+
+
+_COMPLEX = {
+    torch.float16: torch.complex32,
+    torch.float32: torch.complex64,
+    torch.float64: torch.complex128,
+}
+
+
+def result_dtype(b: torch.Tensor, a: torch.Tensor | Number) -> torch.dtype:
+    """``torch.result_type(b, a)`` for ``b`` of at least one dimension, worked out from
+    dtypes alone: Dynamo cannot trace an op returning a dtype (a graph break), and
+    ``torch.promote_types`` ignores that a 0-d tensor or a number only counts when
+    it is of a higher category (bool < integer < floating < complex) than ``b``.
+
+    Example:
+        >>> result_dtype(torch.ones(2), torch.tensor(1.0, dtype=torch.float64))
+        torch.float32
+        >>> result_dtype(torch.ones(2, dtype=torch.int64), 0.5)
+        torch.float32
+    """
+    if isinstance(a, torch.Tensor) and a.ndim > 0:
+        return torch.promote_types(b.dtype, a.dtype)
+    if isinstance(a, torch.Tensor):
+        low = a.dtype
+    elif isinstance(a, bool):
+        low = torch.bool
+    elif isinstance(a, int):
+        low = torch.int64
+    elif isinstance(a, complex):
+        low = _COMPLEX[torch.get_default_dtype()]
+    else:
+        low = torch.get_default_dtype()
+    high = b.dtype
+    # c10's combine_categories: the tensor with dimensions wins within its category.
+    if high.is_complex:
+        return high
+    if low.is_complex:
+        return _COMPLEX.get(high, low) if high.is_floating_point else low
+    if high.is_floating_point:
+        return high
+    if high == torch.bool or low.is_floating_point:
+        return torch.promote_types(high, low)
+    return high
+
+
+def accumulation_dtype(acc_dtype: Any, dtype: torch.dtype, api: str = _API) -> torch.dtype:
+    """The dtype the walk runs in: ``acc_dtype`` promoted with the inputs' ``dtype``."""
+    if not isinstance(acc_dtype, torch.dtype) or not (
+        acc_dtype.is_floating_point or acc_dtype.is_complex
+    ):
+        raise ScanTypeError(
+            f"{api}: `acc_dtype` must be a floating or complex torch.dtype such as "
+            f"torch.float32, got {describe(acc_dtype)}."
+        )
+    return torch.promote_types(dtype, acc_dtype)

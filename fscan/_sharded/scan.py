@@ -1,0 +1,383 @@
+"""The sharded engines: :func:`sharded_scan` and :func:`sharded_recurrence`.
+
+Each scans its local pieces through fscan's internal entry, exchanges one total
+(or affine map) per piece and folds the pieces before it into its results; see
+:mod:`fscan._distributed` for the algorithm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from optree import PyTreeSpec
+
+from .._call import SCAN_API, ScanCall
+from .._checks import check_scan_args
+from .._combine import check_combine_output
+from .._entry import run_scan
+from .._errors import ScanTypeError, ScanValueError
+from .._knowledge.store import reach
+from .._pytree import describe, flatten, unflatten
+from .._recurrences.args import accumulation_dtype, check_recurrence_args, reset_mask
+from .._recurrences.composed_gates import all_normal, inexact_carries, values_hidden
+from .._recurrences.solve import run_linear_recurrence
+from .._segmented import segmented_scan
+from .agree import agreed_call, recurrence_facts, scan_facts
+from .exchange import exchange, tie
+from .layout import Layout, resolve_group
+
+__all__ = ["sharded_recurrence", "sharded_scan"]
+
+_API = "fscan.distributed.associative_scan"
+_API_LINEAR = "fscan.distributed.linear_recurrence"
+# The local solves' errors name the local recurrence, as they always have.
+_LOCAL_RECURRENCE_API = "fscan.linear_recurrence"
+
+
+# ---- the scan ------------------------------------------------------------------
+
+
+def _piece_total(piece: list[torch.Tensor], dim: int, reverse: bool) -> list[torch.Tensor]:
+    """The total of a scanned piece, or zeros standing in for an empty piece's.
+
+    The zeros are computed from the piece (a sum over an empty dimension is exactly
+    0) so that the piece stays in the graph and this rank records the gather like
+    every other rank, also under ``autograd.grad(inputs=piece)``.
+    """
+    n = piece[0].shape[dim]
+    if n:
+        return [x.select(dim, 0 if reverse else n - 1) for x in piece]
+    return [
+        x.sum(dim) if x.requires_grad else x.new_zeros(x.shape[:dim] + x.shape[dim + 1 :])
+        for x in piece
+    ]
+
+
+def _fixup(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    prefix: list[torch.Tensor],
+    piece: list[torch.Tensor],
+    dim: int,
+    combine_mode: str,
+    api: str,
+) -> list[torch.Tensor]:
+    """``out[i] = combine_fn(prefix, piece[i])`` along ``dim``, in one batched call."""
+    if combine_mode == "pointwise":
+        left = [p.unsqueeze(dim).expand_as(x) for p, x in zip(prefix, piece)]
+        out = combine_fn(unflatten(spec, left), unflatten(spec, piece))
+        if torch.compiler.is_compiling():
+            # dynamo rebuilds pytree specs (namespace=''), so they never compare equal;
+            # the local scans before this already checked combine_fn's output.
+            return flatten(out)[0]
+        return check_combine_output(api, out, spec, piece, "pointwise")
+    half = len(piece)
+
+    def one(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        left, right = list(flat[:half]), list(flat[half:])
+        out = combine_fn(unflatten(spec, left), unflatten(spec, right))
+        return tuple(check_combine_output(api, out, spec, right, "generic"))
+
+    in_dims = (None,) * half + (dim,) * half
+    return list(torch.func.vmap(one, in_dims=in_dims, out_dims=dim)(*prefix, *piece))
+
+
+def _local_scan(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    piece: list[torch.Tensor],
+    dim: int,
+    reverse: bool,
+    combine_mode: str,
+    validate: bool | None,
+) -> list[torch.Tensor]:
+    if piece[0].shape[dim] == 0:
+        return [x.clone() for x in piece]
+    tree = unflatten(spec, piece)
+    call = ScanCall(SCAN_API, combine_fn, tree, spec, piece, dim, reverse, combine_mode, validate)
+    return flatten(run_scan(call))[0]
+
+
+def _check_layout(api: str, layout: Layout, group: Any, n: int) -> tuple[int, ...]:
+    """This rank's piece lengths under ``layout``, checked against the group and ``n``."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if len(layout.order) != world:
+        raise ScanValueError(
+            f"{api}: `layout` describes {len(layout.order)} ranks, the group has {world}."
+        )
+    if layout.lengths is None:
+        return (n,)
+    mine = layout.lengths[rank]
+    if sum(mine) != n:
+        raise ScanValueError(
+            f"{api}: `layout` gives rank {rank} pieces of lengths {mine} (sum {sum(mine)}), "
+            f"but its leaves have length {n} along the scan dimension."
+        )
+    return mine
+
+
+@agreed_call(scan_facts)
+def sharded_scan(
+    combine_fn: Callable[[Any, Any], Any],
+    xs: Any,
+    dim: int,
+    reverse: bool = False,
+    combine_mode: str = "pointwise",
+    *,
+    group: Any = None,
+    layout: Layout | None = None,
+    reset: torch.Tensor | None = None,
+    validate: bool | None = None,
+    api: str = _API,
+) -> Any:
+    """The body of ``fscan.distributed.associative_scan`` (see its docstring); ``api``
+    names the public function in errors."""
+    leaves, spec = flatten(xs)
+    dim = check_scan_args(api, combine_fn, xs, leaves, dim, reverse, combine_mode)
+    if layout is not None and not isinstance(layout, Layout):
+        raise ScanTypeError(
+            f"{api}: `layout` must be a fscan.distributed.Layout or None, got {describe(layout)}."
+        )
+    pg = resolve_group(api, group)
+    if reset is not None:  # a scan of (flag, value) pairs: see fscan._segmented
+
+        def run(pairs: ScanCall) -> Any:  # the pairs, scanned across the ranks again
+            args = (pairs.combine_fn, pairs.xs, pairs.dim, pairs.reverse, pairs.combine_mode)
+            return sharded_scan(*args, group=pg, layout=layout, api=api, validate=pairs.validate)
+
+        args = (combine_fn, xs, spec, leaves, dim, reverse, combine_mode, validate, reset)
+        return segmented_scan(run, ScanCall(api, *args))
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    layout = layout or Layout.contiguous(world)
+    lengths = _check_layout(api, layout, pg, leaves[0].shape[dim])
+    starts = [sum(lengths[:p]) for p in range(len(lengths))]
+    pieces = [[x.narrow(dim, s, n) for x in leaves] for s, n in zip(starts, lengths)]
+    scanned = [
+        _local_scan(combine_fn, spec, p, dim, reverse, combine_mode, validate) for p in pieces
+    ]
+    if world == 1 and layout.pieces == 1:
+        return unflatten(spec, scanned[0])
+    totals = [_piece_total(p, dim, reverse) for p in scanned]
+    stacked = [torch.stack([t[i] for t in totals]) for i in range(len(leaves))]
+    if layout.lengths is None:  # lengths travel with the totals, read on the host
+        stacked.append(torch.tensor(lengths, dtype=torch.int64, device=leaves[0].device))
+    anchors = [t for t in reach(combine_fn).tensors if t.requires_grad]
+    gathered, anchor = exchange(stacked, pg, anchors)
+    if layout.lengths is None:
+        all_lengths = [tuple(row) for row in gathered.pop().tolist()]
+    else:
+        all_lengths = layout.lengths
+    # every non-empty piece of the whole sequence, in sequence order
+    entries = sorted(
+        (layout.order[r][p], r, p)
+        for r in range(world)
+        for p in range(layout.pieces)
+        if all_lengths[r][p]
+    )
+    prefixes = _prefixes(combine_fn, spec, gathered, entries, reverse, combine_mode, validate)
+    outs, tied = [], True
+    for p, piece in enumerate(scanned):
+        pos = next((i for i, e in enumerate(entries) if e[1:] == (rank, p)), None)
+        before = None if pos is None else (pos + 1 if reverse else pos - 1)
+        if before is None or not 0 <= before < len(entries):
+            outs.append(piece)
+            continue
+        prefix = [f[before] for f in prefixes]
+        outs.append(_fixup(combine_fn, spec, prefix, piece, dim, combine_mode, api))
+        tied = False
+    out = outs[0] if len(outs) == 1 else [torch.cat(col, dim) for col in zip(*outs)]
+    return unflatten(spec, tie(anchor, out) if tied else out)
+
+
+def _prefixes(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    gathered: list[torch.Tensor],
+    entries: list[tuple[int, int, int]],
+    reverse: bool,
+    combine_mode: str,
+    validate: bool | None,
+) -> list[torch.Tensor]:
+    """The inclusive scan of the non-empty pieces' totals in sequence order."""
+    if len(entries) < 2:
+        return []
+    device = gathered[0].device
+    ranks = torch.tensor([e[1] for e in entries], device=device)
+    slots = torch.tensor([e[2] for e in entries], device=device)
+    seq = [g[ranks, slots] for g in gathered]
+    return _local_scan(combine_fn, spec, seq, 0, reverse, combine_mode, validate)
+
+
+# ---- linear recurrences --------------------------------------------------------
+
+
+@agreed_call(recurrence_facts)
+def sharded_recurrence(
+    a: torch.Tensor | float,
+    b: torch.Tensor,
+    dim: int,
+    *,
+    initial: torch.Tensor | None = None,
+    reverse: bool = False,
+    reset: torch.Tensor | None = None,
+    group: Any = None,
+    acc_dtype: torch.dtype | None = None,
+    api: str = _API_LINEAR,
+) -> torch.Tensor:
+    """The body of ``fscan.distributed.linear_recurrence`` (see its docstring).
+
+    Each rank runs the local recurrence from nothing and reduces its piece to the map
+    from its entering to its leaving state (:func:`_piece_map`: the product of its
+    gates, its last state, whether it holds a reset), exchanges it, folds the earlier
+    ranks' maps and ``initial`` into its entering state (:func:`_fold`), and runs the
+    local recurrence again from there with fscan's ``initial=`` (the first rank in
+    scan order keeps its first run). An empty piece's map is the identity, so no
+    lengths are exchanged. With ``acc_dtype`` all of it runs in the wider dtype,
+    the exchanged maps too, and the result is rounded once.
+    """
+    a, b, initial, dim = check_recurrence_args(api, a, b, dim, initial, reverse, matrix=False)
+    dtype = b.dtype
+    if acc_dtype is not None:
+        wide = accumulation_dtype(acc_dtype, dtype, api)
+        a, b = a.to(wide), b.to(wide)
+        initial = None if initial is None else initial.to(wide)
+    pg = resolve_group(api, group)
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    if world == 1:
+        h = _local_recurrence(a, b, dim, initial, reverse, reset)
+        return h.to(dtype)
+    mask = None if reset is None else reset_mask(reset, b, dim, api=api)
+    own = _local_recurrence(a, b, dim, None, reverse, reset)
+    (gates, ends, resets), anchor = exchange(_piece_map(a, b, own, mask, dim, reverse), pg)
+    order = range(world - 1, -1, -1) if reverse else range(world)
+
+    def walk_from(state: torch.Tensor) -> torch.Tensor:  # this piece's last state from `state`
+        h = _local_recurrence(a, b, dim, state, reverse, reset)
+        n = b.shape[dim]
+        return h.select(dim, 0 if reverse else n - 1) if n else state.expand(ends.shape[1:])
+
+    h_in = _fold(gates, ends, resets, initial, order, rank, pg, walk_from)
+    # The first rank, without `initial`: its first run is its result.
+    out = own if h_in is None else _local_recurrence(a, b, dim, h_in, reverse, reset)
+    out = out.to(dtype)  # one rounding, of the result
+    # the first rank and empty pieces do not use the gathered maps: tie them in
+    return tie(anchor, [out])[0] if rank == order[0] or b.shape[dim] == 0 else out
+
+
+def _piece_map(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    own: torch.Tensor,
+    mask: torch.Tensor | None,
+    dim: int,
+    reverse: bool,
+) -> list[torch.Tensor]:
+    """``[A, B, R]``: ``h_out = B if R else A h_in + B`` over this piece, per lane.
+
+    ``B`` is the last state of ``own`` (the local recurrence from nothing: exact, as
+    the loop), ``A`` the product of the gates, ``R`` whether a reset drops what enters
+    (a selection, never a zero gate: ``0 * inf`` is NaN). An empty piece is the
+    identity ``(1, 0, False)``, computed from the piece so that it stays in the graph.
+    """
+    n = b.shape[dim]
+    gate = a.reshape((1,) * (b.ndim - a.ndim) + tuple(a.shape)).expand_as(b)
+    lane = b.shape[:dim] + b.shape[dim + 1 :]
+    product = gate.prod(dim).expand(lane)
+    if n:
+        last = own.select(dim, 0 if reverse else n - 1)
+    else:
+        last = b.sum(dim) if b.requires_grad else b.new_zeros(lane)
+    if mask is None:
+        drops = torch.zeros(lane, dtype=torch.bool, device=b.device)
+    else:
+        drops = mask.expand(b.shape).any(dim)
+    return [product, last, drops]
+
+
+class _ValueOf(torch.autograd.Function):
+    """``value`` with the gradient of ``like``: a carry walked step by step (exact, but
+    across ranks, outside the graph) standing in for the composed one (``A h + B``),
+    whose derivatives (``A``, ``h``, 1) are the walk's up to rounding."""
+
+    @staticmethod
+    def forward(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return value.clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return None, grad
+
+
+def _compose_map(
+    gate: torch.Tensor, end: torch.Tensor, drops: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    """``end if drops else gate * state + end``, also in the gradients: where the map
+    drops the state, the product runs on ``(1, 0)`` (a zero cotangent times an
+    infinite ``state`` or ``gate`` would be NaN)."""
+    gate = torch.where(drops, 1, gate)
+    state = torch.where(drops, 0, state)
+    return torch.where(drops, end, torch.addcmul(end, gate, state))
+
+
+def _fold(
+    gates: torch.Tensor,
+    ends: torch.Tensor,
+    resets: torch.Tensor,
+    initial: torch.Tensor | None,
+    order: range,
+    rank: int,
+    group: Any,
+    walk_from: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor | None:
+    """This rank's entering state: the maps of the ranks before it (in ``order``, the
+    scan order) applied to ``initial`` (None: this rank comes first, no ``initial``).
+
+    Composing a rank's map is the loop up to rounding except where its gate product
+    is not a normal number and the state is infinite, zero or huge (see
+    ``fscan._recurrences.composed_gates.inexact_carries``). Every rank folds the same gathered
+    maps and finds the same such carries; each is then walked by the rank that holds the piece, from
+    the exact state before it, and shared with one more ``all_gather`` (values only:
+    the gradient is the composed map's, see :class:`_ValueOf`).
+    """
+    check = (gates.is_floating_point() or gates.is_complex()) and not values_hidden(gates, ends)
+    # the common case: one reduction, one sync (complex: see inexact_carries)
+    check = check and (gates.is_complex() or ends.is_complex() or not all_normal(gates))
+    state = entering = initial
+    # Every rank folds every map but the last: the walks are collectives that the
+    # ranks after this one need too.
+    for r in order[:-1]:
+        if r == rank:
+            entering = state
+        if state is None:
+            state = ends[r]
+            continue
+        composed = _compose_map(gates[r], ends[r], resets[r], state)
+        if check:
+            flags = inexact_carries(gates[r], state.detach(), composed.detach(), resets[r])
+            if bool(flags.any()):  # the same on every rank: the same maps, the same ops
+                with torch.no_grad():
+                    mine = walk_from(state.detach()) if rank == r else torch.zeros_like(ends[r])
+                    walked = exchange([mine.expand(ends.shape[1:])], group)[0][0][r]
+                exact = torch.where(flags, walked, composed.detach())
+                composed = _ValueOf.apply(exact, composed)
+        state = composed
+    return state if rank == order[-1] else entering
+
+
+def _local_recurrence(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    dim: int,
+    initial: torch.Tensor | None,
+    reverse: bool,
+    reset: torch.Tensor | None,
+) -> torch.Tensor:
+    """This rank's piece solved on its own from ``initial`` (a state, or None)."""
+    return run_linear_recurrence(_LOCAL_RECURRENCE_API, a, b, dim, initial, reverse, reset, None)
