@@ -3,7 +3,7 @@
 Below every public door and above the router. It folds ``initial`` into the first
 element (:mod:`fscan._carry`), turns ``reset=`` into a scan of ``(flag, value)``
 pairs (:mod:`fscan._segmented`, which it hands itself to), and gives the router
-(:mod:`fscan._routing`) flat leaves together with what :mod:`fscan._knowledge.store`
+(:mod:`fscan._routing.scan`) flat leaves together with what :mod:`fscan._knowledge.store`
 knows about ``combine_fn``, after the validation ``validate=`` asks for. fscan's own
 scans (the drop-ins' blocked scans, the chunked recurrence's tree, ``fscan.lax``,
 DTensor's local scans, the distributed pieces) enter here, never through
@@ -26,7 +26,7 @@ from ._knowledge.pointwise_check import checked_on_first_call
 from ._knowledge.store import knowledge, reach
 from ._knowledge.validate import validate_combine_fn
 from ._pytree import flatten, unflatten
-from ._routing import scan_flat, scan_traced
+from ._routing.scan import scan_flat, scan_traced
 from ._segmented import segmented_scan
 
 __all__ = ["checked_call", "run_scan", "scan_tree"]

@@ -4,7 +4,7 @@ The report reads fscan's state without changing it: it runs no scan and no
 ``combine_fn``, starts no kernel build or toolchain lookup, records no verdict and
 touches no cache's order (:func:`fscan._knowledge.store.known` and
 :meth:`~fscan._cache.BoundedCache.peek` look entries up without storing them).
-The router's order (``fscan._routing``'s table) is followed: ``empty``,
+The router's order (``fscan._routing.scan``'s table) is followed: ``empty``,
 ``traced``, a ``torch.func`` transform (``tree``), ``triton``, ``cpp``, then
 ``tree``; a gradient route (``adjoint`` or ``autograd``) is an attribute of the
 report, not an engine. :func:`scan_route` is also how the ``"fscan"`` log's
@@ -32,7 +32,7 @@ from ._engines.triton import codegen_unavailable
 from ._entry import checked_call
 from ._knowledge.store import Knowledge, Reach, known, reach
 from ._pytree import flatten
-from ._routing import Where, where
+from ._routing.scan import Where, where
 from ._segmented import segmented_scan
 from ._sharded.dtensor import any_dtensor
 
@@ -144,7 +144,7 @@ def scan_route(
     at: Where,
     heads: Sequence[torch.Tensor] = (),
 ) -> RouteFacts:
-    """The route ``fscan._routing`` picks for checked ``leaves``, read without side effects."""
+    """The route ``fscan._routing.scan`` picks for checked ``leaves``, read without side effects."""
     if leaves[0].shape[dim] == 0 or all(x.numel() == 0 for x in leaves):
         return RouteFacts("empty", {}, None)
     if at.tracing:

@@ -33,7 +33,7 @@ from ._recurrences.args import broadcasts_to, reset_mask, result_dtype
 from ._recurrences.chunked import Algebra, chunk_size, chunked_solve
 from ._recurrences.solve import adjoint_grads, adjoint_grads_differentiable
 from ._route_log import logs_route, ran
-from ._routing import where
+from ._routing.scan import where
 
 __all__ = ["log_linear_recurrence"]
 
@@ -101,7 +101,7 @@ def _recurrence(
     if lb.numel() == 0:  # still connected to every input: zero gradients
         out = lb + la * 0
         return out if initial is None else out + initial.unsqueeze(dim) * 0
-    at = where([lb])  # fscan._routing: tracing, transform, grad mode
+    at = where([lb])  # fscan._routing.scan: tracing, transform, grad mode
     if at.tracing:
         return _tree(la, lb, dim, initial, reverse, mask)
     if at.transform:

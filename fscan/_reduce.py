@@ -43,7 +43,7 @@ from ._knowledge.store import knowledge, reach
 from ._knowledge.validate import validate_combine_fn
 from ._pytree import flatten, unflatten
 from ._route_log import logs_route
-from ._routing import check_untouched, leaf_versions
+from ._routing.scan import check_untouched, leaf_versions
 
 __all__ = ["associative_reduce"]
 

@@ -80,7 +80,7 @@ def segmented_scan(run: Callable[[ScanCall], Any], call: ScanCall) -> Any:
         ones = [torch.where(f, one(t), t) for f, t in zip(flags, leaves)]
         return unflatten(tree_spec, ones)
 
-    segmented.selects_by_mask = True  # type: ignore[attr-defined]  # see fscan._routing
+    segmented.selects_by_mask = True  # type: ignore[attr-defined]  # see fscan._routing.scan
     pairs = (flag, xs)
     pair_leaves, pair_spec = flatten(pairs)
     pair_call = call._replace(

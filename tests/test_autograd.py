@@ -27,7 +27,7 @@ from torch.autograd import gradcheck, gradgradcheck
 import fscan
 from fscan._knowledge.store import Knowledge, reach
 from fscan._pytree import flatten
-from fscan._routing import scan_flat
+from fscan._routing.scan import scan_flat
 
 MODES = ["pointwise", "generic"]
 F64 = torch.float64

@@ -1,6 +1,6 @@
 """The engines: each runs a scan of flat leaves it is handed, and none chooses another.
 
-:mod:`fscan._routing` picks among them and passes in what one needs from another
+:mod:`fscan._routing.scan` picks among them and passes in what one needs from another
 (the adjoint's reverse scan). ``tree`` is the plain-torch algorithm the others
 build on; ``adjoint`` (with ``adjoint_probe``, whether it serves) is its memory-lean
 backward; ``triton`` runs on CUDA/XPU, ``cpp`` on CPU; ``traced`` (with

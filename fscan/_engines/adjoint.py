@@ -33,7 +33,7 @@ from .tree import scan_along, scan_functional_along
 
 __all__ = ["CHUNK_ELEMENTS", "BackwardScan", "PointwiseScan", "ScanPlan", "jacobian_blocks"]
 
-# A faster engine for the adjoint's reverse scan, chosen by the router (fscan._routing):
+# A faster engine for the adjoint's reverse scan, chosen by the router (fscan._routing.scan):
 # ``(combine, key, leaves, reverse) -> outputs``, or None where it does not serve. ``key``
 # names all that ``combine`` depends on (see :func:`_adjoint_scan`).
 BackwardScan = Callable[[FlatCombine, tuple, list[torch.Tensor], bool], "list[torch.Tensor] | None"]

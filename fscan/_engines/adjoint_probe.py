@@ -1,6 +1,6 @@
 """Whether the pointwise adjoint serves a call's gradients: the probe and its verdict.
 
-In grad mode, pointwise calls (see :mod:`fscan._routing`) run
+In grad mode, pointwise calls (see :mod:`fscan._routing.scan`) run
 :class:`~fscan._engines.adjoint.PointwiseScan`, which saves only inputs and outputs and
 runs the backward as a scan, wherever the adjoint applies. A custom autograd
 Function only routes gradients to its inputs, so the tensors ``combine_fn``

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .._routing import where
+from .._routing.scan import where
 from .args import accumulation_dtype, check_recurrence_args, reset_mask
 from .chunked import solve, toward_end, toward_start, tree_solve
 
@@ -72,7 +72,7 @@ def _recurrence(
     """
     if b.numel() == 0:
         return _empty(a, b, dim, initial)
-    at = where([b])  # fscan._routing: tracing, transform, grad mode
+    at = where([b])  # fscan._routing.scan: tracing, transform, grad mode
     if at.tracing:
         return tree_solve(a, b, dim, initial, reverse, mask)
     if at.transform:

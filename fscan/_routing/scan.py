@@ -52,19 +52,19 @@ from typing import Any, NamedTuple
 import torch
 from optree import PyTreeSpec
 
-from ._carry import swap_heads
-from ._combine import FlatCombine, flat_combine
-from ._engines.adjoint import PointwiseScan, ScanPlan
-from ._engines.adjoint_probe import adjoint_applies
-from ._engines.cpp.cpu_kernel import kernel_grad_scan, kernel_scan
-from ._engines.traced import traced_scan
-from ._engines.tree import scan_along, scan_functional_along
-from ._engines.triton import codegen_backward_scan, codegen_scan, codegen_unavailable
-from ._errors import ImpureCombineError
-from ._knowledge.pointwise_check import checked_on_first_call
-from ._knowledge.purity import under_transform
-from ._knowledge.store import Knowledge, Reach
-from ._route_log import ran
+from .._carry import swap_heads
+from .._combine import FlatCombine, flat_combine
+from .._engines.adjoint import PointwiseScan, ScanPlan
+from .._engines.adjoint_probe import adjoint_applies
+from .._engines.cpp.cpu_kernel import kernel_grad_scan, kernel_scan
+from .._engines.traced import traced_scan
+from .._engines.tree import scan_along, scan_functional_along
+from .._engines.triton import codegen_backward_scan, codegen_scan, codegen_unavailable
+from .._errors import ImpureCombineError
+from .._knowledge.pointwise_check import checked_on_first_call
+from .._knowledge.purity import under_transform
+from .._knowledge.store import Knowledge, Reach
+from .._route_log import ran
 
 __all__ = [
     "Where",

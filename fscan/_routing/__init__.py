@@ -1,0 +1,5 @@
+"""The router: the one place that picks an engine, for every kind of call.
+
+``scan`` routes ``associative_scan`` and every scan that reaches the internal entry
+(its table is in its docstring).
+"""
