@@ -351,7 +351,7 @@ def test_gradients_take_the_autograd_engine():
 
 
 def _all_kernel_entries() -> list[cpu_kernel.Entry]:
-    from fscan._knowledge.store import store as _knowledge
+    from fscan._knowledge import store as _knowledge
 
     holders = map(_knowledge.entries.get, list(_knowledge.entries._data))
     return [e for h in holders if h is not None for e in cpu_kernel.kernel_entries(h)]
@@ -359,7 +359,7 @@ def _all_kernel_entries() -> list[cpu_kernel.Entry]:
 
 def test_entry_cache_is_bounded(monkeypatch):
     from fscan._cache import BoundedCache
-    from fscan._knowledge.store import store as _knowledge
+    from fscan._knowledge import store as _knowledge
 
     monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: None)
     monkeypatch.setattr(_knowledge, "entries", BoundedCache(maxsize=2))
@@ -859,7 +859,7 @@ def test_mode_on_switches_public_scans_to_the_kernel_once_built(monkeypatch):
 
 
 def test_fork_hook_requeues_pending_builds():
-    from fscan._knowledge.store import store as _knowledge
+    from fscan._knowledge import store as _knowledge
 
     holder = _knowledge.Knowledge()
     pending = cpu_kernel.Entry(state=State.PENDING)
@@ -1403,7 +1403,7 @@ def test_clear_caches_clears_every_store_of_the_engine(monkeypatch):
     """fscan.clear_caches() empties the engine's process-level stores: the kernel entries
     (inside the knowledge entries), the kernel_possible verdicts, the reasons logged once
     and the C++ files read; the traced graphs compiled code refers to stay, bounded."""
-    from fscan._knowledge.store import store as _knowledge
+    from fscan._knowledge import store as _knowledge
 
     monkeypatch.setattr(_kernel_registry, "_verdicts", {})
     monkeypatch.setattr(_kernel_entry, "_logged", set())

@@ -23,7 +23,7 @@ from helpers import (
 
 import fscan
 from fscan._knowledge.store import Knowledge
-from fscan._knowledge.store import pointwise_check as _pointwise_check
+from fscan._knowledge import pointwise_check as _pointwise_check
 
 
 @pytest.fixture(autouse=True)
