@@ -24,6 +24,7 @@ from optree import PyTreeSpec
 
 from ._call import ScanCall
 from ._config import config
+from ._context import Where, where
 from ._engines.cpp import cpu_kernel
 from ._engines.cpp._cpp_build import compiler_problem
 from ._engines.cpp._kernel_builder import warm
@@ -32,7 +33,6 @@ from ._engines.triton import codegen_unavailable
 from ._entry import checked_call
 from ._knowledge.store import Knowledge, Reach, known, reach
 from ._pytree import flatten
-from ._routing.scan import Where, where
 from ._segmented import segmented_scan
 from ._sharded.dtensor import any_dtensor
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ._checks import check_dense, normalize_dim
+from ._context import where
 from ._entry import scan_tree
 from ._errors import ScanTypeError, ScanValueError
 from ._pytree import describe
@@ -33,7 +34,6 @@ from ._recurrences.args import broadcasts_to, reset_mask, result_dtype
 from ._recurrences.chunked import Algebra, chunk_size, chunked_solve
 from ._recurrences.solve import adjoint_grads, adjoint_grads_differentiable
 from ._route_log import logs_route, ran
-from ._routing.scan import where
 
 __all__ = ["log_linear_recurrence"]
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from ._context import under_transform
 from ._cumulative.rules import KERNEL_MIN_NUMEL, kernel_call
 from ._cumulative.rules import route as dropin_route
 from ._explain import Explanation, explain, explain_arguments, kernel_refusal
-from ._knowledge.purity import under_transform
 from ._linear import linear_recurrence
 from ._pytree import flatten
 from ._recurrences.chunked import PAIR_SPEC, compose

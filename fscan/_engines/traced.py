@@ -71,6 +71,7 @@ from torch._higher_order_ops.scan import scan
 from torch._higher_order_ops.while_loop import while_loop
 
 from .._combine import FlatCombine, check_combine_output, flat_combine
+from .._context import in_functorch_transform
 from .._knowledge.store import reach
 from .._pytree import unflatten
 from .cpp.traced_kernel import kernel_traceable
@@ -88,7 +89,6 @@ __all__ = [
     "doubling_scan",
     "hop_combine",
     "hop_scan",
-    "in_functorch_transform",
     "sequential_scan",
     "spec_source",
     "traced_route",
@@ -178,22 +178,6 @@ def traced_route(
     # With grad on CPU, the adjoint route's backward graph met a layout Inductor fixed to
     # the first length (a stride assertion at the next one, with dynamic shapes).
     return "hop" if device == "cpu" and not grad and kernel_traceable() else "blocked"
-
-
-def in_functorch_transform() -> bool:
-    """Whether this trace runs inside ``vmap``, ``grad`` & co., e.g. a nested scan.
-
-    Example:
-        >>> inside = lambda x: x * in_functorch_transform()
-        >>> in_functorch_transform(), torch.func.vmap(inside)(torch.ones(2))
-        (False, tensor([1., 1.]))
-    """
-    return torch._C._functorch.peek_interpreter_stack() is not None
-
-
-# Dynamo cannot trace the functorch query itself: it calls a function so marked while
-# it traces (torch.compiler.assume_constant_result, without importing Dynamo here).
-in_functorch_transform._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def spec_source(spec: PyTreeSpec) -> SpecSource:

@@ -45,6 +45,7 @@ import torch
 from optree import PyTreeSpec
 
 from .._combine import FlatCombine
+from .._context import under_dispatch_mode
 from .._knowledge.store import Knowledge, Reach, knowledge
 from .traced import CODEGEN_DEVICES, SpecSource, hop_combine, spec_source
 
@@ -132,7 +133,7 @@ def codegen_unavailable(leaves: Sequence[torch.Tensor], found: Reach) -> str | N
         return "gradients are wanted: the autograd engine runs"
     if found.tensors:
         return "combine_fn closes over tensors, which Inductor's scan lowering cannot take"
-    if torch._C._len_torch_dispatch_stack():  # as for the C++ kernel: modes see aten ops
+    if under_dispatch_mode():  # as for the C++ kernel: modes see aten ops
         return "a TorchDispatchMode is active: the kernel's work would be hidden from it"
     return None
 

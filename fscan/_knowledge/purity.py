@@ -43,7 +43,6 @@ __all__ = [
     "probeable",
     "run_higher_order",
     "sample_operands",
-    "under_transform",
 ]
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -257,19 +256,6 @@ def _version(t: torch.Tensor) -> int | None:
 def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Bitwise equality, so that NaNs compare equal to themselves."""
     return torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
-
-
-def under_transform() -> bool:
-    """A ``torch.func`` transform (``grad``, ``vmap``, ...) or a dual level is active.
-
-    Example:
-        >>> inside = lambda x: torch.tensor(under_transform())
-        >>> under_transform(), torch.func.vmap(inside)(torch.ones(1))
-        (False, tensor([True]))
-    """
-    if torch._C._functorch.peek_interpreter_stack() is not None:
-        return True
-    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
 
 
 def probeable(leaves: Sequence[torch.Tensor]) -> bool:

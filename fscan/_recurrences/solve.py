@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .._routing.scan import where
+from .._context import where
 from .args import accumulation_dtype, check_recurrence_args, reset_mask
 from .chunked import solve, toward_end, toward_start, tree_solve
 

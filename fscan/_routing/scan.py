@@ -47,13 +47,14 @@ combine call (:mod:`fscan._knowledge.pointwise_check`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from optree import PyTreeSpec
 
 from .._carry import swap_heads
 from .._combine import FlatCombine, flat_combine
+from .._context import Where, where
 from .._engines.adjoint import PointwiseScan, ScanPlan
 from .._engines.adjoint_probe import adjoint_applies
 from .._engines.cpp.cpu_kernel import kernel_grad_scan, kernel_scan
@@ -62,44 +63,16 @@ from .._engines.tree import scan_along, scan_functional_along
 from .._engines.triton import codegen_backward_scan, codegen_scan, codegen_unavailable
 from .._errors import ImpureCombineError
 from .._knowledge.pointwise_check import checked_on_first_call
-from .._knowledge.purity import under_transform
 from .._knowledge.store import Knowledge, Reach
 from .._route_log import ran
 
 __all__ = [
-    "Where",
     "check_untouched",
     "leaf_versions",
     "pick_route",
     "scan_flat",
     "scan_traced",
-    "under_transform",
-    "where",
 ]
-
-
-class Where(NamedTuple):
-    """Where a call runs, read once per call."""
-
-    tracing: bool  # torch.compile or torch.export traces it
-    transform: bool  # a torch.func transform or a forward-AD dual level is active
-    grad: bool  # autograd records (grad mode on)
-    device: str
-
-
-def where(leaves: Sequence[torch.Tensor]) -> Where:
-    """Read where this call runs.
-
-    Example:
-        >>> with torch.no_grad():
-        ...     where([torch.ones(2)])
-        Where(tracing=False, transform=False, grad=False, device='cpu')
-    """
-    tracing = torch.compiler.is_compiling()
-    transform = not tracing and under_transform()
-    first = leaves[0]
-    device = "cpu" if first.is_cpu else first.device.type  # is_cpu: no torch.device made
-    return Where(tracing, transform, torch.is_grad_enabled(), device)
 
 
 def pick_route(

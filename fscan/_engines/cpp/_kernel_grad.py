@@ -18,7 +18,8 @@ from optree import PyTreeSpec
 
 from ..._combine import FlatCombine
 from ..._config import config
-from ..._knowledge.purity import probeable, under_transform
+from ..._context import under_transform
+from ..._knowledge.purity import probeable
 from ..._knowledge.store import Knowledge, Reach
 from ..adjoint import (
     ScanPlan,

@@ -19,7 +19,8 @@ import torch
 from optree import PyTreeSpec
 
 from ..._config import config
-from ..._knowledge.purity import probeable, under_transform
+from ..._context import under_dispatch_mode, under_transform
+from ..._knowledge.purity import probeable
 from ..._knowledge.reach import references
 from ..._knowledge.store import Knowledge, Reach, knowledge, on_clear, reach
 from ..._pytree import flatten
@@ -200,7 +201,7 @@ def leaf_refusal(leaves: Sequence[torch.Tensor]) -> str | None:
         return "leaves of different shapes: the C++ kernel takes one shape"
     if not probeable(leaves) or under_transform():
         return "tensor subclasses or torch.func transforms: the torch engine runs"
-    if torch._C._len_torch_dispatch_stack():
+    if under_dispatch_mode():
         # A TorchDispatchMode sees aten ops only: the kernel's work would be hidden from
         # it. The pointwise check is one (a scan nested in a combine_fn it watches would
         # pass unseen), FlopCounterMode and FakeTensorMode others.
