@@ -40,66 +40,34 @@ import optree
 import torch
 from optree import PyTreeSpec
 
+from ._call import ScanCall
 from ._checks import check_dense
 from ._combine import FlatCombine, flat_combine
 from ._errors import ScanTypeError, ScanValueError
-from ._pytree import describe, flatten, unflatten
+from ._pytree import describe
 from ._segmented import check_reset
 
-__all__ = ["carried_heads", "check_initial", "fold_initial", "swap_heads"]
-
-
-def fold_initial(
-    api: str,
-    combine_fn: Callable[[Any, Any], Any],
-    xs: Any,
-    dim: int,
-    reverse: bool,
-    combine_mode: str,
-    initial: Any,
-    reset: torch.Tensor | None = None,
-) -> Any:
-    """``xs`` with ``initial`` combined into its first element in scan order.
-
-    ``dim`` is non-negative and the leaves of ``xs`` are checked. With an empty
-    scan dimension there is nothing to fold into: ``xs`` comes back unchanged.
-
-    Example:
-        >>> xs = torch.tensor([1.0, 2.0, 3.0])
-        >>> fold_initial("demo", torch.add, xs, 0, False, "pointwise", torch.tensor(10.0))
-        tensor([11.,  2.,  3.])
-    """
-    leaves, spec = flatten(xs)
-    heads = carried_heads(api, combine_fn, xs, dim, reverse, combine_mode, initial, reset)
-    if heads is None:
-        return xs
-    return unflatten(spec, swap_heads(leaves, heads, dim, reverse))
+__all__ = ["carried_heads", "check_initial", "swap_heads"]
 
 
 def carried_heads(
-    api: str,
-    combine_fn: Callable[[Any, Any], Any],
-    xs: Any,
-    dim: int,
-    reverse: bool,
-    combine_mode: str,
-    initial: Any,
-    reset: torch.Tensor | None = None,
-    check: Callable[[FlatCombine], FlatCombine] | None = None,
+    call: ScanCall, check: Callable[[FlatCombine], FlatCombine] | None = None
 ) -> list[torch.Tensor] | None:
-    """The first element in scan order with ``initial`` combined in, one tensor per leaf
-    of ``xs`` (size 1 along ``dim``); None for an empty scan. :func:`swap_heads` puts
+    """The first element in scan order with ``call.initial`` combined in, one tensor per
+    leaf of ``xs`` (size 1 along ``dim``); None for an empty scan. :func:`swap_heads` puts
     them in place of the first element (the fold); the C++ kernel reads them in place
     of it instead, without copying the leaves (see ``fscan._routing.scan_flat``).
     ``check`` wraps the flat combine of this one call (the caller's pointwise check:
     with one step, the fold is the scan's only ``combine_fn`` call).
 
     Example:
+        >>> from fscan._call import ScanCall
         >>> xs = torch.tensor([1.0, 2.0, 3.0])
-        >>> carried_heads("demo", torch.add, xs, 0, True, "pointwise", torch.tensor(10.0))
+        >>> args = ("demo", torch.add, xs, optree.tree_structure(xs), [xs], 0, True, "pointwise")
+        >>> carried_heads(ScanCall(*args, initial=torch.tensor(10.0)))
         [tensor([13.])]
     """
-    leaves, spec = flatten(xs)
+    api, combine_fn, xs, spec, leaves, dim, reverse, combine_mode, _, reset, initial = call
     init = check_initial(api, initial, xs, leaves, spec, dim)
     n = leaves[0].shape[dim]
     if n == 0:

@@ -58,21 +58,19 @@ def scan_tree(
     dim: int,
     reverse: bool = False,
     combine_mode: str = "pointwise",
-    *,
-    validate: bool | None = None,
-    reset: torch.Tensor | None = None,
-    initial: Any = None,
+    **options: Any,
 ) -> Any:
     """The scan of ``xs`` for fscan's own callers, whose arguments fscan made or checked:
     ``dim`` non-negative, every leaf a dense tensor with that dimension, of one length.
+    ``options``: the call record's ``reset=`` and ``initial=`` (:class:`~fscan._call.ScanCall`).
 
     Example:
         >>> scan_tree(torch.add, torch.arange(1.0, 5.0), 0)
         tensor([ 1.,  3.,  6., 10.])
     """
     leaves, spec = flatten(xs)
-    args = (combine_fn, xs, spec, leaves, dim, reverse, combine_mode, validate, reset, initial)
-    return run_scan(ScanCall(SCAN_API, *args))
+    args = (combine_fn, xs, spec, leaves, dim, reverse, combine_mode)
+    return run_scan(ScanCall(SCAN_API, *args, **options))
 
 
 def run_scan(call: ScanCall) -> Any:
@@ -80,42 +78,31 @@ def run_scan(call: ScanCall) -> Any:
     api, combine_fn, xs, spec, leaves, dim, reverse, combine_mode, validate, reset, initial = call
     heads = None  # a carry-in the C++ kernel may read in place of the first element
     if initial is not None:  # folded into the first element: see fscan._carry
-        check = _fold_check(api, combine_fn, spec, combine_mode, leaves)
-        args = (api, combine_fn, xs, dim, reverse, combine_mode, initial, reset)
-        heads = carried_heads(*args, check=check)
+        heads = carried_heads(call, check=_fold_check(call))
         if heads is not None and (reset is not None or not _may_carry_in(leaves, heads)):
             leaves = swap_heads(leaves, heads, dim, reverse)
             xs, heads = unflatten(spec, leaves), None
             call = call._replace(xs=xs, leaves=leaves)
     if reset is not None:  # a scan over (flag, value) pairs: see fscan._segmented
         return segmented_scan(run_scan, call._replace(initial=None))
-    args = (api, combine_fn, spec, leaves, dim)
     if torch.compiler.is_compiling():
-        return unflatten(spec, scan_traced(*args, reverse, combine_mode))
+        return unflatten(spec, scan_traced(call))
     found = reach(combine_fn)
     entry = knowledge(found, spec, combine_mode, leaves)
-    validate_combine_fn(*args, combine_mode, validate, entry)
-    if heads is None:
-        return unflatten(spec, scan_flat(*args, reverse, combine_mode, found, entry))
-    return unflatten(spec, scan_flat(*args, reverse, combine_mode, found, entry, heads))
+    validate_combine_fn(api, combine_fn, spec, leaves, dim, combine_mode, validate, entry)
+    return unflatten(spec, scan_flat(call, found, entry, heads))
 
 
-def _fold_check(
-    api: str,
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    combine_mode: str,
-    leaves: list[torch.Tensor],
-) -> Callable[[FlatCombine], FlatCombine] | None:
+def _fold_check(call: ScanCall) -> Callable[[FlatCombine], FlatCombine] | None:
     """The pointwise check for the fold's ``combine_fn`` call: in a one-step scan it is
     the only call, and on a batch of one element a non-elementwise ``combine_fn`` would
     give another answer than on the element (see fscan._knowledge.pointwise_check)."""
-    if combine_mode != "pointwise" or torch.compiler.is_compiling():
+    if call.combine_mode != "pointwise" or torch.compiler.is_compiling():
         return None
-    entry = knowledge(reach(combine_fn), spec, combine_mode, leaves)
+    entry = knowledge(reach(call.combine_fn), call.spec, "pointwise", call.leaves)
     if entry.elementwise:
         return None
-    return lambda combine: checked_on_first_call(api, combine, entry, leaves)
+    return lambda combine: checked_on_first_call(call.api, combine, entry, call.leaves)
 
 
 def _may_carry_in(leaves: list[torch.Tensor], heads: list[torch.Tensor]) -> bool:

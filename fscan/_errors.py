@@ -39,6 +39,7 @@ __all__ = [
     "CombineFnError",
     "ImpureCombineError",
     "NotAssociativeError",
+    "NotElementwiseError",
     "PeerRankError",
     "ReverseNotBoolWarning",
     "ScanError",
@@ -74,6 +75,11 @@ class CombineFnError(ScanValueError):
 class NotAssociativeError(CombineFnError):
     """``combine_fn`` failed the randomized associativity check
     (``fscan.check_associative`` or ``validate=True``)."""
+
+
+class NotElementwiseError(CombineFnError):
+    """``combine_fn`` was given ``combine_mode="pointwise"`` but mixes positions within a
+    batch (a matrix product, a reduction, indexing): ``combine_mode="generic"`` takes it."""
 
 
 class ImpureCombineError(CombineFnError, RuntimeError):

@@ -28,10 +28,17 @@ from typing import Any
 import optree
 import torch
 
+from ._call import ScanCall
 from ._carry import check_initial
 from ._checks import check_leaves
-from ._entry import scan_tree
-from ._errors import CombineFnError, ReverseNotBoolWarning, ScanTypeError, ScanValueError
+from ._entry import run_scan
+from ._errors import (
+    CombineFnError,
+    NotElementwiseError,
+    ReverseNotBoolWarning,
+    ScanTypeError,
+    ScanValueError,
+)
 from ._pytree import flatten, leaf_paths
 
 __all__ = ["associative_scan"]
@@ -92,19 +99,22 @@ def associative_scan(
     axis = _check_axis(elems, leaves, axis)
     if initial is not None:  # checked here so that errors name this API
         check_initial(_API, initial, elems, leaves, spec, axis)
-    refused: list[bool] = []
-    reverse = bool(reverse)
+    reverse, at = bool(reverse), {"initial": initial}
     try:
-        return scan_tree(_batched(fn, axis, refused), elems, axis, reverse, initial=initial)
-    except CombineFnError as err:
-        if not refused:  # fn returned, but the wrong structure or shapes
-            raise _in_jax_words(err) from err
-    # fscan refused fn in pointwise mode while it ran: an operation that is not
-    # elementwise (a vmapped matmul). Generic mode takes any fn; give it batches
-    # of one element, the axis in place, so fn still sees what JAX shows it.
+        batched = _batched(fn, axis)
+        return run_scan(
+            ScanCall(_API, batched, elems, spec, leaves, axis, reverse, "pointwise", **at)
+        )
+    except NotElementwiseError:
+        # fscan's pointwise mode refused fn: an operation that is not elementwise (a
+        # vmapped matmul). Generic mode takes any fn; give it batches of one element,
+        # the axis in place, so fn still sees what JAX shows it.
+        pass
+    except CombineFnError as err:  # fn returned, but the wrong structure or shapes
+        raise _in_jax_words(err) from err
     single = _on_single_elements(fn, axis)
     try:
-        return scan_tree(single, elems, axis, reverse, "generic", initial=initial)
+        return run_scan(ScanCall(_API, single, elems, spec, leaves, axis, reverse, "generic", **at))
     except CombineFnError as err:
         raise _in_jax_words(err) from err
 
@@ -128,21 +138,16 @@ def _warn_reverse(reverse: Any) -> None:
     )
 
 
-def _batched(fn: Callable[[Any, Any], Any], axis: int, refused: list[bool]) -> Callable:
+def _batched(fn: Callable[[Any, Any], Any], axis: int) -> Callable:
     """``fn`` as fscan's pointwise engine calls it: on batched slices with the scanned
-    dimension first, moved back to ``axis`` for ``fn``. Appends to ``refused`` when
-    a check stops ``fn`` midway, as opposed to rejecting what it returned.
+    dimension first, moved back to ``axis`` for ``fn``.
 
     A closure rather than an object: fscan caches its checks by function code."""
 
     def combine(a: Any, b: Any) -> Any:
         if axis:
             a, b = _move(a, 0, axis), _move(b, 0, axis)
-        try:
-            out = fn(a, b)
-        except CombineFnError:
-            refused.append(True)
-            raise
+        out = fn(a, b)
         return _move(out, axis, 0) if axis else out
 
     return combine
@@ -171,9 +176,8 @@ def _has(x: Any, axis: int) -> bool:
 
 
 def _in_jax_words(err: CombineFnError) -> CombineFnError:
-    """The engine names fscan's own arguments; say it in this API's words."""
-    message = str(err).replace("fscan.associative_scan:", f"{_API}:")
-    return type(err)(message.replace("`combine_fn`", "`fn`"))
+    """The checks name ``combine_fn``, fscan's name for the argument; JAX calls it ``fn``."""
+    return type(err)(str(err).replace("`combine_fn`", "`fn`"))
 
 
 def _check_axis(elems: Any, leaves: list[torch.Tensor], axis: Any) -> int:

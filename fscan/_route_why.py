@@ -17,7 +17,8 @@ import torch
 from ._context import under_transform
 from ._cumulative.rules import KERNEL_MIN_NUMEL, kernel_call
 from ._cumulative.rules import route as dropin_route
-from ._explain import Explanation, explain, explain_arguments, kernel_refusal
+from ._engines.cpp.refusal import kernel_refusal
+from ._explain import Explanation, explain, explain_arguments
 from ._linear import linear_recurrence
 from ._pytree import flatten
 from ._recurrences.chunked import PAIR_SPEC, compose

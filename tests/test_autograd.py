@@ -25,6 +25,7 @@ from helpers import (
 from torch.autograd import gradcheck, gradgradcheck
 
 import fscan
+from fscan._call import ScanCall
 from fscan._knowledge.store import Knowledge, reach
 from fscan._pytree import flatten
 from fscan._routing.scan import scan_flat
@@ -234,8 +235,8 @@ def routed_unchecked(combine_fn, xs, reverse):
     refuse these combine_fns before the adjoint probe could be tested)."""
     leaves, spec = flatten(xs)
     entry = Knowledge(pure=True, elementwise=True)
-    args = (combine_fn, spec, leaves, 0, reverse, "pointwise", reach(combine_fn), entry)
-    return scan_flat("test", *args)
+    call = ScanCall("test", combine_fn, xs, spec, leaves, 0, reverse, "pointwise")
+    return scan_flat(call, reach(combine_fn), entry)
 
 
 def test_position_mixing_combine_falls_back_to_autograd():

@@ -370,7 +370,8 @@ def mixed_pair(x, y):  # a float32 gate and a float64 state: leaves of two dtype
 def kernel(monkeypatch):
     """The C++ kernel, built on first use (each combine compiles once per run, then
     Inductor's disk cache); the fold's copy is counted: the carry-in must not take it."""
-    from fscan import _entry, _routing
+    from fscan import _entry
+    from fscan._routing import scan as _routing
 
     folds = []
     for module in (_routing, _entry):
@@ -521,7 +522,8 @@ def test_gradients_to_initial_take_the_fold(kernel):
 def test_property_kernel_carry_in(name, length, other, dim, reverse, threads, seed):
     shape = [other, other]
     shape[dim] = length
-    from fscan import _entry, _routing
+    from fscan import _entry
+    from fscan._routing import scan as _routing
 
     folds = []
     real = (_routing.swap_heads, _entry.swap_heads)

@@ -52,7 +52,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._combine import FlatCombine
-from .._errors import CombineFnError, ImpureCombineError
+from .._errors import ImpureCombineError, NotElementwiseError
 from .purity import _random_message, probeable, run_higher_order
 from .store import Knowledge
 
@@ -208,7 +208,7 @@ class _ElementwiseWatch(TorchDispatchMode):
         if not batched:  # a constant: the same for every element, whatever op makes it
             return func(*args, **kwargs)
         if not is_elementwise(func):
-            raise CombineFnError(not_elementwise_message(self.api, func))
+            raise NotElementwiseError(not_elementwise_message(self.api, func))
         constants = [t for t in tensors if id(t) not in self.batched]
         offset = None if func.is_view else self._aligned_offset(func, batched, constants)
         out = func(*args, **kwargs)
@@ -218,7 +218,7 @@ class _ElementwiseWatch(TorchDispatchMode):
                 if offset is not None and result.ndim >= offset:
                     where = result.ndim - offset
                 if where is None or result.shape[where] != self.batch:
-                    raise CombineFnError(_misaligned_message(self.api, func))
+                    raise NotElementwiseError(_misaligned_message(self.api, func))
                 self.batched[id(result)] = (result, where)
         return out
 
@@ -230,7 +230,7 @@ class _ElementwiseWatch(TorchDispatchMode):
         offset = offsets.pop()
         clash = any(t.ndim >= offset and t.shape[t.ndim - offset] != 1 for t in constants)
         if offsets or clash:
-            raise CombineFnError(_misaligned_message(self.api, func))
+            raise NotElementwiseError(_misaligned_message(self.api, func))
         return offset
 
     def _locate(self, view: torch.Tensor, source: torch.Tensor, at: int) -> int | None:
@@ -247,7 +247,7 @@ class _ElementwiseWatch(TorchDispatchMode):
     def _refuse(self, op: torch._ops.HigherOrderOperator) -> Callable[..., Any]:
         def refuse(*args: Any, **kwargs: Any) -> Any:
             # Its body cannot be watched: elementwise is not shown, so not assumed.
-            raise CombineFnError(
+            raise NotElementwiseError(
                 f"{self.api}: `combine_fn` calls the higher-order operator {op.name()}, whose "
                 "body fscan cannot check for elementwise operations. "
                 "Use combine_mode='generic', where combine_fn sees one element at a time."
@@ -260,7 +260,7 @@ class _ElementwiseWatch(TorchDispatchMode):
         for result in out:
             tracked = self.batched.get(id(result))
             if tracked is not None and tracked[1] != 0:
-                raise CombineFnError(_misaligned_message(self.api, "its result"))
+                raise NotElementwiseError(_misaligned_message(self.api, "its result"))
 
 
 def _misaligned_message(api: str, op: Any) -> str:

@@ -46,12 +46,12 @@ combine call (:mod:`fscan._knowledge.pointwise_check`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from optree import PyTreeSpec
 
+from .._call import ScanCall
 from .._carry import swap_heads
 from .._combine import FlatCombine, flat_combine
 from .._context import Where, where
@@ -75,18 +75,11 @@ __all__ = [
 ]
 
 
-def pick_route(
-    combine_fn: Callable[[Any, Any], Any],
-    at: Where,
-    leaves: Sequence[torch.Tensor],
-    dim: int,
-    combine_mode: str,
-    found: Reach,
-    entry: Knowledge,
-) -> str:
-    """The route for a call of ``combine_fn`` (table in the module doc); ``triton`` may
-    still fall back."""
-    if leaves[0].shape[dim] == 0 or _no_element(leaves):
+def pick_route(call: ScanCall, at: Where, found: Reach, entry: Knowledge) -> str:
+    """The route for ``call`` (table in the module doc); ``triton`` and ``cpp`` may still
+    decline, and the router then runs ``inplace``."""
+    leaves, combine_mode = call.leaves, call.combine_mode
+    if leaves[0].shape[call.dim] == 0 or _no_element(leaves):
         return "empty"
     if at.tracing:
         return "traced"
@@ -100,7 +93,7 @@ def pick_route(
         return "cpp"
     if not wants_grad:
         return "inplace"
-    if combine_mode == "pointwise" and not getattr(combine_fn, "selects_by_mask", False):
+    if combine_mode == "pointwise" and not getattr(call.combine_fn, "selects_by_mask", False):
         return "adjoint"  # if the probe agrees: see scan_flat
     return "autograd"
 
@@ -121,37 +114,32 @@ def _any_requires_grad(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def scan_flat(
-    api: str,
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    leaves: list[torch.Tensor],
-    dim: int,
-    reverse: bool,
-    combine_mode: str,
-    found: Reach,
-    entry: Knowledge,
-    head: list[torch.Tensor] | None = None,
+    call: ScanCall, found: Reach, entry: Knowledge, head: list[torch.Tensor] | None = None
 ) -> list[torch.Tensor]:
-    """Scan already-checked flat ``leaves`` along ``dim`` on the route :func:`pick_route` picks.
+    """Scan a checked call's flat leaves on the route :func:`pick_route` picks.
 
-    ``found`` and ``entry`` are :func:`~fscan._knowledge.store.reach` of ``combine_fn`` and
-    its :func:`~fscan._knowledge.store.knowledge` entry for this call (not while tracing:
-    see :func:`scan_traced`). ``head``: a carry-in (:func:`fscan._carry.carried_heads`,
-    no gradient wanted), the first element in scan order to scan instead of the
-    leaves': the C++ kernel reads it in place; other routes scan a copy of the leaves
-    with it swapped in.
+    ``found`` and ``entry`` are :func:`~fscan._knowledge.store.reach` of ``combine_fn``
+    and its :func:`~fscan._knowledge.store.knowledge` entry for this call (not while
+    tracing: see :func:`scan_traced`). ``call.reset`` and ``call.initial`` are already
+    folded in (:mod:`fscan._entry`). ``head``: a carry-in
+    (:func:`fscan._carry.carried_heads`, no gradient wanted), the first element in scan
+    order to scan instead of the leaves': the C++ kernel reads it in place; other routes
+    scan a copy of the leaves with it swapped in.
 
     Example:
-        >>> import optree
+        >>> from fscan._call import ScanCall
         >>> from fscan._knowledge.store import knowledge, reach
-        >>> leaves, spec = optree.tree_flatten(torch.arange(1.0, 5.0))
+        >>> from fscan._pytree import flatten
+        >>> xs = torch.arange(1.0, 5.0)
+        >>> leaves, spec = flatten(xs)
+        >>> call = ScanCall("demo", torch.add, xs, spec, leaves, 0, False, "pointwise")
         >>> found = reach(torch.add)
-        >>> entry = knowledge(found, spec, "pointwise", leaves)
-        >>> scan_flat("demo", torch.add, spec, leaves, 0, False, "pointwise", found, entry)
+        >>> scan_flat(call, found, knowledge(found, spec, "pointwise", leaves))
         [tensor([ 1.,  3.,  6., 10.])]
     """
-    at = where(leaves)
-    route = pick_route(combine_fn, at, leaves, dim, combine_mode, found, entry)
+    at = where(call.leaves)
+    route = pick_route(call, at, found, entry)
+    api, combine_fn, _, spec, leaves, dim, reverse = call[:7]
     if route == "cpp":  # the kernel never calls combine_fn: no versions to compare
         if head is None:
             out = kernel_scan(api, combine_fn, spec, leaves, dim, reverse, found, entry)
@@ -166,8 +154,9 @@ def scan_flat(
         route = "inplace"
     if head is not None:  # the fold: see fscan._carry
         leaves = swap_heads(leaves, head, dim, reverse)
+        call = call._replace(leaves=leaves)
     versions = leaf_versions(leaves)
-    out = _run(api, route, combine_fn, spec, leaves, dim, reverse, combine_mode, found, entry, at)
+    out = _run(call, route, found, entry, at)
     check_untouched(api, spec, leaves, versions)
     return out
 
@@ -186,22 +175,13 @@ def _elements(
 
 
 def _run(
-    api: str,
-    route: str,
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    leaves: list[torch.Tensor],
-    dim: int,
-    reverse: bool,
-    combine_mode: str,
-    found: Reach,
-    entry: Knowledge,
-    at: Where,
+    call: ScanCall, route: str, found: Reach, entry: Knowledge, at: Where
 ) -> list[torch.Tensor]:
+    api, combine_fn, _, spec, leaves, dim, reverse, combine_mode = call[:8]
     if route == "empty":
         return [x.clone() for x in leaves]
     if route == "traced":
-        return scan_traced(api, combine_fn, spec, leaves, dim, reverse, combine_mode)
+        return scan_traced(call)
     if route == "triton":
         out = codegen_scan(api, combine_fn, spec, leaves, dim, reverse, found, entry)
         if out is not None:
@@ -227,17 +207,10 @@ def _run(
     return scan_functional_along(combine, leaves, dim, reverse)
 
 
-def scan_traced(
-    api: str,
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    leaves: list[torch.Tensor],
-    dim: int,
-    reverse: bool,
-    combine_mode: str,
-) -> list[torch.Tensor]:
+def scan_traced(call: ScanCall) -> list[torch.Tensor]:
     """The ``traced`` route: while ``torch.compile``/``torch.export`` traces, nothing is
     inspected or cached (Dynamo traces this code; guards, not fscan's keys, decide reuse)."""
+    api, combine_fn, _, spec, leaves, dim, reverse, combine_mode = call[:8]
     if leaves[0].shape[dim] == 0:
         return [x.clone() for x in leaves]
     return traced_scan(api, combine_fn, spec, leaves, dim, reverse, combine_mode)
