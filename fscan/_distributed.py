@@ -1,33 +1,6 @@
-"""Scans over a sequence sharded across the ranks of a ``torch.distributed`` group.
-
-Each rank holds pieces of one long sequence along ``dim`` (by default one
-contiguous piece per rank, in rank order) and gets back its pieces of the scan of
-the whole sequence. The classic block scan (MPI_Exscan):
-
-1. scan each local piece with fscan; its total is its last element (first, in
-   reverse);
-2. exchange the totals with one ``all_gather`` of one element per piece
-   (:mod:`fscan._sharded.exchange`; its backward is one ``reduce_scatter``);
-3. fold the totals of the pieces before each local piece (after it, in reverse)
-   into its exclusive prefix ``P`` with a scan of at most ``W * K`` elements, and
-   combine ``P`` into every local result with one ``combine_fn`` call.
-
-Before step 2 the ranks agree (:func:`agree`, one 16-byte ``all_gather``): the
-same call on every rank, and no rank failed, else every rank raises.
-Under ``torch.compile`` every call is refused at the entry.
-
-Only totals cross ranks, so the exchange does not grow with the length.
-Gradients come from autograd: the gather's transpose returns to each piece's
-total the cotangents of the later ranks' folds.
-
-Every rank must run the backward collective, also ranks whose results do not
-depend on the gathered totals (nothing before them, or empty pieces), and also
-under ``torch.autograd.grad(..., inputs=...)``, which prunes graph nodes that do
-not lead to the requested inputs. ``tie`` puts the gathered tensor into
-those ranks' graphs without arithmetic (``0 * total`` would turn an infinite
-total into NaN), empty pieces send zeros computed from the piece, and the
-tensors ``combine_fn`` closes over are extra inputs of the gather, so the
-gather leads to the same requested inputs on every rank.
+"""The public functions of ``fscan.distributed``: their arguments checked inside the
+ranks' agreement (:func:`fscan._sharded.agree.agreeing`), then the sharded engines of
+:mod:`fscan._sharded.scan` (where the algorithm is described).
 """
 
 from __future__ import annotations
@@ -37,10 +10,18 @@ from typing import Any
 
 import torch
 
+from ._call import RecurrenceCall
+from ._entry import checked_call
+from ._errors import ScanTypeError
+from ._pytree import describe, flatten
+from ._sharded.agree import agreeing
 from ._sharded.layout import Layout
 from ._sharded.scan import sharded_recurrence, sharded_scan
 
 __all__ = ["associative_scan", "linear_recurrence"]
+
+_API = "fscan.distributed.associative_scan"
+_API_LINEAR = "fscan.distributed.linear_recurrence"
 
 
 # ---- the public functions ------------------------------------------------------
@@ -102,17 +83,16 @@ def associative_scan(
         tensor([ 1.,  3.,  6., 10.])
         >>> dist.destroy_process_group()
     """
-    return sharded_scan(
-        combine_fn,
-        xs,
-        dim,
-        reverse,
-        combine_mode,
-        group=group,
-        layout=layout,
-        reset=reset,
-        validate=validate,
-    )
+    with agreeing(_API, group) as agreement:  # a rank's error reaches every rank
+        leaves, spec = flatten(xs)
+        args = (xs, leaves, spec, dim, reverse, combine_mode, validate, reset)
+        call = checked_call(_API, combine_fn, *args)
+        if layout is not None and not isinstance(layout, Layout):
+            raise ScanTypeError(
+                f"{_API}: `layout` must be a fscan.distributed.Layout or None, "
+                f"got {describe(layout)}."
+            )
+        return sharded_scan(call, agreement, layout)
 
 
 def linear_recurrence(
@@ -159,6 +139,6 @@ def linear_recurrence(
         tensor([1.0000, 1.5000, 1.7500])
         >>> dist.destroy_process_group()
     """
-    return sharded_recurrence(
-        a, b, dim, initial=initial, reverse=reverse, reset=reset, group=group, acc_dtype=acc_dtype
-    )
+    call = RecurrenceCall(_API_LINEAR, a, b, dim, initial, reverse, reset, acc_dtype)
+    with agreeing(_API_LINEAR, group) as agreement:
+        return sharded_recurrence(call, agreement)

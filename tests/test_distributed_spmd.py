@@ -310,10 +310,8 @@ CASES: dict[str, Case] = {
         ),
         "`initial`",
     ),
-    # through the body that the public function and DTensor inputs share (the public
-    # function may not pass acc_dtype on)
     "recurrence: acc_dtype": _mismatch(
-        lambda r, w: fscan._sharded.scan.sharded_recurrence(
+        lambda r, w: fd.linear_recurrence(
             0.5,
             _piece(r, w, dtype=torch.float32),
             0,

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
-import inspect
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -14,19 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._call import RecurrenceCall, ScanCall
 from .._errors import PeerRankError, ScanValueError, UnsupportedScanError
-from .._pytree import describe, flatten, leaf_paths
+from .._pytree import describe, leaf_paths
 from .layout import Layout, resolve_group
-
-__all__ = [
-    "CURRENT_CALL",
-    "agree",
-    "agreed_call",
-    "failing_together",
-    "recurrence_facts",
-    "scan_facts",
-]
-
 
 # ---- agreeing on the call: the SPMD checks --------------------------------------
 #
@@ -42,9 +31,9 @@ __all__ = [
 
 __all__ = [
     "CURRENT_CALL",
+    "Agreement",
     "agree",
-    "agreed_call",
-    "failing_together",
+    "agreeing",
     "recurrence_facts",
     "scan_facts",
 ]
@@ -53,24 +42,28 @@ __all__ = [
 Facts = list[tuple[str, int | None, str]]  # (what, leaf index or None, value)
 
 
+def _no_facts() -> tuple[Facts, Callable[[], list[str]]]:
+    return [], list
+
+
 @dataclass
-class _Call:
+class Agreement:
     """One distributed call in progress on this rank: its group, and how to describe it.
 
     ``describe()`` gives the facts of the call and a function that names its leaves
-    (for error messages); the exchange adds ``more`` (what it sends, whether its
-    backward runs). Run only when the exchange is reached, after this rank's own
-    checks passed.
+    (for error messages); the call's body sets it once its arguments are checked, and
+    the exchange adds ``more`` (what it sends, whether its backward runs). Run only
+    when the exchange is reached, after this rank's own checks passed.
     """
 
     api: str
     group: Any
-    describe: Callable[[], tuple[Facts, Callable[[], list[str]]]]
+    describe: Callable[[], tuple[Facts, Callable[[], list[str]]]] = _no_facts
     more: Facts = field(default_factory=list)
     agreed: bool = False
 
 
-CURRENT_CALL: ContextVar[_Call | None] = ContextVar("fscan_distributed_call", default=None)
+CURRENT_CALL: ContextVar[Agreement | None] = ContextVar("fscan_distributed_call", default=None)
 
 _FAILED, _READY = 1, 0
 
@@ -92,7 +85,7 @@ def _collective_device(group: Any) -> torch.device:
 _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def agree(call: _Call, error: Exception | None = None) -> None:
+def agree(call: Agreement, error: Exception | None = None) -> None:
     """Check that every rank of ``call.group`` is ready with the same facts; else raise.
 
     ``error``: what this rank raised before the exchange (it is re-raised here, after
@@ -188,22 +181,6 @@ def _mismatch_message(api: str, got: list[Any]) -> str:
     )
 
 
-@contextlib.contextmanager
-def failing_together(api: str, group: Any) -> Iterator[None]:
-    """Checks that a caller makes before a distributed call's body (a DTensor's shard
-    metadata): an error raised inside reaches the peers, who hear of it where they
-    agree before their first exchange, and then propagates here."""
-    try:
-        yield
-    except Exception as err:
-        agree(_Call(api, group, _no_facts), err)  # raises err
-        raise
-
-
-def _no_facts() -> tuple[Facts, Callable[[], list[str]]]:
-    return [], list
-
-
 @torch.compiler.disable(
     reason="fscan.distributed calls do not run under torch.compile yet: call them "
     "outside the compiled region"
@@ -226,43 +203,34 @@ def _refuse_compiled(api: str) -> None:
     )
 
 
-def agreed_call(
-    describe: Callable[..., tuple[Facts, Callable[[], list[str]]]],
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Wrap the body of a distributed call: refuse tracing, then make sure the ranks agree
-    (:func:`agree`, run by :func:`exchange`) before the first exchange, also when one of
-    them raises before it.
+def agreeing(api: str, group: Any) -> contextlib.AbstractContextManager[Agreement]:
+    """Open a distributed call on ``group``: refuse tracing, then make sure the ranks
+    agree (:func:`agree`, run by the first :func:`~fscan._sharded.exchange.exchange`)
+    before the first exchange, also when one of them raises before it.
 
-    ``describe`` takes the call's arguments (less ``group`` and ``api``) and gives its
-    facts and a function naming its leaves. A nested call (the reset path scans its
-    pairs through the same body) shares the outer call's agreement.
+    Everything that may raise on one rank alone (argument checks, a DTensor's shard
+    metadata, ``combine_fn`` on its data) runs inside: an error reaches the peers, who
+    hear of it where they agree, and then propagates here. The body sets the
+    agreement's ``describe`` once the arguments are checked.
     """
+    # A plain function, not the context manager: Dynamo traces this one, so the refusal
+    # comes first, before anything that depends on the data.
+    if torch.compiler.is_compiling():
+        _refuse_compiled(api)
+    return _agreeing(Agreement(api, resolve_group(api, group)))
 
-    def wrap(body: Callable[..., Any]) -> Callable[..., Any]:
-        default_api = inspect.signature(body).parameters["api"].default
 
-        @functools.wraps(body)
-        def call(*args: Any, group: Any = None, api: str = default_api, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling():  # before anything that depends on the data
-                _refuse_compiled(api)
-            if CURRENT_CALL.get() is not None:
-                return body(*args, group=group, api=api, **kwargs)
-            pg = resolve_group(api, group)
-            state = _Call(api, pg, lambda: describe(*args, **kwargs))
-            token = CURRENT_CALL.set(state)
-            try:
-                return body(*args, group=pg, api=api, **kwargs)
-            except Exception as err:
-                if state.agreed:  # the peers have moved on: nothing of theirs waits
-                    raise
-                agree(state, err)  # raises err, after telling the peers
-                raise
-            finally:
-                CURRENT_CALL.reset(token)
-
-        return call
-
-    return wrap
+@contextlib.contextmanager
+def _agreeing(state: Agreement) -> Iterator[Agreement]:
+    token = CURRENT_CALL.set(state)
+    try:
+        yield state
+    except Exception as err:
+        if not state.agreed:  # else the peers have moved on: nothing of theirs waits
+            agree(state, err)  # raises err, after telling the peers
+        raise
+    finally:
+        CURRENT_CALL.reset(token)
 
 
 def _shape_along(x: torch.Tensor, dim: int) -> str:
@@ -276,52 +244,34 @@ def _mask_fact(reset: Any, dim: int) -> str:
     return f"a mask of shape {_shape_along(reset, 0 if reset.ndim == 1 else dim)}"
 
 
-def scan_facts(
-    combine_fn: Callable[[Any, Any], Any],
-    xs: Any,
-    dim: int,
-    reverse: bool = False,
-    combine_mode: str = "pointwise",
-    *,
-    layout: Layout | None = None,
-    reset: torch.Tensor | None = None,
-    **_: Any,
-) -> tuple[Facts, Callable[[], list[str]]]:
-    """What :func:`sharded_scan`'s exchange depends on (its arguments are checked)."""
-    leaves, spec = flatten(xs)
-    first = dim % leaves[0].ndim
+def scan_facts(call: ScanCall, layout: Layout | None) -> tuple[Facts, Callable[[], list[str]]]:
+    """What :func:`~fscan._sharded.scan.sharded_scan`'s exchange depends on (``call``
+    is checked: ``dim`` is non-negative and every leaf has it)."""
+    dim, reset = call.dim, call.reset
     facts: Facts = [
         ("function", None, "associative_scan"),
-        ("tree structure", None, str(spec)),
-        ("`dim`", None, str(first)),
-        ("`reverse`", None, str(reverse)),
-        ("`combine_mode`", None, str(combine_mode)),
+        ("tree structure", None, str(call.spec)),
+        ("`dim`", None, str(dim)),
+        ("`reverse`", None, str(call.reverse)),
+        ("`combine_mode`", None, str(call.combine_mode)),
         ("`layout`", None, repr(layout)),
-        ("`reset`", None, _mask_fact(reset, first)),
+        ("`reset`", None, _mask_fact(reset, dim)),
     ]
-    for i, x in enumerate(leaves):
+    for i, x in enumerate(call.leaves):
         facts.append(("dtype", i, str(x.dtype)))
         facts.append(("device type", i, x.device.type))
-        facts.append(("shape (n: the scan dimension)", i, _shape_along(x, dim % x.ndim)))
-    return facts, lambda: leaf_paths(xs)
+        facts.append(("shape (n: the scan dimension)", i, _shape_along(x, dim)))
+    return facts, lambda: leaf_paths(call.xs)
 
 
-def recurrence_facts(
-    a: Any,
-    b: torch.Tensor,
-    dim: int,
-    *,
-    initial: torch.Tensor | None = None,
-    reverse: bool = False,
-    reset: torch.Tensor | None = None,
-    acc_dtype: torch.dtype | None = None,
-    **_: Any,
-) -> tuple[Facts, Callable[[], list[str]]]:
-    """What :func:`sharded_recurrence`'s exchange depends on (its arguments are checked).
+def recurrence_facts(call: RecurrenceCall) -> tuple[Facts, Callable[[], list[str]]]:
+    """What :func:`~fscan._sharded.scan.sharded_recurrence`'s exchange depends on: the
+    arguments as given (checked before the exchange).
 
     A number ``a`` may differ by rank (it is this rank's gate); ``initial``'s values
     are not compared (that would read them on the host)."""
-    d = dim % b.ndim
+    a, b, initial, reset = call.a, call.b, call.initial, call.reset
+    d = call.dim % b.ndim
     gate = f"a tensor of dtype {a.dtype}" if isinstance(a, torch.Tensor) else "a number"
     start = "None" if initial is None else describe(initial)
     facts: Facts = [
@@ -331,8 +281,8 @@ def recurrence_facts(
         ("shape of `b` (n: the scan dimension)", None, _shape_along(b, d)),
         ("`a`", None, gate),
         ("`initial`", None, start),
-        ("`reverse`", None, str(reverse)),
+        ("`reverse`", None, str(call.reverse)),
         ("`reset`", None, _mask_fact(reset, d)),
-        ("`acc_dtype`", None, str(acc_dtype)),
+        ("`acc_dtype`", None, str(call.acc_dtype)),
     ]
     return facts, list

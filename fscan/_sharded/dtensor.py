@@ -1,7 +1,7 @@
 """DTensor inputs to ``fscan.associative_scan`` and ``fscan.linear_recurrence``.
 
 A DTensor sharded along the scan dimension (``Shard(dim)`` on one mesh
-dimension) runs the sequence-parallel scan of :mod:`fscan._distributed` on that
+dimension) runs the sequence-parallel scan of :mod:`fscan._sharded.scan` on that
 mesh dimension's process group; the result is a DTensor with the input's mesh,
 placements and global shape. Every other placement is independent of the scan:
 ``Replicate()`` and ``Shard`` of another dimension scan the local tensor
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .._call import SCAN_API
+from .._call import SCAN_API, RecurrenceCall
 from .._checks import normalize_dim
 from .._entry import checked_call, run_scan
 from .._errors import ScanTypeError, ScanValueError, UnsupportedScanError
@@ -111,27 +111,22 @@ def _shard_lengths(length: int, parts: int) -> tuple[int, ...]:
     return tuple(int(split(length, parts, r)[0]) for r in range(parts))
 
 
-def _group_and_lengths(
-    api: str, first: Any, mesh_dim: int, dim: int
-) -> tuple[Any, tuple[int, ...]]:
-    """The process group of ``mesh_dim`` and every rank's length along ``dim``, checked."""
-    # torch.distributed is optional and slow to import: only DTensor calls import it.
-    from .agree import failing_together
+def _checked_lengths(api: str, first: Any, mesh_dim: int, dim: int) -> tuple[int, ...]:
+    """Every rank's length along ``dim``, this rank's checked against its shard.
 
+    Run inside the agreement: one rank's wrong shard, and every rank hears of it."""
     mesh = first.device_mesh
-    group = mesh.get_group(mesh_dim)
     lengths = _shard_lengths(first.shape[dim], mesh.size(mesh_dim))
     coordinate = mesh.get_local_rank(mesh_dim)
     local = first.to_local().shape[dim]
-    with failing_together(api, group):  # one rank's wrong shard: every rank hears of it
-        if local != lengths[coordinate]:
-            raise ScanValueError(
-                f"{api}: the local shard has length {local} along dim {dim}, but a DTensor "
-                f"of global length {first.shape[dim]} over {mesh.size(mesh_dim)} ranks "
-                f"holds {lengths[coordinate]} here; build it with DTensor.from_local(..., "
-                "shape=, stride=) or distribute_tensor."
-            )
-    return group, lengths
+    if local != lengths[coordinate]:
+        raise ScanValueError(
+            f"{api}: the local shard has length {local} along dim {dim}, but a DTensor "
+            f"of global length {first.shape[dim]} over {mesh.size(mesh_dim)} ranks "
+            f"holds {lengths[coordinate]} here; build it with DTensor.from_local(..., "
+            "shape=, stride=) or distribute_tensor."
+        )
+    return lengths
 
 
 def _wrap(out: torch.Tensor, like: Any) -> Any:
@@ -179,6 +174,7 @@ def dtensor_scan(
     # torch.distributed is optional and slow to import: only DTensor calls import it.
     from torch.distributed.tensor import DTensor
 
+    from .agree import agreeing
     from .layout import Layout
     from .scan import sharded_scan
 
@@ -208,29 +204,20 @@ def dtensor_scan(
         local_initial = unflatten(
             initial_spec, [_local(api, "`initial`", t, first.device_mesh) for t in initial_leaves]
         )
+    local_leaves, local_spec = flatten(local)
+    args = (local, local_leaves, local_spec, dim, reverse, combine_mode, validate, local_reset)
     if mesh_dim is None:  # the scan dimension is whole on every rank
-        local_leaves, local_spec = flatten(local)
-        args = (local, local_leaves, local_spec, dim, reverse, combine_mode, validate)
-        out = run_scan(checked_call(api, combine_fn, *args, local_reset, local_initial))
+        out = run_scan(checked_call(api, combine_fn, *args, local_initial))
     elif initial is not None:
         raise UnsupportedScanError(
             f"{api}: `initial` with a DTensor sharded along the scan dimension is not "
             "supported yet; combine it into the first element yourself."
         )
     else:
-        group, lengths = _group_and_lengths(api, first, mesh_dim, dim)
-        out = sharded_scan(
-            combine_fn,
-            local,
-            dim,
-            reverse,
-            combine_mode,
-            group=group,
-            layout=Layout.contiguous(len(lengths), lengths),
-            reset=local_reset,
-            validate=validate,
-            api=api,
-        )
+        with agreeing(api, first.device_mesh.get_group(mesh_dim)) as agreement:
+            lengths = _checked_lengths(api, first, mesh_dim, dim)
+            layout = Layout.contiguous(len(lengths), lengths)
+            out = sharded_scan(checked_call(api, combine_fn, *args), agreement, layout)
     return unflatten(spec, [_wrap(o, x) for o, x in zip(flatten(out)[0], leaves)])
 
 
@@ -241,6 +228,7 @@ def dtensor_linear_recurrence(
     # torch.distributed is optional and slow to import: only DTensor calls import it.
     from torch.distributed.tensor import DTensor
 
+    from .agree import agreeing
     from .scan import sharded_recurrence
 
     api = "fscan.linear_recurrence"
@@ -256,24 +244,12 @@ def dtensor_linear_recurrence(
         for name, value in named.items():
             _check_aligned(api, name, value, b, dim, mesh_dim)
     a_l, initial_l, reset_l = (_local(api, n, v, mesh) for n, v in named.items())
+    call = RecurrenceCall(api, a_l, b.to_local(), dim, initial_l, reverse, reset_l, acc_dtype)
     if mesh_dim is None:
-        out = run_linear_recurrence(
-            api, a_l, b.to_local(), dim, initial_l, reverse, reset_l, acc_dtype
-        )
-    else:
-        group, _ = _group_and_lengths(api, b, mesh_dim, dim)
-        out = sharded_recurrence(
-            a_l,
-            b.to_local(),
-            dim,
-            initial=initial_l,
-            reverse=reverse,
-            reset=reset_l,
-            group=group,
-            acc_dtype=acc_dtype,
-            api=api,
-        )
-    return _wrap(out, b)
+        return _wrap(run_linear_recurrence(*call), b)
+    with agreeing(api, mesh.get_group(mesh_dim)) as agreement:
+        _checked_lengths(api, b, mesh_dim, dim)
+        return _wrap(sharded_recurrence(call, agreement), b)
 
 
 def _check_aligned(api: str, name: str, value: Any, b: Any, dim: int, mesh_dim: int) -> None:

@@ -1,5 +1,5 @@
 """Where the pieces of a sharded sequence lie (:class:`Layout`) and which ranks share it
-(:func:`resolve_group`), for :mod:`fscan._distributed`.
+(:func:`resolve_group`), for ``fscan.distributed`` and DTensor inputs.
 """
 
 from __future__ import annotations

@@ -1,8 +1,35 @@
-"""The sharded engines: :func:`sharded_scan` and :func:`sharded_recurrence`.
+"""The sharded engines, :func:`sharded_scan` and :func:`sharded_recurrence`: scans over a
+sequence sharded across the ranks of a ``torch.distributed`` group.
 
-Each scans its local pieces through fscan's internal entry, exchanges one total
-(or affine map) per piece and folds the pieces before it into its results; see
-:mod:`fscan._distributed` for the algorithm.
+Each rank holds pieces of one long sequence along ``dim`` (by default one
+contiguous piece per rank, in rank order) and gets back its pieces of the scan of
+the whole sequence. The classic block scan (MPI_Exscan):
+
+1. scan each local piece with fscan; its total is its last element (first, in
+   reverse);
+2. exchange the totals with one ``all_gather`` of one element per piece
+   (:mod:`fscan._sharded.exchange`; its backward is one ``reduce_scatter``);
+3. fold the totals of the pieces before each local piece (after it, in reverse)
+   into its exclusive prefix ``P`` with a scan of at most ``W * K`` elements, and
+   combine ``P`` into every local result with one ``combine_fn`` call.
+
+Before step 2 the ranks agree (:func:`fscan._sharded.agree.agree`, one 16-byte
+``all_gather``): the same call on every rank, and no rank failed, else every rank
+raises.
+Under ``torch.compile`` every call is refused where the agreement opens.
+
+Only totals cross ranks, so the exchange does not grow with the length.
+Gradients come from autograd: the gather's transpose returns to each piece's
+total the cotangents of the later ranks' folds.
+
+Every rank must run the backward collective, also ranks whose results do not
+depend on the gathered totals (nothing before them, or empty pieces), and also
+under ``torch.autograd.grad(..., inputs=...)``, which prunes graph nodes that do
+not lead to the requested inputs. ``tie`` puts the gathered tensor into
+those ranks' graphs without arithmetic (``0 * total`` would turn an infinite
+total into NaN), empty pieces send zeros computed from the piece, and the
+tensors ``combine_fn`` closes over are extra inputs of the gather, so the
+gather leads to the same requested inputs on every rank.
 """
 
 from __future__ import annotations
@@ -12,27 +39,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from optree import PyTreeSpec
 
-from .._call import SCAN_API, ScanCall
-from .._checks import check_scan_args
+from .._call import SCAN_API, RecurrenceCall, ScanCall
 from .._combine import check_combine_output
 from .._entry import run_scan
-from .._errors import ScanTypeError, ScanValueError
+from .._errors import ScanValueError
 from .._knowledge.store import reach
-from .._pytree import describe, flatten, unflatten
+from .._pytree import flatten, unflatten
 from .._recurrences.args import accumulation_dtype, check_recurrence_args, reset_mask
 from .._recurrences.composed_gates import all_normal, inexact_carries, values_hidden
 from .._recurrences.solve import run_linear_recurrence
 from .._segmented import segmented_scan
-from .agree import agreed_call, recurrence_facts, scan_facts
+from .agree import Agreement, recurrence_facts, scan_facts
 from .exchange import exchange, tie
-from .layout import Layout, resolve_group
+from .layout import Layout
 
 __all__ = ["sharded_recurrence", "sharded_scan"]
 
-_API = "fscan.distributed.associative_scan"
-_API_LINEAR = "fscan.distributed.linear_recurrence"
 # The local solves' errors name the local recurrence, as they always have.
 _LOCAL_RECURRENCE_API = "fscan.linear_recurrence"
 
@@ -57,16 +80,11 @@ def _piece_total(piece: list[torch.Tensor], dim: int, reverse: bool) -> list[tor
 
 
 def _fixup(
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    prefix: list[torch.Tensor],
-    piece: list[torch.Tensor],
-    dim: int,
-    combine_mode: str,
-    api: str,
+    call: ScanCall, prefix: list[torch.Tensor], piece: list[torch.Tensor]
 ) -> list[torch.Tensor]:
     """``out[i] = combine_fn(prefix, piece[i])`` along ``dim``, in one batched call."""
-    if combine_mode == "pointwise":
+    api, combine_fn, spec, dim = call.api, call.combine_fn, call.spec, call.dim
+    if call.combine_mode == "pointwise":
         left = [p.unsqueeze(dim).expand_as(x) for p, x in zip(prefix, piece)]
         out = combine_fn(unflatten(spec, left), unflatten(spec, piece))
         if torch.compiler.is_compiling():
@@ -85,20 +103,11 @@ def _fixup(
     return list(torch.func.vmap(one, in_dims=in_dims, out_dims=dim)(*prefix, *piece))
 
 
-def _local_scan(
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    piece: list[torch.Tensor],
-    dim: int,
-    reverse: bool,
-    combine_mode: str,
-    validate: bool | None,
-) -> list[torch.Tensor]:
-    if piece[0].shape[dim] == 0:
-        return [x.clone() for x in piece]
-    tree = unflatten(spec, piece)
-    call = ScanCall(SCAN_API, combine_fn, tree, spec, piece, dim, reverse, combine_mode, validate)
-    return flatten(run_scan(call))[0]
+def _local_scan(call: ScanCall, piece: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``piece`` (leaves like ``call``'s, maybe empty) scanned on its own through the
+    internal entry; its errors name ``fscan.associative_scan``, as they always have."""
+    local = call._replace(api=SCAN_API, xs=unflatten(call.spec, piece), leaves=piece)
+    return flatten(run_scan(local))[0]
 
 
 def _check_layout(api: str, layout: Layout, group: Any, n: int) -> tuple[int, ...]:
@@ -119,52 +128,36 @@ def _check_layout(api: str, layout: Layout, group: Any, n: int) -> tuple[int, ..
     return mine
 
 
-@agreed_call(scan_facts)
-def sharded_scan(
-    combine_fn: Callable[[Any, Any], Any],
-    xs: Any,
-    dim: int,
-    reverse: bool = False,
-    combine_mode: str = "pointwise",
-    *,
-    group: Any = None,
-    layout: Layout | None = None,
-    reset: torch.Tensor | None = None,
-    validate: bool | None = None,
-    api: str = _API,
-) -> Any:
-    """The body of ``fscan.distributed.associative_scan`` (see its docstring); ``api``
-    names the public function in errors."""
-    leaves, spec = flatten(xs)
-    dim = check_scan_args(api, combine_fn, xs, leaves, dim, reverse, combine_mode)
-    if layout is not None and not isinstance(layout, Layout):
-        raise ScanTypeError(
-            f"{api}: `layout` must be a fscan.distributed.Layout or None, got {describe(layout)}."
-        )
-    pg = resolve_group(api, group)
-    if reset is not None:  # a scan of (flag, value) pairs: see fscan._segmented
+def sharded_scan(call: ScanCall, agreement: Agreement, layout: Layout | None) -> Any:
+    """The body of ``fscan.distributed.associative_scan`` (see its docstring) and of a
+    DTensor's scan across ranks: ``call`` checked, run inside :func:`agreeing`
+    (``agreement``), on ``layout`` (a Layout or None)."""
+    agreement.describe = lambda: scan_facts(call, layout)
+    if call.reset is not None:  # a scan of (flag, value) pairs: see fscan._segmented
 
         def run(pairs: ScanCall) -> Any:  # the pairs, scanned across the ranks again
-            args = (pairs.combine_fn, pairs.xs, pairs.dim, pairs.reverse, pairs.combine_mode)
-            return sharded_scan(*args, group=pg, layout=layout, api=api, validate=pairs.validate)
+            return _scan_pieces(pairs, agreement.group, layout)
 
-        args = (combine_fn, xs, spec, leaves, dim, reverse, combine_mode, validate, reset)
-        return segmented_scan(run, ScanCall(api, *args))
+        return segmented_scan(run, call)
+    return _scan_pieces(call, agreement.group, layout)
+
+
+def _scan_pieces(call: ScanCall, pg: Any, layout: Layout | None) -> Any:
+    """The scan of ``call`` (no ``reset``) across the ranks of ``pg``."""
+    api, spec, leaves, dim, reverse = call.api, call.spec, call.leaves, call.dim, call.reverse
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     layout = layout or Layout.contiguous(world)
     lengths = _check_layout(api, layout, pg, leaves[0].shape[dim])
     starts = [sum(lengths[:p]) for p in range(len(lengths))]
     pieces = [[x.narrow(dim, s, n) for x in leaves] for s, n in zip(starts, lengths)]
-    scanned = [
-        _local_scan(combine_fn, spec, p, dim, reverse, combine_mode, validate) for p in pieces
-    ]
+    scanned = [_local_scan(call, p) for p in pieces]
     if world == 1 and layout.pieces == 1:
         return unflatten(spec, scanned[0])
     totals = [_piece_total(p, dim, reverse) for p in scanned]
     stacked = [torch.stack([t[i] for t in totals]) for i in range(len(leaves))]
     if layout.lengths is None:  # lengths travel with the totals, read on the host
         stacked.append(torch.tensor(lengths, dtype=torch.int64, device=leaves[0].device))
-    anchors = [t for t in reach(combine_fn).tensors if t.requires_grad]
+    anchors = [t for t in reach(call.combine_fn).tensors if t.requires_grad]
     gathered, anchor = exchange(stacked, pg, anchors)
     if layout.lengths is None:
         all_lengths = [tuple(row) for row in gathered.pop().tolist()]
@@ -177,7 +170,7 @@ def sharded_scan(
         for p in range(layout.pieces)
         if all_lengths[r][p]
     )
-    prefixes = _prefixes(combine_fn, spec, gathered, entries, reverse, combine_mode, validate)
+    prefixes = _prefixes(call, gathered, entries)
     outs, tied = [], True
     for p, piece in enumerate(scanned):
         pos = next((i for i, e in enumerate(entries) if e[1:] == (rank, p)), None)
@@ -186,20 +179,14 @@ def sharded_scan(
             outs.append(piece)
             continue
         prefix = [f[before] for f in prefixes]
-        outs.append(_fixup(combine_fn, spec, prefix, piece, dim, combine_mode, api))
+        outs.append(_fixup(call, prefix, piece))
         tied = False
     out = outs[0] if len(outs) == 1 else [torch.cat(col, dim) for col in zip(*outs)]
     return unflatten(spec, tie(anchor, out) if tied else out)
 
 
 def _prefixes(
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    gathered: list[torch.Tensor],
-    entries: list[tuple[int, int, int]],
-    reverse: bool,
-    combine_mode: str,
-    validate: bool | None,
+    call: ScanCall, gathered: list[torch.Tensor], entries: list[tuple[int, int, int]]
 ) -> list[torch.Tensor]:
     """The inclusive scan of the non-empty pieces' totals in sequence order."""
     if len(entries) < 2:
@@ -208,26 +195,15 @@ def _prefixes(
     ranks = torch.tensor([e[1] for e in entries], device=device)
     slots = torch.tensor([e[2] for e in entries], device=device)
     seq = [g[ranks, slots] for g in gathered]
-    return _local_scan(combine_fn, spec, seq, 0, reverse, combine_mode, validate)
+    return _local_scan(call._replace(dim=0), seq)
 
 
 # ---- linear recurrences --------------------------------------------------------
 
 
-@agreed_call(recurrence_facts)
-def sharded_recurrence(
-    a: torch.Tensor | float,
-    b: torch.Tensor,
-    dim: int,
-    *,
-    initial: torch.Tensor | None = None,
-    reverse: bool = False,
-    reset: torch.Tensor | None = None,
-    group: Any = None,
-    acc_dtype: torch.dtype | None = None,
-    api: str = _API_LINEAR,
-) -> torch.Tensor:
-    """The body of ``fscan.distributed.linear_recurrence`` (see its docstring).
+def sharded_recurrence(call: RecurrenceCall, agreement: Agreement) -> torch.Tensor:
+    """The body of ``fscan.distributed.linear_recurrence`` (see its docstring) and of a
+    DTensor's recurrence across ranks, run inside :func:`agreeing` (``agreement``).
 
     Each rank runs the local recurrence from nothing and reduces its piece to the map
     from its entering to its leaving state (:func:`_piece_map`: the product of its
@@ -238,30 +214,37 @@ def sharded_recurrence(
     lengths are exchanged. With ``acc_dtype`` all of it runs in the wider dtype,
     the exchanged maps too, and the result is rounded once.
     """
+    agreement.describe = lambda: recurrence_facts(call)
+    api, a, b, dim, initial, reverse, reset, acc_dtype = call
     a, b, initial, dim = check_recurrence_args(api, a, b, dim, initial, reverse, matrix=False)
     dtype = b.dtype
     if acc_dtype is not None:
         wide = accumulation_dtype(acc_dtype, dtype, api)
         a, b = a.to(wide), b.to(wide)
         initial = None if initial is None else initial.to(wide)
-    pg = resolve_group(api, group)
+    # The local solves: checked, widened operands; their errors name the local recurrence.
+    local = RecurrenceCall(_LOCAL_RECURRENCE_API, a, b, dim, None, reverse, reset)
+
+    def solve_from(state: torch.Tensor | None) -> torch.Tensor:  # this piece, from `state`
+        return run_linear_recurrence(*local._replace(initial=state))
+
+    pg = agreement.group
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     if world == 1:
-        h = _local_recurrence(a, b, dim, initial, reverse, reset)
-        return h.to(dtype)
+        return solve_from(initial).to(dtype)
     mask = None if reset is None else reset_mask(reset, b, dim, api=api)
-    own = _local_recurrence(a, b, dim, None, reverse, reset)
+    own = solve_from(None)
     (gates, ends, resets), anchor = exchange(_piece_map(a, b, own, mask, dim, reverse), pg)
     order = range(world - 1, -1, -1) if reverse else range(world)
 
     def walk_from(state: torch.Tensor) -> torch.Tensor:  # this piece's last state from `state`
-        h = _local_recurrence(a, b, dim, state, reverse, reset)
+        h = solve_from(state)
         n = b.shape[dim]
         return h.select(dim, 0 if reverse else n - 1) if n else state.expand(ends.shape[1:])
 
     h_in = _fold(gates, ends, resets, initial, order, rank, pg, walk_from)
     # The first rank, without `initial`: its first run is its result.
-    out = own if h_in is None else _local_recurrence(a, b, dim, h_in, reverse, reset)
+    out = own if h_in is None else solve_from(h_in)
     out = out.to(dtype)  # one rounding, of the result
     # the first rank and empty pieces do not use the gathered maps: tie them in
     return tie(anchor, [out])[0] if rank == order[0] or b.shape[dim] == 0 else out
@@ -369,15 +352,3 @@ def _fold(
                 composed = _ValueOf.apply(exact, composed)
         state = composed
     return state if rank == order[-1] else entering
-
-
-def _local_recurrence(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    dim: int,
-    initial: torch.Tensor | None,
-    reverse: bool,
-    reset: torch.Tensor | None,
-) -> torch.Tensor:
-    """This rank's piece solved on its own from ``initial`` (a state, or None)."""
-    return run_linear_recurrence(_LOCAL_RECURRENCE_API, a, b, dim, initial, reverse, reset, None)
