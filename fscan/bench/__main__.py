@@ -29,45 +29,43 @@ def main(argv: list[str] | None = None) -> None:
         for path in write_plots(args.plot, quick=args.quick):
             print(path, flush=True)
         return
-    print(core.forward_table(quick=args.quick).render(), flush=True)
-    print()
-    print(overhead.overhead_table(quick=args.quick).render(), flush=True)
-    print()
-    print(autograd.autograd_table(quick=args.quick).render(), flush=True)
-    print()
-    print(ops.ops_table(quick=args.quick).render(), flush=True)
-    print()
-    print(ops.linear_table(quick=args.quick).render(), flush=True)
-    print()
-    print(kernel.kernel_table(quick=args.quick).render(), flush=True)
-    if not args.quick:
-        print()
-        print(ops.cumsum_precision().render(), flush=True)
-        print()
-        print(core.forward_memory(), flush=True)
-        print()
-        print(linear.training_table().render(), flush=True)
-        print()
-        print(linear.accuracy_table().render(), flush=True)
-        print()
-        print(linear.log_table().render(), flush=True)
-        print()
-        print(kernel.backward_table().render(), flush=True)
-        print()
-        print(kernel.latency_table().render(), flush=True)
-        # Compiling takes tens of seconds per workload: full runs only.
-        print()
-        print(compile_bench.compile_table().render(), flush=True)
-        for table in (extras.initial_table, extras.reduce_table, extras.matrix_table):
-            print()
-            print(table().render(), flush=True)
-        # gloo ranks as processes on this machine: full runs only.
-        print()
-        print(distributed_bench.distributed_table(), flush=True)
+    quick = args.quick
+    tables = [
+        lambda: core.forward_table(quick=quick).render(),
+        lambda: overhead.overhead_table(quick=quick).render(),
+        lambda: autograd.autograd_table(quick=quick).render(),
+        lambda: ops.ops_table(quick=quick).render(),
+        lambda: ops.linear_table(quick=quick).render(),
+        lambda: kernel.kernel_table(quick=quick).render(),
+    ]
+    if not quick:
+        tables += [
+            lambda: ops.cumsum_precision().render(),
+            core.forward_memory,
+            *(lambda t=table: t().render() for table in _FULL_ONLY),
+            # gloo ranks as processes on this machine: full runs only.
+            distributed_bench.distributed_table,
+        ]
         if torch.cuda.is_available():
+            tables.append(lambda: gpu.gpu_table().render())
+    for i, table in enumerate(tables):
+        if i:
             print()
-            print(gpu.gpu_table().render(), flush=True)
+        print(table(), flush=True)
 
+
+# Tables of full runs only (compiling takes tens of seconds per workload), in print order.
+_FULL_ONLY = (
+    linear.training_table,
+    linear.accuracy_table,
+    linear.log_table,
+    kernel.backward_table,
+    kernel.latency_table,
+    compile_bench.compile_table,
+    extras.initial_table,
+    extras.reduce_table,
+    extras.matrix_table,
+)
 
 if __name__ == "__main__":
     main()

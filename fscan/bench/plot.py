@@ -160,33 +160,41 @@ def write_plots(directory: str | Path, quick: bool = False) -> list[Path]:
         "memory": measure_memory(grad_lengths),
     }
     inputs = {"input size (a and b)": [2.0 * n * autograd.WIDTH * 4 for n in grad_lengths]}
-    files = [
-        line_chart(
-            out / "time_add.png",
+    timed = [  # file, title, lengths, series, python loop steps
+        (
+            "time_add.png",
             f"forward add scan over dim 0 of (T, {FORWARD_WIDTH}) float32 (median)",
-            "time (ms)",
             lengths,
-            data["add"],
-            scale=1e3,
-            note=loop_note.format(core.LOOP_STEPS),
+            "add",
+            core.LOOP_STEPS,
         ),
-        line_chart(
-            out / "time_linrec.png",
+        (
+            "time_linrec.png",
             f"forward linear recurrence h = a h + b over (T, {FORWARD_WIDTH}) float32 (median)",
-            "time (ms)",
             lengths,
-            data["linrec"],
-            scale=1e3,
-            note=loop_note.format(core.LOOP_STEPS),
+            "linrec",
+            core.LOOP_STEPS,
         ),
-        line_chart(
-            out / "time_fwd_bwd.png",
+        (
+            "time_fwd_bwd.png",
             f"forward+backward, linear recurrence over (T, {autograd.WIDTH}) float32 (median)",
-            "time (ms)",
             grad_lengths,
-            data["fwd_bwd"],
-            scale=1e3,
-            note=loop_note.format(autograd.LOOP_STEPS),
+            "fwd_bwd",
+            autograd.LOOP_STEPS,
+        ),
+    ]
+    files = [
+        *(
+            line_chart(
+                out / name,
+                title,
+                "time (ms)",
+                xs,
+                data[key],
+                scale=1e3,
+                note=loop_note.format(steps),
+            )
+            for name, title, xs, key, steps in timed
         ),
         line_chart(
             out / "memory_fwd_bwd.png",
