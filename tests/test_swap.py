@@ -44,7 +44,8 @@ def fscan_calls():
 
     class Collect(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            calls.apis.append(record.fscan_api)
+            if hasattr(record, "fscan_api"):  # one record per public call; others are notes
+                calls.apis.append(record.fscan_api)
 
     logger = logging.getLogger("fscan")
     handler, level = Collect(logging.DEBUG), logger.level
