@@ -58,9 +58,12 @@ def fscan_calls():
 
 @pytest.fixture
 def parallel_path(monkeypatch):
-    """The drop-ins take fscan's parallel scan (not torch's op) for every call."""
+    """The drop-ins take fscan's parallel scan (not torch's op) for every call, on
+    fscan's torch engine: the swap is under test, not a C++ build (seconds each)."""
     monkeypatch.setattr(_ops, "route", lambda op, x, dim, rev: (False, x.ndim > 0))
     monkeypatch.setattr(_ops, "native_fast", lambda op, x, dim: None)
+    with fscan.config.override(cpu_kernel="off"):
+        yield
 
 
 def sample(shape, dtype):
@@ -441,13 +444,24 @@ def test_the_swap_entered_inside_a_compiled_function(fresh_dynamo):
 
     def f(x):
         with fscan.swap_cumulative_ops():
-            return _model(x)
+            y = x * 2
+            y.cumprod_(1)  # in place
+            return (*_model(x), y)
 
     counter = CompileCounterWithBackend("eager")
     got = torch.compile(f, backend=counter, fullgraph=True)(x)
-    for g, w in zip(got, _model(x)):
+    for g, w in zip(got, (*_model(x), torch.cumprod(x * 2, 1))):
         assert_same(g, w)
     assert counter.frame_count == 1
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # from Inductor's own imports
+def test_inductor_compiles_a_function_inside_the_swap(fresh_dynamo):
+    x = torch.randn(4, 6)
+    with fscan.swap_cumulative_ops():
+        got = torch.compile(_model, fullgraph=True)(x)
+    for g, w in zip(got, _model(x)):
+        assert_same(g, w, exact=False)
 
 
 def test_gradients_through_a_compiled_function_inside_the_swap(fresh_dynamo):
