@@ -413,6 +413,18 @@ def test_vmap_inside_and_outside_the_swap():
             assert_same(g, w)
 
 
+def test_vmap_of_an_in_place_call():
+    def f(t):
+        y = t * 2
+        y.cumsum_(0)  # torch's own warns under vmap: no batching rule for cumsum_
+        return y
+
+    x = torch.randn(3, 5)
+    with fscan.swap_cumulative_ops():
+        got = torch.vmap(f)(x)
+    assert_same(got, torch.cumsum(x * 2, 1))
+
+
 @pytest.fixture
 def fresh_dynamo():
     torch._dynamo.reset()
