@@ -85,10 +85,10 @@ def _in_place(drop_in: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     if call is None:
         return None
     x, dim, extra = call
-    if x.dtype == torch.bool or extra.get("dtype", x.dtype) != x.dtype:
+    if x.dtype == torch.bool or extra.get("dtype") not in (None, x.dtype):
         return None
-    # The drop-in's graph may save its input for backward; give it a copy, since x is
-    # about to be overwritten (torch's own in-place ops keep the original the same way).
+    # The drop-in's graph may save its input for backward (cumprod's does): give it a
+    # copy, since x is about to be overwritten.
     source = x.clone() if x.requires_grad and torch.is_grad_enabled() else x
     # Integer inputs are summed in int64 and wrap back to x's dtype, as torch's do.
     return x.copy_(drop_in(source, dim, **extra))

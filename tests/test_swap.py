@@ -264,6 +264,16 @@ def test_in_place_writes_fscan_s_values_into_x(op, dtype, fscan_calls):
     assert f"fscan.{op}" in fscan_calls
 
 
+def test_in_place_with_its_own_dtype_or_none(fscan_calls):
+    x = torch.randn(5, dtype=torch.float64)
+    with fscan.swap_cumulative_ops():
+        same = x.clone().cumsum_(0, dtype=torch.float64)
+        none = x.clone().cumprod_(0, dtype=None)
+    assert_same(same, torch.cumsum(x, 0))
+    assert_same(none, torch.cumprod(x, 0))
+    assert fscan_calls.apis == ["fscan.cumsum", "fscan.cumprod"]
+
+
 def test_in_place_integers_wrap_as_torch_s_do():
     x = torch.full((3,), 2**30, dtype=torch.int32)
     want = x.clone().cumsum_(0)
