@@ -6,6 +6,7 @@ given, runs torch's own op untouched."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -387,6 +388,15 @@ def test_nested_swaps_give_torch_s_results(fscan_calls):
     assert_same(got, torch.cummax(x, 0))
     assert_same(inner, torch.cumprod(x, 1))
     assert "fscan.cummax" in fscan_calls and "fscan.cumprod" in fscan_calls
+
+
+def test_the_swap_holds_in_the_thread_that_entered_it(fscan_calls):
+    other = threading.Thread(target=lambda: torch.cumsum(torch.ones(3), 0))
+    with fscan.swap_cumulative_ops():
+        torch.cumsum(torch.ones(3), 0)
+        other.start()
+        other.join()
+    assert fscan_calls.apis == ["fscan.cumsum"]  # torch keeps its modes per thread
 
 
 def test_the_swap_ends_with_its_block(fscan_calls):
