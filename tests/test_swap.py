@@ -471,6 +471,19 @@ def test_a_compiled_function_called_inside_the_swap(fresh_dynamo, monkeypatch):
     assert dims == [0] and counter.frame_count == 1
 
 
+def test_one_graph_with_the_swap_and_one_without_at_any_length(fresh_dynamo):
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(_model, backend=counter, fullgraph=True, dynamic=True)
+    for n in (5, 7, 9):
+        x = torch.randn(3, n)
+        compiled(x)
+        with fscan.swap_cumulative_ops():
+            got = compiled(x)
+        for g, w in zip(got, _model(x)):
+            assert_same(g, w)
+    assert counter.frame_count == 2  # Dynamo guards on the active modes
+
+
 def test_the_swap_entered_inside_a_compiled_function(fresh_dynamo):
     x = torch.randn(4, 6)
 
