@@ -55,20 +55,23 @@ def _bind(args: tuple, kwargs: dict, keywords: frozenset[str]) -> tuple[Any, int
     ``(input, dim, *, keywords..., out=None)``, or None where the drop-in cannot take
     it as given: more positional arguments than two, an unknown keyword, ``out=``
     given, a ``dim`` that is not an int, an input that is not a plain dense tensor."""
-    if len(args) > 2:
-        return None
-    extra = dict(kwargs)
-    if extra.pop("out", None) is not None:
-        return None
-    bound = list(args)
-    for name in ("input", "dim")[len(args) :]:
-        if name not in extra:
+    if len(args) == 2 and not kwargs:  # the common spelling, bound without copies
+        (input, dim), extra = args, {}
+    else:
+        if len(args) > 2:
             return None
-        bound.append(extra.pop(name))
-    input, dim = bound
-    if not keywords.issuperset(extra) or type(dim) is not int:
-        return None
-    if type(input) not in _PLAIN_TENSORS or not _dense(input):
+        extra = dict(kwargs)
+        if extra.pop("out", None) is not None:
+            return None
+        bound = list(args)
+        for name in ("input", "dim")[len(args) :]:
+            if name not in extra:
+                return None
+            bound.append(extra.pop(name))
+        input, dim = bound
+        if not keywords.issuperset(extra):
+            return None
+    if type(dim) is not int or type(input) not in _PLAIN_TENSORS or not _dense(input):
         return None
     return input, dim, extra
 
