@@ -519,3 +519,28 @@ def test_gradients_through_a_compiled_function_inside_the_swap(fresh_dynamo):
     with fscan.swap_cumulative_ops():
         got = torch.autograd.grad(compiled(x).sum(), x)
     torch.testing.assert_close(got, want)
+
+
+def test_export_inside_the_swap_gives_torch_s_graph(fresh_dynamo):
+    class Positions(torch.nn.Module):
+        def forward(self, mask):
+            return (mask.cumsum(-1) - 1).clamp(min=0), torch.cummax(mask, 0).indices
+
+    mask = (torch.randn(4, 6) > 0).long()
+    with fscan.swap_cumulative_ops():
+        program = torch.export.export(Positions(), (mask,))
+    targets = {node.target for node in program.graph.nodes if node.op == "call_function"}
+    assert {torch.ops.aten.cumsum.default, torch.ops.aten.cummax.default} <= targets
+    for g, w in zip(program.module()(mask), Positions()(mask)):
+        assert_same(g, w)
+
+
+# torch's forward-mode AD scripts its decompositions on first use, which warns.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_forward_mode_gradients_under_the_swap():
+    x, tangent = torch.randn(2, 6, 7, dtype=torch.float64).unbind()
+    f = lambda a: (torch.logcumsumexp(a, 0), a.cumprod(0), torch.cummin(a, 0).values)
+    want = torch.func.jvp(f, (x,), (tangent,))
+    with fscan.swap_cumulative_ops():
+        got = torch.func.jvp(f, (x,), (tangent,))
+    torch.testing.assert_close(got, want)
