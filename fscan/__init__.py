@@ -32,6 +32,7 @@ from ._ops import cumsum as cumsum
 from ._ops import logcumsumexp as logcumsumexp
 from ._reduce import associative_reduce as associative_reduce
 from ._scan import associative_scan as associative_scan
+from ._swap import swap_cumulative_ops as swap_cumulative_ops
 
 __version__ = "0.1.0"
 
@@ -64,4 +65,5 @@ __all__ = [
     "log_linear_recurrence",
     "logcumsumexp",
     "precompile",
+    "swap_cumulative_ops",
 ]
