@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ._call import RecurrenceCall
+from ._call import RecurrenceCall, ScanCall
 from ._entry import checked_call
 from ._errors import ScanTypeError
 from ._pytree import describe, flatten
@@ -85,8 +85,8 @@ def associative_scan(
     """
     with agreeing(_API, group) as agreement:  # a rank's error reaches every rank
         leaves, spec = flatten(xs)
-        args = (xs, leaves, spec, dim, reverse, combine_mode, validate, reset)
-        call = checked_call(_API, combine_fn, *args)
+        args = (combine_fn, xs, spec, leaves, dim, reverse, combine_mode, validate, reset)
+        call = checked_call(ScanCall(_API, *args))
         if layout is not None and not isinstance(layout, Layout):
             raise ScanTypeError(
                 f"{_API}: `layout` must be a fscan.distributed.Layout or None, "

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from optree import PyTreeSpec
 
 from ._call import SCAN_API, ScanCall
 from ._carry import carried_heads, swap_heads
@@ -32,24 +31,13 @@ from ._segmented import segmented_scan
 __all__ = ["checked_call", "run_scan", "scan_tree"]
 
 
-def checked_call(
-    api: str,
-    combine_fn: Callable[[Any, Any], Any],
-    xs: Any,
-    leaves: list[torch.Tensor],
-    spec: PyTreeSpec,
-    dim: Any,
-    reverse: Any,
-    combine_mode: Any,
-    validate: bool | None = None,
-    reset: torch.Tensor | None = None,
-    initial: Any = None,
-) -> ScanCall:
-    """The record of a call with arguments from a user, checked (``leaves, spec`` are
-    ``flatten(xs)``)."""
-    dim = check_scan_args(api, combine_fn, xs, leaves, dim, reverse, combine_mode)
-    args = (combine_fn, xs, spec, leaves, dim, reverse, combine_mode, validate, reset, initial)
-    return ScanCall(api, *args)
+def checked_call(call: ScanCall) -> ScanCall:
+    """``call`` as a door built it from a user's arguments, checked: its ``dim`` made
+    non-negative (the other fields are checked where they are used)."""
+    api, combine_fn, xs, _, leaves, dim, reverse, combine_mode = call[:8]
+    return call._replace(
+        dim=check_scan_args(api, combine_fn, xs, leaves, dim, reverse, combine_mode)
+    )
 
 
 def scan_tree(

@@ -89,7 +89,7 @@ def explain(
     leaves, spec = flatten(xs)
     if any_dtensor(leaves):
         return Explanation(_API, "distributed", MappingProxyType({}))
-    call = checked_call(_API, combine_fn, xs, leaves, spec, dim, reverse, combine_mode)
+    call = checked_call(ScanCall(_API, combine_fn, xs, spec, leaves, dim, reverse, combine_mode))
     if reset is not None:  # the pairs (flag, value) are scanned: describe that scan
         seen: list[ScanCall] = []
         capture = lambda pair_call: seen.append(pair_call) or (None, None)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ._call import SCAN_API
+from ._call import SCAN_API, ScanCall
 from ._entry import checked_call, run_scan
 from ._pytree import flatten
 from ._route_log import logs_route
@@ -98,5 +98,5 @@ def associative_scan(
             reset=reset,
             initial=initial,
         )
-    args = (combine_fn, xs, leaves, spec, dim, reverse, combine_mode, validate, reset, initial)
-    return run_scan(checked_call(_API, *args))
+    args = (combine_fn, xs, spec, leaves, dim, reverse, combine_mode, validate, reset, initial)
+    return run_scan(checked_call(ScanCall(_API, *args)))

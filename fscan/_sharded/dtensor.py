@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .._call import SCAN_API, RecurrenceCall
+from .._call import SCAN_API, RecurrenceCall, ScanCall
 from .._checks import normalize_dim
 from .._entry import checked_call, run_scan
 from .._errors import ScanTypeError, ScanValueError, UnsupportedScanError
@@ -205,9 +205,10 @@ def dtensor_scan(
             initial_spec, [_local(api, "`initial`", t, first.device_mesh) for t in initial_leaves]
         )
     local_leaves, local_spec = flatten(local)
-    args = (local, local_leaves, local_spec, dim, reverse, combine_mode, validate, local_reset)
+    call = ScanCall(api, combine_fn, local, local_spec, local_leaves, dim, reverse, combine_mode)
+    call = call._replace(validate=validate, reset=local_reset)
     if mesh_dim is None:  # the scan dimension is whole on every rank
-        out = run_scan(checked_call(api, combine_fn, *args, local_initial))
+        out = run_scan(checked_call(call._replace(initial=local_initial)))
     elif initial is not None:
         raise UnsupportedScanError(
             f"{api}: `initial` with a DTensor sharded along the scan dimension is not "
@@ -217,7 +218,7 @@ def dtensor_scan(
         with agreeing(api, first.device_mesh.get_group(mesh_dim)) as agreement:
             lengths = _checked_lengths(api, first, mesh_dim, dim)
             layout = Layout.contiguous(len(lengths), lengths)
-            out = sharded_scan(checked_call(api, combine_fn, *args), agreement, layout)
+            out = sharded_scan(checked_call(call), agreement, layout)
     return unflatten(spec, [_wrap(o, x) for o, x in zip(flatten(out)[0], leaves)])
 
 
