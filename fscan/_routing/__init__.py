@@ -1,5 +1,7 @@
 """The router: the one place that picks an engine, for every kind of call.
 
-``scan`` routes ``associative_scan`` and every scan that reaches the internal entry
-(its table is in its docstring).
+One module per kind of call, each with its table in its docstring: ``scan`` routes
+``associative_scan`` and every scan that reaches the internal entry, ``reduce``
+routes ``associative_reduce``; ``reasons`` reads the scan's route without side
+effects, with why each faster engine was passed over (``fscan.explain``).
 """
