@@ -73,10 +73,10 @@ from torch._higher_order_ops.while_loop import while_loop
 from .._combine import FlatCombine, check_combine_output, flat_combine
 from .._knowledge.store import reach
 from .._pytree import unflatten
-from .cpp.traced_kernel import kernel_traceable
+from .cpp.traced_kernel import install_lowering, kernel_traceable
 from .traced_adjoint import adjoint_serves, adjoint_traced_scan
 from .traced_workarounds import prepare_loop_backward, quiet_function_contexts
-from .tree import scan_functional
+from .tree import scan_along, scan_functional
 
 __all__ = [
     "BLOCK",
@@ -85,6 +85,7 @@ __all__ = [
     "StepGather",
     "block_step",
     "blocked_scan",
+    "cpu_kernel_lowered",
     "doubling_scan",
     "hop_combine",
     "hop_scan",
@@ -177,7 +178,23 @@ def traced_route(
         return "adjoint" if adjoint_serves(xs) else "blocked"
     # With grad on CPU, the adjoint route's backward graph met a layout Inductor fixed to
     # the first length (a stride assertion at the next one, with dynamic shapes).
-    return "hop" if device == "cpu" and not grad and kernel_traceable() else "blocked"
+    return "hop" if device == "cpu" and not grad and cpu_kernel_lowered() else "blocked"
+
+
+def cpu_kernel_lowered() -> bool:
+    """Whether CPU scans traced now take the C++ kernel's lowering of the HOP, installed
+    here with the tree engine for the calls the kernel declines at run time (a graph
+    compiled for the kernel, run where no kernel builds: the same results)."""
+    return kernel_traceable() and install_lowering(_declined_by_kernel)
+
+
+# Dynamo cannot trace the config read and the compiler probe: it calls this while it
+# traces and keeps the result as a constant (torch.compiler.assume_constant_result).
+cpu_kernel_lowered._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _declined_by_kernel(combine: FlatCombine, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return scan_along(combine, xs, 0)  # fresh and contiguous, as the kernel's op promises
 
 
 def in_functorch_transform() -> bool:
