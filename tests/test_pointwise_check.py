@@ -22,8 +22,8 @@ from helpers import (
 )
 
 import fscan
-from fscan._knowledge.store import Knowledge
 from fscan._knowledge import pointwise_check as _pointwise_check
+from fscan._knowledge.store import Knowledge
 
 
 @pytest.fixture(autouse=True)
