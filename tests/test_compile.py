@@ -189,7 +189,7 @@ def test_export_routes(monkeypatch, mode, captures, route):
 
 
 @pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 100])
-@pytest.mark.parametrize("scan", ["blocked_scan", "doubling_scan"])
+@pytest.mark.parametrize("scan", ["traced_blocked_scan", "doubling_scan"])
 def test_the_traced_algorithms_run_eagerly_too(scan, n):
     # Outside a trace, while_loop starts a Dynamo trace of its own: the spec goes in
     # through spec_source.

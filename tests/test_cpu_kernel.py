@@ -1246,13 +1246,13 @@ def _keep_leaves(name: str, shape: tuple[int, ...], gen: torch.Generator):
 
 
 def test_dead_leaves_are_those_no_kept_output_needs():
-    from fscan._engines.cpp._cpp_codegen import translate_combine
+    from fscan._engines.cpp._cpp_codegen import TraceInput, translate_combine
     from fscan._engines.cpp._cpp_structs import needed
 
     f32 = [torch.float32] * 2
     spec = optree.tree_structure((0, 0))
-    pair = translate_combine(linrec, spec, f32, (), ())
-    arg = translate_combine(argmax, spec, f32, (), ())
+    pair = translate_combine(TraceInput(linrec, spec, f32, (), ()))
+    arg = translate_combine(TraceInput(argmax, spec, f32, (), ()))
     assert needed(pair, 2, (0,)) == [1] and needed(pair, 2, (1,)) == [0]
     assert needed(arg, 2, (0,)) == [0, 1] and needed(arg, 2, (1,)) == [0]
     assert needed(pair, 2, ()) == [0, 1]
@@ -1423,10 +1423,10 @@ def test_clear_caches_clears_every_store_of_the_engine(monkeypatch):
 def test_the_fixed_cpp_files_are_part_of_every_kernel_source():
     """The disk cache is keyed by the source text: it must hold the csrc files' text, so
     that editing one builds every kernel again."""
-    from fscan._engines.cpp._cpp_codegen import translate_combine
+    from fscan._engines.cpp._cpp_codegen import TraceInput, translate_combine
 
     spec = optree.tree_structure(0)
-    program = translate_combine(add, spec, [torch.float32], (), ())
+    program = translate_combine(TraceInput(add, spec, [torch.float32], (), ()))
     forward = _cpp_source.forward_source([torch.float32], program)
     step = _cpp_source.step_source([torch.float32], program)
     for name in ("prelude.h", "tuning.h", "forward.h"):

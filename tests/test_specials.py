@@ -115,7 +115,7 @@ def test_hand_written_where_resets_stop_specials_as_the_loop_does(kind, reverse,
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_the_stepwise_backward_agrees_with_the_adjoint_and_the_loop(reverse):
-    from fscan._engines.adjoint import ScanPlan, adjoint, stepwise_adjoint
+    from fscan._engines.adjoint import Backward, ScanPlan, adjoint, stepwise_adjoint
 
     w = torch.rand(3, dtype=F64, requires_grad=True)
     combine_fn = lambda a, b: (a[0] | b[0], torch.where(b[0], b[1], a[1] * b[1] * w))
@@ -123,10 +123,10 @@ def test_the_stepwise_backward_agrees_with_the_adjoint_and_the_loop(reverse):
     reset, v = torch.rand(2, 7, 3) < 0.3, torch.randn(2, 7, 3, dtype=F64)
     ys = [y.detach() for y in sequential_scan(combine_fn, (reset, v), 1, reverse, "pointwise")]
     plan, grads = ScanPlan(flat, 2, 1, reverse), [None, torch.randn(2, 7, 3, dtype=F64)]
-    args = (plan, [reset, v], ys, grads, [w], [False, True, True])
+    call = Backward(plan, [reset, v], [w], ys, grads, [False, True, True])
     assert_same_grads(
-        [*adjoint(*args)[0][1:], *adjoint(*args)[1]],
-        stepwise_adjoint(*args)[0][1:] + stepwise_adjoint(*args)[1],
+        [*adjoint(call)[0][1:], *adjoint(call)[1]],
+        stepwise_adjoint(call)[0][1:] + stepwise_adjoint(call)[1],
     )
     # With a NaN and an inf inside, the backward takes the walk: the loop's gradients,
     # the closed-over tensor's included, through a scan along dim 1.

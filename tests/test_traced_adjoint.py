@@ -159,7 +159,7 @@ def test_logaddexp_gradients_in_gradcheck():
 
 
 def blocked(make, leaves):
-    return _traced.blocked_scan(make, leaves)
+    return _traced.traced_blocked_scan(make, leaves)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # from Inductor's own imports

@@ -28,10 +28,22 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from .._combine import FlatCombine
-from .affine import Entry, affine_combine
+from .adjoint_blocks import Rows, StepBlocks, jacobian_blocks
+from .affine import BlockIndex, affine_combine
 from .tree import scan_along, scan_functional_along
 
-__all__ = ["CHUNK_ELEMENTS", "BackwardScan", "PointwiseScan", "ScanPlan", "jacobian_blocks"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "Backward",
+    "BackwardScan",
+    "PointwiseScan",
+    "ScanPlan",
+    "adjoint",
+    "all_finite",
+    "differentiable_backward",
+    "saved_backward",
+    "stepwise_adjoint",
+]
 
 # A faster engine for the adjoint's reverse scan, chosen by the router (fscan._routing.scan):
 # ``(combine, key, leaves, reverse) -> outputs``, or None where it does not serve. ``key``
@@ -61,6 +73,26 @@ class ScanPlan(NamedTuple):
     backward_scan: BackwardScan | None = None
 
 
+class Backward(NamedTuple):
+    """One backward call of a scan's autograd Function, as the adjoint takes it."""
+
+    plan: ScanPlan
+    xs: Sequence[torch.Tensor]  # the leaves, saved
+    captured: Sequence[torch.Tensor]  # the captured tensors that are inputs of the Function
+    ys: Sequence[torch.Tensor]  # the outputs, saved
+    grads: Sequence[torch.Tensor | None]  # the outputs' cotangents (None: unused)
+    needs: Sequence[bool]  # which tensor inputs (leaves, then captured) want a gradient
+
+
+def saved_backward(ctx: Any, plan: ScanPlan, grads: Sequence[torch.Tensor | None]) -> Backward:
+    """The :class:`Backward` of a Function whose forward took ``(plan-like, *leaves,
+    *captured)`` and saved ``(*leaves, *captured, *outputs)``."""
+    saved = ctx.saved_tensors
+    n = plan.n_leaves
+    xs, captured, ys = saved[:n], saved[n:-n], saved[-n:]
+    return Backward(plan, xs, captured, ys, grads, ctx.needs_input_grad[1:])
+
+
 class PointwiseScan(torch.autograd.Function):
     """Forward on the fast engine without a tape; backward by the adjoint scan.
 
@@ -84,26 +116,16 @@ class PointwiseScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        plan: ScanPlan = ctx.plan
-        saved = ctx.saved_tensors
-        n = plan.n_leaves
-        xs, captured, ys = saved[:n], saved[n:-n], saved[-n:]
-        needs = ctx.needs_input_grad[1:]
+        call = saved_backward(ctx, ctx.plan, grads)
         if torch.is_grad_enabled():  # create_graph=True: this backward is differentiated too
-            return (None, *_differentiable_backward(plan, xs, captured, grads, needs))
-        xbar, capbar = adjoint(plan, xs, ys, grads, captured, needs)
-        if not _all_finite([*xbar, *capbar]):
-            xbar, capbar = stepwise_adjoint(plan, xs, ys, grads, captured, needs)
+            return (None, *differentiable_backward(call))
+        xbar, capbar = adjoint(call)
+        if not all_finite([*xbar, *capbar]):
+            xbar, capbar = stepwise_adjoint(call)
         return (None, *xbar, *capbar)
 
 
-def _differentiable_backward(
-    plan: ScanPlan,
-    xs: Sequence[torch.Tensor],
-    captured: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor | None],
-    needs: Sequence[bool],
-) -> list[torch.Tensor | None]:
+def differentiable_backward(call: Backward) -> list[torch.Tensor | None]:
     """The backward as a differentiable function of ``xs``, the captured tensors and ``grads``.
 
     Re-evaluating ``combine`` on the saved outputs would differentiate through this
@@ -111,6 +133,7 @@ def _differentiable_backward(
     without end); re-running the forward out of place instead gives autograd a
     plain graph from the inputs, whose gradient it can differentiate again.
     """
+    plan, xs, captured, _, grads, needs = call
     inputs = [t for t, need in zip([*xs, *captured], needs) if need and t.requires_grad]
     if not inputs:
         return [None] * len(needs)
@@ -125,14 +148,7 @@ def _differentiable_backward(
     return [by_id.get(id(t)) if need else None for t, need in zip([*xs, *captured], needs)]
 
 
-def adjoint(
-    plan: ScanPlan,
-    xs: Sequence[torch.Tensor],
-    ys: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor | None],
-    captured: Sequence[torch.Tensor],
-    needs: Sequence[bool],
-) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+def adjoint(call: Backward) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
     """Cotangents of ``xs`` and of the ``captured`` tensors, given those of ``ys``.
 
     Runs differentiably (so that second derivatives work) when grad mode is on,
@@ -141,6 +157,7 @@ def adjoint(
     temporaries stay in cache and are reused by the allocator, and the results
     are written into preallocated outputs.
     """
+    plan, xs, captured, ys, grads, needs = call
     create_graph = torch.is_grad_enabled()
     xs, ys, floats, gs = _scan_dim_first(plan.dim, xs, ys, grads)
     n = xs[0].shape[0]
@@ -150,7 +167,7 @@ def adjoint(
     # Combine number c (of n - 1) took y[c] and x[c + 1] (y[c + 1] and x[c] if reversed).
     shift = int(plan.reverse)
     rows = n - 1 if create_graph else max(1, CHUNK_ELEMENTS // max(1, xs[0][0].numel()))
-    blocks = _Blocks(n, len(floats), shift, ys[floats[0]], create_graph)
+    blocks = StepBlocks(n, len(floats), shift, ys[floats[0]], create_graph)
     taped = []
     for start in range(0, n - 1, rows):
         span = slice(start, min(start + rows, n - 1))
@@ -171,7 +188,7 @@ def adjoint(
     # the output is the input, so xbar is lam itself there.
     want_x, want_c = _wanted(floats, captured, needs)
     edge_at = slice(n - 1, n) if plan.reverse else slice(0, 1)
-    xbar_rows = {i: _Rows(n, lam[floats.index(i)], create_graph) for i in want_x}
+    xbar_rows = {i: Rows(n, lam[floats.index(i)], create_graph) for i in want_x}
     for i, out in xbar_rows.items():
         out.write(edge_at, lam[floats.index(i)][edge_at])
     capbar: list[torch.Tensor | None] = [None] * len(captured)
@@ -189,12 +206,7 @@ def adjoint(
 
 
 def stepwise_adjoint(
-    plan: ScanPlan,
-    xs: Sequence[torch.Tensor],
-    ys: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor | None],
-    captured: Sequence[torch.Tensor],
-    needs: Sequence[bool],
+    call: Backward,
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
     """The cotangents :func:`adjoint` gives, computed as autograd through the sequential
     loop computes them: one vector-Jacobian product of ``combine`` per step, last first.
@@ -209,9 +221,11 @@ def stepwise_adjoint(
         >>> mul = lambda a, b: [a[0] * b[0]]
         >>> x = torch.tensor([2.0, 3.0, 4.0])
         >>> ys = [torch.cumprod(x, 0)]
-        >>> stepwise_adjoint(ScanPlan(mul, 1, 0, False), [x], ys, [torch.ones(3)], [], [True])[0]
+        >>> plan = ScanPlan(mul, 1, 0, False)
+        >>> stepwise_adjoint(Backward(plan, [x], [], ys, [torch.ones(3)], [True]))[0]
         [tensor([16.,  10.,  6.])]
     """
+    plan, xs, captured, ys, grads, needs = call
     xs, ys, floats, lam = _scan_dim_first(plan.dim, xs, ys, grads)
     want_x, want_c = _wanted(floats, captured, needs)
     n = xs[0].shape[0]
@@ -269,7 +283,7 @@ def _wanted(
     return want_x, want_c
 
 
-def _all_finite(ts: Sequence[torch.Tensor | None]) -> bool:
+def all_finite(ts: Sequence[torch.Tensor | None]) -> bool:
     """Whether every value is finite; assumed so where values are hidden (a vmapped
     backward, e.g. ``jacobian(vectorize=True)``), as no walk could branch on them there."""
     present = [t for t in ts if t is not None]
@@ -283,85 +297,6 @@ def _all_finite(ts: Sequence[torch.Tensor | None]) -> bool:
 
 def _shifted(span: slice, by: int) -> slice:
     return slice(span.start + by, span.stop + by)
-
-
-class _Rows:
-    """A tensor of ``n`` rows built from pieces: written into one preallocated buffer,
-    or, when the backward must itself be differentiable, concatenated."""
-
-    def __init__(self, n: int, like: torch.Tensor, differentiable: bool) -> None:
-        self.n, self.like, self.differentiable = n, like, differentiable
-        self.pieces: list[tuple[int, torch.Tensor]] = []
-        shape = (n, *like.shape[1:])
-        self.buffer = None if differentiable else like.new_empty(shape)
-
-    def write(self, at: slice, value: torch.Tensor | None) -> None:
-        if self.buffer is None:
-            zeros = lambda: self.like.new_zeros((at.stop - at.start, *self.like.shape[1:]))
-            self.pieces.append((at.start, zeros() if value is None else value))
-        elif value is None:
-            self.buffer[at].zero_()
-        else:
-            self.buffer[at].copy_(value)
-
-    def read(self, at: slice) -> torch.Tensor:
-        assert self.buffer is not None, "only buffered rows are read back"
-        return self.buffer[at]
-
-    def result(self) -> torch.Tensor:
-        if self.buffer is not None:
-            return self.buffer
-        return torch.cat([v for _, v in sorted(self.pieces, key=lambda p: p[0])])
-
-
-class _Blocks:
-    """The blocks ``M[t] = J^T`` of every step, gathered per entry into ``n``-row tensors.
-
-    The step at the far edge (last, or first if reversed) multiplies nothing: its
-    row is zero. While every block seen is ``a * I`` (first-order only), only
-    ``a`` is kept: the recurrence then carries one tensor instead of L.
-    """
-
-    def __init__(
-        self, n: int, n_leaves: int, shift: int, like: torch.Tensor, differentiable: bool
-    ) -> None:
-        self.n, self.n_leaves, self.like, self.differentiable = n, n_leaves, like, differentiable
-        self.pad = slice(0, 1) if shift else slice(n - 1, n)
-        self.rows: dict[Entry, _Rows] = {}
-        self.written: list[slice] = []
-        self.scalar = not differentiable
-
-    def add(self, at: slice, blocks: dict[Entry, torch.Tensor]) -> None:
-        if self.scalar and not _is_scalar_identity(blocks, self.n_leaves):
-            self.scalar = False
-            for j in range(1, self.n_leaves):  # the diagonal so far was `a` throughout
-                self.rows[(j, j)] = self._new_rows()
-                for done in self.written:
-                    self.rows[(j, j)].write(done, self.rows[(0, 0)].read(done))
-        for entry, block in blocks.items():
-            if self.scalar and entry != (0, 0):
-                continue
-            if entry not in self.rows:
-                self.rows[entry] = self._new_rows()
-            self.rows[entry].write(at, block)
-        for entry, rows in self.rows.items():
-            if entry not in blocks:
-                rows.write(at, None)
-        self.written.append(at)
-
-    def _new_rows(self) -> _Rows:
-        """Rows for an entry first seen now: zero at the edge and at every earlier step."""
-        rows = _Rows(self.n, self.like, self.differentiable)
-        for at in [self.pad, *self.written]:
-            rows.write(at, None)
-        return rows
-
-    def finish(self) -> tuple[list[Entry], dict[Entry, torch.Tensor]]:
-        """The entries to carry (closed under products) and the full-length blocks."""
-        if self.scalar and self.rows:
-            return [(0, 0)], {(0, 0): self.rows.pop((0, 0)).result()}
-        pattern = _closed_pattern(set(self.rows))
-        return pattern, {e: self.rows.pop(e).result() for e in list(self.rows)}
 
 
 def _edge(out: torch.Tensor) -> torch.Tensor | GradientEdge:
@@ -417,31 +352,9 @@ def _variable(t: torch.Tensor, create_graph: bool) -> torch.Tensor:
     return t.detach().requires_grad_()
 
 
-def jacobian_blocks(
-    outs: Sequence[torch.Tensor], lefts: Sequence[torch.Tensor], create_graph: bool
-) -> dict[Entry, torch.Tensor]:
-    """``M[(j, k)] = d outs[k] / d lefts[j]`` per position, i.e. ``J^T``; absent = zero.
-
-    One backward pass per output leaf with a cotangent of ones reads a whole
-    column of every per-position block at once, because positions do not mix.
-    """
-    blocks: dict[Entry, torch.Tensor] = {}
-    for k, out in enumerate(outs):
-        if not out.requires_grad:
-            continue
-        ones = torch.ones((), dtype=out.dtype, device=out.device).expand(out.shape)
-        cols = torch.autograd.grad(
-            out, lefts, ones, retain_graph=True, create_graph=create_graph, allow_unused=True
-        )
-        for j, col in enumerate(cols):
-            if col is not None:
-                blocks[(j, k)] = col
-    return blocks
-
-
 def _adjoint_scan(
-    pattern: list[Entry],
-    blocks: dict[Entry, torch.Tensor],
+    pattern: list[BlockIndex],
+    blocks: dict[BlockIndex, torch.Tensor],
     gs: list[torch.Tensor],
     plan: ScanPlan,
     create_graph: bool,
@@ -465,22 +378,3 @@ def _adjoint_scan(
         scan = scan_functional_along if create_graph else scan_along
         out = scan(combine, leaves, 0, reverse)
     return out[len(ms) :]
-
-
-def _closed_pattern(entries: set[Entry]) -> list[Entry]:
-    """The entries a product of blocks can fill: the transitive closure of the nonzeros."""
-    closed = set(entries)
-    while True:
-        grown = closed | {(j, k) for j, m in closed for m2, k in closed if m == m2}
-        if grown == closed:
-            return sorted(closed)
-        closed = grown
-
-
-def _is_scalar_identity(blocks: dict[Entry, torch.Tensor], n: int) -> bool:
-    """Every block is ``a * I`` (e.g. the linear recurrence): one tensor carries all of it."""
-    diagonal = [(j, j) for j in range(n)]
-    if sorted(blocks) != diagonal:
-        return False
-    first = blocks[(0, 0)]
-    return all(torch.equal(first, blocks[e]) for e in diagonal[1:])

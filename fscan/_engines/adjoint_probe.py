@@ -27,7 +27,7 @@ from .._combine import FlatCombine
 from .._knowledge.pointwise_check import is_elementwise
 from .._knowledge.purity import run_higher_order
 from .._knowledge.store import Knowledge
-from .adjoint import jacobian_blocks
+from .adjoint_blocks import jacobian_blocks
 
 __all__ = ["adjoint_applies"]
 

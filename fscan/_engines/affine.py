@@ -15,12 +15,12 @@ import torch
 
 from .._combine import FlatCombine
 
-__all__ = ["Entry", "affine_combine"]
+__all__ = ["BlockIndex", "affine_combine"]
 
-Entry = tuple[int, int]  # (row, column) of a per-position L x L block
+BlockIndex = tuple[int, int]  # (row, column) of a per-position L x L block
 
 
-def affine_combine(pattern: list[Entry], n: int, absorb_zeros: bool = False) -> FlatCombine:
+def affine_combine(pattern: list[BlockIndex], n: int, absorb_zeros: bool = False) -> FlatCombine:
     """Compose ``v -> g + M v`` maps, ``acc`` applied first: ``(Mi Ma, gi + Mi ga)``.
 
     Leaves are the block entries in ``pattern`` order, then the ``n`` vectors.

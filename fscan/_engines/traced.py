@@ -36,8 +36,8 @@ linear recurrence ``(a1, b1), (a2, b2) -> (a1 a2, a2 b1 + b2)`` the gradient of
 ``adjoint`` route runs it without a tape and differentiates around it.
 
 The blocked scan is plain tensor code: autograd, closures and both modes work.
-It scans blocks of ``BLOCK`` steps with a fixed, unrolled loop, scans the block
-totals by doubling in a ``while_loop`` (``log2(n / BLOCK)`` iterations), then
+It scans blocks of ``TRACED_BLOCK`` steps with a fixed, unrolled loop, scans the block
+totals by doubling in a ``while_loop`` (``log2(n / TRACED_BLOCK)`` iterations), then
 carries each block's prefix in with one more combine: about ``2n`` combines in
 all, which Inductor fuses into a few passes over the data. A plain doubling
 scan over all ``n`` steps would be simpler but does ``n log2(n)`` combines: on
@@ -50,11 +50,8 @@ generic exports use torch's sequential ``scan``: ``combine_fn`` on single
 elements, one step per element, differentiable.
 
 The ``while_loop`` and ``scan`` front ends start a Dynamo trace of their own when
-called outside one (non-strict export, eager calls), and Dynamo's optree
-support only accepts tree specs made inside its trace (and mishandles
-unflattening constants into a dict). So outside a trace, the functions handed
-to them get the structure as a *template*, the pytree with leaf numbers for
-leaves, and rebuild the spec inside by mapping the template onto their operands.
+called outside one, so the functions handed to them get the pytree spec from
+:func:`fscan._engines.hop.spec_source` (:mod:`fscan._engines.hop` says why).
 """
 
 from __future__ import annotations
@@ -63,10 +60,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import optree
 import torch
 from optree import PyTreeSpec
-from torch._higher_order_ops.associative_scan import associative_scan_op
 from torch._higher_order_ops.scan import scan
 from torch._higher_order_ops.while_loop import while_loop
 
@@ -74,35 +69,27 @@ from .._combine import FlatCombine, check_combine_output, flat_combine
 from .._context import in_functorch_transform
 from .._knowledge.store import reach
 from .._pytree import unflatten
-from .cpp.traced_kernel import kernel_traceable
+from .cpp.traced_kernel import install_lowering, kernel_traceable
+from .hop import CODEGEN_DEVICES, SpecSource, hop_scan, spec_source
 from .traced_adjoint import adjoint_serves, adjoint_traced_scan
 from .traced_workarounds import prepare_loop_backward, quiet_function_contexts
-from .tree import scan_functional
+from .tree import scan_along, scan_functional
 
 __all__ = [
-    "BLOCK",
-    "CODEGEN_DEVICES",
-    "SpecSource",
+    "TRACED_BLOCK",
     "StepGather",
     "block_step",
-    "blocked_scan",
+    "cpu_kernel_lowered",
     "doubling_scan",
-    "hop_combine",
-    "hop_scan",
     "sequential_scan",
-    "spec_source",
+    "traced_blocked_scan",
     "traced_route",
     "traced_scan",
 ]
 
-# Devices where Inductor lowers the associative_scan HOP to a scan kernel.
-CODEGEN_DEVICES = ("cuda", "xpu")
 # Steps per block of the blocked scan: 8, 16 and 32 ran alike on CPU (within 10%);
 # the time to trace and compile grows with it.
-BLOCK = 8
-
-# The pytree spec of ``xs``, got inside a trace from the leaves of one operand.
-SpecSource = Callable[[Sequence[torch.Tensor]], PyTreeSpec]
+TRACED_BLOCK = 8
 
 
 def traced_scan(
@@ -147,7 +134,7 @@ def traced_scan(
         if torch.is_grad_enabled() and torch.compiler.is_dynamo_compiling():
             # torch bugs in the while_loop's backward: see fscan._engines.traced_workarounds
             prepare_loop_backward()
-        ys = blocked_scan(make, xs)
+        ys = traced_blocked_scan(make, xs)
     if reverse:
         ys = [y.flip(0) for y in ys]
     return [y.movedim(0, dim) if dim else y for y in ys]
@@ -177,71 +164,29 @@ def traced_route(
         return "adjoint" if adjoint_serves(xs) else "blocked"
     # With grad on CPU, the adjoint route's backward graph met a layout Inductor fixed to
     # the first length (a stride assertion at the next one, with dynamic shapes).
-    return "hop" if device == "cpu" and not grad and kernel_traceable() else "blocked"
+    return "hop" if device == "cpu" and not grad and cpu_kernel_lowered() else "blocked"
 
 
-def spec_source(spec: PyTreeSpec) -> SpecSource:
-    """A way to get ``spec`` inside a trace that may start after this call (module doc).
-
-    Example:
-        >>> spec = optree.tree_structure((0, {"h": 0, "c": 0}))
-        >>> spec_source(spec)([torch.ones(1)] * 3) == spec
-        True
-    """
-    if torch.compiler.is_dynamo_compiling():  # already in a trace: its spec serves nested ones
-        return lambda operands: spec
-    template = unflatten(spec, list(range(spec.num_leaves)))
-
-    def rebuilt(operands: Sequence[torch.Tensor]) -> PyTreeSpec:
-        tree = optree.tree_map(lambda i: operands[i], template, none_is_leaf=False)
-        return optree.tree_structure(tree, none_is_leaf=False)
-
-    return rebuilt
+def cpu_kernel_lowered() -> bool:
+    """Whether CPU scans traced now take the C++ kernel's lowering of the HOP, installed
+    here with the tree engine for the calls the kernel declines at run time (a graph
+    compiled for the kernel, run where no kernel builds: the same results)."""
+    return kernel_traceable() and install_lowering(_declined_by_kernel)
 
 
-def hop_scan(
+# Dynamo cannot trace the config read and the compiler probe: it calls this while it
+# traces and keeps the result as a constant (torch.compiler.assume_constant_result).
+cpu_kernel_lowered._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _declined_by_kernel(combine: FlatCombine, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return scan_along(combine, xs, 0)  # fresh and contiguous, as the kernel's op promises
+
+
+def traced_blocked_scan(
     make_combine: Callable[[Sequence[torch.Tensor]], FlatCombine], xs: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
-    """torch's ``associative_scan`` higher-order op over ``xs`` along dimension 0;
-    ``make_combine(operands)`` gives the flat combine in the op's trace (the convention
-    of :func:`blocked_scan`).
-
-    Example:
-        >>> hop_scan(lambda operands: lambda a, b: [a[0] * b[0]], [torch.arange(1.0, 5.0)])
-        [tensor([ 1.,  2.,  6., 24.])]
-    """
-    return list(associative_scan_op(_hop_convention(make_combine), list(xs), ()))
-
-
-def hop_combine(
-    api: str, combine_fn: Callable[[Any, Any], Any], spec_of: SpecSource
-) -> Callable[..., list[torch.Tensor]]:
-    """``combine_fn`` in the HOP's calling convention, ``(*lhs, *rhs) -> [leaves]``.
-
-    Example:
-        >>> pair = spec_source(optree.tree_structure((0, 0)))
-        >>> hop_combine("demo", lambda a, b: (a[0] * b[0], a[1] + b[1]), pair)(*torch.ones(4))
-        [tensor(1.), tensor(2.)]
-    """
-    return _hop_convention(
-        lambda operands: flat_combine(api, combine_fn, spec_of(operands), "pointwise")
-    )
-
-
-def _hop_convention(
-    make_combine: Callable[[Sequence[torch.Tensor]], FlatCombine],
-) -> Callable[..., list[torch.Tensor]]:
-    def flat(*operands: torch.Tensor) -> list[torch.Tensor]:
-        half = len(operands) // 2
-        return list(make_combine(operands[:half])(operands[:half], operands[half:]))
-
-    return flat
-
-
-def blocked_scan(
-    make_combine: Callable[[Sequence[torch.Tensor]], FlatCombine], xs: Sequence[torch.Tensor]
-) -> list[torch.Tensor]:
-    """Inclusive scan along dimension 0 in blocks of ``BLOCK`` steps (module doc).
+    """Inclusive scan along dimension 0 in blocks of ``TRACED_BLOCK`` steps (module doc).
 
     The length is padded to whole blocks (and more) by repeating the last element:
     padding only follows the real elements, so it changes no real output. Every shape is
@@ -249,37 +194,38 @@ def blocked_scan(
     ``make_combine(operands)`` gives the flat combine in the current trace.
 
     Example:
-        >>> blocked_scan(lambda operands: lambda a, b: [a[0] + b[0]], [torch.arange(1.0, 20.0)])[0]
+        >>> add = lambda operands: lambda a, b: [a[0] + b[0]]
+        >>> traced_blocked_scan(add, [torch.arange(1.0, 20.0)])[0]
         tensor([  1.,   3.,   6.,  10.,  15.,  21.,  28.,  36.,  45.,  55.,  66.,  78.,
                  91., 105., 120., 136., 153., 171., 190.])
     """
     combine = make_combine(xs)
     n, device = xs[0].shape[0], xs[0].device
-    # At least two blocks and one spare step, provably (n // BLOCK is exact for
+    # At least two blocks and one spare step, provably (n // TRACED_BLOCK is exact for
     # Dynamo and export): a derived size of 1 would be specialised. The tail is
     # padded by gathering with clamped indices, not with sizes to prove >= 0.
-    m = n // BLOCK + 2
-    # Step j of block i is element i * BLOCK + j, gathered: splitting a symbolic
+    m = n // TRACED_BLOCK + 2
+    # Step j of block i is element i * TRACED_BLOCK + j, gathered: splitting a symbolic
     # dimension with a view asks export to prove divisibility, which it cannot. One
     # gather per step, not views of one gather: combine_fn's operands must not share
     # memory where it calls torch.cond & co. (Dynamo refuses aliased HOP inputs).
     step_j = lambda j: [block_step(x, j) for x in xs]
-    # 1. Within each block, step by step: BLOCK - 1 combines over all blocks at once.
+    # 1. Within each block, step by step: TRACED_BLOCK - 1 combines over all blocks at once.
     running = step_j(0)
     steps = [running]
-    for j in range(1, BLOCK):
+    for j in range(1, TRACED_BLOCK):
         running = combine(running, step_j(j))
         steps.append(running)
     # 2. The block totals (the last step), scanned: the prefix up to each block.
     totals = doubling_scan(make_combine, running)
     # 3. Each block but the first gets the prefix of the blocks before it.
-    flat = lambda t: t.reshape(m * BLOCK, *t.shape[2:])
+    flat = lambda t: t.reshape(m * TRACED_BLOCK, *t.shape[2:])
     within = [flat(torch.stack([s[k] for s in steps], 1)) for k in range(len(xs))]
     previous = (torch.arange(m, device=device) - 1).clamp(min=0)  # block 0: a placeholder
     before = [t.index_select(0, previous) for t in totals]
-    before = [flat(t.unsqueeze(1).expand(m, BLOCK, *t.shape[1:])) for t in before]
+    before = [flat(t.unsqueeze(1).expand(m, TRACED_BLOCK, *t.shape[1:])) for t in before]
     carried = combine(before, within)
-    first_block = torch.arange(m * BLOCK, device=device) < BLOCK
+    first_block = torch.arange(m * TRACED_BLOCK, device=device) < TRACED_BLOCK
     real = torch.arange(n, device=device)
     return [
         torch.where(first_block.view(-1, *[1] * (w.ndim - 1)), w, c).index_select(0, real)
@@ -288,8 +234,8 @@ def blocked_scan(
 
 
 def block_step(x: torch.Tensor, j: int) -> torch.Tensor:
-    """Step ``j`` of every block of ``x`` (element ``i * BLOCK + j`` of block ``i``; past the
-    end, the last element): ``x.index_select(0, (arange(m) * BLOCK + j).clamp(max=n - 1))``.
+    """Step ``j`` of every block of ``x`` (element ``i * TRACED_BLOCK + j`` of block ``i``; past the
+    end, the last element): ``x.index_select(0, (arange(m) * TRACED_BLOCK + j).clamp(max=n - 1))``.
 
     Where a backward is traced (compile with grad), it is ``StepGather``, whose backward
     gathers instead of scattering (its docstring says why).
@@ -301,7 +247,7 @@ def block_step(x: torch.Tensor, j: int) -> torch.Tensor:
     if torch.is_grad_enabled() and torch.compiler.is_dynamo_compiling():
         return StepGather.apply(x, j)
     n = x.shape[0]
-    first = torch.arange(n // BLOCK + 2, device=x.device) * BLOCK
+    first = torch.arange(n // TRACED_BLOCK + 2, device=x.device) * TRACED_BLOCK
     return x.index_select(0, (first + j).clamp(max=n - 1))
 
 
@@ -313,7 +259,7 @@ class StepGather(torch.autograd.Function):
     fused the sum of that tensor's gradient with the zero-fill of one scan's scatter
     targets into a kernel that ran before the scatters (after the ``while_loop`` they
     wait for): the gradient read zeros. Here the gradient of element ``r`` is read
-    from its block, ``g[r // BLOCK]`` where ``r % BLOCK == j``, and the last element
+    from its block, ``g[r // TRACED_BLOCK]`` where ``r % TRACED_BLOCK == j``, and the last element
     also gets the steps clamped onto it: the same sums, with nothing to order.
 
     Example:
@@ -327,7 +273,7 @@ class StepGather(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, j: int) -> torch.Tensor:
         n = x.shape[0]
         ctx.n, ctx.j = n, j
-        first = torch.arange(n // BLOCK + 2, device=x.device) * BLOCK
+        first = torch.arange(n // TRACED_BLOCK + 2, device=x.device) * TRACED_BLOCK
         return x.index_select(0, (first + j).clamp(max=n - 1))
 
     @staticmethod
@@ -335,8 +281,10 @@ class StepGather(torch.autograd.Function):
         n, j = ctx.n, ctx.j
         column = lambda mask: mask.view(-1, *[1] * (g.ndim - 1))
         rows = torch.arange(n, device=g.device)
-        own = torch.where(column(rows % BLOCK == j), g.index_select(0, rows // BLOCK), 0)
-        past = torch.arange(g.shape[0], device=g.device) * BLOCK + j > n - 1
+        own = torch.where(
+            column(rows % TRACED_BLOCK == j), g.index_select(0, rows // TRACED_BLOCK), 0
+        )
+        past = torch.arange(g.shape[0], device=g.device) * TRACED_BLOCK + j > n - 1
         clamped = torch.where(column(past), g, 0).sum(0)
         return own + torch.where(column(rows == n - 1), clamped, 0), None
 
@@ -394,6 +342,7 @@ def sequential_scan(
     not 1), so the combine of that step is computed and discarded.
 
     Example:
+        >>> import optree
         >>> one = spec_source(optree.tree_structure(0))
         >>> sequential_scan("demo", torch.mul, one, [torch.arange(1.0, 5.0)])
         [tensor([ 1.,  2.,  6., 24.])]

@@ -47,7 +47,7 @@ __all__ = ["Scan", "adjoint_serves", "adjoint_traced_scan"]
 
 # A length-polymorphic inclusive scan along dimension 0, ``scan(make_combine, leaves)``,
 # where ``make_combine(operands)`` gives the flat combine in the scan's own trace
-# (``fscan._engines.traced.hop_scan``, ``blocked_scan``).
+# (``fscan._engines.hop.hop_scan``, ``fscan._engines.traced.traced_blocked_scan``).
 MakeCombine = Callable[[Sequence[torch.Tensor]], FlatCombine]
 Scan = Callable[[MakeCombine, Sequence[torch.Tensor]], list[torch.Tensor]]
 

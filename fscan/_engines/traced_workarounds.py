@@ -18,7 +18,7 @@ the graph reaches AOT autograd and the backend.
    its initial-carry buffer, which the outer graph, believing it dead after the
    loop, reused for another result while the loop's output was still to be
    read. The gradients at the last step of every block came out wrong (with
-   ``torch.add`` and ``BLOCK = 8``: row 7 got the gradients of rows 6 and 7 once
+   ``torch.add`` and ``TRACED_BLOCK = 8``: row 7 got the gradients of rows 6 and 7 once
    more). The fix is upstream's: a subgraph's inputs belong to its caller, so
    none is donated (:func:`undonate_subgraph_inputs`, applied once per process;
    it only ever turns an in-place reuse into a fresh buffer).
@@ -65,10 +65,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import sys
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -82,9 +83,25 @@ __all__ = [
     "undonate_subgraph_inputs",
 ]
 
-_MARK = "_fscan_inputs_undonated"
-_TILE_MARK = "_fscan_shifts_once"
-_QUIET_MARK = "_fscan_quiet_contexts"
+
+class _Patch(NamedTuple):
+    """Where a fix goes, ``module.owner.name``; ``mark`` on ``owner`` says it is in."""
+
+    module: str
+    owner: str
+    name: str
+    mark: str
+
+
+_UNDONATE = _Patch(
+    "torch._inductor.graph", "SubgraphLowering", "__init__", "_fscan_inputs_undonated"
+)
+_SHIFT_ONCE = _Patch(
+    "torch._inductor.codegen.cpp", "CppTile2DKernel", "transform_indexing", "_fscan_shifts_once"
+)
+_QUIET = _Patch(
+    "torch._dynamo.side_effects", "SideEffects", "track_object_new", "_fscan_quiet_contexts"
+)
 
 
 def prepare_loop_backward() -> bool:
@@ -110,17 +127,12 @@ prepare_loop_backward._dynamo_marked_constant = True  # type: ignore[attr-define
 def undonate_subgraph_inputs() -> bool:
     """Make Inductor's subgraph lowerings donate none of their inputs (bug 1); idempotent.
 
-    Returns whether the fix is in place (False only where this torch has no
-    ``SubgraphLowering`` to fix).
+    Returns whether the fix is in place (:func:`_patch_once`).
 
     Example:
         >>> undonate_subgraph_inputs() and subgraph_inputs_undonated()
         True
     """
-    try:
-        from torch._inductor.graph import SubgraphLowering
-    except ImportError:  # a torch without Inductor has no such bug
-        return False
 
     def undonating(init: Callable[..., None]) -> Callable[..., None]:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -131,29 +143,23 @@ def undonate_subgraph_inputs() -> bool:
 
         return __init__
 
-    return _patch_once(SubgraphLowering, "__init__", _MARK, undonating)
+    return _patch_once(_UNDONATE, undonating)
 
 
 def subgraph_inputs_undonated() -> bool:
     """Whether :func:`undonate_subgraph_inputs` has patched this process's Inductor."""
-    graph = sys.modules.get("torch._inductor.graph")
-    return bool(graph is not None and getattr(graph.SubgraphLowering, _MARK, False))
+    return _is_patched(_UNDONATE)
 
 
 def shift_tile_indices_once() -> bool:
     """Make Inductor's 2-D tiled C++ kernels shift an index by the tile once (bug 3); idempotent.
 
-    Returns whether the fix is in place (False only where this torch has no
-    ``CppTile2DKernel`` to fix).
+    Returns whether the fix is in place (:func:`_patch_once`).
 
     Example:
         >>> shift_tile_indices_once() and tile_indices_shifted_once()
         True
     """
-    try:
-        from torch._inductor.codegen.cpp import CppTile2DKernel
-    except ImportError:  # a torch without Inductor's C++ backend has no such bug
-        return False
 
     def shifting_once(shift: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         def transform_indexing(self: Any, index: Any) -> Any:
@@ -165,13 +171,12 @@ def shift_tile_indices_once() -> bool:
 
         return transform_indexing
 
-    return _patch_once(CppTile2DKernel, "transform_indexing", _TILE_MARK, shifting_once)
+    return _patch_once(_SHIFT_ONCE, shifting_once)
 
 
 def tile_indices_shifted_once() -> bool:
     """Whether :func:`shift_tile_indices_once` has patched this process's Inductor."""
-    cpp = sys.modules.get("torch._inductor.codegen.cpp")
-    return bool(cpp is not None and getattr(cpp.CppTile2DKernel, _TILE_MARK, False))
+    return _is_patched(_SHIFT_ONCE)
 
 
 def allow_loop_scalars() -> bool:
@@ -193,19 +198,12 @@ def allow_loop_scalars() -> bool:
 def quiet_function_contexts() -> bool:
     """Ignore the warning Dynamo's own ``torch.autograd.Function()`` raises (bug 4); idempotent.
 
-    Returns whether the fix is in place (False only where this torch has no
-    ``SideEffects.track_object_new`` to fix).
+    Returns whether the fix is in place (:func:`_patch_once`).
 
     Example:
         >>> quiet_function_contexts()
         True
     """
-    try:
-        from torch._dynamo.side_effects import SideEffects
-    except ImportError:  # a torch without Dynamo traces no autograd.Function
-        return False
-    if getattr(SideEffects, "track_object_new", None) is None:
-        return False
 
     def quieted(track: Callable[..., Any]) -> Callable[..., Any]:
         def track_object_new(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -218,20 +216,31 @@ def quiet_function_contexts() -> bool:
 
         return track_object_new
 
-    return _patch_once(SideEffects, "track_object_new", _QUIET_MARK, quieted)
+    return _patch_once(_QUIET, quieted)
 
 
 quiet_function_contexts._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def _patch_once(
-    owner: type, name: str, mark: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
-) -> bool:
-    """Replace ``owner.name`` by ``wrap(original)`` (wrapped: ``inspect.unwrap`` finds the
-    original), once per process: ``mark`` on ``owner`` says it is done. Returns True."""
-    if getattr(owner, mark, False):
+def _patch_once(patch: _Patch, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace ``patch``'s method by ``wrap(original)`` (wrapped: ``inspect.unwrap`` finds the
+    original), once per process. Returns whether the fix is in place: False only where this
+    torch has no such method, and so not the bug it fixes."""
+    try:  # Inductor and Dynamo: imported when a trace needs the fix, not with fscan
+        owner = getattr(importlib.import_module(patch.module), patch.owner)
+    except (ImportError, AttributeError):
+        return False
+    if getattr(owner, patch.mark, False):
         return True
-    original = getattr(owner, name)
-    setattr(owner, name, functools.wraps(original)(wrap(original)))
-    setattr(owner, mark, True)
+    original = getattr(owner, patch.name, None)
+    if original is None:
+        return False
+    setattr(owner, patch.name, functools.wraps(original)(wrap(original)))
+    setattr(owner, patch.mark, True)
     return True
+
+
+def _is_patched(patch: _Patch) -> bool:
+    """Whether :func:`_patch_once` applied ``patch``, without importing its module."""
+    loaded = sys.modules.get(patch.module)
+    return bool(loaded is not None and getattr(getattr(loaded, patch.owner), patch.mark, False))

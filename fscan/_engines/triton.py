@@ -46,8 +46,8 @@ from optree import PyTreeSpec
 
 from .._combine import FlatCombine
 from .._context import under_dispatch_mode
-from .._knowledge.store import Knowledge, Reach, knowledge
-from .traced import CODEGEN_DEVICES, SpecSource, hop_combine, spec_source
+from .._knowledge.store import Knowledge, Reach, knowledge, on_clear
+from .hop import CODEGEN_DEVICES, SpecSource, hop_combine, spec_source
 
 __all__ = ["SCAN_DTYPES", "codegen_backward_scan", "codegen_scan", "codegen_unavailable"]
 
@@ -62,14 +62,19 @@ BACKEND: Any = "inductor"
 
 
 @dataclass
-class Entry:
+class CompiledScan:
     """One compiled scan function and whether compiling it failed."""
 
     run: Callable[..., list[torch.Tensor]]
     failed: bool = False
 
 
-_logged: set[str] = set()
+_logged: set[str] = set()  # the reasons logged once (again after fscan.clear_caches())
+
+
+@on_clear
+def _forget_logged() -> None:
+    _logged.clear()
 
 
 def codegen_scan(
@@ -100,7 +105,9 @@ def codegen_scan(
     with entry.lock:  # one compiled function per (dim, reverse) in the combine_fn's entry
         compiled = entry.compiled.get((dim, reverse))
         if compiled is None:
-            compiled = entry.compiled[(dim, reverse)] = Entry(_compile(api, spec, dim, reverse))
+            compiled = entry.compiled[(dim, reverse)] = CompiledScan(
+                _compile(api, spec, dim, reverse)
+            )
     if compiled.failed:
         return None
     try:
@@ -147,7 +154,7 @@ def _has_triton() -> bool:
 
 def _compile(api: str, spec: PyTreeSpec, dim: int, reverse: bool) -> Callable[..., Any]:
     """``torch.compile`` of a fresh copy of :func:`_scan_with_hop` for one cache entry."""
-    # Made here, outside the trace: see fscan._engines.traced on specs and Dynamo.
+    # Made here, outside the trace: see fscan._engines.hop on specs and Dynamo.
     spec_of = spec_source(spec)
     run = functools.partial(_fresh_copy(_scan_with_hop), api, spec_of, dim, reverse)
     return torch.compile(run, backend=BACKEND, fullgraph=True)

@@ -33,6 +33,7 @@ from optree import PyTreeSpec
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._combine import check_combine_output
+from .._context import in_functorch_transform
 from .._errors import ImpureCombineError
 from .._pytree import unflatten
 from .store import Knowledge
@@ -261,7 +262,7 @@ def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
 def probeable(leaves: Sequence[torch.Tensor]) -> bool:
     """Plain tensors with data, outside ``torch.func`` transforms (whose wrappers, in the
     leaves or in what ``combine_fn`` closes over, hide storages, versions and values)."""
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if in_functorch_transform():
         return False
     for x in leaves:
         if (

@@ -37,7 +37,7 @@ divisor) are not translated.
 Example:
     >>> import optree, torch
     >>> _, spec = optree.tree_flatten(0)
-    >>> program = translate_combine(lambda a, b: a + b, spec, [torch.float64], (), [])
+    >>> program = translate_combine(TraceInput(lambda a, b: a + b, spec, [torch.float64], (), []))
     >>> print(program.body)
     const double v0 = static_cast<double>((static_cast<double>(l0) + static_cast<double>(r0)));
     o0 = static_cast<double>(v0);
@@ -45,9 +45,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -67,6 +68,7 @@ __all__ = [
     "COMPUTING_OPS",
     "DTYPES",
     "Program",
+    "TraceInput",
     "Unsupported",
     "translate_combine",
     "translate_param_vjp",
@@ -78,6 +80,18 @@ __all__ = [
 _trace_lock = threading.Lock()
 
 
+class TraceInput(NamedTuple):
+    """What a translation traces: ``combine_fn`` on flat leaves of ``dtypes`` whose
+    elements have the shape ``element``, and the tensors it closes over, in a fixed walk
+    order (the prologue takes a list in the same order at each call)."""
+
+    combine_fn: Callable[[Any, Any], Any]
+    spec: PyTreeSpec
+    dtypes: Sequence[torch.dtype]
+    element: Sequence[int]
+    captured: Sequence[torch.Tensor]
+
+
 def _examples(dtypes: Sequence[torch.dtype], element: Sequence[int]) -> list[torch.Tensor]:
     # Distinct tensors (make_fx maps identity to graph inputs), two elements of the call's
     # element shape: the trace holds what combine_fn does at exactly this shape (a slice
@@ -85,28 +99,24 @@ def _examples(dtypes: Sequence[torch.dtype], element: Sequence[int]) -> list[tor
     return [torch.ones((2, *element), dtype=d) for d in dtypes]
 
 
-def _make_fx(fn: Callable[..., Any], examples: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
+def _make_fx(
+    fn: Callable[..., Any], examples: Sequence[torch.Tensor], vjp: bool = False
+) -> torch.fx.GraphModule:
+    """``fn`` traced to core ATen ops on ``examples``. ``vjp``: ``fn`` computes a VJP with
+    ``torch.func``; it is functionalized (no views or in-place updates left) and traced in
+    the caller's grad mode, a forward without grad."""
     from torch._decomp import core_aten_decompositions
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    with _trace_lock, torch.no_grad():
+    if vjp:
+        fn = torch.func.functionalize(fn, remove="mutations_and_views")
+    with _trace_lock, contextlib.nullcontext() if vjp else torch.no_grad():
         return make_fx(fn, decomposition_table=core_aten_decompositions())(*examples)
 
 
-def translate_combine(
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    dtypes: Sequence[torch.dtype],
-    element: Sequence[int],
-    captured: Sequence[torch.Tensor],
-) -> Program:
-    """Trace ``combine_fn`` on flat leaves of ``dtypes`` (elements of shape ``element``)
-    and translate it.
-
-    ``captured`` are the tensors ``combine_fn`` closes over, in a fixed walk order; the
-    prologue takes a list in the same order at each call.
-    """
-    return _forward_translator(combine_fn, spec, dtypes, element, captured)[1]
+def translate_combine(what: TraceInput) -> Program:
+    """Trace ``what.combine_fn`` on its flat example leaves and translate it."""
+    return _forward_translator(what)[1]
 
 
 def _flat(combine_fn: Callable[[Any, Any], Any], spec: PyTreeSpec, n: int) -> Callable[..., Any]:
@@ -123,13 +133,8 @@ def _flat(combine_fn: Callable[[Any, Any], Any], spec: PyTreeSpec, n: int) -> Ca
     return flat
 
 
-def _forward_translator(
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    dtypes: Sequence[torch.dtype],
-    element: Sequence[int],
-    captured: Sequence[torch.Tensor],
-) -> tuple[Translator, Program]:
+def _forward_translator(what: TraceInput) -> tuple[Translator, Program]:
+    combine_fn, spec, dtypes, element, captured = what
     n = len(dtypes)
     flat = _flat(combine_fn, spec, n)
     gm = _make_fx(flat, _examples(dtypes, element) + _examples(dtypes, element))
@@ -139,19 +144,14 @@ def _forward_translator(
     return translator, translator.program(list(dtypes))
 
 
-def translate_vjp(
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    dtypes: Sequence[torch.dtype],
-    element: Sequence[int],
-    captured: Sequence[torch.Tensor],
-) -> tuple[Program, list[int]]:
+def translate_vjp(what: TraceInput) -> tuple[Program, list[int]]:
     """The VJP of ``combine_fn`` w.r.t. both operands' float leaves, translated.
 
     Inputs ``l0.., r0..`` (all leaves) and ``c0..`` (cotangents of the float leaves);
     outputs ``o0..`` (left cotangents) then the right ones. Returns the program and
     the indices of the float leaves. Compute types as for the forward.
     """
+    combine_fn, spec, dtypes, element, captured = what
     n = len(dtypes)
     floats = [k for k, d in enumerate(dtypes) if d.is_floating_point]
     if not floats:
@@ -176,12 +176,7 @@ def translate_vjp(
 
     examples = _examples(dtypes, element) + _examples(dtypes, element)
     examples += _examples([dtypes[k] for k in floats], element)
-    functional = torch.func.functionalize(flat, remove="mutations_and_views")
-    from torch._decomp import core_aten_decompositions
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    with _trace_lock:
-        gm = make_fx(functional, decomposition_table=core_aten_decompositions())(*examples)
+    gm = _make_fx(flat, examples, vjp=True)
     names = [f"l{k}" for k in range(n)] + [f"r{k}" for k in range(n)]
     names += [f"c{k}" for k in floats]
     out_dtypes = [dtypes[k] for k in floats] * 2
@@ -193,13 +188,7 @@ def translate_vjp(
     return translator.program(out_dtypes), floats
 
 
-def translate_param_vjp(
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    dtypes: Sequence[torch.dtype],
-    element: Sequence[int],
-    captured: Sequence[torch.Tensor],
-) -> tuple[Program, list[int], list[int]]:
+def translate_param_vjp(what: TraceInput) -> tuple[Program, list[int], list[int]]:
     """The VJP of ``combine_fn`` w.r.t. both operands' float leaves *and* its float
     params (what it computes from the tensors it closes over), translated.
 
@@ -211,7 +200,8 @@ def translate_param_vjp(
     cotangents, then the params' cotangents. Returns the program (with the
     forward's params and prologue), the float leaves and the float params.
     """
-    forward_translator, forward = _forward_translator(combine_fn, spec, dtypes, element, captured)
+    forward_translator, forward = _forward_translator(what)
+    dtypes, element = what.dtypes, what.element
     n, npar = len(dtypes), len(forward.params)
     floats = [k for k, d in enumerate(dtypes) if d.is_floating_point]
     pfloats = [j for j, p in enumerate(forward.params) if p.dtype.is_floating_point]
@@ -240,12 +230,7 @@ def translate_param_vjp(
     examples = _examples(dtypes, element) + _examples(dtypes, element)
     examples += _examples([p.dtype for p in forward.params], element)
     examples += _examples([dtypes[k] for k in floats], element)
-    functional = torch.func.functionalize(flat, remove="mutations_and_views")
-    from torch._decomp import core_aten_decompositions
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    with _trace_lock:
-        gm = make_fx(functional, decomposition_table=core_aten_decompositions())(*examples)
+    gm = _make_fx(flat, examples, vjp=True)
     names = [f"l{k}" for k in range(n)] + [f"r{k}" for k in range(n)]
     names += [f"P{j}" for j in range(npar)] + [f"c{k}" for k in floats]
     out_dtypes = [dtypes[k] for k in floats] * 2 + [forward.params[q].dtype for q in pfloats]

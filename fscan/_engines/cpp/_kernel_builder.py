@@ -42,23 +42,17 @@ def _translate(entry: Entry, call: BuildCall) -> bool:
     On an op, dtype or structure the translator lacks: FAILED, one debug log."""
     try:
         if entry.param_grads:
-            program, floats, pfloats = translate_param_vjp(
-                call.combine_fn, call.spec, call.dtypes, call.element, call.captured
-            )
+            program, floats, pfloats = translate_param_vjp(call.trace_input())
             entry.source = backward_source(call.dtypes, floats, program, pfloats)
             entry.argtypes = tuple(backward_argtypes(call.dtypes, floats, program, pfloats))
             entry.floats, entry.pfloats = tuple(floats), tuple(pfloats)
         elif entry.backward:
-            program, floats = translate_vjp(
-                call.combine_fn, call.spec, call.dtypes, call.element, call.captured
-            )
+            program, floats = translate_vjp(call.trace_input())
             entry.source = backward_source(call.dtypes, floats, program)
             entry.argtypes = tuple(backward_argtypes(call.dtypes, floats, program))
             entry.floats = tuple(floats)
         else:
-            program = translate_combine(
-                call.combine_fn, call.spec, call.dtypes, call.element, call.captured
-            )
+            program = translate_combine(call.trace_input())
             entry.source = forward_source(call.dtypes, program, call.positions, call.dropped)
             entry.argtypes = tuple(
                 forward_argtypes(call.dtypes, program, call.positions, call.dropped)

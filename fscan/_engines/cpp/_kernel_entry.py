@@ -20,7 +20,7 @@ from optree import PyTreeSpec
 
 from ..._cache import BoundedCache
 from ..._knowledge.store import Knowledge, on_clear
-from ._cpp_codegen import Program
+from ._cpp_codegen import Program, TraceInput
 
 __all__ = [
     "SHAPES_PER_KEY",
@@ -101,6 +101,10 @@ class BuildCall(NamedTuple):
     captured: tuple[torch.Tensor, ...]
     positions: tuple[int, ...] = ()  # leaves that are not read: their position along dim
     dropped: tuple[int, ...] = ()  # leaves whose outputs are not stored (the caller drops them)
+
+    def trace_input(self) -> TraceInput:
+        """What the translation traces (made per build, not per call)."""
+        return TraceInput(self.combine_fn, self.spec, self.dtypes, self.element, self.captured)
 
     def slot(self, aliases: Hashable, backward: bool, param_grads: bool = False) -> Hashable:
         """This call's :func:`slot_key`."""

@@ -22,10 +22,12 @@ from ..._context import under_transform
 from ..._knowledge.purity import probeable
 from ..._knowledge.store import Knowledge, Reach
 from ..adjoint import (
+    Backward,
     ScanPlan,
-    _all_finite,
-    _differentiable_backward,
     adjoint,
+    all_finite,
+    differentiable_backward,
+    saved_backward,
     stepwise_adjoint,
 )
 from ..tree import scan_along
@@ -121,36 +123,31 @@ class KernelScan(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         info: _GradInfo = ctx.info
-        saved = ctx.saved_tensors
-        n = info.plan.n_leaves
-        xs, needing, ys = saved[:n], saved[n:-n], saved[-n:]
-        needs = ctx.needs_input_grad[1:]
+        call = saved_backward(ctx, info.plan, grads)
         given = [g for g in grads if g is not None]
-        if torch.is_grad_enabled() and needing:  # create_graph=True: differentiable
-            return (None, *_differentiable_backward(info.plan, xs, needing, grads, needs))
+        if torch.is_grad_enabled() and call.captured:  # create_graph=True: differentiable
+            return (None, *differentiable_backward(call))
         found = None
         # First order on plain tensors: the kernel. Under vmap (batched cotangents, e.g.
         # jacobian(vectorize=True)) the cotangents are wrappers without data pointers.
-        if not torch.is_grad_enabled() and not under_transform() and probeable(given or xs):
-            found = run_backward(info, xs, ys, grads)
+        if not torch.is_grad_enabled() and not under_transform() and probeable(given or call.xs):
+            found = run_backward(info, call)
         if found is None:  # create_graph=True, a transform, params that do not fit: adjoint
-            found = adjoint(info.plan, xs, ys, grads, needing, needs)
-            if needing and not _all_finite([*found[0], *found[1]]):
-                found = stepwise_adjoint(info.plan, xs, ys, grads, needing, needs)
+            found = adjoint(call)
+            if call.captured and not all_finite([*found[0], *found[1]]):
+                found = stepwise_adjoint(call)
         xbar, capbar = found
         bars = [*xbar, *capbar]
-        return (None, *(b if need else None for b, need in zip(bars, needs)))
+        return (None, *(b if need else None for b, need in zip(bars, call.needs)))
 
 
 def run_backward(
-    info: _GradInfo,
-    xs: Sequence[torch.Tensor],
-    ys: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor | None],
+    info: _GradInfo, call: Backward
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None:
     """The cotangents of the leaves and of ``info.needing`` by the backward kernel, or
     None where its params do not fit."""
     entry, plan = info.backward, info.plan
+    xs, ys, grads = call.xs, call.ys, call.grads
     assert entry.program is not None and entry.kernel is not None
     shape = xs[0].shape
     dim = plan.dim % len(shape)

@@ -59,7 +59,7 @@ from ..._knowledge.store import Knowledge, Reach, reach
 from ..._pytree import flatten
 from ._cpp_build import compiler_problem as compiler_problem
 from ._cpp_build import load_kernel
-from ._cpp_codegen import translate_combine
+from ._cpp_codegen import TraceInput, translate_combine
 from ._cpp_source import step_argtypes, step_source
 from ._kernel_entry import (
     BuildCall,
@@ -230,7 +230,7 @@ def combine_step(
         )
     dtypes = tuple(x.dtype for x in lefts)
     captured = reach(combine_fn).tensors
-    program = translate_combine(combine_fn, spec, dtypes, (n,), captured)
+    program = translate_combine(TraceInput(combine_fn, spec, dtypes, (n,), captured))
     kernel = load_kernel(step_source(dtypes, program), step_argtypes(dtypes, program))
     xs = [torch.stack([x, y]).contiguous() for x, y in zip(lefts, rights)]
     ys = [torch.empty(n, dtype=d) for d in dtypes]

@@ -13,9 +13,11 @@ aten ops, to :func:`_lower_on_cpu`, which registers it under a key naming its
 code and emits one call of the custom op ``fscan::kernel_scan_hop``. At run
 time that op builds (once per key, structure, dtypes and element shape, as for
 eager calls) and runs the generated C++ kernel for the graph, with the lifted
-tensors as its broadcast inputs; where no kernel can serve (no compiler,
-``cpu_kernel="off"``, an op the translation lacks) it runs fscan's torch
-engine: the same results.
+tensors as its broadcast inputs. Where no kernel can serve (no compiler,
+``cpu_kernel="off"``, an op the translation lacks) the kernel declines, and the op
+runs the scan that whoever installed the lowering handed :func:`install_lowering`
+for that case (:mod:`fscan._engines.traced` hands it the tree engine): the same
+results, and the choice of that engine is not made here.
 
 The registry lives in this process. torch's scan op is not cacheable, so
 Inductor's and AOTAutograd's on-disk graph caches bypass every graph holding
@@ -37,12 +39,16 @@ import torch
 from torch._higher_order_ops.associative_scan import associative_scan_op
 
 from ..._cache import BoundedCache
+from ..._combine import FlatCombine
 from ..._config import config
-from ..tree import scan_along
 from ._cpp_build import compiler_problem
 from .cpu_kernel import kernel_scan, precompile
 
-__all__ = ["OP", "install_lowering", "kernel_traceable"]
+__all__ = ["OP", "DeclinedScan", "install_lowering", "kernel_traceable"]
+
+# What runs a scan along dimension 0 the kernel declines at run time: ``(combine, xs)``
+# to fresh contiguous tensors, as the op's fake implementation promises Inductor.
+DeclinedScan = Callable[[FlatCombine, Sequence[torch.Tensor]], list[torch.Tensor]]
 
 # What each extra input of a combine graph is: a lifted tensor, a number the graph
 # computes with (a closed-over int the trace made symbolic), or one it never reads
@@ -67,6 +73,8 @@ class _Graph(NamedTuple):
 GRAPHS = 4096
 _graphs: BoundedCache[_Graph] = BoundedCache(maxsize=GRAPHS)
 _lock = threading.Lock()  # installing the lowering
+# Set by install_lowering, which every graph holding the op went through first.
+_declined: DeclinedScan | None = None
 
 
 # flexible_layout: the kernel reads any strides in place, so Inductor need not pin or
@@ -94,8 +102,9 @@ def _kernel_scan_hop(
     out = run()
     if out is None and config.cpu_kernel != "off" and precompile(combine, list(xs)):
         out = run()
-    if out is None:  # fresh contiguous tensors too, as the fake implementation promises
-        return scan_along(_listed(combine), xs, 0)
+    if out is None:  # the kernel declines: the scan the installer handed in
+        assert _declined is not None  # the op is only in graphs install_lowering lowered
+        return _declined(_listed(combine), xs)
     return ys
 
 
@@ -129,22 +138,19 @@ def _combine_of(
 
 
 def kernel_traceable() -> bool:
-    """Whether CPU scans traced now should take the kernel's lowering (a C++ compiler,
-    and ``fscan.config.cpu_kernel`` not ``"off"``), with the lowering installed."""
-    if config.cpu_kernel == "off" or compiler_problem() is not None:
-        return False
-    return install_lowering()
+    """Whether CPU scans traced now can take the kernel's lowering: a C++ compiler, and
+    ``fscan.config.cpu_kernel`` not ``"off"`` (:func:`install_lowering` installs it)."""
+    return config.cpu_kernel != "off" and compiler_problem() is None
 
 
-# Dynamo cannot trace the config read and the compiler probe: it calls this while it
-# traces and keeps the result as a constant (torch.compiler.assume_constant_result).
-kernel_traceable._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-def install_lowering() -> bool:
-    """Give torch's scan op :func:`_lower_on_cpu` for CPU tensors, once; True."""
+def install_lowering(declined: DeclinedScan) -> bool:
+    """Give torch's scan op :func:`_lower_on_cpu` for CPU tensors, once; True.
+    ``declined`` runs the scans the kernel declines at run time (module doc)."""
+    # Inductor: imported on first use, as it is only needed where graphs are lowered.
     from torch._inductor import lowering
 
+    global _declined
+    _declined = declined
     current = lowering.lowerings[associative_scan_op]
     if getattr(current, "_fscan_cpu", False):
         return True
