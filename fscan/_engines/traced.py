@@ -61,10 +61,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from optree import PyTreeSpec
 from torch._higher_order_ops.scan import scan
 from torch._higher_order_ops.while_loop import while_loop
 
+from .._call import ScanCall
 from .._combine import FlatCombine, check_combine_output, flat_combine
 from .._context import in_functorch_transform
 from .._knowledge.store import reach
@@ -92,16 +92,9 @@ __all__ = [
 TRACED_BLOCK = 8
 
 
-def traced_scan(
-    api: str,
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    leaves: Sequence[torch.Tensor],
-    dim: int,
-    reverse: bool,
-    combine_mode: str,
-) -> list[torch.Tensor]:
-    """Scan checked flat ``leaves`` along ``dim`` as one traceable operation (module doc).
+def traced_scan(call: ScanCall) -> list[torch.Tensor]:
+    """Scan a checked call's flat leaves along its ``dim`` as one traceable operation
+    (module doc).
 
     Like torch's front end, it moves ``dim`` to the front and flips for
     ``reverse``, so the operation itself always scans forward along dimension 0.
@@ -113,6 +106,7 @@ def traced_scan(
         tensor([ 1.,  3.,  6., 10.])
         >>> torch._dynamo.reset()  # Dynamo's clean-up of this example's globals runs now
     """
+    api, combine_fn, _, spec, leaves, dim, reverse, combine_mode = call[:8]
     # No movedim for dim 0: it would stay in an exported graph as a no-op node.
     xs = [x.movedim(dim, 0) if dim else x for x in leaves]
     if reverse:

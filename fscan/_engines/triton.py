@@ -44,6 +44,7 @@ import optree
 import torch
 from optree import PyTreeSpec
 
+from .._call import ScanCall
 from .._combine import FlatCombine
 from .._context import under_dispatch_mode
 from .._knowledge.store import Knowledge, Reach, knowledge, on_clear
@@ -77,27 +78,21 @@ def _forget_logged() -> None:
     _logged.clear()
 
 
-def codegen_scan(
-    api: str,
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    leaves: Sequence[torch.Tensor],
-    dim: int,
-    reverse: bool,
-    found: Reach,
-    entry: Knowledge,
-) -> list[torch.Tensor] | None:
-    """The pointwise scan of ``leaves`` along ``dim`` by a compiled Triton kernel, or None
-    where that kernel cannot serve (see module doc); the caller then runs the generic engine.
+def codegen_scan(call: ScanCall, found: Reach, entry: Knowledge) -> list[torch.Tensor] | None:
+    """The pointwise scan of a checked call's flat leaves along its ``dim`` by a compiled
+    Triton kernel, or None where that kernel cannot serve (see module doc); the router
+    then runs another engine.
 
-    Example (on CPU there is no kernel: the generic engine runs instead):
+    Example (on CPU there is no kernel):
         >>> import optree
-        >>> _, spec = optree.tree_flatten(0)
         >>> from fscan._knowledge.store import Knowledge, reach
-        >>> args = ("demo", torch.add, spec, [torch.ones(4)], 0, False)
-        >>> codegen_scan(*args, reach(torch.add), Knowledge()) is None
+        >>> x = torch.ones(4)
+        >>> spec = optree.tree_structure(x)
+        >>> call = ScanCall("demo", torch.add, x, spec, [x], 0, False, "pointwise")
+        >>> codegen_scan(call, reach(torch.add), Knowledge()) is None
         True
     """
+    api, combine_fn, _, spec, leaves, dim, reverse = call[:7]
     reason = codegen_unavailable(leaves, found)
     if reason is not None:
         _log_once(reason)
@@ -219,4 +214,5 @@ def codegen_backward_scan(
     spec = optree.tree_structure(list(leaves))
     found = Reach(key, ())
     entry = knowledge(found, spec, "pointwise", leaves)
-    return codegen_scan("fscan backward", combine, spec, leaves, 0, reverse, found, entry)
+    call = ScanCall("fscan backward", combine, leaves, spec, leaves, 0, reverse, "pointwise")
+    return codegen_scan(call, found, entry)

@@ -50,7 +50,7 @@ def reduce_flat(call: ScanCall, init: Sequence[torch.Tensor] | None) -> list[tor
     api, combine_fn, _, spec, leaves, dim, reverse, combine_mode, validate = call[:9]
     combine = flat_combine(api, combine_fn, spec, combine_mode)
     if torch.compiler.is_compiling():  # no ran(): Dynamo cannot trace the log's ContextVar
-        scanned = traced_scan(api, combine_fn, spec, leaves, dim, reverse, combine_mode)
+        scanned = traced_scan(call)
         # select, not narrow(n - 1): an index from the end keeps no expression in the length.
         total = [y.select(dim, 0 if reverse else -1).unsqueeze(0) for y in scanned]
     else:

@@ -183,7 +183,7 @@ def _run(
     if route == "traced":
         return scan_traced(call)
     if route == "triton":
-        out = codegen_scan(api, combine_fn, spec, leaves, dim, reverse, found, entry)
+        out = codegen_scan(call, found, entry)
         if out is not None:
             ran("triton")
             return out
@@ -210,10 +210,10 @@ def _run(
 def scan_traced(call: ScanCall) -> list[torch.Tensor]:
     """The ``traced`` route: while ``torch.compile``/``torch.export`` traces, nothing is
     inspected or cached (Dynamo traces this code; guards, not fscan's keys, decide reuse)."""
-    api, combine_fn, _, spec, leaves, dim, reverse, combine_mode = call[:8]
-    if leaves[0].shape[dim] == 0:
+    leaves = call.leaves
+    if leaves[0].shape[call.dim] == 0:
         return [x.clone() for x in leaves]
-    return traced_scan(api, combine_fn, spec, leaves, dim, reverse, combine_mode)
+    return traced_scan(call)
 
 
 def leaf_versions(leaves: Sequence[torch.Tensor]) -> list[int | None]:
