@@ -197,8 +197,7 @@ def _run(
         return _inplace(combine, leaves, dim, reverse, at)
     captured = found.needing_grad()
     if route == "adjoint" and adjoint_applies(entry, combine, leaves, captured, dim):
-        args = (api, combine_fn, spec, combine, leaves, dim, reverse, found, entry)
-        out = kernel_grad_scan(*args)
+        out = kernel_grad_scan(call, combine, found, entry)
         if out is not None:
             ran("cpp")
             return out

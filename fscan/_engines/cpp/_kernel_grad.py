@@ -10,12 +10,12 @@ a transform, params that do not fit) fscan's adjoint scan runs.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
-from optree import PyTreeSpec
 
+from ..._call import ScanCall
 from ..._combine import FlatCombine
 from ..._config import config
 from ..._context import under_transform
@@ -40,13 +40,8 @@ __all__ = ["KernelScan", "kernel_grad_scan", "run_backward"]
 
 
 def kernel_grad_scan(
-    api: str,
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
+    call: ScanCall,
     combine: FlatCombine,
-    leaves: Sequence[torch.Tensor],
-    dim: int,
-    reverse: bool,
     found: Reach | None = None,
     entry: Knowledge | None = None,
 ) -> list[torch.Tensor] | None:
@@ -61,14 +56,16 @@ def kernel_grad_scan(
 
     Example:
         >>> import fscan, optree
-        >>> _, spec = optree.tree_flatten(0)
+        >>> from fscan._call import ScanCall
         >>> x = torch.ones(4, requires_grad=True)
+        >>> call = ScanCall("demo", torch.add, x, optree.tree_structure(0), [x], 0, False, "")
         >>> with fscan.config.override(cpu_kernel="off"):
-        ...     kernel_grad_scan("demo", torch.add, spec, None, [x], 0, False) is None
+        ...     kernel_grad_scan(call, None) is None
         True
     """
     if config.cpu_kernel == "off" or not torch.is_grad_enabled():
         return None
+    _, combine_fn, _, spec, leaves, dim, reverse = call[:7]
     lookup = serving_lookup(combine_fn, spec, leaves, found, entry, gradients=True)
     if lookup is None:
         return None
@@ -80,11 +77,11 @@ def kernel_grad_scan(
     backward = slots.get(slot_key(aliases, element, (), (), True, bool(needing)))
     if not (is_ready(forward) and is_ready(backward)):  # counted, built or queued
         dtypes = tuple([x.dtype for x in leaves])
-        call = BuildCall(combine_fn, spec, dtypes, element, captured)
+        build = BuildCall(combine_fn, spec, dtypes, element, captured)
         numel = leaves[0].numel()
-        forward = ready_entry(holder, aliases, call, numel, backward=False)
+        forward = ready_entry(holder, aliases, build, numel, backward=False)
         backward = ready_entry(
-            holder, aliases, call, numel, backward=True, param_grads=bool(needing)
+            holder, aliases, build, numel, backward=True, param_grads=bool(needing)
         )
         if forward is None or backward is None:
             return None
