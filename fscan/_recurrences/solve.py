@@ -1,27 +1,36 @@
-"""Solving a checked elementwise linear recurrence: which walk runs, and its gradients.
+"""Solving a checked elementwise linear recurrence: its entry, and its gradients.
 
 :func:`run_linear_recurrence` is the body of ``fscan.linear_recurrence`` below its
 door (and DTensor's and the sharded recurrence's local solve): widen to
-``acc_dtype``, shape the operands, route (:func:`_recurrence`). Gradients come from
+``acc_dtype``, shape the operands, and hand :data:`LINEAR` (what the plain
+recurrence is to the router: its walk, its tree scan, its autograd Function) to
+the router (:mod:`fscan._routing.recurrence`). Gradients come from
 :class:`LinearRecurrenceFn`, whose backward is one more linear recurrence running
 the other way (:func:`adjoint_grads`), saving only ``a`` and ``h``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 
-from .._routing.scan import where
-from .args import accumulation_dtype, check_recurrence_args, reset_mask
-from .chunked import solve, toward_end, toward_start, tree_solve
+from .._cumulative.rules import KERNEL_MIN_NUMEL
+from .._engines.chunked import Algebra, plain_step, toward_end, toward_start
+from .._entry import scan_tree
+from .._routing.recurrence import Recurrence, compose, route, solve
+from .args import shaped_operands
+from .composed_gates import repair_carries
 
 __all__ = [
+    "LINEAR",
     "LinearRecurrenceFn",
     "adjoint_grads",
     "adjoint_grads_differentiable",
     "run_linear_recurrence",
+    "tree_solve",
 ]
 
 
@@ -37,22 +46,15 @@ def run_linear_recurrence(
 ) -> torch.Tensor:
     """``fscan.linear_recurrence`` on plain tensors, its arguments checked here with
     errors naming ``api``."""
-    a, b, initial, dim = check_recurrence_args(api, a, b, dim, initial, reverse, matrix=False)
-    dtype = b.dtype
-    if acc_dtype is not None:
-        wide = accumulation_dtype(acc_dtype, dtype, api)
-        a, b = a.to(wide), b.to(wide)
-        initial = None if initial is None else initial.to(wide)
-    mask = None if reset is None else reset_mask(reset, b, dim, api)
-    # Gates and `initial` with b's number of dimensions (a step's, for `initial`):
-    # views, so that every path below can broadcast and unsqueeze along `dim`.
-    a = a.reshape((1,) * (b.ndim - a.ndim) + tuple(a.shape))
-    if initial is not None:
-        initial = initial.reshape((1,) * (b.ndim - 1 - initial.ndim) + tuple(initial.shape))
-    return _recurrence(a, b, dim, initial, reverse, mask).to(dtype)
+    a, b, initial, dim, mask, dtype = shaped_operands(
+        api, a, b, dim, initial, reverse, reset, acc_dtype
+    )
+    return route(LINEAR, a, b, dim, initial, reverse, mask).to(dtype)
 
 
-def _recurrence(
+def tree_solve(
+    compose: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    step: Callable[..., torch.Tensor],
     a: torch.Tensor,
     b: torch.Tensor,
     dim: int,
@@ -60,35 +62,22 @@ def _recurrence(
     reverse: bool,
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Pick the route: each one computes the same states, differentiably.
-
-    * ``torch.compile`` / ``torch.export`` tracing: the tree scan, one
-      length-polymorphic op (see ``fscan._engines.traced``), which autograd traces too.
-    * ``torch.func`` transforms and forward-mode AD: the chunked walk in plain
-      differentiable torch ops, which functorch differentiates and batches.
-    * Eager, with a gradient wanted: :class:`LinearRecurrenceFn`, whose backward
-      is one more (reverse) linear recurrence; it saves only ``a`` and ``h``.
-    * Eager without gradients: the chunked walk writing into preallocated memory.
-    """
-    if b.numel() == 0:
-        return _empty(a, b, dim, initial)
-    at = where([b])  # fscan._routing.scan: tracing, transform, grad mode
-    if at.tracing:
-        return tree_solve(a, b, dim, initial, reverse, mask)
-    if at.transform:
-        return solve(a, b, dim, initial, reverse, mask, fast=False)
-    if at.grad and any(t is not None and t.requires_grad for t in (a, b, initial)):
-        return LinearRecurrenceFn.apply(a, b, initial, mask, dim, reverse)
-    return solve(a, b, dim, initial, reverse, mask, fast=True)
-
-
-def _empty(
-    a: torch.Tensor, b: torch.Tensor, dim: int, initial: torch.Tensor | None
-) -> torch.Tensor:
-    """The (empty) result of an empty ``b``, still connected to ``a`` and ``initial`` so
-    that their gradients are zeros of their shapes, as the sequential loop's are."""
-    h = torch.addcmul(b, a, torch.zeros_like(b))
-    return h if initial is None else h + initial.unsqueeze(dim) * 0
+    """The pairs ``(a_t, b_t)`` scanned with ``compose`` through the internal entry (a
+    segmented scan with ``mask``); ``initial`` enters the first pair by one ``step``."""
+    n = b.shape[dim]
+    # One shape for both leaves: a per-row mask must broadcast to each of them.
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    a, b = a.expand(shape), b.expand(shape)
+    if initial is not None:
+        first = n - 1 if reverse else 0
+        # A reset at the first step drops `initial`, inf and NaN too.
+        m_first = None if mask is None else mask.select(dim, first)
+        head = step(a.select(dim, first), b.select(dim, first), m_first, initial, None)
+        # Not a `cat` with the other n - 1 steps: that makes torch.export guard on n.
+        b = torch.slice_scatter(b, head.unsqueeze(dim), dim, first, first + 1)
+    if mask is None:
+        return scan_tree(compose, (a, b), dim, reverse)[1]
+    return scan_tree(compose, (a, b), dim, reverse, reset=mask)[1]
 
 
 class LinearRecurrenceFn(torch.autograd.Function):
@@ -107,7 +96,7 @@ class LinearRecurrenceFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, initial, mask, dim, reverse):  # type: ignore[override]
-        h = solve(a, b, dim, initial, reverse, mask, fast=True)
+        h = solve(LINEAR, a, b, dim, initial, reverse, mask, fast=True)
         ctx.save_for_backward(a, h, initial, mask)
         ctx.dim, ctx.reverse = dim, reverse
         return h
@@ -158,7 +147,7 @@ def adjoint_grads(
         gate = a if a.shape[dim] == 1 else later(a)
         step_mask = None if mask is None else later(mask)
         end = grad_h.select(dim, last)
-        solve(gate, earlier(grad_h), dim, end, not reverse, step_mask, True, earlier(lam))
+        solve(LINEAR, gate, earlier(grad_h), dim, end, not reverse, step_mask, True, earlier(lam))
     grad_a = grad_initial = None
     if needs[0]:
         grad_a = torch.empty_like(lam)
@@ -215,4 +204,14 @@ def _adjoint_solve(
     """The adjoint recurrence: differentiable when a higher-order gradient is built."""
     if torch.is_grad_enabled() and (a.requires_grad or g.requires_grad):
         return LinearRecurrenceFn.apply(a, g, None, mask, dim, reverse)
-    return solve(a, g, dim, None, reverse, mask, fast=True)
+    return solve(LINEAR, a, g, dim, None, reverse, mask, fast=True)
+
+
+LINEAR = Recurrence(
+    Algebra(plain_step, toward_end, torch.prod, repair_carries),
+    partial(tree_solve, compose, plain_step),
+    LinearRecurrenceFn.apply,
+    short="loop",
+    kernel_min_numel=KERNEL_MIN_NUMEL,
+)
+"""The plain recurrence ``h_t = a_t h_{t-1} + b_t`` as the router solves it."""
