@@ -35,7 +35,7 @@ the pairs, fill in the rest), specialised to the affine maps ``h -> A h + B``::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -43,6 +43,7 @@ from ._checks import check_dense, normalize_dim
 from ._entry import scan_tree
 from ._errors import ScanTypeError, ScanValueError
 from ._pytree import describe
+from ._recurrences.args import broadcasts_to
 from ._recurrences.composed_gates import values_hidden
 from ._route_log import logs_route
 
@@ -123,32 +124,36 @@ def linear_recurrence_matrix(
         h = _traced_scan(z, A, flags, carry)
     else:
         gates = A.squeeze(0) if shared else A
-        h = _scan(z, gates, flags, carry, shared)
+        maps = _Maps(z, gates, flags, carry, shared)
+        h = _scan(maps)
         if not values_hidden(h) and not bool(torch.isfinite(h).all()):
             # A product of gates may have left the range and met a state (0 * inf, inf
             # * 0), where the loop never forms it: the loop's answer, step by step.
-            h = _walk(z, gates, flags, carry, shared)
+            h = _walk(maps)
     if reverse:
         h = h.flip(0)
     h = h.movedim(0, dim)
     return h if matrix_state else h.squeeze(-1)
 
 
-def _scan(
-    z: torch.Tensor,
-    gates: torch.Tensor,
-    flags: torch.Tensor | None,
-    carry: torch.Tensor | None,
-    shared: bool,
-) -> torch.Tensor:
-    """All prefixes of the maps ``(gate_i, z_i)`` applied to ``carry`` (or 0), time first.
+class _Maps(NamedTuple):
+    """The maps ``h -> gate_i @ h + z_i``, time first, and the state ``carry`` (or None:
+    0) before them. ``gates`` is one gate for every element (``shared``) or one per
+    element; ``flags[i]`` says element ``i`` drops what comes before it."""
 
-    ``gates`` is one gate for every element (``shared``) or one per element;
-    ``flags[i]`` says element ``i`` drops what comes before it.
-    """
+    z: torch.Tensor
+    gates: torch.Tensor
+    flags: torch.Tensor | None
+    carry: torch.Tensor | None
+    shared: bool
+
+
+def _scan(maps: _Maps) -> torch.Tensor:
+    """All prefixes of the maps applied to their ``carry``, time first."""
+    z, gates, flags, carry, shared = maps
     m = z.shape[0]
     if m <= _SEQUENTIAL_CUTOFF:
-        return _walk(z, gates, flags, carry, shared)
+        return _walk(maps)
     p = m // 2
     left, right = slice(0, 2 * p, 2), slice(1, 2 * p, 2)
     f_right = None if flags is None else flags[right]
@@ -158,7 +163,7 @@ def _scan(
     pair_gates = gates @ gates if shared else g_right @ _drop(g_left, f_right)
     pair_flags = None if flags is None else flags[left] | f_right
     # Step 2: their prefixes are the states at the odd positions.
-    odd = _scan(pair_z, pair_gates, pair_flags, carry, shared)
+    odd = _scan(_Maps(pair_z, pair_gates, pair_flags, carry, shared))
     # Step 3: the even positions, each from the state just before it.
     f_even = None if flags is None else flags[2::2]
     g_even = gates if shared else gates[2::2]
@@ -198,14 +203,9 @@ def _compose(x: tuple, y: tuple) -> tuple:
     return f1 | f2, A2 @ torch.where(f2, 0, A1), A2 @ torch.where(f2, 0, B1) + B2
 
 
-def _walk(
-    z: torch.Tensor,
-    gates: torch.Tensor,
-    flags: torch.Tensor | None,
-    carry: torch.Tensor | None,
-    shared: bool,
-) -> torch.Tensor:
+def _walk(maps: _Maps) -> torch.Tensor:
     """The sequential loop, for short levels."""
+    z, gates, flags, carry, shared = maps
     states, h = [], carry
     for t in range(z.shape[0]):
         if h is None:
@@ -293,7 +293,7 @@ def _check(
     _check_gates(A, b, batch, d, matrix_state)
     if initial is not None:
         step = b.shape[:dim] + b.shape[dim + 1 :]
-        if not _broadcasts_to(initial.shape, step):
+        if not broadcasts_to(initial.shape, step):
             raise ScanValueError(
                 f"{_API}: `initial` of shape {tuple(initial.shape)} does not broadcast to one "
                 f"step of `b`, shape {tuple(step)} (`b` with dim {dim} removed)."
@@ -312,7 +312,7 @@ def _check_gates(
     fits = (
         2 <= A.ndim <= len(batch) + 2
         and A.shape[-2:] == (d, d)
-        and _broadcasts_to(A.shape[:-2], batch)
+        and broadcasts_to(A.shape[:-2], batch)
     )
     if not fits:
         hint = (
@@ -358,10 +358,3 @@ def _flags(reset: Any, b: torch.Tensor, batch: torch.Size, dim: int, state: int)
             "elsewhere."
         )
     return mask.reshape((*mask.shape, 1, 1))
-
-
-def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
-    try:
-        return torch.broadcast_shapes(shape, target) == target
-    except RuntimeError:
-        return False

@@ -23,7 +23,7 @@ from ._pytree import flatten
 from ._recurrences.solve import LINEAR
 from ._reduce import associative_reduce
 from ._route_log import Route, register
-from ._routing.recurrence import PAIR_SPEC, compose, kernel_refused
+from ._routing.recurrence import PAIR_SPEC, Operands, compose, kernel_refused
 
 __all__: list[str] = []  # registers its functions on import; nothing to call
 
@@ -109,7 +109,8 @@ def _linear_kernel(a: Any, b: torch.Tensor, dim: int, bound: dict) -> str:
     # As the kernel sees them: one dtype, one shape, no tape (inside the autograd Function).
     gates = torch.broadcast_to(torch.as_tensor(a, dtype=b.dtype).detach(), b.shape)
     mask, initial = bound["reset"], bound["initial"]
-    refused = kernel_refused(LINEAR, gates, b, initial, mask, under_transform())
+    ops = Operands(gates, b, dim, initial, False, mask)
+    refused = kernel_refused(LINEAR, ops, under_transform())
     if refused is not None:  # the router's own reason
         return refused
     found = kernel_refusal(compose, PAIR_SPEC, [gates, b.detach()], dim, dropped=(0,))

@@ -320,7 +320,7 @@ def test_solve_returns_its_out_written_in_place(monkeypatch):
         torch.Tensor, "copy_", lambda s, *a, **k: copies.append(1) or real_copy(s, *a, **k)
     )
     with torch.no_grad():
-        got = _router.solve(LINEAR, a, b, 0, None, False, None, True, out)
+        got = _router.solve(LINEAR, _router.Operands(a, b, 0, None, False, None), True, out)
     monkeypatch.undo()
     assert got is out and not copies
     assert base[0].isnan().all()

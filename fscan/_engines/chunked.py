@@ -25,6 +25,7 @@ import torch
 __all__ = [
     "Algebra",
     "Carries",
+    "Operands",
     "Solve",
     "chunk_size",
     "chunked_solve",
@@ -39,9 +40,24 @@ __all__ = [
 # chunk the walks cost more than they save and the tree scan is used directly.
 _MAX_CHUNK = 64
 _MIN_CHUNK = 8
-# ``(a, b, dim, initial, reverse, mask, fast)`` -> the states: a solver of the recurrence
-# over chunk ends (the router's, which may pick the kernel, the walk again or the tree).
-Solve = Callable[..., torch.Tensor]
+
+
+class Operands(NamedTuple):
+    """One recurrence's operands, checked and shaped (module doc): the gates ``a``, the
+    inputs ``b``, the time dimension, the state before the first step (or None), the
+    direction and the ``reset`` mask (or None)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    dim: int
+    initial: torch.Tensor | None
+    reverse: bool
+    mask: torch.Tensor | None
+
+
+# ``(operands, fast) -> states``: a solver of the recurrence over chunk ends (the
+# router's, which may pick the kernel, the walk again or the tree).
+Solve = Callable[[Operands, bool], torch.Tensor]
 
 
 def toward_start(x: torch.Tensor, dim: int, reverse: bool) -> torch.Tensor:
@@ -101,19 +117,14 @@ class Algebra(NamedTuple):
     step: Callable[..., torch.Tensor]  # one step: ``plain_step``'s signature
     toward_end: Callable[..., torch.Tensor]  # ``toward_end``'s
     total: Callable[[torch.Tensor, int], torch.Tensor]  # the gates of a chunk composed
-    # ``(step, toward_end, carries, chunks, a, b, mask, dim, reverse) -> ends``: the
+    # ``(step, toward_end, carries, chunks, operands) -> ends``: the
     # solved chunk ends with inexact carries walked step by step, or None where
     # composing chunks is exact (log space: sums of logs neither under- nor overflow)
     repair: Callable[..., torch.Tensor] | None = None
 
 
 def chunked_solve(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    dim: int,
-    initial: torch.Tensor | None,
-    reverse: bool,
-    mask: torch.Tensor | None,
+    ops: Operands,
     chunk: int,
     fast: bool,
     out: torch.Tensor | None,
@@ -124,6 +135,7 @@ def chunked_solve(
     shorter recurrence (``solve_ends``), then walk every chunk again from its entering
     state."""
     step, toward_end, total, repair = algebra
+    a, b, dim, initial, reverse, mask = ops
     n = b.shape[dim]
     tail = n % chunk
     # Whole chunks, aligned to where the scan starts; the short tail comes last.
@@ -148,10 +160,10 @@ def chunked_solve(
     chunk_mask = None if mask is None else chunks(mask).any(within)
     # Step 2: the true end state of every chunk, a recurrence over chunks.
     local = ends
-    ends = solve_ends(gates, local, dim, initial, reverse, chunk_mask, fast)
+    ends = solve_ends(Operands(gates, local, dim, initial, reverse, chunk_mask), fast)
     if repair is not None:  # where `gate * state` is not what the steps give: walk them
         carries = Carries(gates, local, ends, chunk_mask, initial)
-        ends = repair(step, toward_end, carries, chunks, a, b, mask, dim, reverse)
+        ends = repair(step, toward_end, carries, chunks, ops)
     entering = toward_end(ends, dim, reverse, initial)
     # Step 3: walk every chunk again from its entering state, keeping all steps.
     if fast and out is None:
@@ -222,19 +234,12 @@ def _walk(
 
 
 def sequential(
-    step: Callable[..., torch.Tensor],
-    a: torch.Tensor,
-    b: torch.Tensor,
-    dim: int,
-    initial: torch.Tensor | None,
-    reverse: bool,
-    mask: torch.Tensor | None,
-    fast: bool,
-    out: torch.Tensor | None = None,
+    step: Callable[..., torch.Tensor], ops: Operands, fast: bool, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The loop, one step at a time (``b.shape[dim] >= 1``): into ``out`` (allocated
     if ``fast``), else stacked. Without ``initial`` the first state is ``b``'s first
     step, as in the tree and the kernel (no gate multiplies a zero state)."""
+    a, b, dim, initial, reverse, mask = ops
     n = b.shape[dim]
     order = range(n - 1, -1, -1) if reverse else range(n)
     if fast and out is None:

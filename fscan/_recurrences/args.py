@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .._checks import check_dense, normalize_dim
+from .._engines.chunked import Operands
 from .._errors import ScanTypeError, ScanValueError
 from .._pytree import describe
 from .._segmented import check_reset
@@ -108,10 +109,10 @@ def shaped_operands(
     reset: Any,
     acc_dtype: Any = None,
     log_space: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, torch.Tensor | None, torch.dtype]:
-    """The arguments of an elementwise recurrence checked and shaped for the router:
-    ``a``, ``b``, ``initial`` widened to ``acc_dtype`` (if given), ``dim``, ``reset`` as a
-    mask, and the dtype of the result. The gates and ``initial`` get ``b``'s number of
+) -> tuple[Operands, torch.dtype]:
+    """The arguments of an elementwise recurrence checked and shaped for the router
+    (``a``, ``b``, ``initial`` widened to ``acc_dtype`` if given, ``reset`` as a mask),
+    and the dtype of the result. The gates and ``initial`` get ``b``'s number of
     dimensions (a step's, for ``initial``): views, so that every route can broadcast
     and unsqueeze along ``dim``."""
     a, b, initial, dim = check_recurrence_args(api, a, b, dim, initial, reverse, False, log_space)
@@ -124,7 +125,7 @@ def shaped_operands(
     a = a.reshape((1,) * (b.ndim - a.ndim) + tuple(a.shape))
     if initial is not None:
         initial = initial.reshape((1,) * (b.ndim - 1 - initial.ndim) + tuple(initial.shape))
-    return a, b, initial, dim, mask, dtype
+    return Operands(a, b, dim, initial, reverse, mask), dtype
 
 
 def _check_real(

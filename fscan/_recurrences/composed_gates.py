@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-from .._engines.chunked import Carries
+from .._engines.chunked import Carries, Operands
 
 __all__ = ["all_normal", "inexact_carries", "repair_carries", "values_hidden"]
 
@@ -69,11 +69,7 @@ def repair_carries(
     toward_end: Callable[..., torch.Tensor],
     carries: Carries,
     chunks: Callable[[torch.Tensor], torch.Tensor],
-    a: torch.Tensor,
-    b: torch.Tensor,
-    mask: torch.Tensor | None,
-    dim: int,
-    reverse: bool,
+    ops: Operands,
 ) -> torch.Tensor:
     """``carries.ends`` with the carries :func:`inexact_carries` flags walked step by step.
 
@@ -83,6 +79,7 @@ def repair_carries(
     where that is exact for every one of them and walked step by step where not.
     """
     gates, local, ends, reset, initial = carries
+    a, b, dim, _, reverse, mask = ops
     dtype = ends.dtype
     if not (dtype.is_floating_point or dtype.is_complex) or values_hidden(gates, ends):
         return ends  # integers wrap alike in any order; see values_hidden

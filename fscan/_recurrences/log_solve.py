@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from .._engines.chunked import Algebra, toward_end
+from .._engines.chunked import Algebra, Operands, toward_end
 from .._routing.recurrence import Recurrence, route, solve
 from .args import shaped_operands
-from .solve import adjoint_grads, adjoint_grads_differentiable, tree_solve
+from .solve import Adjoint, adjoint_grads, tree_solve
 
 __all__ = ["LOG", "LogLinearFn", "log_compose", "log_step", "run_log_linear_recurrence"]
 
@@ -31,16 +31,15 @@ def run_log_linear_recurrence(
 ) -> torch.Tensor:
     """``fscan.log_linear_recurrence`` on plain tensors, its arguments checked here."""
     args = (api, log_a, log_b, dim, initial, reverse, reset)
-    la, lb, initial, dim, mask, _ = shaped_operands(*args, log_space=True)
-    return route(LOG, la, lb, dim, initial, reverse, mask)
+    return route(LOG, shaped_operands(*args, log_space=True)[0])
 
 
 class LogLinearFn(torch.autograd.Function):
     """The log-space recurrence with the stable adjoint of the module docstring."""
 
     @staticmethod
-    def forward(ctx, la, lb, initial, mask, dim, reverse):  # type: ignore[override]
-        log_h = solve(LOG, la, lb, dim, initial, reverse, mask, fast=True)
+    def forward(ctx, la, lb, dim, initial, reverse, mask):  # type: ignore[override]
+        log_h = solve(LOG, Operands(la, lb, dim, initial, reverse, mask), fast=True)
         ctx.save_for_backward(la, lb, log_h, initial, mask)
         ctx.dim, ctx.reverse = dim, reverse
         return log_h
@@ -49,15 +48,15 @@ class LogLinearFn(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         la, lb, log_h, initial, mask = ctx.saved_tensors
         dim, reverse = ctx.dim, ctx.reverse
-        needs_a, needs_b, needs_initial = ctx.needs_input_grad[:3]
+        needs_a, needs_b, _, needs_initial = ctx.needs_input_grad[:4]
         n = log_h.shape[dim]
         previous = log_toward_end(log_h, dim, reverse, initial)
         w = _ratio(la + previous, log_h)
         if mask is not None:
             w = torch.where(mask, 0, w)
         # Lam: the b-gradient of the linear recurrence with gates w (grad_h's shape).
-        adjoint = adjoint_grads_differentiable if torch.is_grad_enabled() else adjoint_grads
-        _, lam, _ = adjoint(w, grad, None, mask, grad, dim, reverse, (False, True, False))
+        adjoint = Adjoint(w, grad, None, mask, grad, dim, reverse, (False, True, False))
+        _, lam, _ = adjoint_grads(adjoint)
         grad_a = (lam * w).sum_to_size(la.shape) if needs_a else None
         grad_b = (lam * _ratio(lb, log_h)).sum_to_size(lb.shape) if needs_b else None
         grad_initial = None
@@ -66,7 +65,7 @@ class LogLinearFn(torch.autograd.Function):
             grad_initial = (lam.select(dim, first) * w.select(dim, first)).sum_to_size(
                 initial.shape
             )
-        return grad_a, grad_b, grad_initial, None, None, None
+        return grad_a, grad_b, None, grad_initial, None, None
 
 
 def _ratio(log_num: torch.Tensor, log_den: torch.Tensor) -> torch.Tensor:

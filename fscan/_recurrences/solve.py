@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .._cumulative.rules import KERNEL_MIN_NUMEL
-from .._engines.chunked import Algebra, plain_step, toward_end, toward_start
+from .._engines.chunked import Algebra, Operands, plain_step, toward_end, toward_start
 from .._entry import scan_tree
 from .._routing.recurrence import Recurrence, compose, route, solve
 from .args import shaped_operands
@@ -26,9 +26,9 @@ from .composed_gates import repair_carries
 
 __all__ = [
     "LINEAR",
+    "Adjoint",
     "LinearRecurrenceFn",
     "adjoint_grads",
-    "adjoint_grads_differentiable",
     "run_linear_recurrence",
     "tree_solve",
 ]
@@ -46,24 +46,18 @@ def run_linear_recurrence(
 ) -> torch.Tensor:
     """``fscan.linear_recurrence`` on plain tensors, its arguments checked here with
     errors naming ``api``."""
-    a, b, initial, dim, mask, dtype = shaped_operands(
-        api, a, b, dim, initial, reverse, reset, acc_dtype
-    )
-    return route(LINEAR, a, b, dim, initial, reverse, mask).to(dtype)
+    ops, dtype = shaped_operands(api, a, b, dim, initial, reverse, reset, acc_dtype)
+    return route(LINEAR, ops).to(dtype)
 
 
 def tree_solve(
     compose: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     step: Callable[..., torch.Tensor],
-    a: torch.Tensor,
-    b: torch.Tensor,
-    dim: int,
-    initial: torch.Tensor | None,
-    reverse: bool,
-    mask: torch.Tensor | None,
+    ops: Operands,
 ) -> torch.Tensor:
     """The pairs ``(a_t, b_t)`` scanned with ``compose`` through the internal entry (a
     segmented scan with ``mask``); ``initial`` enters the first pair by one ``step``."""
+    a, b, dim, initial, reverse, mask = ops
     n = b.shape[dim]
     # One shape for both leaves: a per-row mask must broadcast to each of them.
     shape = torch.broadcast_shapes(a.shape, b.shape)
@@ -95,8 +89,8 @@ class LinearRecurrenceFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, a, b, initial, mask, dim, reverse):  # type: ignore[override]
-        h = solve(LINEAR, a, b, dim, initial, reverse, mask, fast=True)
+    def forward(ctx, a, b, dim, initial, reverse, mask):  # type: ignore[override]
+        h = solve(LINEAR, Operands(a, b, dim, initial, reverse, mask), fast=True)
         ctx.save_for_backward(a, h, initial, mask)
         ctx.dim, ctx.reverse = dim, reverse
         return h
@@ -104,26 +98,40 @@ class LinearRecurrenceFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h):  # type: ignore[override]
         a, h, initial, mask = ctx.saved_tensors
-        args = (a, h, initial, mask, grad_h, ctx.dim, ctx.reverse, ctx.needs_input_grad[:3])
-        # create_graph=True runs the backward with grad mode on: differentiable ops.
-        adjoint = adjoint_grads_differentiable if torch.is_grad_enabled() else adjoint_grads
-        grads = adjoint(*args)
-        return (*grads, None, None, None)
+        needs = ctx.needs_input_grad
+        wanted = (needs[0], needs[1], needs[3])
+        adjoint = Adjoint(a, h, initial, mask, grad_h, ctx.dim, ctx.reverse, wanted)
+        grad_a, grad_b, grad_initial = adjoint_grads(adjoint)
+        return grad_a, grad_b, None, grad_initial, None, None
 
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
-def adjoint_grads(
-    a: torch.Tensor,
-    h: torch.Tensor,
-    initial: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    grad_h: torch.Tensor,
-    dim: int,
-    reverse: bool,
-    needs: tuple[bool, ...],
-) -> Grads:
+class Adjoint(NamedTuple):
+    """What the backward of ``h = linear_recurrence(a, b)`` reads: the gates, the states,
+    ``initial`` and the mask of the forward, the cotangent ``grad_h``, and which of the
+    gradients of ``a``, ``b``, ``initial`` are wanted."""
+
+    a: torch.Tensor
+    h: torch.Tensor
+    initial: torch.Tensor | None
+    mask: torch.Tensor | None
+    grad_h: torch.Tensor
+    dim: int
+    reverse: bool
+    needs: tuple[bool, bool, bool]
+
+
+def adjoint_grads(adjoint: Adjoint) -> Grads:
+    """The gradients of ``a``, ``b``, ``initial`` (None where not wanted): in place, or
+    in differentiable ops where grad mode is on (``create_graph=True``)."""
+    if torch.is_grad_enabled():
+        return _adjoint_grads_differentiable(adjoint)
+    return _adjoint_grads_in_place(adjoint)
+
+
+def _adjoint_grads_in_place(adjoint: Adjoint) -> Grads:
     """The gradients of ``a``, ``b``, ``initial``, on views and into preallocated memory.
 
     The adjoint gate at ``t`` is the forward gate one step later in scan order, so
@@ -131,6 +139,7 @@ def adjoint_grads(
     ``a`` and "all but its last step" of ``grad_h``, with ``lam``'s last step
     (``grad_h``'s) as its initial state: no shifted copies of ``a`` or ``h``.
     """
+    a, h, initial, mask, grad_h, dim, reverse, needs = adjoint
     n = h.shape[dim]
     first, last = (n - 1, 0) if reverse else (0, n - 1)
 
@@ -147,7 +156,8 @@ def adjoint_grads(
         gate = a if a.shape[dim] == 1 else later(a)
         step_mask = None if mask is None else later(mask)
         end = grad_h.select(dim, last)
-        solve(LINEAR, gate, earlier(grad_h), dim, end, not reverse, step_mask, True, earlier(lam))
+        adjoint = Operands(gate, earlier(grad_h), dim, end, not reverse, step_mask)
+        solve(LINEAR, adjoint, True, earlier(lam))
     grad_a = grad_initial = None
     if needs[0]:
         grad_a = torch.empty_like(lam)
@@ -168,17 +178,10 @@ def adjoint_grads(
     return grad_a, lam if needs[1] else None, grad_initial
 
 
-def adjoint_grads_differentiable(
-    a: torch.Tensor,
-    h: torch.Tensor,
-    initial: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    grad_h: torch.Tensor,
-    dim: int,
-    reverse: bool,
-    needs: tuple[bool, ...],
-) -> Grads:
-    """:func:`adjoint_grads` in differentiable ops (shifted copies, this Function again)."""
+def _adjoint_grads_differentiable(adjoint: Adjoint) -> Grads:
+    """:func:`_adjoint_grads_in_place` in differentiable ops (shifted copies, and this
+    Function again)."""
+    a, h, initial, mask, grad_h, dim, reverse, needs = adjoint
     n = h.shape[dim]
     a_next = a.conj() if a.shape[dim] == 1 else toward_start(a.conj(), dim, reverse)
     mask_next = None if mask is None else toward_start(mask, dim, reverse)
@@ -203,8 +206,8 @@ def _adjoint_solve(
 ) -> torch.Tensor:
     """The adjoint recurrence: differentiable when a higher-order gradient is built."""
     if torch.is_grad_enabled() and (a.requires_grad or g.requires_grad):
-        return LinearRecurrenceFn.apply(a, g, None, mask, dim, reverse)
-    return solve(LINEAR, a, g, dim, None, reverse, mask, fast=True)
+        return LinearRecurrenceFn.apply(a, g, dim, None, reverse, mask)
+    return solve(LINEAR, Operands(a, g, dim, None, reverse, mask), fast=True)
 
 
 LINEAR = Recurrence(

@@ -49,13 +49,14 @@ from typing import Literal, NamedTuple
 import optree
 import torch
 
-from .._engines.chunked import Algebra, chunk_size, chunked_solve, sequential
+from .._engines.chunked import Algebra, Operands, chunk_size, chunked_solve, sequential
 from .._engines.cpp.cpu_kernel import kernel_scan
 from .._route_log import ran
 from .scan import where
 
 __all__ = [
     "PAIR_SPEC",
+    "Operands",
     "Recurrence",
     "compose",
     "kernel_refused",
@@ -74,22 +75,16 @@ class Recurrence(NamedTuple):
     """One kind of elementwise linear recurrence, as its entry hands it to the router."""
 
     walk: Algebra  # the chunked walk's operations
-    # (a, b, dim, initial, reverse, mask) -> h: the pairs as one associative scan
-    tree: Callable[..., torch.Tensor]
-    # (a, b, initial, mask, dim, reverse) -> h: the autograd Function's apply
-    with_grad: Callable[..., torch.Tensor]
+    tree: Callable[[Operands], torch.Tensor]  # the pairs as one associative scan
+    with_grad: Callable[..., torch.Tensor]  # the autograd Function's apply(*operands)
     short: Literal["loop", "tree"]  # what solves fewer than 32 steps
     # the fewest elements the C++ kernel serves, None where no kernel serves this kind
     kernel_min_numel: int | None = None
 
 
-def pick_route(
-    kind: Recurrence,
-    b: torch.Tensor,
-    grad_wanted: Callable[[], bool],
-) -> str:
-    """The route of a call (table in the module doc), read without side effects.
-    ``grad_wanted``: whether an input requires grad (asked only in grad mode)."""
+def pick_route(kind: Recurrence, ops: Operands) -> str:
+    """The route of a call (table in the module doc), read without side effects."""
+    b = ops.b
     if b.numel() == 0:
         return "empty"
     at = where([b])
@@ -97,35 +92,26 @@ def pick_route(
         return "tree"
     if at.transform:
         return "functional"
-    if at.grad and grad_wanted():
+    if at.grad and any(t is not None and t.requires_grad for t in (ops.a, b, ops.initial)):
         return "autograd"
     return "inplace"
 
 
-def route(
-    kind: Recurrence,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    dim: int,
-    initial: torch.Tensor | None,
-    reverse: bool,
-    mask: torch.Tensor | None,
-) -> torch.Tensor:
+def route(kind: Recurrence, ops: Operands) -> torch.Tensor:
     """The states of the recurrence ``kind`` on the route :func:`pick_route` picks; each
     route computes the same states, differentiably."""
-    inputs = (a, b, initial)
-    chosen = pick_route(kind, b, lambda: any(t is not None and t.requires_grad for t in inputs))
+    chosen = pick_route(kind, ops)
     if chosen == "inplace":
-        return solve(kind, a, b, dim, initial, reverse, mask, fast=True)
+        return solve(kind, ops, fast=True)
     if chosen == "autograd":
-        return kind.with_grad(a, b, initial, mask, dim, reverse)
+        return kind.with_grad(*ops)
     if chosen == "functional":
-        return solve(kind, a, b, dim, initial, reverse, mask, fast=False)
+        return solve(kind, ops, fast=False)
     if chosen == "tree":
-        return kind.tree(a, b, dim, initial, reverse, mask)
+        return kind.tree(ops)
     ran("empty")
-    h = kind.walk.step(a, b, None, torch.zeros_like(b), None)
-    return h if initial is None else h + initial.unsqueeze(dim) * 0
+    h = kind.walk.step(ops.a, ops.b, None, torch.zeros_like(ops.b), None)
+    return h if ops.initial is None else h + ops.initial.unsqueeze(ops.dim) * 0
 
 
 _RESET = "reset= runs on the chunked walk"
@@ -134,20 +120,14 @@ _DTYPES = "the gates and inputs differ in dtype"
 _INITIAL = "initial requires grad: the chunked walk carries it"
 
 
-def kernel_refused(
-    kind: Recurrence,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    initial: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    transform: bool,
-) -> str | None:
+def kernel_refused(kind: Recurrence, ops: Operands, transform: bool) -> str | None:
     """Why :func:`solve` does not offer this walk to the C++ kernel, or None where it
     does (the kernel may still decline: not built yet, see ``fscan.explain``). Reads
     nothing but its arguments: the ``"fscan"`` log's reasons ask it too."""
     least = kind.kernel_min_numel
     if least is None:
         return "no kernel serves this recurrence"
+    a, b, _, initial, _, mask = ops
     if mask is not None:
         return _RESET
     if transform:
@@ -164,15 +144,7 @@ def kernel_refused(
 
 
 def solve(
-    kind: Recurrence,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    dim: int,
-    initial: torch.Tensor | None,
-    reverse: bool,
-    mask: torch.Tensor | None,
-    fast: bool,
-    out: torch.Tensor | None = None,
+    kind: Recurrence, ops: Operands, fast: bool, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """One walk of the recurrence on the engine the second table picks (module doc).
 
@@ -180,25 +152,26 @@ def solve(
     given): only where no autograd or functorch transform watches the ops; out of
     place (``fast=False``) is the ``functional`` route's, under a transform.
     """
+    a, b, dim = ops.a, ops.b, ops.dim
     n = b.shape[dim]
     a = a.expand(*(n if i == dim else s for i, s in enumerate(a.shape)))  # stride 0 if constant
-    if kernel_refused(kind, a, b, initial, mask, not fast) is None:
-        h = kernel_solve(a, b, dim, reverse, initial, out)
+    ops = Operands(a, b, dim, ops.initial, ops.reverse, ops.mask)
+    if kernel_refused(kind, ops, not fast) is None:
+        h = kernel_solve(a, b, dim, ops.reverse, ops.initial, out)
         if h is not None:
             ran("cpp")
             return h  # `out` itself if given: the kernel wrote it in place
     chunk = chunk_size(n)
     if chunk is not None:
         ran("blocked")
-        walk, solve_ends = kind.walk, partial(solve, kind)
-        return chunked_solve(a, b, dim, initial, reverse, mask, chunk, fast, out, walk, solve_ends)
+        return chunked_solve(ops, chunk, fast, out, kind.walk, partial(solve, kind))
     if kind.short == "tree":
         ran("tree")
-        return kind.tree(a, b, dim, initial, reverse, mask)
+        return kind.tree(ops)
     # Under 32 steps, the loop itself: no product of gates is formed, so none can
     # under/overflow into 0 * inf or inf * 0 (the tree multiplies them).
     ran("blocked")
-    return sequential(kind.walk.step, a, b, dim, initial, reverse, mask, fast, out)
+    return sequential(kind.walk.step, ops, fast, out)
 
 
 def kernel_solve(

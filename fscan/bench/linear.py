@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 import fscan
 from fscan._recurrences.solve import LINEAR
-from fscan._routing.recurrence import solve
+from fscan._routing.recurrence import Operands, solve
 
 from ._timing import Table, fmt_ms
 
@@ -137,7 +137,7 @@ class BlellochScan(torch.autograd.Function):
 
 def _walk_autograd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """fscan's chunked walk differentiated by autograd (the path before the custom backward)."""
-    return solve(LINEAR, a, b, 1, None, False, None, fast=False)
+    return solve(LINEAR, Operands(a, b, 1, None, False, None), fast=False)
 
 
 RUNNERS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
