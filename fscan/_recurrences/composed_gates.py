@@ -18,10 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from .._engines.chunked import Carries, Operands
+from .._routing.recurrence import values_hidden
 
+# values_hidden: asked here, and by the sharded recurrence through this module (it
+# belongs with the other "where a call runs" questions).
 __all__ = ["all_normal", "inexact_carries", "repair_carries", "values_hidden"]
 
 
@@ -50,18 +52,6 @@ def all_normal(gates: torch.Tensor) -> bool:
     low, high = torch.aminmax(size)
     info = torch.finfo(size.dtype)
     return bool((low >= info.tiny) & (high <= info.max))  # False where a NaN is
-
-
-def values_hidden(*ts: torch.Tensor) -> bool:
-    """Under ``vmap`` (also ``jacrev``'s, and the legacy batching of
-    ``autograd.functional.jacobian(vectorize=True)``) no branch can depend on values."""
-    functorch = torch._C._functorch
-    if any(functorch.is_legacy_batchedtensor(t) for t in ts):
-        return True
-    if functorch.peek_interpreter_stack() is None:
-        return False
-    vmap = functorch.TransformType.Vmap
-    return any(i.key() == vmap for i in retrieve_all_functorch_interpreters())
 
 
 def repair_carries(

@@ -38,6 +38,22 @@ engine         when, and what runs
 ``tree``       under 32 steps where the kind says so (``short == "tree"``, log
                space): ``Recurrence.tree``
 =============  ===================================================================
+
+``fscan.linear_recurrence_matrix`` reaches :func:`route_matrix` with its maps laid
+out time first (:mod:`fscan._recurrences.matrix`):
+
+=============  ===================================================================
+engine         when, and what runs
+=============  ===================================================================
+``empty``      length 0: a copy of the (empty) inputs
+``traced``     ``torch.compile``/``torch.export`` traces: the scan the entry hands
+               over (the maps through the internal entry, one length-polymorphic
+               op; the tree's recursion would unroll per length)
+``tree``       otherwise: the odd/even tree of :mod:`fscan._engines.matrix_tree`;
+               where its result is not finite (a product of gates may have left
+               the range and met a state, ``0 * inf``) the loop instead, unless a
+               ``vmap`` hides the values (:func:`values_hidden`)
+=============  ===================================================================
 """
 
 from __future__ import annotations
@@ -48,9 +64,11 @@ from typing import Literal, NamedTuple
 
 import optree
 import torch
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from .._engines.chunked import Algebra, Operands, chunk_size, chunked_solve, sequential
 from .._engines.cpp.cpu_kernel import kernel_scan
+from .._engines.matrix_tree import MatrixMaps, matrix_scan, matrix_walk
 from .._route_log import ran
 from .scan import where
 
@@ -63,7 +81,9 @@ __all__ = [
     "kernel_solve",
     "pick_route",
     "route",
+    "route_matrix",
     "solve",
+    "values_hidden",
 ]
 
 _API = "fscan.linear_recurrence"
@@ -210,3 +230,32 @@ def kernel_solve(
 def compose(x: tuple[torch.Tensor, torch.Tensor], y: tuple[torch.Tensor, torch.Tensor]):
     """``(a1, b1) then (a2, b2) = (a1 a2, a2 b1 + b2)``: ``h -> a2 (a1 h + b1) + b2``."""
     return x[0] * y[0], torch.addcmul(y[1], y[0], x[1])
+
+
+def route_matrix(maps: MatrixMaps, traced: Callable[[MatrixMaps], torch.Tensor]) -> torch.Tensor:
+    """The states of the matrix recurrence's maps, time first, on the engine the third
+    table picks (module doc); ``traced`` is the entry's scan for a trace."""
+    if maps.z.shape[0] == 0:
+        ran("empty")
+        return maps.z.clone()
+    if torch.compiler.is_compiling():  # nothing is logged while Dynamo traces
+        return traced(maps)
+    ran("tree")
+    h = matrix_scan(maps)
+    if not values_hidden(h) and not bool(torch.isfinite(h).all()):
+        # A product of gates may have left the range and met a state (0 * inf, inf
+        # * 0), where the loop never forms it: the loop's answer, step by step.
+        h = matrix_walk(maps)
+    return h
+
+
+def values_hidden(*ts: torch.Tensor) -> bool:
+    """Under ``vmap`` (also ``jacrev``'s, and the legacy batching of
+    ``autograd.functional.jacobian(vectorize=True)``) no branch can depend on values."""
+    functorch = torch._C._functorch
+    if any(functorch.is_legacy_batchedtensor(t) for t in ts):
+        return True
+    if functorch.peek_interpreter_stack() is None:
+        return False
+    vmap = functorch.TransformType.Vmap
+    return any(i.key() == vmap for i in retrieve_all_functorch_interpreters())
