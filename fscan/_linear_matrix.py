@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import torch
 
+from ._recurrences.args import RecurrenceCall
 from ._recurrences.matrix import run_linear_recurrence_matrix
 from ._route_log import logs_route
 
@@ -98,5 +99,5 @@ def linear_recurrence_matrix(
         >>> tuple(state.shape), state[-1, 0, 0].item()
         ((6, 3, 2), 1.96875)
     """
-    args = (A, b, dim, initial, reverse, reset, matrix_state)
-    return run_linear_recurrence_matrix(_API, *args)
+    call = RecurrenceCall(_API, A, b, dim, initial, reverse, reset, matrix_state=matrix_state)
+    return run_linear_recurrence_matrix(call)

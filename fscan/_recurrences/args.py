@@ -8,7 +8,7 @@ promote to, the ``reset`` mask and ``acc_dtype``. Errors name the calling API.
 from __future__ import annotations
 
 from numbers import Number
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -19,8 +19,10 @@ from .._pytree import describe
 from .._segmented import check_reset
 
 __all__ = [
+    "RecurrenceCall",
     "accumulation_dtype",
     "broadcasts_to",
+    "check_initial_fits",
     "check_recurrence_args",
     "reset_mask",
     "result_dtype",
@@ -86,35 +88,50 @@ def check_recurrence_args(
         if t is not None and t.device != b.device:
             raise ScanValueError(f"{api}: `{name}` is on {t.device}, expected {b.device} like `b`.")
     _check_gate_shape(api, gate, inputs, a, b, matrix)
-    if initial is not None:
-        step = b.shape[:dim] + b.shape[dim + 1 :]
-        if not broadcasts_to(initial.shape, step):
-            raise ScanValueError(
-                f"{api}: `initial` of shape {tuple(initial.shape)} does not broadcast to one "
-                f"step of `{inputs}`, shape {tuple(step)} (`{inputs}` with dim {dim} removed)."
-            )
+    check_initial_fits(api, initial, b, dim, inputs)
     dtype = result_dtype(b, a)
     if initial is not None:
         dtype = torch.promote_types(dtype, initial.dtype)
     return a.to(dtype), b.to(dtype), None if initial is None else initial.to(dtype), dim
 
 
-def shaped_operands(
-    api: str,
-    a: Any,
-    b: Any,
-    dim: Any,
-    initial: Any,
-    reverse: Any,
-    reset: Any,
-    acc_dtype: Any = None,
-    log_space: bool = False,
-) -> tuple[Operands, torch.dtype]:
+class RecurrenceCall(NamedTuple):
+    """One call of a recurrence function as its door got it, unchecked: ``a`` is the
+    gates (``log_a``, ``A``), ``b`` the inputs; ``acc_dtype`` is the elementwise
+    recurrence's, ``matrix_state`` the matrix recurrence's. Errors name ``api``."""
+
+    api: str
+    a: Any
+    b: Any
+    dim: Any
+    initial: Any
+    reverse: Any
+    reset: Any
+    acc_dtype: Any = None
+    matrix_state: Any = False
+
+
+def check_initial_fits(
+    api: str, initial: torch.Tensor | None, b: torch.Tensor, dim: int, inputs: str = "b"
+) -> None:
+    """``initial`` (if given) broadcasts to one step of ``b`` (``b`` without ``dim``)."""
+    if initial is None:
+        return
+    step = b.shape[:dim] + b.shape[dim + 1 :]
+    if not broadcasts_to(initial.shape, step):
+        raise ScanValueError(
+            f"{api}: `initial` of shape {tuple(initial.shape)} does not broadcast to one "
+            f"step of `{inputs}`, shape {tuple(step)} (`{inputs}` with dim {dim} removed)."
+        )
+
+
+def shaped_operands(call: RecurrenceCall, log_space: bool = False) -> tuple[Operands, torch.dtype]:
     """The arguments of an elementwise recurrence checked and shaped for the router
     (``a``, ``b``, ``initial`` widened to ``acc_dtype`` if given, ``reset`` as a mask),
     and the dtype of the result. The gates and ``initial`` get ``b``'s number of
     dimensions (a step's, for ``initial``): views, so that every route can broadcast
     and unsqueeze along ``dim``."""
+    api, a, b, dim, initial, reverse, reset, acc_dtype, _ = call
     a, b, initial, dim = check_recurrence_args(api, a, b, dim, initial, reverse, False, log_space)
     dtype = b.dtype
     if acc_dtype is not None:

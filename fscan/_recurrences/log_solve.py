@@ -17,7 +17,7 @@ import torch
 
 from .._engines.chunked import Algebra, Operands, toward_end
 from .._routing.recurrence import Recurrence, route, solve
-from .args import shaped_operands
+from .args import RecurrenceCall, shaped_operands
 from .solve import Adjoint, adjoint_grads, tree_solve
 
 __all__ = ["LOG", "LogLinearFn", "log_compose", "log_step", "run_log_linear_recurrence"]
@@ -30,8 +30,8 @@ def run_log_linear_recurrence(
     api: str, log_a: Any, log_b: Any, dim: Any, initial: Any, reverse: Any, reset: Any
 ) -> torch.Tensor:
     """``fscan.log_linear_recurrence`` on plain tensors, its arguments checked here."""
-    args = (api, log_a, log_b, dim, initial, reverse, reset)
-    return route(LOG, shaped_operands(*args, log_space=True)[0])
+    call = RecurrenceCall(api, log_a, log_b, dim, initial, reverse, reset)
+    return route(LOG, shaped_operands(call, log_space=True)[0])
 
 
 class LogLinearFn(torch.autograd.Function):

@@ -18,25 +18,15 @@ from .._entry import scan_tree
 from .._errors import ScanTypeError, ScanValueError
 from .._pytree import describe
 from .._routing.recurrence import route_matrix
-from .args import broadcasts_to
+from .args import RecurrenceCall, broadcasts_to, check_initial_fits
 
 __all__ = ["check_matrix_args", "run_linear_recurrence_matrix", "traced_matrix_scan"]
 
 
-def run_linear_recurrence_matrix(
-    api: str,
-    A: Any,
-    b: Any,
-    dim: Any,
-    initial: Any,
-    reverse: Any,
-    reset: Any,
-    matrix_state: Any,
-) -> torch.Tensor:
-    """``fscan.linear_recurrence_matrix``, its arguments checked here with errors naming ``api``."""
-    A, b, initial, dim, flags = check_matrix_args(
-        api, A, b, dim, initial, reverse, reset, matrix_state
-    )
+def run_linear_recurrence_matrix(call: RecurrenceCall) -> torch.Tensor:
+    """``fscan.linear_recurrence_matrix``, its arguments checked here."""
+    A, b, initial, dim, flags = check_matrix_args(call)
+    reverse, matrix_state = call.reverse, call.matrix_state
     n = b.shape[dim]
     z = b if matrix_state else b.unsqueeze(-1)  # (*batch, d, k)
     batch = z.ndim - 2
@@ -92,17 +82,11 @@ def _as_state(initial: torch.Tensor, z: torch.Tensor, matrix_state: bool) -> tor
 
 
 def check_matrix_args(
-    api: str,
-    A: Any,
-    b: Any,
-    dim: Any,
-    initial: Any,
-    reverse: Any,
-    reset: Any,
-    matrix_state: Any,
+    call: RecurrenceCall,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, torch.Tensor | None]:
     """Check every argument; return ``A``, ``b``, ``initial`` in one dtype, ``dim`` made
     non-negative, and ``reset`` as flags shaped to broadcast against ``(*batch, d, k)``."""
+    api, A, b, dim, initial, reverse, reset, _, matrix_state = call
     for name, value in (("reverse", reverse), ("matrix_state", matrix_state)):
         if not isinstance(value, bool):
             raise ScanTypeError(
@@ -138,13 +122,7 @@ def check_matrix_args(
             raise ScanValueError(f"{api}: `{name}` is on {t.device}, expected {b.device} like `b`.")
     d = b.shape[len(batch)]
     _check_gates(api, A, b, batch, d, matrix_state)
-    if initial is not None:
-        step = b.shape[:dim] + b.shape[dim + 1 :]
-        if not broadcasts_to(initial.shape, step):
-            raise ScanValueError(
-                f"{api}: `initial` of shape {tuple(initial.shape)} does not broadcast to one "
-                f"step of `b`, shape {tuple(step)} (`b` with dim {dim} removed)."
-            )
+    check_initial_fits(api, initial, b, dim)
     flags = None if reset is None else _flags(api, reset, b, batch, dim, state)
     dtype = torch.promote_types(A.dtype, b.dtype)
     if initial is not None:

@@ -21,7 +21,7 @@ from .._cumulative.rules import KERNEL_MIN_NUMEL
 from .._engines.chunked import Algebra, Operands, plain_step, toward_end, toward_start
 from .._entry import scan_tree
 from .._routing.recurrence import Recurrence, compose, route, solve
-from .args import shaped_operands
+from .args import RecurrenceCall, shaped_operands
 from .composed_gates import repair_carries
 
 __all__ = [
@@ -46,7 +46,7 @@ def run_linear_recurrence(
 ) -> torch.Tensor:
     """``fscan.linear_recurrence`` on plain tensors, its arguments checked here with
     errors naming ``api``."""
-    ops, dtype = shaped_operands(api, a, b, dim, initial, reverse, reset, acc_dtype)
+    ops, dtype = shaped_operands(RecurrenceCall(api, a, b, dim, initial, reverse, reset, acc_dtype))
     return route(LINEAR, ops).to(dtype)
 
 
