@@ -24,6 +24,7 @@ __all__ = [
     "broadcasts_to",
     "check_initial_fits",
     "check_recurrence_args",
+    "checked_widened",
     "reset_mask",
     "result_dtype",
     "shaped_operands",
@@ -131,18 +132,28 @@ def shaped_operands(call: RecurrenceCall, log_space: bool = False) -> tuple[Oper
     and the dtype of the result. The gates and ``initial`` get ``b``'s number of
     dimensions (a step's, for ``initial``): views, so that every route can broadcast
     and unsqueeze along ``dim``."""
-    api, a, b, dim, initial, reverse, reset, acc_dtype, _ = call
+    a, b, initial, dim, dtype = checked_widened(call, log_space)
+    mask = None if call.reset is None else reset_mask(call.reset, b, dim, call.api)
+    a = a.reshape((1,) * (b.ndim - a.ndim) + tuple(a.shape))
+    if initial is not None:
+        initial = initial.reshape((1,) * (b.ndim - 1 - initial.ndim) + tuple(initial.shape))
+    return Operands(a, b, dim, initial, call.reverse, mask), dtype
+
+
+def checked_widened(
+    call: RecurrenceCall, log_space: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, torch.dtype]:
+    """:func:`check_recurrence_args` of an elementwise recurrence's call, then ``a``,
+    ``b``, ``initial`` widened to ``call.acc_dtype`` if given; and the dtype of the
+    result (the inputs' promoted dtype, before widening)."""
+    api, a, b, dim, initial, reverse, _, acc_dtype, _ = call
     a, b, initial, dim = check_recurrence_args(api, a, b, dim, initial, reverse, False, log_space)
     dtype = b.dtype
     if acc_dtype is not None:
         wide = accumulation_dtype(acc_dtype, dtype, api)
         a, b = a.to(wide), b.to(wide)
         initial = None if initial is None else initial.to(wide)
-    mask = None if reset is None else reset_mask(reset, b, dim, api)
-    a = a.reshape((1,) * (b.ndim - a.ndim) + tuple(a.shape))
-    if initial is not None:
-        initial = initial.reshape((1,) * (b.ndim - 1 - initial.ndim) + tuple(initial.shape))
-    return Operands(a, b, dim, initial, reverse, mask), dtype
+    return a, b, initial, dim, dtype
 
 
 def _check_real(
