@@ -16,6 +16,7 @@ import torch
 
 from ._cumulative.rules import KERNEL_MIN_NUMEL, kernel_call
 from ._cumulative.rules import route as dropin_route
+from ._engines.chunked import Operands
 from ._explain import Explanation, explain, explain_arguments, kernel_refusal
 from ._knowledge.purity import under_transform
 from ._linear import linear_recurrence
@@ -23,7 +24,7 @@ from ._pytree import flatten
 from ._recurrences.solve import LINEAR
 from ._reduce import associative_reduce
 from ._route_log import Route, register
-from ._routing.recurrence import PAIR_SPEC, Operands, compose, kernel_refused
+from ._routing.recurrence import PAIR_SPEC, compose, kernel_refused
 
 __all__: list[str] = []  # registers its functions on import; nothing to call
 

@@ -306,6 +306,7 @@ def test_linear_recurrence_gradcheck_with_the_adjoint_in_place(shape, dim, gate,
 def test_solve_returns_its_out_written_in_place(monkeypatch):
     """``_solve(..., out=)`` on the kernel returns ``out`` itself; the kernel's result is
     never copied into it (``Tensor.copy_`` is not called)."""
+    from fscan._engines.chunked import Operands
     from fscan._recurrences.solve import LINEAR
     from fscan._routing import recurrence as _router
 
@@ -320,7 +321,7 @@ def test_solve_returns_its_out_written_in_place(monkeypatch):
         torch.Tensor, "copy_", lambda s, *a, **k: copies.append(1) or real_copy(s, *a, **k)
     )
     with torch.no_grad():
-        got = _router.solve(LINEAR, _router.Operands(a, b, 0, None, False, None), True, out)
+        got = _router.solve(LINEAR, Operands(a, b, 0, None, False, None), True, out)
     monkeypatch.undo()
     assert got is out and not copies
     assert base[0].isnan().all()

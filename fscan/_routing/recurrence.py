@@ -74,7 +74,6 @@ from .scan import where
 
 __all__ = [
     "PAIR_SPEC",
-    "Operands",
     "Recurrence",
     "compose",
     "kernel_refused",
@@ -102,7 +101,7 @@ class Recurrence(NamedTuple):
     kernel_min_numel: int | None = None
 
 
-def pick_route(kind: Recurrence, ops: Operands) -> str:
+def pick_route(ops: Operands) -> str:
     """The route of a call (table in the module doc), read without side effects."""
     b = ops.b
     if b.numel() == 0:
@@ -120,7 +119,7 @@ def pick_route(kind: Recurrence, ops: Operands) -> str:
 def route(kind: Recurrence, ops: Operands) -> torch.Tensor:
     """The states of the recurrence ``kind`` on the route :func:`pick_route` picks; each
     route computes the same states, differentiably."""
-    chosen = pick_route(kind, ops)
+    chosen = pick_route(ops)
     if chosen == "inplace":
         return solve(kind, ops, fast=True)
     if chosen == "autograd":

@@ -34,8 +34,9 @@ import torch
 import torch.nn.functional as F
 
 import fscan
+from fscan._engines.chunked import Operands
 from fscan._recurrences.solve import LINEAR
-from fscan._routing.recurrence import Operands, solve
+from fscan._routing.recurrence import solve
 
 from ._timing import Table, fmt_ms
 
