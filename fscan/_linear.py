@@ -1,8 +1,9 @@
 """The door of ``fscan.linear_recurrence``: ``h_t = a_t * h_{t-1} + b_t``, elementwise.
 
-(Matrices: ``_linear_matrix``.) The walks live in :mod:`fscan._recurrences.chunked`, the
-route and the gradients in :mod:`fscan._recurrences.solve`; this module holds the public
-function and its DTensor dispatch.
+(Matrices: ``_linear_matrix``.) This module holds the public function and its
+DTensor dispatch; the entry and the gradients live in :mod:`fscan._recurrences.solve`,
+the choice of engine in :mod:`fscan._routing.recurrence` and the chunked walks in
+:mod:`fscan._engines.chunked`.
 
 ``h -> a h + b`` maps compose associatively, ``(a1, b1) then (a2, b2) = (a1 a2,
 a2 b1 + b2)``, so the whole sequence of states is one scan. The elementwise
@@ -21,7 +22,7 @@ That is about four passes over memory in ``2 C + O(log n)`` sequential calls, an
 plain differentiable, vmappable torch ops. Composing a chunk multiplies its gates,
 which the loop never does: where that product leaves the floats' range and meets an
 infinite, zero or huge state, the carry is walked step by step instead
-(:mod:`fscan._recurrences.chunked`); scans under 32 steps are the loop itself.
+(:mod:`fscan._recurrences.composed_gates`); scans under 32 steps are the loop itself.
 ``initial`` enters as the carry of the first chunk (folded into the first step of
 the chunk recurrence), not as an extra pass; ``reset`` selects ``h_t = b_t`` with
 ``torch.where`` where it is set (a zero gate would turn an inf or NaN before the

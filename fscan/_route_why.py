@@ -17,13 +17,15 @@ import torch
 from ._context import under_transform
 from ._cumulative.rules import KERNEL_MIN_NUMEL, kernel_call
 from ._cumulative.rules import route as dropin_route
+from ._engines.chunked import Operands
 from ._engines.cpp.refusal import kernel_refusal
 from ._explain import Explanation, explain, explain_arguments
 from ._linear import linear_recurrence
 from ._pytree import flatten
-from ._recurrences.chunked import PAIR_SPEC, compose
+from ._recurrences.solve import LINEAR
 from ._reduce import associative_reduce
 from ._route_log import Route, register
+from ._routing.recurrence import PAIR_SPEC, compose, kernel_refused
 
 __all__: list[str] = []  # registers its functions on import; nothing to call
 
@@ -106,19 +108,13 @@ def _linear(noted: str | None, args: tuple, kwargs: dict, route: Route) -> tuple
 
 
 def _linear_kernel(a: Any, b: torch.Tensor, dim: int, bound: dict) -> str:
-    if bound["reset"] is not None:
-        return "reset= runs on the chunked walk"
-    if under_transform():
-        return "a torch.func transform is active: the torch engine runs"
-    if not b.is_floating_point():
-        return f"dtype {b.dtype}: the kernel takes floating point"
-    if b.numel() < KERNEL_MIN_NUMEL:
-        return f"fewer than {KERNEL_MIN_NUMEL} elements: the chunked walk is faster"
-    initial = bound["initial"]
-    if initial is not None and initial.requires_grad and torch.is_grad_enabled():
-        return "initial requires grad: the chunked walk carries it"
     # As the kernel sees them: one dtype, one shape, no tape (inside the autograd Function).
     gates = torch.broadcast_to(torch.as_tensor(a, dtype=b.dtype).detach(), b.shape)
+    mask, initial = bound["reset"], bound["initial"]
+    ops = Operands(gates, b, dim, initial, False, mask)
+    refused = kernel_refused(LINEAR, ops, under_transform())
+    if refused is not None:  # the router's own reason
+        return refused
     found = kernel_refusal(compose, PAIR_SPEC, [gates, b.detach()], dim, dropped=(0,))
     return found or _NOT_READY
 

@@ -694,15 +694,15 @@ def test_position_leaves_key_their_own_kernel():
 @needs_compiler
 @pytest.mark.parametrize("reverse", [False, True])
 def test_linear_recurrence_rides_on_the_kernel(reverse, monkeypatch):
-    from fscan._recurrences import chunked as _linear_chunked
+    from fscan._routing import recurrence as _router
 
     a, b = torch.rand(600, 64, dtype=torch.float64), torch.randn(600, 64, dtype=torch.float64)
     reset = torch.rand(600) < 0.05
     with torch.no_grad():
-        assert _linear_chunked.kernel_solve(a, b, 0, reverse) is not None
+        assert _router.kernel_solve(a, b, 0, reverse) is not None
         out = fscan.linear_recurrence(a, b, 0, reverse=reverse)
         out_reset = fscan.linear_recurrence(a, b, 0, reverse=reverse, reset=reset)
-        monkeypatch.setattr(_linear_chunked, "kernel_solve", lambda *args: None)
+        monkeypatch.setattr(_router, "kernel_solve", lambda *args: None)
         ref = fscan.linear_recurrence(a, b, 0, reverse=reverse)
         ref_reset = fscan.linear_recurrence(a, b, 0, reverse=reverse, reset=reset)
     torch.testing.assert_close(out, ref)
@@ -717,21 +717,21 @@ def test_linear_recurrence_rides_on_the_kernel(reverse, monkeypatch):
 def test_linear_recurrence_reads_broadcast_gates_in_place(gate, reverse, monkeypatch):
     """A gate that broadcasts to b rides on the kernel as a stride-0 view (no size
     limit, no copy) and equals the walk's result; its inputs are left as they were."""
-    from fscan._recurrences import chunked as _linear_chunked
+    from fscan._routing import recurrence as _router
 
     a = torch.rand(gate, dtype=torch.float64) * 0.5 + 0.5
     b = torch.randn(600, 64, dtype=torch.float64)
     before_a, before_b = a.clone(), b.clone()
     served = []
-    solve = _linear_chunked.kernel_solve
+    solve = _router.kernel_solve
     monkeypatch.setattr(
-        _linear_chunked, "kernel_solve", lambda *args: served.append(solve(*args)) or served[-1]
+        _router, "kernel_solve", lambda *args: served.append(solve(*args)) or served[-1]
     )
     copies = _copies()
     with torch.no_grad():
         out = fscan.linear_recurrence(a, b, 0, reverse=reverse)
     assert served and served[-1] is not None and _copies() == copies
-    monkeypatch.setattr(_linear_chunked, "kernel_solve", lambda *args: None)
+    monkeypatch.setattr(_router, "kernel_solve", lambda *args: None)
     with torch.no_grad():
         ref = fscan.linear_recurrence(a, b, 0, reverse=reverse)
     torch.testing.assert_close(out, ref)
@@ -745,22 +745,22 @@ def test_linear_recurrence_reads_broadcast_gates_in_place(gate, reverse, monkeyp
 def test_linear_recurrence_initial_is_the_kernels_carry_in(gate, reverse, monkeypatch):
     """initial= rides on the kernel (its carry-in: no copy of the leaves) and equals the
     walk's result; with gradients wanted it takes the walk, which carries them."""
-    from fscan._recurrences import chunked as _linear_chunked
+    from fscan._routing import recurrence as _router
 
     a = torch.rand(gate, dtype=torch.float64) * 0.5 + 0.5
     b = torch.randn(600, 64, dtype=torch.float64)
     h0 = torch.randn(64, dtype=torch.float64)
     served = []
-    solve = _linear_chunked.kernel_solve
+    solve = _router.kernel_solve
     monkeypatch.setattr(
-        _linear_chunked, "kernel_solve", lambda *args: served.append(solve(*args)) or served[-1]
+        _router, "kernel_solve", lambda *args: served.append(solve(*args)) or served[-1]
     )
     with torch.no_grad():
         out = fscan.linear_recurrence(a, b, 0, reverse=reverse, initial=h0)
     assert served[-1] is not None
     grad_h0 = h0.clone().requires_grad_()
     fscan.linear_recurrence(a, b, 0, reverse=reverse, initial=grad_h0).sum().backward()
-    monkeypatch.setattr(_linear_chunked, "kernel_solve", lambda *args: None)
+    monkeypatch.setattr(_router, "kernel_solve", lambda *args: None)
     walk_h0 = h0.clone().requires_grad_()
     ref = fscan.linear_recurrence(a, b, 0, reverse=reverse, initial=walk_h0)
     ref.sum().backward()
@@ -773,7 +773,7 @@ def test_linear_recurrence_initial_is_the_kernels_carry_in(gate, reverse, monkey
 def test_linear_recurrence_backward_adjoint_rides_on_the_carry_in(reverse, monkeypatch):
     """The backward's adjoint recurrence starts from a carried-in state (the last
     cotangent): it now runs on the kernel's carry-in, with the walk's gradients."""
-    from fscan._recurrences import chunked as _linear_chunked
+    from fscan._routing import recurrence as _router
 
     def grads(kernel: bool):
         gen, d = torch.Generator().manual_seed(1), torch.float64
@@ -782,19 +782,19 @@ def test_linear_recurrence_backward_adjoint_rides_on_the_carry_in(reverse, monke
         w = torch.randn(600, 64, generator=gen, dtype=d)
         served.clear()
         if not kernel:
-            monkeypatch.setattr(_linear_chunked, "kernel_solve", lambda *args: None)
+            monkeypatch.setattr(_router, "kernel_solve", lambda *args: None)
         (fscan.linear_recurrence(a, b, 0, reverse=reverse) * w).sum().backward()
         return a.grad, b.grad
 
     served: list[bool] = []
-    solve = _linear_chunked.kernel_solve
+    solve = _router.kernel_solve
 
     def spy(a, b, dim, reverse, initial=None, out=None):
         h = solve(a, b, dim, reverse, initial, out)
         served.append(initial is not None and h is not None)  # a carried-in adjoint
         return h
 
-    monkeypatch.setattr(_linear_chunked, "kernel_solve", spy)
+    monkeypatch.setattr(_router, "kernel_solve", spy)
     got = grads(True)
     assert any(served), "the adjoint did not run on the kernel's carry-in"
     ref = grads(False)

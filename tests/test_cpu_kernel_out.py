@@ -267,9 +267,10 @@ def test_out_must_not_alias_a_captured_tensor():
 @pytest.fixture
 def small_kernel_sizes(monkeypatch):
     """The kernel serves linear_recurrence at any size (gradcheck needs small shapes)."""
-    from fscan._recurrences import chunked as _linear_chunked
+    from fscan._recurrences import solve as _linear_solve
 
-    monkeypatch.setattr(_linear_chunked, "KERNEL_MIN_NUMEL", 0)
+    fits_all = _linear_solve.LINEAR._replace(kernel_min_numel=0)
+    monkeypatch.setattr(_linear_solve, "LINEAR", fits_all)
 
 
 @needs_compiler
@@ -305,7 +306,9 @@ def test_linear_recurrence_gradcheck_with_the_adjoint_in_place(shape, dim, gate,
 def test_solve_returns_its_out_written_in_place(monkeypatch):
     """``_solve(..., out=)`` on the kernel returns ``out`` itself; the kernel's result is
     never copied into it (``Tensor.copy_`` is not called)."""
-    from fscan._recurrences import chunked as _linear_chunked
+    from fscan._engines.chunked import Operands
+    from fscan._recurrences.solve import LINEAR
+    from fscan._routing import recurrence as _router
 
     gen = torch.Generator().manual_seed(4)
     a = torch.rand(40, 9, generator=gen, dtype=F64)
@@ -318,7 +321,7 @@ def test_solve_returns_its_out_written_in_place(monkeypatch):
         torch.Tensor, "copy_", lambda s, *a, **k: copies.append(1) or real_copy(s, *a, **k)
     )
     with torch.no_grad():
-        got = _linear_chunked.solve(a, b, 0, None, False, None, True, out)
+        got = _router.solve(LINEAR, Operands(a, b, 0, None, False, None), True, out)
     monkeypatch.undo()
     assert got is out and not copies
     assert base[0].isnan().all()

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fscan
-from fscan._recurrences.chunked import chunk_size
+from fscan._engines.chunked import chunk_size
 
 # 0-31: the tree alone; 32+: chunked walks, with and without a tail, and (257,
 # 1000) with a chunk-level recurrence that is itself chunked.

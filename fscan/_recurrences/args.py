@@ -8,21 +8,26 @@ promote to, the ``reset`` mask and ``acc_dtype``. Errors name the calling API.
 from __future__ import annotations
 
 from numbers import Number
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .._checks import check_dense, normalize_dim
+from .._engines.chunked import Operands
 from .._errors import ScanTypeError, ScanValueError
 from .._pytree import describe
 from .._segmented import check_reset
 
 __all__ = [
+    "RecurrenceCall",
     "accumulation_dtype",
     "broadcasts_to",
+    "check_initial_fits",
     "check_recurrence_args",
+    "checked_widened",
     "reset_mask",
     "result_dtype",
+    "shaped_operands",
 ]
 
 _API = "fscan.linear_recurrence"
@@ -42,13 +47,18 @@ def check_recurrence_args(
     initial: Any,
     reverse: Any,
     matrix: bool,
+    log_space: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-    """Check the arguments; return ``a``, ``b``, ``initial`` in one dtype and ``dim``."""
-    gate = "A" if matrix else "a"
+    """Check the arguments; return ``a``, ``b``, ``initial`` in one dtype and ``dim``.
+
+    ``log_space``: the arguments are ``log_a``, ``log_b`` and a log ``initial``, all
+    real floating point (``fscan.log_linear_recurrence``)."""
+    gate = "A" if matrix else "log_a" if log_space else "a"
+    inputs = "log_b" if log_space else "b"
     if not isinstance(b, torch.Tensor):
-        raise ScanTypeError(f"{api}: `b` must be a torch.Tensor, got {describe(b)}.")
-    check_dense(api, "`b`", b)
-    if isinstance(a, Number) and not matrix:
+        raise ScanTypeError(f"{api}: `{inputs}` must be a torch.Tensor, got {describe(b)}.")
+    check_dense(api, f"`{inputs}`", b)
+    if isinstance(a, Number) and not matrix and not (log_space and isinstance(a, complex)):
         # In b's dtype (promoted as a Python scalar would be), not rounded to float32.
         a = torch.tensor(a, dtype=result_dtype(b, a), device=b.device)
     if not isinstance(a, torch.Tensor):
@@ -64,10 +74,12 @@ def check_recurrence_args(
     for name, t in ((gate, a), ("initial", initial)):
         if t is not None:
             check_dense(api, f"`{name}`", t)
+    if log_space:
+        _check_real(api, ((inputs, b), (gate, a), ("initial", initial)), b.device, inputs)
     if b.ndim < (2 if matrix else 1):
         need = "(*batch, d) with a time dimension in batch" if matrix else "at least 1-D"
-        raise ScanValueError(f"{api}: `b` has shape {tuple(b.shape)}, expected {need}.")
-    dim = normalize_dim(api, dim, b.ndim, lambda: "`b`")
+        raise ScanValueError(f"{api}: `{inputs}` has shape {tuple(b.shape)}, expected {need}.")
+    dim = normalize_dim(api, dim, b.ndim, lambda: f"`{inputs}`")
     if matrix and dim == b.ndim - 1:
         raise ScanValueError(
             f"{api}: `dim` {dim} is the state dimension of `b` (shape {tuple(b.shape)}), "
@@ -76,26 +88,98 @@ def check_recurrence_args(
     for name, t in ((gate, a), ("initial", initial)):
         if t is not None and t.device != b.device:
             raise ScanValueError(f"{api}: `{name}` is on {t.device}, expected {b.device} like `b`.")
-    _check_gate_shape(api, gate, a, b, matrix)
-    if initial is not None:
-        step = b.shape[:dim] + b.shape[dim + 1 :]
-        if not broadcasts_to(initial.shape, step):
-            raise ScanValueError(
-                f"{api}: `initial` of shape {tuple(initial.shape)} does not broadcast to one "
-                f"step of `b`, shape {tuple(step)} (`b` with dim {dim} removed)."
-            )
+    _check_gate_shape(api, gate, inputs, a, b, matrix)
+    check_initial_fits(api, initial, b, dim, inputs)
     dtype = result_dtype(b, a)
     if initial is not None:
         dtype = torch.promote_types(dtype, initial.dtype)
     return a.to(dtype), b.to(dtype), None if initial is None else initial.to(dtype), dim
 
 
-def _check_gate_shape(api: str, gate: str, a: torch.Tensor, b: torch.Tensor, matrix: bool) -> None:
+class RecurrenceCall(NamedTuple):
+    """One call of a recurrence function as its door got it, unchecked: ``a`` is the
+    gates (``log_a``, ``A``), ``b`` the inputs; ``acc_dtype`` is the elementwise
+    recurrence's, ``matrix_state`` the matrix recurrence's. Errors name ``api``."""
+
+    api: str
+    a: Any
+    b: Any
+    dim: Any
+    initial: Any
+    reverse: Any
+    reset: Any
+    acc_dtype: Any = None
+    matrix_state: Any = False
+
+
+def check_initial_fits(
+    api: str, initial: torch.Tensor | None, b: torch.Tensor, dim: int, inputs: str = "b"
+) -> None:
+    """``initial`` (if given) broadcasts to one step of ``b`` (``b`` without ``dim``)."""
+    if initial is None:
+        return
+    step = b.shape[:dim] + b.shape[dim + 1 :]
+    if not broadcasts_to(initial.shape, step):
+        raise ScanValueError(
+            f"{api}: `initial` of shape {tuple(initial.shape)} does not broadcast to one "
+            f"step of `{inputs}`, shape {tuple(step)} (`{inputs}` with dim {dim} removed)."
+        )
+
+
+def shaped_operands(call: RecurrenceCall, log_space: bool = False) -> tuple[Operands, torch.dtype]:
+    """The arguments of an elementwise recurrence checked and shaped for the router
+    (``a``, ``b``, ``initial`` widened to ``acc_dtype`` if given, ``reset`` as a mask),
+    and the dtype of the result. The gates and ``initial`` get ``b``'s number of
+    dimensions (a step's, for ``initial``): views, so that every route can broadcast
+    and unsqueeze along ``dim``."""
+    a, b, initial, dim, dtype = checked_widened(call, log_space)
+    mask = None if call.reset is None else reset_mask(call.reset, b, dim, call.api)
+    a = a.reshape((1,) * (b.ndim - a.ndim) + tuple(a.shape))
+    if initial is not None:
+        initial = initial.reshape((1,) * (b.ndim - 1 - initial.ndim) + tuple(initial.shape))
+    return Operands(a, b, dim, initial, call.reverse, mask), dtype
+
+
+def checked_widened(
+    call: RecurrenceCall, log_space: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, torch.dtype]:
+    """:func:`check_recurrence_args` of an elementwise recurrence's call, then ``a``,
+    ``b``, ``initial`` widened to ``call.acc_dtype`` if given; and the dtype of the
+    result (the inputs' promoted dtype, before widening)."""
+    api, a, b, dim, initial, reverse, _, acc_dtype, _ = call
+    a, b, initial, dim = check_recurrence_args(api, a, b, dim, initial, reverse, False, log_space)
+    dtype = b.dtype
+    if acc_dtype is not None:
+        wide = accumulation_dtype(acc_dtype, dtype, api)
+        a, b = a.to(wide), b.to(wide)
+        initial = None if initial is None else initial.to(wide)
+    return a, b, initial, dim, dtype
+
+
+def _check_real(
+    api: str, named: tuple[tuple[str, Any], ...], device: torch.device, inputs: str
+) -> None:
+    """Log space: every tensor real floating point, on the inputs' device."""
+    for name, t in named:
+        if t is not None and not t.is_floating_point():
+            raise ScanTypeError(
+                f"{api}: `{name}` has dtype {t.dtype}, expected a real floating dtype: "
+                "logs of positive gates and inputs (log space needs no complex numbers)."
+            )
+        if t is not None and t.device != device:
+            raise ScanValueError(
+                f"{api}: `{name}` is on {t.device}, expected {device} like `{inputs}`."
+            )
+
+
+def _check_gate_shape(
+    api: str, gate: str, inputs: str, a: torch.Tensor, b: torch.Tensor, matrix: bool
+) -> None:
     if not matrix:
         if not broadcasts_to(a.shape, b.shape):
             raise ScanValueError(
-                f"{api}: `a` of shape {tuple(a.shape)} does not broadcast to `b` of shape "
-                f"{tuple(b.shape)}; gates are a scalar, per-channel, per-step or full."
+                f"{api}: `{gate}` of shape {tuple(a.shape)} does not broadcast to `{inputs}` "
+                f"of shape {tuple(b.shape)}; gates are a scalar, per-channel, per-step or full."
             )
         return
     d = b.shape[-1]

@@ -1,27 +1,36 @@
-"""Solving a checked elementwise linear recurrence: which walk runs, and its gradients.
+"""Solving a checked elementwise linear recurrence: its entry, and its gradients.
 
 :func:`run_linear_recurrence` is the body of ``fscan.linear_recurrence`` below its
 door (and DTensor's and the sharded recurrence's local solve): widen to
-``acc_dtype``, shape the operands, route (:func:`_recurrence`). Gradients come from
+``acc_dtype``, shape the operands, and hand :data:`LINEAR` (what the plain
+recurrence is to the router: its walk, its tree scan, its autograd Function) to
+the router (:mod:`fscan._routing.recurrence`). Gradients come from
 :class:`LinearRecurrenceFn`, whose backward is one more linear recurrence running
 the other way (:func:`adjoint_grads`), saving only ``a`` and ``h``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from functools import partial
+from typing import Any, NamedTuple
 
 import torch
 
-from .._context import where
-from .args import accumulation_dtype, check_recurrence_args, reset_mask
-from .chunked import solve, toward_end, toward_start, tree_solve
+from .._cumulative.rules import KERNEL_MIN_NUMEL
+from .._engines.chunked import Algebra, Operands, plain_step, toward_end, toward_start
+from .._entry import scan_tree
+from .._routing.recurrence import Recurrence, compose, route, solve
+from .args import RecurrenceCall, shaped_operands
+from .composed_gates import repair_carries
 
 __all__ = [
+    "LINEAR",
+    "Adjoint",
     "LinearRecurrenceFn",
     "adjoint_grads",
-    "adjoint_grads_differentiable",
     "run_linear_recurrence",
+    "tree_solve",
 ]
 
 
@@ -37,58 +46,32 @@ def run_linear_recurrence(
 ) -> torch.Tensor:
     """``fscan.linear_recurrence`` on plain tensors, its arguments checked here with
     errors naming ``api``."""
-    a, b, initial, dim = check_recurrence_args(api, a, b, dim, initial, reverse, matrix=False)
-    dtype = b.dtype
-    if acc_dtype is not None:
-        wide = accumulation_dtype(acc_dtype, dtype, api)
-        a, b = a.to(wide), b.to(wide)
-        initial = None if initial is None else initial.to(wide)
-    mask = None if reset is None else reset_mask(reset, b, dim, api)
-    # Gates and `initial` with b's number of dimensions (a step's, for `initial`):
-    # views, so that every path below can broadcast and unsqueeze along `dim`.
-    a = a.reshape((1,) * (b.ndim - a.ndim) + tuple(a.shape))
+    ops, dtype = shaped_operands(RecurrenceCall(api, a, b, dim, initial, reverse, reset, acc_dtype))
+    return route(LINEAR, ops).to(dtype)
+
+
+def tree_solve(
+    compose: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    step: Callable[..., torch.Tensor],
+    ops: Operands,
+) -> torch.Tensor:
+    """The pairs ``(a_t, b_t)`` scanned with ``compose`` through the internal entry (a
+    segmented scan with ``mask``); ``initial`` enters the first pair by one ``step``."""
+    a, b, dim, initial, reverse, mask = ops
+    n = b.shape[dim]
+    # One shape for both leaves: a per-row mask must broadcast to each of them.
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    a, b = a.expand(shape), b.expand(shape)
     if initial is not None:
-        initial = initial.reshape((1,) * (b.ndim - 1 - initial.ndim) + tuple(initial.shape))
-    return _recurrence(a, b, dim, initial, reverse, mask).to(dtype)
-
-
-def _recurrence(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    dim: int,
-    initial: torch.Tensor | None,
-    reverse: bool,
-    mask: torch.Tensor | None,
-) -> torch.Tensor:
-    """Pick the route: each one computes the same states, differentiably.
-
-    * ``torch.compile`` / ``torch.export`` tracing: the tree scan, one
-      length-polymorphic op (see ``fscan._engines.traced``), which autograd traces too.
-    * ``torch.func`` transforms and forward-mode AD: the chunked walk in plain
-      differentiable torch ops, which functorch differentiates and batches.
-    * Eager, with a gradient wanted: :class:`LinearRecurrenceFn`, whose backward
-      is one more (reverse) linear recurrence; it saves only ``a`` and ``h``.
-    * Eager without gradients: the chunked walk writing into preallocated memory.
-    """
-    if b.numel() == 0:
-        return _empty(a, b, dim, initial)
-    at = where([b])  # fscan._routing.scan: tracing, transform, grad mode
-    if at.tracing:
-        return tree_solve(a, b, dim, initial, reverse, mask)
-    if at.transform:
-        return solve(a, b, dim, initial, reverse, mask, fast=False)
-    if at.grad and any(t is not None and t.requires_grad for t in (a, b, initial)):
-        return LinearRecurrenceFn.apply(a, b, initial, mask, dim, reverse)
-    return solve(a, b, dim, initial, reverse, mask, fast=True)
-
-
-def _empty(
-    a: torch.Tensor, b: torch.Tensor, dim: int, initial: torch.Tensor | None
-) -> torch.Tensor:
-    """The (empty) result of an empty ``b``, still connected to ``a`` and ``initial`` so
-    that their gradients are zeros of their shapes, as the sequential loop's are."""
-    h = torch.addcmul(b, a, torch.zeros_like(b))
-    return h if initial is None else h + initial.unsqueeze(dim) * 0
+        first = n - 1 if reverse else 0
+        # A reset at the first step drops `initial`, inf and NaN too.
+        m_first = None if mask is None else mask.select(dim, first)
+        head = step(a.select(dim, first), b.select(dim, first), m_first, initial, None)
+        # Not a `cat` with the other n - 1 steps: that makes torch.export guard on n.
+        b = torch.slice_scatter(b, head.unsqueeze(dim), dim, first, first + 1)
+    if mask is None:
+        return scan_tree(compose, (a, b), dim, reverse)[1]
+    return scan_tree(compose, (a, b), dim, reverse, reset=mask)[1]
 
 
 class LinearRecurrenceFn(torch.autograd.Function):
@@ -106,8 +89,8 @@ class LinearRecurrenceFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, a, b, initial, mask, dim, reverse):  # type: ignore[override]
-        h = solve(a, b, dim, initial, reverse, mask, fast=True)
+    def forward(ctx, a, b, dim, initial, reverse, mask):  # type: ignore[override]
+        h = solve(LINEAR, Operands(a, b, dim, initial, reverse, mask), fast=True)
         ctx.save_for_backward(a, h, initial, mask)
         ctx.dim, ctx.reverse = dim, reverse
         return h
@@ -115,26 +98,40 @@ class LinearRecurrenceFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h):  # type: ignore[override]
         a, h, initial, mask = ctx.saved_tensors
-        args = (a, h, initial, mask, grad_h, ctx.dim, ctx.reverse, ctx.needs_input_grad[:3])
-        # create_graph=True runs the backward with grad mode on: differentiable ops.
-        adjoint = adjoint_grads_differentiable if torch.is_grad_enabled() else adjoint_grads
-        grads = adjoint(*args)
-        return (*grads, None, None, None)
+        needs = ctx.needs_input_grad
+        wanted = (needs[0], needs[1], needs[3])
+        adjoint = Adjoint(a, h, initial, mask, grad_h, ctx.dim, ctx.reverse, wanted)
+        grad_a, grad_b, grad_initial = adjoint_grads(adjoint)
+        return grad_a, grad_b, None, grad_initial, None, None
 
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
-def adjoint_grads(
-    a: torch.Tensor,
-    h: torch.Tensor,
-    initial: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    grad_h: torch.Tensor,
-    dim: int,
-    reverse: bool,
-    needs: tuple[bool, ...],
-) -> Grads:
+class Adjoint(NamedTuple):
+    """What the backward of ``h = linear_recurrence(a, b)`` reads: the gates, the states,
+    ``initial`` and the mask of the forward, the cotangent ``grad_h``, and which of the
+    gradients of ``a``, ``b``, ``initial`` are wanted."""
+
+    a: torch.Tensor
+    h: torch.Tensor
+    initial: torch.Tensor | None
+    mask: torch.Tensor | None
+    grad_h: torch.Tensor
+    dim: int
+    reverse: bool
+    needs: tuple[bool, bool, bool]
+
+
+def adjoint_grads(adjoint: Adjoint) -> Grads:
+    """The gradients of ``a``, ``b``, ``initial`` (None where not wanted): in place, or
+    in differentiable ops where grad mode is on (``create_graph=True``)."""
+    if torch.is_grad_enabled():
+        return _adjoint_grads_differentiable(adjoint)
+    return _adjoint_grads_in_place(adjoint)
+
+
+def _adjoint_grads_in_place(adjoint: Adjoint) -> Grads:
     """The gradients of ``a``, ``b``, ``initial``, on views and into preallocated memory.
 
     The adjoint gate at ``t`` is the forward gate one step later in scan order, so
@@ -142,6 +139,7 @@ def adjoint_grads(
     ``a`` and "all but its last step" of ``grad_h``, with ``lam``'s last step
     (``grad_h``'s) as its initial state: no shifted copies of ``a`` or ``h``.
     """
+    a, h, initial, mask, grad_h, dim, reverse, needs = adjoint
     n = h.shape[dim]
     first, last = (n - 1, 0) if reverse else (0, n - 1)
 
@@ -158,7 +156,8 @@ def adjoint_grads(
         gate = a if a.shape[dim] == 1 else later(a)
         step_mask = None if mask is None else later(mask)
         end = grad_h.select(dim, last)
-        solve(gate, earlier(grad_h), dim, end, not reverse, step_mask, True, earlier(lam))
+        adjoint = Operands(gate, earlier(grad_h), dim, end, not reverse, step_mask)
+        solve(LINEAR, adjoint, True, earlier(lam))
     grad_a = grad_initial = None
     if needs[0]:
         grad_a = torch.empty_like(lam)
@@ -179,17 +178,10 @@ def adjoint_grads(
     return grad_a, lam if needs[1] else None, grad_initial
 
 
-def adjoint_grads_differentiable(
-    a: torch.Tensor,
-    h: torch.Tensor,
-    initial: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    grad_h: torch.Tensor,
-    dim: int,
-    reverse: bool,
-    needs: tuple[bool, ...],
-) -> Grads:
-    """:func:`adjoint_grads` in differentiable ops (shifted copies, this Function again)."""
+def _adjoint_grads_differentiable(adjoint: Adjoint) -> Grads:
+    """:func:`_adjoint_grads_in_place` in differentiable ops (shifted copies, and this
+    Function again)."""
+    a, h, initial, mask, grad_h, dim, reverse, needs = adjoint
     n = h.shape[dim]
     a_next = a.conj() if a.shape[dim] == 1 else toward_start(a.conj(), dim, reverse)
     mask_next = None if mask is None else toward_start(mask, dim, reverse)
@@ -214,5 +206,15 @@ def _adjoint_solve(
 ) -> torch.Tensor:
     """The adjoint recurrence: differentiable when a higher-order gradient is built."""
     if torch.is_grad_enabled() and (a.requires_grad or g.requires_grad):
-        return LinearRecurrenceFn.apply(a, g, None, mask, dim, reverse)
-    return solve(a, g, dim, None, reverse, mask, fast=True)
+        return LinearRecurrenceFn.apply(a, g, dim, None, reverse, mask)
+    return solve(LINEAR, Operands(a, g, dim, None, reverse, mask), fast=True)
+
+
+LINEAR = Recurrence(
+    Algebra(plain_step, toward_end, torch.prod, repair_carries),
+    partial(tree_solve, compose, plain_step),
+    LinearRecurrenceFn.apply,
+    short="loop",
+    kernel_min_numel=KERNEL_MIN_NUMEL,
+)
+"""The plain recurrence ``h_t = a_t h_{t-1} + b_t`` as the router solves it."""

@@ -34,7 +34,9 @@ import torch
 import torch.nn.functional as F
 
 import fscan
-from fscan._recurrences.chunked import solve
+from fscan._engines.chunked import Operands
+from fscan._recurrences.solve import LINEAR
+from fscan._routing.recurrence import solve
 
 from ._timing import Table, fmt_ms
 
@@ -136,7 +138,7 @@ class BlellochScan(torch.autograd.Function):
 
 def _walk_autograd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """fscan's chunked walk differentiated by autograd (the path before the custom backward)."""
-    return solve(a, b, 1, None, False, None, fast=False)
+    return solve(LINEAR, Operands(a, b, 1, None, False, None), fast=False)
 
 
 RUNNERS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -184,8 +186,8 @@ def engines_of(job: Callable[[], object]) -> str:
     service's warm-up would) and name the engines its recurrences ran on, in order:
     ``cpp`` (the compiled kernel), ``blocked`` (the chunked walk in torch ops), ``tree``
     (the tree scan); ``tree`` also where fscan solved none (docs/routes.md names them)."""
-    from fscan._recurrences import chunked as _linear_chunked
     from fscan._recurrences import solve as _linear_solve
+    from fscan._routing import recurrence as _router
 
     ran: list[str] = []
 
@@ -198,21 +200,21 @@ def engines_of(job: Callable[[], object]) -> str:
 
         return call
 
-    # Each engine spied on in the module that looks it up.
-    originals = {
-        (_linear_chunked, "kernel_solve"): "cpp",
-        (_linear_chunked, "chunked_solve"): "blocked",
-        (_linear_solve, "tree_solve"): "tree",
-    }
+    # Each engine spied on where the router looks it up: the kernel and the walk in its
+    # module, the tree in the recurrence it is handed.
+    originals = {(_router, "kernel_solve"): "cpp", (_router, "chunked_solve"): "blocked"}
     saved = {key: getattr(*key) for key in originals}
+    linear = _linear_solve.LINEAR
     try:
         for (module, attr), name in originals.items():
             setattr(module, attr, spy(name, saved[module, attr]))
+        _linear_solve.LINEAR = linear._replace(tree=spy("tree", linear.tree))
         with fscan.config.override(cpu_kernel="eager"):
             job()
     finally:
         for (module, attr), original in saved.items():
             setattr(module, attr, original)
+        _linear_solve.LINEAR = linear
     return ", ".join(dict.fromkeys(ran)) or "tree"
 
 

@@ -1,0 +1,260 @@
+"""Which engine solves a linear recurrence: the one place that picks, for every call.
+
+``fscan.linear_recurrence`` and ``fscan.log_linear_recurrence`` reach :func:`route`
+through their entry (:mod:`fscan._recurrences`), which hands over the
+:class:`Recurrence` it solves: the chunked walk's operations, its tree scan of
+pairs and its autograd Function. Every route, in the order they are tried:
+
+=============  ===================================================================
+route          when, and what runs
+=============  ===================================================================
+``empty``      ``b`` has no element: one step on the empty tensors, still
+               connected to every input (zero gradients of their shapes)
+``tree``       ``torch.compile``/``torch.export`` traces: ``Recurrence.tree``,
+               the pairs ``(a_t, b_t)`` as one length-polymorphic associative
+               scan (through the internal entry, which autograd traces too)
+``functional`` a ``torch.func`` transform or forward-mode AD is active:
+               :func:`solve` out of place, plain differentiable torch ops that
+               functorch differentiates and batches
+``autograd``   eager, a gradient wanted: ``Recurrence.with_grad``, the
+               recurrence's autograd Function, whose forward and backward (one
+               more recurrence, the other way) are :func:`solve` in place
+``inplace``    eager, no gradient wanted: :func:`solve` writing into
+               preallocated memory
+=============  ===================================================================
+
+:func:`solve` then picks the engine of each walk (the forward, the backward's
+adjoint, the recurrence over chunk ends):
+
+=============  ===================================================================
+engine         when, and what runs
+=============  ===================================================================
+``cpp``        the kind has a kernel, :func:`kernel_refused` finds no reason
+               against it and the C++ kernel (:mod:`fscan._engines.cpp`) is built:
+               the pairs scanned keeping only ``h``, ``initial`` its carry-in
+``blocked``    32 steps or more: the chunked walk (:mod:`fscan._engines.chunked`),
+               with :func:`solve` passed in for the recurrence over chunk ends;
+               under 32 steps the loop itself (``Recurrence.short == "loop"``)
+``tree``       under 32 steps where the kind says so (``short == "tree"``, log
+               space): ``Recurrence.tree``
+=============  ===================================================================
+
+``fscan.linear_recurrence_matrix`` reaches :func:`route_matrix` with its maps laid
+out time first (:mod:`fscan._recurrences.matrix`):
+
+=============  ===================================================================
+engine         when, and what runs
+=============  ===================================================================
+``empty``      length 0: a copy of the (empty) inputs
+``traced``     ``torch.compile``/``torch.export`` traces: the scan the entry hands
+               over (the maps through the internal entry, one length-polymorphic
+               op; the tree's recursion would unroll per length)
+``tree``       otherwise: the odd/even tree of :mod:`fscan._engines.matrix_tree`;
+               where its result is not finite (a product of gates may have left
+               the range and met a state, ``0 * inf``) the loop instead, unless a
+               ``vmap`` hides the values (:func:`values_hidden`)
+=============  ===================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Literal, NamedTuple
+
+import optree
+import torch
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+from .._context import where
+from .._engines.chunked import Algebra, Operands, chunk_size, chunked_solve, sequential
+from .._engines.cpp.cpu_kernel import kernel_scan
+from .._engines.matrix_tree import MatrixMaps, matrix_scan, matrix_walk
+from .._route_log import ran
+
+__all__ = [
+    "PAIR_SPEC",
+    "Recurrence",
+    "compose",
+    "kernel_refused",
+    "kernel_solve",
+    "pick_route",
+    "route",
+    "route_matrix",
+    "solve",
+    "values_hidden",
+]
+
+_API = "fscan.linear_recurrence"
+PAIR_SPEC = optree.tree_structure((0, 0))
+_KEEP_H = (False, True)  # of the pair (a, b) scanned by the kernel: only h
+
+
+class Recurrence(NamedTuple):
+    """One kind of elementwise linear recurrence, as its entry hands it to the router."""
+
+    walk: Algebra  # the chunked walk's operations
+    tree: Callable[[Operands], torch.Tensor]  # the pairs as one associative scan
+    with_grad: Callable[..., torch.Tensor]  # the autograd Function's apply(*operands)
+    short: Literal["loop", "tree"]  # what solves fewer than 32 steps
+    # the fewest elements the C++ kernel serves, None where no kernel serves this kind
+    kernel_min_numel: int | None = None
+
+
+def pick_route(ops: Operands) -> str:
+    """The route of a call (table in the module doc), read without side effects."""
+    b = ops.b
+    if b.numel() == 0:
+        return "empty"
+    at = where([b])
+    if at.tracing:
+        return "tree"
+    if at.transform:
+        return "functional"
+    if at.grad and any(t is not None and t.requires_grad for t in (ops.a, b, ops.initial)):
+        return "autograd"
+    return "inplace"
+
+
+def route(kind: Recurrence, ops: Operands) -> torch.Tensor:
+    """The states of the recurrence ``kind`` on the route :func:`pick_route` picks; each
+    route computes the same states, differentiably."""
+    chosen = pick_route(ops)
+    if chosen == "inplace":
+        return solve(kind, ops, fast=True)
+    if chosen == "autograd":
+        return kind.with_grad(*ops)
+    if chosen == "functional":
+        return solve(kind, ops, fast=False)
+    if chosen == "tree":
+        return kind.tree(ops)
+    ran("empty")
+    h = kind.walk.step(ops.a, ops.b, None, torch.zeros_like(ops.b), None)
+    return h if ops.initial is None else h + ops.initial.unsqueeze(ops.dim) * 0
+
+
+_RESET = "reset= runs on the chunked walk"
+_TRANSFORM = "a torch.func transform is active: the torch engine runs"
+_DTYPES = "the gates and inputs differ in dtype"
+_INITIAL = "initial requires grad: the chunked walk carries it"
+
+
+def kernel_refused(kind: Recurrence, ops: Operands, transform: bool) -> str | None:
+    """Why :func:`solve` does not offer this walk to the C++ kernel, or None where it
+    does (the kernel may still decline: not built yet, see ``fscan.explain``). Reads
+    nothing but its arguments: the ``"fscan"`` log's reasons ask it too."""
+    least = kind.kernel_min_numel
+    if least is None:
+        return "no kernel serves this recurrence"
+    a, b, _, initial, _, mask = ops
+    if mask is not None:
+        return _RESET
+    if transform:
+        return _TRANSFORM
+    if not b.is_floating_point():
+        return f"dtype {b.dtype}: the kernel takes floating point"
+    if a.dtype != b.dtype:
+        return _DTYPES
+    if b.numel() < least:
+        return f"fewer than {least} elements: the chunked walk is faster"
+    if initial is not None and initial.requires_grad and torch.is_grad_enabled():
+        return _INITIAL  # the walk's ops carry it
+    return None
+
+
+def solve(
+    kind: Recurrence, ops: Operands, fast: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One walk of the recurrence on the engine the second table picks (module doc).
+
+    ``fast`` writes the states into preallocated memory (``out=``, or ``out`` if
+    given): only where no autograd or functorch transform watches the ops; out of
+    place (``fast=False``) is the ``functional`` route's, under a transform.
+    """
+    a, b, dim = ops.a, ops.b, ops.dim
+    n = b.shape[dim]
+    a = a.expand(*(n if i == dim else s for i, s in enumerate(a.shape)))  # stride 0 if constant
+    ops = Operands(a, b, dim, ops.initial, ops.reverse, ops.mask)
+    if kernel_refused(kind, ops, not fast) is None:
+        h = kernel_solve(a, b, dim, ops.reverse, ops.initial, out)
+        if h is not None:
+            ran("cpp")
+            return h  # `out` itself if given: the kernel wrote it in place
+    chunk = chunk_size(n)
+    if chunk is not None:
+        ran("blocked")
+        return chunked_solve(ops, chunk, fast, out, kind.walk, partial(solve, kind))
+    if kind.short == "tree":
+        ran("tree")
+        return kind.tree(ops)
+    # Under 32 steps, the loop itself: no product of gates is formed, so none can
+    # under/overflow into 0 * inf or inf * 0 (the tree multiplies them).
+    ran("blocked")
+    return sequential(kind.walk.step, ops, fast, out)
+
+
+def kernel_solve(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    dim: int,
+    reverse: bool,
+    initial: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The recurrence by fscan's compiled C++ kernel (fscan._engines.cpp.cpu_kernel), or
+    None where it does not serve (not built, or inputs it cannot take): what
+    :func:`kernel_refused` lets through. A broadcast gate is expanded to ``b``'s shape
+    (a view: stride 0) and read in place, at any size: with only ``h`` stored, the
+    kernel beat the chunked walk at (16384, 512) for (T, 1) and (1, C) gates
+    (docs/linear.md). ``initial`` enters as the kernel's carry-in: the first step's pair
+    becomes ``(a_0, a_0 initial + b_0)``, read in place of the leaves' (no copy of them).
+    ``out``: written in place through its strides (the backward's narrowed view of
+    ``lam``) and returned; unwritten where the kernel does not serve (None)."""
+    if a.shape != b.shape:
+        a = a.expand(b.shape)  # `a` broadcasts to `b` (checked on entry)
+    head = None
+    if initial is not None:
+        first = b.shape[dim] - 1 if reverse else 0
+        a0, b0 = a.select(dim, first), b.select(dim, first)
+        head = [a0, torch.addcmul(b0, a0, initial).expand(b0.shape)]
+    # Only h is kept: the gate products are neither allocated nor stored (half the
+    # writes, and the page faults of a fresh output).
+    into = None if out is None else [out]
+    found = kernel_scan(
+        _API, compose, PAIR_SPEC, [a, b], dim, reverse, keep=_KEEP_H, head=head, out=into
+    )
+    return None if found is None else found[1]
+
+
+def compose(x: tuple[torch.Tensor, torch.Tensor], y: tuple[torch.Tensor, torch.Tensor]):
+    """``(a1, b1) then (a2, b2) = (a1 a2, a2 b1 + b2)``: ``h -> a2 (a1 h + b1) + b2``."""
+    return x[0] * y[0], torch.addcmul(y[1], y[0], x[1])
+
+
+def route_matrix(maps: MatrixMaps, traced: Callable[[MatrixMaps], torch.Tensor]) -> torch.Tensor:
+    """The states of the matrix recurrence's maps, time first, on the engine the third
+    table picks (module doc); ``traced`` is the entry's scan for a trace."""
+    if maps.z.shape[0] == 0:
+        ran("empty")
+        return maps.z.clone()
+    if torch.compiler.is_compiling():  # nothing is logged while Dynamo traces
+        return traced(maps)
+    ran("tree")
+    h = matrix_scan(maps)
+    if not values_hidden(h) and not bool(torch.isfinite(h).all()):
+        # A product of gates may have left the range and met a state (0 * inf, inf
+        # * 0), where the loop never forms it: the loop's answer, step by step.
+        h = matrix_walk(maps)
+    return h
+
+
+def values_hidden(*ts: torch.Tensor) -> bool:
+    """Under ``vmap`` (also ``jacrev``'s, and the legacy batching of
+    ``autograd.functional.jacobian(vectorize=True)``) no branch can depend on values."""
+    functorch = torch._C._functorch
+    if any(functorch.is_legacy_batchedtensor(t) for t in ts):
+        return True
+    if functorch.peek_interpreter_stack() is None:
+        return False
+    vmap = functorch.TransformType.Vmap
+    return any(i.key() == vmap for i in retrieve_all_functorch_interpreters())
