@@ -1,5 +1,4 @@
-"""The drop-in cumulative ops' machinery behind ``fscan.cumsum`` & co.
-
-``rules`` says which path a call takes (torch's op, the C++ kernel, the blocked
-scan); ``blocked`` is the blocked parallel scan.
+"""Empty but for a temporary re-export (``rules.KERNEL_MIN_NUMEL``) kept while
+:mod:`fscan._recurrences.chunked` still imports it from here; the drop-ins' routing is
+:mod:`fscan._routing.cumulative`, their blocked scan :mod:`fscan._engines.blocked`.
 """

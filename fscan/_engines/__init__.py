@@ -5,5 +5,6 @@
 build on; ``adjoint`` (with ``adjoint_probe``, whether it serves) is its memory-lean
 backward; ``triton`` runs on CUDA/XPU, ``cpp`` on CPU; ``traced`` (with
 ``traced_adjoint`` and ``traced_workarounds``) is the op ``torch.compile`` and
-``torch.export`` see.
+``torch.export`` see; ``blocked`` is the drop-ins' two-level scan, whose inner scans
+:mod:`fscan._routing.cumulative` passes in.
 """

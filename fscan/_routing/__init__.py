@@ -1,5 +1,6 @@
 """The router: the one place that picks an engine, for every kind of call.
 
-``scan`` routes ``associative_scan`` and every scan that reaches the internal entry
-(its table is in its docstring).
+``scan`` routes ``associative_scan`` and every scan that reaches the internal entry;
+``cumulative`` routes the drop-ins (``fscan.cumsum`` & co.). Each has its table in
+its docstring.
 """
