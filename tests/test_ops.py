@@ -222,7 +222,7 @@ LAYOUTS = {
     "permute(3, 1, 0, 2)": lambda x: x.permute(3, 1, 0, 2),  # 3 outer groups: copied
 }
 
-# (op, layout, shape of memory, dim, reverse, (kernel_wins, parallel_wins)): one call per
+# (op, layout, shape of memory, dim, reverse, route(...) = (kernel, blocked)): one call per
 # cell of the router's table.
 ROUTES = [
     (torch.cumsum, "contiguous", (2**15 - 1,), 0, False, (False, False)),  # small: torch's op

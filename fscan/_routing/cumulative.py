@@ -227,9 +227,11 @@ def native_first(op: Any, x: Any, dim: Any) -> Any:
     if type(dim) is not int or not isinstance(x, torch.Tensor) or _is_compiling():
         return None
     try:
-        kernel, parallel = _cells(op, x, dim, False)
-        if parallel or (kernel and kernel_possible()):
-            return None
+        cells = _cells(op, x, dim, False)
+        if cells is not _NATIVE:  # the common case needs no more reads
+            kernel, parallel = cells
+            if parallel or (kernel and kernel_possible()):
+                return None
         return op(x, dim)
     except (IndexError, RuntimeError, NotImplementedError):
         # dim out of range, or a tensor torch's op cannot take (sparse, nested, quantized):
