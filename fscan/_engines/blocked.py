@@ -8,7 +8,7 @@ any of fscan's own, so this engine chooses no other.
   each output about ``log2 n`` times, while torch's CPU kernels accumulate in a
   wider type and round once (float32 sums in float64): a plain float32 tree is
   3-5x less accurate at ``n = 2**22``, and a float64 tree doubles the memory
-  traffic. So the scan runs in two levels: fscan's tree within blocks of
+  traffic. So the scan runs in two levels: the handed-in scan within blocks of
   ``BLOCK`` steps in the working dtype (few roundings of small partial results),
   the block totals and the carries across blocks in the wide dtype (float64 for
   float32), and one final combine of each block's carry with its local results.
@@ -33,6 +33,7 @@ __all__ = [
     "PRODUCT",
     "SUM",
     "Accumulation",
+    "Op",
     "Scan",
     "accumulate",
     "blocked_scan",
