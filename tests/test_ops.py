@@ -166,6 +166,26 @@ def test_gradients_match_torch(force, name, path, reverse):
     torch.testing.assert_close(got, expected)
 
 
+def test_blocked_engine_scans_with_the_scan_it_is_handed():
+    """The blocked engine chooses no engine: its inner scans are the function the router
+    passes in (here the router's own, recorded)."""
+    from fscan._engines.blocked import SUM, accumulate, extremum_scan
+
+    calls = []
+
+    def scan(op, x, dim, reverse):
+        calls.append(op)
+        return router._inner_scan(op, x, dim, reverse)
+
+    x = torch.randn(100, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(accumulate(SUM, x, 0, True, scan), x.flip(0).cumsum(0).flip(0))
+    assert set(calls) == {torch.add}
+    values, indices = extremum_scan(x, 0, False, True, scan)
+    assert torch.equal(values, torch.cummax(x, 0).values)
+    assert torch.equal(indices, torch.cummax(x, 0).indices)
+    assert set(calls) == {torch.add, torch.maximum}
+
+
 def test_cumprod_gradient_with_zeros_is_exact():
     steps = torch.tensor([2.0, 0.0, 3.0, 0.0, 5.0, 1.5, -1.0, 0.5] * 64, dtype=torch.float64)
     x = (steps[:, None] * torch.rand(1, 4096, dtype=torch.float64)).requires_grad_()
