@@ -15,8 +15,6 @@ from typing import Any
 import torch
 
 from ._context import under_transform
-from ._cumulative.rules import KERNEL_MIN_NUMEL, kernel_call
-from ._cumulative.rules import route as dropin_route
 from ._engines.chunked import Operands
 from ._engines.cpp.refusal import kernel_refusal
 from ._explain import Explanation, explain, explain_arguments
@@ -25,6 +23,7 @@ from ._pytree import flatten
 from ._recurrences.solve import LINEAR
 from ._reduce import associative_reduce
 from ._route_log import Route, register
+from ._routing.cumulative import kernel_call, refusals
 from ._routing.recurrence import PAIR_SPEC, compose, kernel_refused
 
 __all__: list[str] = []  # registers its functions on import; nothing to call
@@ -62,7 +61,8 @@ _DROPIN_OPS = {
 
 
 def _dropin(noted: str | None, args: tuple, kwargs: dict, route: Route) -> tuple[str, dict]:
-    """Drop-ins: the kernel, else the parallel scan (``blocked``), else torch's op."""
+    """Drop-ins: the kernel, else the parallel scan (``blocked``), else torch's op; the
+    reasons are the router's (:func:`fscan._routing.cumulative.refusals`)."""
     engine = noted or "native"
     if engine == "cpp":
         return engine, {}
@@ -70,29 +70,14 @@ def _dropin(noted: str | None, args: tuple, kwargs: dict, route: Route) -> tuple
     x = args[0] if args else kwargs["input"]
     dim = args[1] if len(args) > 1 else kwargs["dim"]
     reverse = bool(kwargs.get("reverse", False))
-    if not isinstance(x, torch.Tensor) or not x.is_cpu or x.ndim == 0:
-        return engine, {"cpp": "torch's op serves tensors off the CPU and 0-d ones"}
-    dim = dim % x.ndim
-    kernel, parallel = dropin_route(op, x, dim, reverse)
-    refused = {"cpp": _dropin_kernel(op, x, dim, kernel)}
-    if engine == "native":
-        refused["blocked"] = (
-            "torch's op takes this dtype" if parallel else "torch's op is faster for this layout"
-        )
+    refused = refusals(op, x, dim, reverse)
+    if "cpp" not in refused:  # the table picks the kernel: it did not serve
+        combine, spec, leaves, positions = kernel_call(op, x)
+        why = kernel_refusal(combine, spec, leaves, dim % x.ndim, positions=positions)
+        refused = {"cpp": why or _NOT_READY, **refused}
+    if engine == "blocked":
+        refused.pop("blocked", None)
     return engine, refused
-
-
-def _dropin_kernel(op: Any, x: torch.Tensor, dim: int, wins: bool) -> str:
-    if x.is_complex():
-        return "complex inputs run on torch's op"
-    if not wins:
-        if x.numel() < KERNEL_MIN_NUMEL:
-            return f"fewer than {KERNEL_MIN_NUMEL} elements: torch's op is faster"
-        if x.requires_grad and torch.is_grad_enabled():
-            return "gradients are wanted: the kernel has none here"
-        return "torch's op is faster for this dim and layout (fscan._ops' route table)"
-    combine, spec, leaves, positions = kernel_call(op, x)
-    return kernel_refusal(combine, spec, leaves, dim, positions=positions) or _NOT_READY
 
 
 def _linear(noted: str | None, args: tuple, kwargs: dict, route: Route) -> tuple[str, dict]:

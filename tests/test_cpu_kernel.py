@@ -608,18 +608,17 @@ def test_captured_gradients_second_order_take_the_adjoint_scan():
     ],
 )
 def test_drop_ins_ride_on_the_kernel(op, torch_op, dtype, reverse):
-    from fscan import _ops
-    from fscan._cumulative import rules as _ops_rules
+    from fscan._routing import cumulative as router
 
     x = torch.randn(300, 128) if dtype.is_floating_point else torch.randint(-9, 9, (300, 128))
     x = x.to(dtype) if dtype != torch.float64 else (1 + torch.rand(300, 128) * 1e-3).double()
-    assert _ops_rules.kernel_wins(x, 0, reverse, torch_op)
+    assert router.route(torch_op, x, 0, reverse)[0]
     with torch.no_grad():
         out = op(x, 0, reverse=reverse)
-    assert _ops_rules.path(torch_op, x, 0, reverse) == "cpp"
+    assert router.path(torch_op, x, 0, reverse) == "cpp"
     if torch_op in (torch.cummax, torch.cummin):
         assert type(out) is type(torch_op(x, 0))
-        values, indices = _ops._native_extremum(torch_op, tuple, x, 0, reverse)
+        values, indices = router.native(torch_op, x, 0, reverse)
         assert torch.equal(out.values, values) and torch.equal(out.indices, indices)
         return
     flip = (lambda t: t.flip(0)) if reverse else (lambda t: t)
@@ -661,17 +660,16 @@ def test_cummax_cummin_kernel_indices_and_ties_match_torch(
 ):
     """The kernel's (value, index) scan, indices made from positions: torch's ties (the
     later index; the earlier one in reverse), NaN sticking, over chunked 1-D scans too."""
-    from fscan import _ops
-    from fscan._cumulative import rules as _ops_rules
+    from fscan._routing import cumulative as router
 
     shape = [other, other]
     shape[dim] = length
     x = _ties_and_nans(tuple(shape), dtype, torch.Generator().manual_seed(seed))
-    combine, spec, leaves, positions = _ops_rules.kernel_call(op, x)
+    combine, spec, leaves, positions = router.kernel_call(op, x)
     with num_threads(threads), torch.no_grad():
         out = kernel_scan("test", combine, spec, leaves, dim, reverse, positions=positions)
     assert out is not None
-    values, indices = _ops._native_extremum(op, tuple, x, dim, reverse)
+    values, indices = router.native(op, x, dim, reverse)
     torch.testing.assert_close(out[0], values, equal_nan=True, rtol=0, atol=0)
     assert torch.equal(out[1], indices)
 
@@ -680,11 +678,11 @@ def test_cummax_cummin_kernel_indices_and_ties_match_torch(
 def test_position_leaves_key_their_own_kernel():
     """The same combine over the same leaves, with and without a position leaf: two
     kernels (the slot key holds the positions), each with its own result."""
-    from fscan._cumulative import rules as _ops_rules
+    from fscan._routing import cumulative as router
 
     x = torch.tensor([1.0, 3.0, 3.0, 2.0])
     given = torch.tensor([7, 8, 9, 10])
-    combine, spec, _, _ = _ops_rules.kernel_call(torch.cummax, x)
+    combine, spec, _, _ = router.kernel_call(torch.cummax, x)
     with torch.no_grad():
         made = kernel_scan("t", combine, spec, [x, given], 0, False, positions=(1,))
         read = kernel_scan("t", combine, spec, [x, given], 0, False)
@@ -1205,20 +1203,19 @@ def test_random_views_match_the_oracle(sizes, data, reverse, threads):
 def test_position_leaves_beside_strided_values(reverse):
     """cummax's (value, index) scan with the values a view (the chain path for a
     transpose, gathered rows for a step slice): indices are positions along dim."""
-    from fscan import _ops
-    from fscan._cumulative import rules as _ops_rules
+    from fscan._routing import cumulative as router
 
     gen = torch.Generator().manual_seed(11)
     for x in (
         torch.randint(-3, 4, (12, 2100), generator=gen).float().t(),
         torch.randint(-3, 4, (60, 40), generator=gen).float()[:, ::2],
     ):
-        combine, spec, leaves, positions = _ops_rules.kernel_call(torch.cummax, x)
+        combine, spec, leaves, positions = router.kernel_call(torch.cummax, x)
         copies = _copies()
         with torch.no_grad():
             out = kernel_scan("t", combine, spec, leaves, 0, reverse, positions=positions)
         assert out is not None and _copies() == copies
-        values, indices = _ops._native_extremum(torch.cummax, tuple, x, 0, reverse)
+        values, indices = router.native(torch.cummax, x, 0, reverse)
         assert torch.equal(out[0], values) and torch.equal(out[1], indices)
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import fscan
 from fscan import _ops
-from fscan._cumulative import rules as _ops_rules
+from fscan._routing import cumulative as router
 
 OPS = ["cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"]
 PATHS = ["native", "parallel"]
@@ -31,14 +31,25 @@ DTYPES = [
 SPECIAL = [float("nan"), float("inf"), float("-inf")]
 
 
+def pinned(kernel, parallel):
+    """A stand-in for the router's ``route``: these cells for every layout and size, its
+    dtype rules kept (torch's op serves complex cummax, integer logcumsumexp, ...)."""
+
+    def route(op, x, dim, reverse):
+        kernel_bar, parallel_bar = router._dtype_refusals(op, x.dtype)
+        return kernel and kernel_bar is None, parallel and x.ndim > 0 and parallel_bar is None
+
+    return route
+
+
 @pytest.fixture
 def force(monkeypatch):
     """``force("native")`` or ``force("parallel")``: pin the dispatch for this test."""
 
     def pin(path):
         wins = path == "parallel"
-        monkeypatch.setattr(_ops, "route", lambda op, x, dim, rev: (False, wins and x.ndim > 0))
-        monkeypatch.setattr(_ops, "native_fast", lambda op, x, dim: None)  # _route decides
+        monkeypatch.setattr(router, "route", pinned(False, wins))
+        monkeypatch.setattr(_ops, "native_first", lambda op, x, dim: None)  # route decides
 
     return pin
 
@@ -155,10 +166,30 @@ def test_gradients_match_torch(force, name, path, reverse):
     torch.testing.assert_close(got, expected)
 
 
+def test_blocked_engine_scans_with_the_scan_it_is_handed():
+    """The blocked engine chooses no engine: its inner scans are the function the router
+    passes in (here the router's own, recorded)."""
+    from fscan._engines.blocked import SUM, accumulate, extremum_scan
+
+    calls = []
+
+    def scan(op, x, dim, reverse):
+        calls.append(op)
+        return router._inner_scan(op, x, dim, reverse)
+
+    x = torch.randn(100, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(accumulate(SUM, x, 0, True, scan), x.flip(0).cumsum(0).flip(0))
+    assert set(calls) == {torch.add}
+    values, indices = extremum_scan(x, 0, False, True, scan)
+    assert torch.equal(values, torch.cummax(x, 0).values)
+    assert torch.equal(indices, torch.cummax(x, 0).indices)
+    assert set(calls) == {torch.add, torch.maximum}
+
+
 def test_cumprod_gradient_with_zeros_is_exact():
     steps = torch.tensor([2.0, 0.0, 3.0, 0.0, 5.0, 1.5, -1.0, 0.5] * 64, dtype=torch.float64)
     x = (steps[:, None] * torch.rand(1, 4096, dtype=torch.float64)).requires_grad_()
-    assert _ops_rules.parallel_wins(x, 0, torch.cumprod)  # the scan path, on its own merits
+    assert router.route(torch.cumprod, x, 0, False)[1]  # the scan path, on its own merits
     (got,) = torch.autograd.grad(fscan.cumprod(x, 0).sum(), x)
     (expected,) = torch.autograd.grad(torch.cumprod(x, 0).sum(), x)
     torch.testing.assert_close(got, expected)
@@ -177,7 +208,9 @@ def test_returns_torch_structs():
 
 
 def test_dispatch_rule_on_the_benchmark_workloads():
-    wins = _ops_rules.parallel_wins
+    def wins(x, dim, op):
+        return router.route(op, x, dim, False)[1]
+
     for op in (torch.cumsum, torch.cumprod, torch.cummax, torch.cummin, torch.logcumsumexp):
         assert not wins(torch.empty(2**20), 0, op)  # contiguous: torch's kernel
         assert not wins(torch.empty(4096, 256), 1, op)
@@ -209,8 +242,8 @@ LAYOUTS = {
     "permute(3, 1, 0, 2)": lambda x: x.permute(3, 1, 0, 2),  # 3 outer groups: copied
 }
 
-# (op, layout, shape of memory, dim, reverse, (kernel_wins, parallel_wins)): one call per
-# cell of _route's table.
+# (op, layout, shape of memory, dim, reverse, route(...) = (kernel, blocked)): one call per
+# cell of the router's table.
 ROUTES = [
     (torch.cumsum, "contiguous", (2**15 - 1,), 0, False, (False, False)),  # small: torch's op
     (torch.cumsum, "contiguous", (2**19,), 0, False, (False, False)),  # one lane, below 2**20
@@ -284,29 +317,29 @@ def kernel_possible(monkeypatch):
 
 @pytest.mark.parametrize(("op", "layout", "shape", "dim", "reverse", "route"), ROUTES)
 def test_routing_table(op, layout, shape, dim, reverse, route, kernel_possible):
-    """Each cell of ``_route``'s table; the fast path takes torch's op exactly where the
+    """Each cell of the router's table; the fast path takes torch's op exactly where the
     table says native, or, with no kernel to be had, where it says no parallel scan;
     and its result is torch's."""
     x = routed(layout, shape)
     assert x.is_contiguous() == (layout == "contiguous")
-    assert _ops_rules.route(op, x, dim, reverse) == route
-    assert _ops_rules.kernel_wins(x, dim, reverse, op) == route[0]
-    forward = _ops_rules.route(op, x, dim, False)  # the fast path's case: forward calls only
+    assert router.route(op, x, dim, reverse) == route
+    assert router.route(op, x, dim, reverse)[0] == route[0]
+    forward = router.route(op, x, dim, False)  # the fast path's case: forward calls only
     for possible, mode in ((True, "on"), (False, "off"), (False, "on")):
         kernel_possible(possible, mode)
-        fast = _ops_rules.native_fast(op, x, dim)
+        fast = router.native_first(op, x, dim)
         native = not forward[1] and (not forward[0] or not possible)
         assert (fast is not None) == native, (possible, mode)
         if fast is not None and x.numel() < 2**22:
             assert_same(fast, op(x, dim))
     if not route[0]:
-        assert _ops_rules.path(op, x, dim, reverse) == ("blocked" if route[1] else "native")
+        assert router.path(op, x, dim, reverse) == ("blocked" if route[1] else "native")
 
 
 @parametrize(name=OPS, dtype=[torch.float32, torch.int32, torch.bool], possible=[True, False])
 def test_fast_path_only_where_the_table_says_native(name, dtype, possible, kernel_possible):
-    """Over layouts, dims, grad and dtypes, ``_native_fast`` answers only for calls that
-    ``_route`` sends to torch's op (or, with no kernel to be had, to the kernel), and with
+    """Over layouts, dims, grad and dtypes, ``native_first`` answers only for calls that
+    ``route`` sends to torch's op (or, with no kernel to be had, to the kernel), and with
     torch's result (int and bool sums in int64)."""
     kernel_possible(possible, "on" if possible else "off")
     op = getattr(torch, name)
@@ -326,10 +359,10 @@ def test_fast_path_only_where_the_table_says_native(name, dtype, possible, kerne
         for dim in range(-x.ndim, x.ndim):
             for grad in (False, True) if dtype.is_floating_point else (False,):
                 x = x.detach().requires_grad_(grad)
-                fast = _ops_rules.native_fast(op, x, dim)
+                fast = router.native_first(op, x, dim)
                 if fast is None:
                     continue
-                kernel, parallel = _ops_rules.route(op, x, dim % x.ndim, False)
+                kernel, parallel = router.route(op, x, dim % x.ndim, False)
                 assert not parallel and (not kernel or not possible)
                 assert_same(fast, getattr(fscan, name)(x, dim))
                 with torch.no_grad():
@@ -338,11 +371,11 @@ def test_fast_path_only_where_the_table_says_native(name, dtype, possible, kerne
 
 def test_fast_path_leaves_checks_and_tracing_to_the_checked_path(monkeypatch):
     x = torch.ones(8)
-    assert _ops_rules.native_fast(torch.cumsum, x, 1) is None  # out of range: fscan's error
-    assert _ops_rules.native_fast(torch.cumsum, x, True) is None  # a bool is no dim
-    assert _ops_rules.native_fast(torch.cumsum, [1.0], 0) is None
-    monkeypatch.setattr(_ops_rules, "_is_compiling", lambda: True)
-    assert _ops_rules.native_fast(torch.cumsum, x, 0) is None
+    assert router.native_first(torch.cumsum, x, 1) is None  # out of range: fscan's error
+    assert router.native_first(torch.cumsum, x, True) is None  # a bool is no dim
+    assert router.native_first(torch.cumsum, [1.0], 0) is None
+    monkeypatch.setattr(router, "_is_compiling", lambda: True)
+    assert router.native_first(torch.cumsum, x, 0) is None
 
 
 def kernel_or_skip(op, x, dim, reverse=False):
@@ -351,10 +384,10 @@ def kernel_or_skip(op, x, dim, reverse=False):
 
     if compiler_problem() is not None:
         pytest.skip(f"no C++ kernel here: {compiler_problem()}")
-    assert _ops_rules.kernel_wins(x, dim, reverse, op)
+    assert router.route(op, x, dim, reverse)[0]
     with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):  # the suite runs "off"
         out = getattr(fscan, op.__name__)(x, dim, reverse=reverse)
-        assert _ops_rules.path(op, x, dim, reverse) == "cpp"
+        assert router.path(op, x, dim, reverse) == "cpp"
     return out
 
 
@@ -428,8 +461,8 @@ def test_property_random_shapes(shape, data, name, path, reverse, seed):
     x = sample(shape, torch.float64, generator=torch.Generator().manual_seed(seed))
     with pytest.MonkeyPatch.context() as patch:
         wins = path == "parallel"
-        patch.setattr(_ops, "route", lambda op, x, dim, rev: (False, wins))
-        patch.setattr(_ops, "native_fast", lambda op, x, dim: None)
+        patch.setattr(router, "route", pinned(False, wins))
+        patch.setattr(_ops, "native_first", lambda op, x, dim: None)
         assert_same(*run_both(name, x, dim, reverse))
 
 

@@ -10,13 +10,13 @@ import threading
 import pytest
 import torch
 from helpers import parametrize
-from test_ops import assert_same, reference, sample
+from test_ops import assert_same, pinned, reference, sample
 
 import fscan
 from fscan import _ops
-from fscan._cumulative import rules as _ops_rules
 from fscan._engines.cpp import _kernel_builder, _kernel_registry, cpu_kernel
 from fscan._engines.cpp._cpp_build import compiler_problem
+from fscan._routing import cumulative as router
 
 OPS = ["cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"]
 
@@ -68,16 +68,16 @@ def kernel_route(monkeypatch, eager):
     """Every call routed to the kernel (small shapes included); the list of the kernel's
     answers (False where it declined) for the test to check."""
     served = []
-    kernel = _ops._kernel
+    kernel = router._kernel
 
     def record(*args):
         out = kernel(*args)
         served.append(out is not None)
         return out
 
-    monkeypatch.setattr(_ops, "route", lambda op, x, dim, rev: (True, False))
-    monkeypatch.setattr(_ops, "native_fast", lambda op, x, dim: None)
-    monkeypatch.setattr(_ops, "_kernel", record)
+    monkeypatch.setattr(router, "route", pinned(True, False))
+    monkeypatch.setattr(_ops, "native_first", lambda op, x, dim: None)
+    monkeypatch.setattr(router, "_kernel", record)
     return served
 
 
@@ -149,12 +149,12 @@ def test_routed_views_take_the_kernel(eager, name, case):
     x = view(torch.randn(shape, generator=torch.Generator().manual_seed(case)))
     op = getattr(torch, name)
     if case == INNERMOST_FAR and name in ("cummax", "cummin"):
-        assert not _ops_rules.kernel_wins(x, dim, False, op)
+        assert not router.route(op, x, dim, False)[0]
         return
-    assert not x.is_contiguous() and _ops_rules.kernel_wins(x, dim, False, op)
+    assert not x.is_contiguous() and router.route(op, x, dim, False)[0]
     with torch.no_grad():
         check(name, x, dim, False)
-    assert _ops_rules.path(op, x, dim) == "cpp"
+    assert router.path(op, x, dim) == "cpp"
 
 
 @pytest.fixture(params=["off", "no compiler"])
@@ -187,8 +187,8 @@ def test_without_a_kernel_routed_views_are_torchs_op(no_kernel, name, case):
     shape, view, dim = ROUTED[case]
     x = view(sample(shape, torch.float32))
     op = getattr(torch, name)
-    fast = _ops_rules.native_fast(op, x, dim)
-    assert (fast is None) == _ops_rules.parallel_wins(x, dim, op)
+    fast = router.native_first(op, x, dim)
+    assert (fast is None) == router.route(op, x, dim, False)[1]
     if fast is not None:
         assert_same(fast, op(x, dim))
     check(name, x, dim, False)
@@ -199,8 +199,8 @@ def test_without_a_kernel_routed_views_are_torchs_op(no_kernel, name, case):
 def test_without_a_kernel_forced_routes_fall_back(no_kernel, monkeypatch, name, case):
     """The kernel's route forced on small views: the fallback is torch's op (or the
     parallel scan), same results, no build."""
-    monkeypatch.setattr(_ops, "route", lambda op, x, dim, rev: (True, False))
-    monkeypatch.setattr(_ops, "native_fast", lambda op, x, dim: None)
+    monkeypatch.setattr(router, "route", pinned(True, False))
+    monkeypatch.setattr(_ops, "native_first", lambda op, x, dim: None)
     layout, dim = case
     x = strided(layout, torch.float64)
     for reverse in (False, True):

@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 import fscan
 from fscan import _ops, _swap
+from fscan._routing import cumulative as cumulative_router
 
 OPS = ["cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"]
 # How a model spells the call: the function, keywords, the Tensor method.
@@ -61,8 +62,13 @@ def fscan_calls():
 def parallel_path(monkeypatch):
     """The drop-ins take fscan's parallel scan (not torch's op) for every call, on
     fscan's torch engine: the swap is under test, not a C++ build (seconds each)."""
-    monkeypatch.setattr(_ops, "route", lambda op, x, dim, rev: (False, x.ndim > 0))
-    monkeypatch.setattr(_ops, "native_fast", lambda op, x, dim: None)
+
+    def route(op, x, dim, reverse):  # the blocked scan wherever its dtype rules allow it
+        _, blocked_bar = cumulative_router._dtype_refusals(op, x.dtype)
+        return False, x.ndim > 0 and blocked_bar is None
+
+    monkeypatch.setattr(cumulative_router, "route", route)
+    monkeypatch.setattr(_ops, "native_first", lambda op, x, dim: None)
     with fscan.config.override(cpu_kernel="off"):
         yield
 

@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._cumulative.rules import KERNEL_MIN_NUMEL
 from .._engines.chunked import Algebra, Operands, plain_step, toward_end, toward_start
+from .._engines.cpp.cpu_kernel import KERNEL_MIN_NUMEL
 from .._entry import scan_tree
 from .._routing.recurrence import Recurrence, compose, route, solve
 from .args import RecurrenceCall, shaped_operands

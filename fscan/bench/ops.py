@@ -14,7 +14,7 @@ from functools import partial
 import torch
 
 import fscan
-from fscan._cumulative.rules import path
+from fscan._routing.cumulative import path
 
 from ._timing import Table, fmt_ms, optional_jax
 

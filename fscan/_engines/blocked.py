@@ -1,12 +1,14 @@
-"""The parallel-scan paths of the drop-in cumulative ops (see :mod:`fscan._ops`).
+"""The blocked engine of the drop-in cumulative ops: ``fscan.cumsum`` & co. as scans.
 
-Two scans, both on fscan's internal entry (:func:`fscan._entry.scan_tree`):
+Two scans, whose inner scans (of one cheap elementwise op each) are the ``scan``
+they are handed: :mod:`fscan._routing.cumulative` passes in a scan it routes as
+any of fscan's own, so this engine chooses no other.
 
 * :func:`blocked_scan`, for sums, products and log-sum-exp. A tree scan rounds
   each output about ``log2 n`` times, while torch's CPU kernels accumulate in a
   wider type and round once (float32 sums in float64): a plain float32 tree is
   3-5x less accurate at ``n = 2**22``, and a float64 tree doubles the memory
-  traffic. So the scan runs in two levels: fscan's tree within blocks of
+  traffic. So the scan runs in two levels: the handed-in scan within blocks of
   ``BLOCK`` steps in the working dtype (few roundings of small partial results),
   the block totals and the carries across blocks in the wide dtype (float64 for
   float32), and one final combine of each block's carry with its local results.
@@ -14,6 +16,8 @@ Two scans, both on fscan's internal entry (:func:`fscan._entry.scan_tree`):
   over the index if it is at least as large as the running maximum, or NaN
   (ties go to the later index; a NaN sticks, and a later NaN takes over its
   index). It is exact, so it needs no wider type.
+
+:func:`accumulate` runs :func:`blocked_scan` in torch's accumulation types.
 """
 
 from __future__ import annotations
@@ -23,11 +27,23 @@ from dataclasses import dataclass
 
 import torch
 
-from .._entry import scan_tree
-
-__all__ = ["BLOCK", "LOGSUMEXP", "PRODUCT", "SUM", "Accumulation", "blocked_scan", "extremum_scan"]
+__all__ = [
+    "BLOCK",
+    "LOGSUMEXP",
+    "PRODUCT",
+    "SUM",
+    "Accumulation",
+    "Op",
+    "Scan",
+    "accumulate",
+    "blocked_scan",
+    "extremum_scan",
+]
 
 Op = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# scan(op, x, dim, reverse): the inclusive scan of the tensor x along dim by the
+# elementwise op, from the router (module doc).
+Scan = Callable[[Op, torch.Tensor, int, bool], torch.Tensor]
 # Steps per block: 16 keeps the local tree to 4 roundings of partial results
 # of a few elements' size, and the carries to 1/16 of the data.
 BLOCK = 16
@@ -50,29 +66,58 @@ PRODUCT = Accumulation(torch.mul, 1.0, torch.cumprod, torch.prod)
 LOGSUMEXP = Accumulation(torch.logaddexp, float("-inf"), torch.logcumsumexp, None)
 
 
+# The dtype blocked_scan works in and the one its carries are in, where they are not
+# the input's: torch's accumulation types (half types and float32 carried in float64).
+_WORK_AND_WIDE = {
+    torch.float16: (torch.float32, torch.float64),
+    torch.bfloat16: (torch.float32, torch.float64),
+    torch.float32: (torch.float32, torch.float64),
+    torch.complex64: (torch.complex64, torch.complex128),
+}
+
+
+def accumulate(
+    how: Accumulation, x: torch.Tensor, dim: int, reverse: bool, scan: Scan
+) -> torch.Tensor:
+    """:func:`blocked_scan` in torch's accumulation types, the result in ``x``'s dtype.
+
+    Example:
+        >>> from fscan._engines.tree import scan_functional_along
+        >>> def scan(op, x, dim, reverse):
+        ...     return scan_functional_along(lambda a, b: [op(a[0], b[0])], [x], dim, reverse)[0]
+        >>> accumulate(SUM, torch.ones(40, dtype=torch.float16), 0, False, scan)[-1]
+        tensor(40., dtype=torch.float16)
+    """
+    work, wide = _WORK_AND_WIDE.get(x.dtype, (x.dtype, x.dtype))
+    return blocked_scan(how, x.to(work), dim, reverse, wide, scan).to(x.dtype)
+
+
 def blocked_scan(
-    how: Accumulation, x: torch.Tensor, dim: int, reverse: bool, wide: torch.dtype
+    how: Accumulation, x: torch.Tensor, dim: int, reverse: bool, wide: torch.dtype, scan: Scan
 ) -> torch.Tensor:
     """Inclusive scan of ``x`` along ``dim`` with ``how.op``; carries in the ``wide`` dtype.
 
-    1. Scan within blocks of ``BLOCK`` steps with fscan's parallel scan, in
-       ``x``'s dtype.
+    1. Scan within blocks of ``BLOCK`` steps with ``scan`` (fscan's parallel scan),
+       in ``x``'s dtype.
     2. Total each block in ``wide`` (``how.reduce`` straight from ``x``, else the
        last local result) and scan the totals with torch's own kernel: they are
        ``BLOCK`` times fewer, and a sequential scan in ``wide`` rounds only once.
     3. Combine each block's entering carry with its local results.
 
     Example:
-        >>> blocked_scan(SUM, torch.ones(40, 2), 0, False, torch.float64)[-1]
+        >>> from fscan._engines.tree import scan_functional_along
+        >>> def scan(op, x, dim, reverse):
+        ...     return scan_functional_along(lambda a, b: [op(a[0], b[0])], [x], dim, reverse)[0]
+        >>> blocked_scan(SUM, torch.ones(40, 2), 0, False, torch.float64, scan)[-1]
         tensor([40., 40.])
     """
     n = x.shape[dim]
     if n < 2 * BLOCK:
-        return scan_tree(how.op, x, dim, reverse)
+        return scan(how.op, x, dim, reverse)
     tail = n % BLOCK
     start = tail if reverse else 0
     blocks = x.narrow(dim, start, n - tail).unflatten(dim, (-1, BLOCK))
-    local = scan_tree(how.op, blocks, dim + 1, reverse)
+    local = scan(how.op, blocks, dim + 1, reverse)
     if how.reduce is None:
         totals = local.select(dim + 1, 0 if reverse else BLOCK - 1).to(wide)
     else:
@@ -83,7 +128,7 @@ def blocked_scan(
     if not tail:
         return main
     last = carries.narrow(dim, 0 if reverse else carries.shape[dim] - 1, 1)
-    rest = scan_tree(how.op, x.narrow(dim, 0 if reverse else n - tail, tail), dim, reverse)
+    rest = scan(how.op, x.narrow(dim, 0 if reverse else n - tail, tail), dim, reverse)
     rest = _carry_into(how.op, last, rest)
     return torch.cat([rest, main] if reverse else [main, rest], dim)
 
@@ -117,7 +162,7 @@ def _entering(carries: torch.Tensor, dim: int, identity: float, reverse: bool) -
 
 
 def extremum_scan(
-    x: torch.Tensor, dim: int, reverse: bool, largest: bool
+    x: torch.Tensor, dim: int, reverse: bool, largest: bool, scan: Scan
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, indices)`` of the running max (``largest``) or min of ``x`` along ``dim``.
 
@@ -132,16 +177,19 @@ def extremum_scan(
     of it to the chosen element, ties included).
 
     Example:
-        >>> extremum_scan(torch.tensor([1.0, 3.0, 3.0, 2.0]), 0, False, True)
+        >>> from fscan._engines.tree import scan_functional_along
+        >>> def scan(op, x, dim, reverse):
+        ...     return scan_functional_along(lambda a, b: [op(a[0], b[0])], [x], dim, reverse)[0]
+        >>> extremum_scan(torch.tensor([1.0, 3.0, 3.0, 2.0]), 0, False, True, scan)
         (tensor([1., 3., 3., 3.]), tensor([0, 1, 2, 2]))
     """
     n = x.shape[dim]
     with torch.no_grad():
         best = torch.maximum if largest else torch.minimum
-        running = scan_tree(best, x, dim, reverse)
+        running = scan(best, x, dim, reverse)
         marks = _takeovers(x, running, dim, reverse, largest)
         latest = torch.minimum if reverse else torch.maximum
-        indices = scan_tree(latest, marks, dim, reverse).long() if n else marks.long()
+        indices = scan(latest, marks, dim, reverse).long() if n else marks.long()
     return x.gather(dim, indices), indices
 
 
