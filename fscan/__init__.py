@@ -10,6 +10,7 @@ from ._config import config as config
 from ._errors import CombineFnError as CombineFnError
 from ._errors import ImpureCombineError as ImpureCombineError
 from ._errors import NotAssociativeError as NotAssociativeError
+from ._errors import NotAssociativeWarning as NotAssociativeWarning
 from ._errors import PeerRankError as PeerRankError
 from ._errors import ReverseNotBoolWarning as ReverseNotBoolWarning
 from ._errors import ScanError as ScanError
@@ -38,6 +39,7 @@ __all__ = [
     "CombineFnError",
     "ImpureCombineError",
     "NotAssociativeError",
+    "NotAssociativeWarning",
     "PeerRankError",
     "ReverseNotBoolWarning",
     "ScanError",
