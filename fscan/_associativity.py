@@ -223,7 +223,8 @@ def _sample(leaves: Sequence[torch.Tensor], dim: int) -> tuple[torch.Tensor, lis
 def _spread(n: int, k: int) -> torch.Tensor:
     """Up to ``k`` positions spread evenly over ``range(n)``, first and last included."""
     k = min(n, k)
-    return torch.tensor(sorted({i * (n - 1) // max(k - 1, 1) for i in range(k)}))
+    gaps = max(k - 1, 1)
+    return torch.tensor(sorted({i * (n - 1) // gaps for i in range(k)}))
 
 
 def _widen(x: torch.Tensor) -> torch.Tensor:
@@ -243,10 +244,13 @@ def _first_violation(
     """Draw ``trials`` triples from non-empty ``moved`` (the scan dimension first) and
     return the worst failure of the first leaf that fails, if any."""
     starts, lengths = _draw(moved[0].shape[0], trials, generator)
+    # Four batched combine calls in all: the runs a, b and c folded side by side, then
+    # (a, b) with (b, c), then (ab, c) with (a, bc). combine_fn treats the batch
+    # lane by lane (vmapped, or checked elementwise), so batching changes no value.
     with torch.no_grad():
-        a, b, c = (_fold_runs(combine, moved, starts[k], lengths[k]) for k in range(3))
-        ab, bc = combine(a, b), combine(b, c)
-        lhs, rhs = combine(ab, c), combine(a, bc)
+        a, b, c = _split(_fold_runs(combine, moved, starts.flatten(), lengths.flatten()), 3)
+        ab, bc = _split(combine(_cat(a, b), _cat(b, c)), 2)
+        lhs, rhs = _split(combine(_cat(ab, a), _cat(c, bc)), 2)
     for i in range(len(moved)):
         involved = [a[i], b[i], c[i], ab[i], bc[i]]
         worst = _worst_violation(lhs[i], rhs[i], involved, rtol, atol)
@@ -286,6 +290,15 @@ def _draw(
     starts = torch.randint(0, n, (3, trials), generator=generator, device=device).cpu()
     lengths = torch.randint(1, MAX_RUN + 1, (3, trials), generator=generator, device=device)
     return starts, torch.minimum(lengths.cpu(), n - starts)
+
+
+def _cat(x: Sequence[torch.Tensor], y: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.cat([u, v]) for u, v in zip(x, y)]
+
+
+def _split(batch: Sequence[torch.Tensor], parts: int) -> list[list[torch.Tensor]]:
+    """``batch`` (flat leaves) cut into ``parts`` equal batches along dimension 0."""
+    return [list(pieces) for pieces in zip(*(x.chunk(parts) for x in batch))]
 
 
 def _fold_runs(
