@@ -10,6 +10,7 @@ from ._engines.cpp.cpu_kernel import precompile as precompile
 from ._errors import CombineFnError as CombineFnError
 from ._errors import ImpureCombineError as ImpureCombineError
 from ._errors import NotAssociativeError as NotAssociativeError
+from ._errors import NotAssociativeWarning as NotAssociativeWarning
 from ._errors import NotElementwiseError as NotElementwiseError
 from ._errors import PeerRankError as PeerRankError
 from ._errors import ReverseNotBoolWarning as ReverseNotBoolWarning
@@ -40,6 +41,7 @@ __all__ = [
     "CombineFnError",
     "ImpureCombineError",
     "NotAssociativeError",
+    "NotAssociativeWarning",
     "NotElementwiseError",
     "PeerRankError",
     "ReverseNotBoolWarning",

@@ -3,8 +3,10 @@
 ``fscan.config.validate`` (default from the environment variable
 ``FSCAN_VALIDATE``, else False) is what ``validate=None`` means in
 ``fscan.associative_scan``: when True every scan first runs the full checks on
-``combine_fn`` (uncached purity probe and randomized associativity check).
-A debugging aid; it costs a few combine calls per scan.
+``combine_fn`` (uncached purity probe and randomized associativity check, which
+raises). A debugging aid; it costs a few combine calls per scan. When False, the
+first call per ``combine_fn`` key runs the cached probe and a quick associativity
+check that warns.
 
 ``fscan.config.cpu_kernel`` (default from ``FSCAN_CPU_KERNEL``, else ``"on"``)
 governs the generated C++ kernel for pointwise scans on CPU (``fscan._engines.cpp``):

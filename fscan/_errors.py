@@ -17,6 +17,7 @@ from the built-in type a user would naturally catch, so existing
     └── PeerRankError (RuntimeError)      another rank of a fscan.distributed call failed
 
     ScanWarning (UserWarning)             fscan ran the call, but it looks like a mistake
+    ├── NotAssociativeWarning             `combine_fn` failed the first-call associativity check
     └── ReverseNotBoolWarning             `reverse` is not a bool (fscan.lax, once)
 
 Catch :class:`CombineFnError` for "something is wrong with my ``combine_fn``".
@@ -39,6 +40,7 @@ __all__ = [
     "CombineFnError",
     "ImpureCombineError",
     "NotAssociativeError",
+    "NotAssociativeWarning",
     "NotElementwiseError",
     "PeerRankError",
     "ReverseNotBoolWarning",
@@ -107,6 +109,18 @@ class ScanWarning(UserWarning):
     """Base class of fscan's warnings: the call ran, but something about it looks wrong.
 
     Silence them all with ``warnings.filterwarnings("ignore", category=fscan.ScanWarning)``.
+    """
+
+
+class NotAssociativeWarning(ScanWarning):
+    """``combine_fn`` failed the quick associativity check of its first call.
+
+    The first call with a given ``combine_fn`` key (the key of the purity verdict)
+    compares ``f(f(a, b), c)`` with ``f(a, f(b, c))`` on a few elements of the call's
+    own data, in float64 where the data is floating point, and warns once if they
+    differ beyond roundoff: the scan's result then depends on how it groups the
+    ``combine_fn`` calls. ``validate=True`` raises :class:`NotAssociativeError`
+    instead; ``validate=False`` skips the check.
     """
 
 

@@ -55,12 +55,18 @@ def associative_scan(
             of elements. ``"generic"`` for anything else (matrix products,
             reductions, indexing): ``combine_fn`` then sees single elements, i.e.
             slices with ``dim`` removed.
-        validate (bool or None, default None): before scanning, check ``combine_fn``
-            in full on this call's data: an uncached purity probe and the randomized
-            associativity check of ``fscan.check_associative``. None means
-            ``fscan.config.validate`` (environment variable ``FSCAN_VALIDATE``).
-            Without it, purity is still probed on the first call per ``combine_fn``
-            code and leaf dtypes (then cached).
+        validate (bool or None, default None): how much to check ``combine_fn``
+            before scanning. None (with ``fscan.config.validate``, environment
+            variable ``FSCAN_VALIDATE``, False): on the first call per
+            ``combine_fn`` key (its code and what it captures, the leaves' dtypes;
+            then cached, until ``fscan.clear_caches()``) a purity probe and a quick
+            associativity check on a few elements of this call's data, in float64
+            for floating data, which warns once with ``fscan.NotAssociativeWarning``
+            if ``f(f(a, b), c)`` and ``f(a, f(b, c))`` differ beyond roundoff. True
+            (or None with ``fscan.config.validate`` True): on every call, an
+            uncached purity probe and the full randomized check of
+            ``fscan.check_associative``, which raises ``fscan.NotAssociativeError``.
+            False: the cached purity probe only.
         reset (bool tensor or None, default None): restart the scan wherever it is
             True (a segmented scan): ``out[i] = xs[i]`` there. A 1-D mask of length
             ``n``, or a mask with the leaves' dimensions that broadcasts to each

@@ -32,6 +32,11 @@ from fscan._engines.cpp import (
 from fscan._engines.cpp._cpp_build import compiler_problem
 from fscan._engines.cpp.cpu_kernel import State, kernel_scan
 
+# The first-call associativity check warns here, as expected: some combines are not
+# associative on purpose (a * 0.5 + b), since the kernel must match the torch engine's
+# grouping whatever the combine.
+pytestmark = pytest.mark.filterwarnings("ignore::fscan.NotAssociativeWarning")
+
 needs_compiler = pytest.mark.skipif(
     compiler_problem() is not None, reason=f"no C++ kernel here: {compiler_problem()}"
 )

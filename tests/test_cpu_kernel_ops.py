@@ -36,6 +36,11 @@ from fscan._engines.cpp._cpp_build import compiler_problem
 from fscan._engines.cpp._cpp_codegen import COMPUTING_OPS, _make_fx
 from fscan._engines.cpp._cpp_ops import op_name
 
+# The first-call associativity check warns here, as expected: the combines are single
+# ops, most of them not associative (a - b, a / b, ...), and the kernel must match the
+# torch engine on them all.
+pytestmark = pytest.mark.filterwarnings("ignore::fscan.NotAssociativeWarning")
+
 needs_compiler = pytest.mark.skipif(
     compiler_problem() is not None, reason=f"no C++ kernel here: {compiler_problem()}"
 )

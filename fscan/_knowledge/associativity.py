@@ -21,6 +21,12 @@ seeds), while the operations that are not associative (``a - b``,
 are caught within a few trials even in bfloat16.
 Positions where either grouping is not finite are skipped: overflow makes
 roundoff unbounded.
+
+Two uses: :func:`check_associative` and ``validate=True`` draw ``DEFAULT_TRIALS``
+triples from every element and raise; :func:`quick_violation`, the check every
+scan's first call runs (see :mod:`fscan._knowledge.validate`), draws ``QUICK_TRIALS``
+triples from ``QUICK_ELEMENTS`` finite elements, in float64 where the data is
+floating point (so the data's own roundoff is out of the picture), and reports.
 """
 
 from __future__ import annotations
@@ -36,13 +42,29 @@ from .._checks import check_scan_args
 from .._combine import FlatCombine, flat_combine
 from .._errors import NotAssociativeError, ScanTypeError, ScanValueError
 from .._pytree import flatten, leaf_paths
+from .pointwise_check import checked_on_first_call
 from .purity import probe_purity, probeable
+from .store import Knowledge
 
-__all__ = ["DEFAULT_TRIALS", "MAX_RUN", "assert_associative", "check_associative"]
+__all__ = [
+    "DEFAULT_TRIALS",
+    "MAX_RUN",
+    "QUICK_CANDIDATES",
+    "QUICK_ELEMENTS",
+    "QUICK_TRIALS",
+    "assert_associative",
+    "check_associative",
+    "quick_violation",
+]
 
 _API = "fscan.check_associative"
 DEFAULT_TRIALS = 64
 MAX_RUN = 3
+# The first-call check (quick_violation): a few elements, a few triples, so its cost
+# stays near a handful of combine_fn calls.
+QUICK_ELEMENTS = 8
+QUICK_TRIALS = 8
+QUICK_CANDIDATES = 32  # the positions the finite elements are picked from
 
 
 def check_associative(
@@ -124,20 +146,117 @@ def assert_associative(
 ) -> None:
     """The check on already-checked flat ``leaves``; returns quietly for an empty ``dim``."""
     moved = [x.detach().movedim(dim, 0) for x in leaves]
-    n = moved[0].shape[0]
-    if n == 0:
+    if moved[0].shape[0] == 0:
         return
-    starts, lengths = _draw(n, trials, generator)
     combine = flat_combine(api, combine_fn, spec, combine_mode)
+    found = _first_violation(combine, moved, trials, rtol, atol, generator)
+    if found is not None:
+        hint = "" if found.worst.exact else _ROUNDOFF_HINT
+        raise NotAssociativeError(_message(api, spec, found, dim) + hint)
+
+
+def quick_violation(
+    api: str,
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    combine_mode: str,
+) -> str | None:
+    """The first-call check: what is wrong, if ``combine_fn`` fails on a few elements.
+
+    Runs on up to ``QUICK_ELEMENTS`` elements of ``leaves`` spread along ``dim``
+    (the finite ones, if any), in float64 (complex128) where a leaf is floating
+    point, so the dtype's own roundoff cannot pass for a violation; in the leaves'
+    dtypes if ``combine_fn`` fails in float64 (say it multiplies by a captured
+    float32 matrix). ``None`` when it passes, or cannot run at all. Needs plain,
+    non-empty ``leaves``.
+
+    Example:
+        >>> import optree
+        >>> leaves, spec = optree.tree_flatten(torch.arange(8.0))
+        >>> quick_violation("demo", torch.add, spec, leaves, 0, "pointwise") is None
+        True
+        >>> print(quick_violation("demo", torch.sub, spec, leaves, 0, "pointwise")[:40])
+        demo: `combine_fn` is not associative: f
+    """
+    positions, sample = _sample(leaves, dim)
+    wide = [_widen(x) for x in sample]
+    attempts = [wide] if all(w is x for w, x in zip(wide, sample)) else [wide, sample]
+    combine = flat_combine(api, combine_fn, spec, combine_mode)
+    if combine_mode == "pointwise":
+        # The scan's own pointwise check runs later, on the scan's first combine call;
+        # a combine_fn that is not elementwise mixes the check's triples, so it would
+        # look non-associative here: refuse it (quietly, below) and leave the error
+        # to the scan. A throwaway entry: this call's verdict is not the scan's.
+        combine = checked_on_first_call(api, combine, Knowledge(), sample)
+    for operands in attempts:
+        try:
+            found = _first_violation(combine, operands, QUICK_TRIALS, None, None, None)
+        except Exception:
+            # The check only advises: a combine_fn that fails here (in float64, or on
+            # the check's batch) gets the scan's own errors, from the scan.
+            continue
+        if found is None:
+            return None
+        return _message(api, spec, found, dim, positions.tolist())
+    return None
+
+
+def _sample(leaves: Sequence[torch.Tensor], dim: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Up to ``QUICK_ELEMENTS`` positions along ``dim`` and those elements, stacked along
+    dimension 0: spread over the finite ones among ``QUICK_CANDIDATES`` positions spread
+    over the data (over all candidates if none is finite)."""
+    candidates = _spread(leaves[0].shape[dim], QUICK_CANDIDATES)
+    index = candidates.to(leaves[0].device)
+    elements = [x.detach().index_select(dim, index).movedim(dim, 0) for x in leaves]
+    finite = torch.ones(len(candidates), dtype=torch.bool, device=index.device)
+    for x in elements:
+        if x.is_floating_point() or x.is_complex():
+            finite &= x.isfinite().reshape(len(candidates), -1).all(1)
+    among = finite.nonzero().flatten().cpu() if bool(finite.any()) else torch.arange(len(index))
+    chosen = among[_spread(len(among), QUICK_ELEMENTS)]
+    index = chosen.to(index.device)
+    return candidates[chosen], [x.index_select(0, index) for x in elements]
+
+
+def _spread(n: int, k: int) -> torch.Tensor:
+    """Up to ``k`` positions spread evenly over ``range(n)``, first and last included."""
+    k = min(n, k)
+    gaps = max(k - 1, 1)
+    return torch.tensor(sorted({i * (n - 1) // gaps for i in range(k)}))
+
+
+def _widen(x: torch.Tensor) -> torch.Tensor:
+    if x.is_complex():
+        return x.to(torch.complex128)
+    return x.to(torch.float64) if x.is_floating_point() else x
+
+
+def _first_violation(
+    combine: FlatCombine,
+    moved: Sequence[torch.Tensor],
+    trials: int,
+    rtol: float | None,
+    atol: float | None,
+    generator: torch.Generator | None,
+) -> _Failure | None:
+    """Draw ``trials`` triples from non-empty ``moved`` (the scan dimension first) and
+    return the worst failure of the first leaf that fails, if any."""
+    starts, lengths = _draw(moved[0].shape[0], trials, generator)
+    # Four batched combine calls in all: the runs a, b and c folded side by side, then
+    # (a, b) with (b, c), then (ab, c) with (a, bc). combine_fn treats the batch
+    # lane by lane (vmapped, or checked elementwise), so batching changes no value.
     with torch.no_grad():
-        a, b, c = (_fold_runs(combine, moved, starts[k], lengths[k]) for k in range(3))
-        ab, bc = combine(a, b), combine(b, c)
-        lhs, rhs = combine(ab, c), combine(a, bc)
-    for i in range(len(leaves)):
+        a, b, c = _split(_fold_runs(combine, moved, starts.flatten(), lengths.flatten()), 3)
+        ab, bc = _split(combine(_cat(a, b), _cat(b, c)), 2)
+        lhs, rhs = _split(combine(_cat(ab, a), _cat(c, bc)), 2)
+    for i in range(len(moved)):
         involved = [a[i], b[i], c[i], ab[i], bc[i]]
         worst = _worst_violation(lhs[i], rhs[i], involved, rtol, atol)
         if worst is not None:
-            raise NotAssociativeError(_message(api, spec, i, worst, starts, lengths, dim))
+            return _Failure(i, worst, starts, lengths)
+    return None
 
 
 def _check_options(trials: Any, rtol: Any, atol: Any, generator: Any) -> None:
@@ -173,6 +292,15 @@ def _draw(
     return starts, torch.minimum(lengths.cpu(), n - starts)
 
 
+def _cat(x: Sequence[torch.Tensor], y: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.cat([u, v]) for u, v in zip(x, y)]
+
+
+def _split(batch: Sequence[torch.Tensor], parts: int) -> list[list[torch.Tensor]]:
+    """``batch`` (flat leaves) cut into ``parts`` equal batches along dimension 0."""
+    return [list(pieces) for pieces in zip(*(x.chunk(parts) for x in batch))]
+
+
 def _fold_runs(
     combine: FlatCombine, moved: Sequence[torch.Tensor], starts: torch.Tensor, lengths: torch.Tensor
 ) -> list[torch.Tensor]:
@@ -188,6 +316,12 @@ def _fold_runs(
     return acc
 
 
+_ROUNDOFF_HINT = (
+    " If the difference is only float roundoff, check with "
+    "fscan.check_associative(..., rtol=...) and a larger rtol."
+)
+
+
 @dataclass
 class _Violation:
     trial: int
@@ -197,6 +331,14 @@ class _Violation:
     diff: float
     tol: float
     exact: bool
+
+
+@dataclass
+class _Failure:
+    leaf: int  # the index of the first failing leaf
+    worst: _Violation
+    starts: torch.Tensor  # the draw (3 x trials): where the runs a, b, c start
+    lengths: torch.Tensor  # and how many elements each combines
 
 
 def _worst_violation(
@@ -246,41 +388,38 @@ def _finite_abs_max(v: torch.Tensor) -> torch.Tensor:
 
 
 def _message(
-    api: str,
-    spec: PyTreeSpec,
-    i: int,
-    worst: _Violation,
-    starts: torch.Tensor,
-    lengths: torch.Tensor,
-    dim: int,
+    api: str, spec: PyTreeSpec, found: _Failure, dim: int, positions: list[int] | None = None
 ) -> str:
-    path = spec.accessors()[i].codify("xs")
+    """What failed, for the elements at ``positions`` along ``dim`` (the check drew
+    from those; from every element when None)."""
+    worst = found.worst
+    path = spec.accessors()[found.leaf].codify("xs")
     at = f" at index {worst.index} of the element" if worst.index else ""
-    operands = ", ".join(
-        f"{name} = {_describe_run(int(starts[k, worst.trial]), int(lengths[k, worst.trial]))}"
-        for k, name in enumerate("abc")
-    )
+    runs = []
+    for k, name in enumerate("abc"):
+        start, length = int(found.starts[k, worst.trial]), int(found.lengths[k, worst.trial])
+        run = list(range(start, start + length))
+        runs.append(
+            f"{name} = {_describe_run(run if positions is None else [positions[i] for i in run])}"
+        )
     if worst.exact:
         gap = f"they differ by {worst.diff:.6g}"
-        hint = ""
     else:
         gap = f"they differ by {worst.diff:.3g}, above the tolerance {worst.tol:.3g}"
-        hint = (
-            " If the difference is only float roundoff, check with "
-            "fscan.check_associative(..., rtol=...) and a larger rtol."
-        )
     return (
         f"{api}: `combine_fn` is not associative: for leaf {path}{at}, "
         f"f(f(a, b), c) = {_fmt(worst.lhs)} but f(a, f(b, c)) = {_fmt(worst.rhs)}; {gap}, "
-        f"with {operands} along dim {dim}. A scan regroups combine_fn calls freely, "
-        f"so it needs f(f(a, b), c) == f(a, f(b, c)) for all elements.{hint}"
+        f"with {', '.join(runs)} along dim {dim}. A scan regroups combine_fn calls freely, "
+        f"so it needs f(f(a, b), c) == f(a, f(b, c)) for all elements."
     )
 
 
-def _describe_run(start: int, length: int) -> str:
-    if length == 1:
-        return f"element {start}"
-    return f"the combination of elements {start}..{start + length - 1}"
+def _describe_run(positions: list[int]) -> str:
+    if len(positions) == 1:
+        return f"element {positions[0]}"
+    if positions == list(range(positions[0], positions[-1] + 1)):
+        return f"the combination of elements {positions[0]}..{positions[-1]}"
+    return f"the combination of elements {', '.join(map(str, positions))}"
 
 
 def _fmt(value: Any) -> str:

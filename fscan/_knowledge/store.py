@@ -1,12 +1,13 @@
 """One home for what fscan knows about a ``combine_fn``: its verdicts, cached by its key.
 
-A scan's first call checks its ``combine_fn`` (purity, elementwise ops in
-pointwise mode, whether the pointwise adjoint serves its gradients) and builds
-engines for it. :func:`knowledge` keeps those verdicts in one bounded cache of
-:class:`Knowledge` entries, keyed by what :func:`fscan._knowledge.reach.reach` found that
-``combine_fn`` reaches plus the leaves' pytree structure, mode and
-:func:`leaf_signature`. Stores kept elsewhere register with :func:`on_clear`,
-so :func:`clear_caches` (``fscan.clear_caches``) forgets everything.
+A scan's first call checks its ``combine_fn`` (purity, associativity on a few
+elements, elementwise ops in pointwise mode, whether the pointwise adjoint
+serves its gradients) and builds engines for it. :func:`knowledge` keeps those
+verdicts in one bounded cache of :class:`Knowledge` entries, keyed by what
+:func:`fscan._knowledge.reach.reach` found that ``combine_fn`` reaches plus the leaves'
+pytree structure, mode and :func:`leaf_signature`. Stores kept elsewhere
+register with :func:`on_clear`, so :func:`clear_caches` (``fscan.clear_caches``)
+forgets everything.
 
 This module is also the face of the walk: ``Reach`` and ``reach`` are
 re-exported from :mod:`fscan._knowledge.reach` for the modules that need both.
@@ -55,13 +56,16 @@ ENTRIES = 1024
 class Knowledge:
     """Every verdict about one ``combine_fn`` key, filled in as calls need them.
 
-    ``pure``/``elementwise`` are None until checked; ``adjoint`` maps an element
-    shape to whether the pointwise adjoint serves it; ``compiled`` and
-    ``kernels`` hold engines keyed by what else they depend on (``dim``, ...).
+    ``pure``/``elementwise`` are None until checked; ``associativity_checked``
+    says the first-call associativity check ran (and warned, if it failed);
+    ``adjoint`` maps an element shape to whether the pointwise adjoint serves it;
+    ``compiled`` and ``kernels`` hold engines keyed by what else they depend on
+    (``dim``, ...).
     """
 
     pure: bool | None = None
     elementwise: bool | None = None
+    associativity_checked: bool = False
     adjoint: dict[Hashable, bool] = field(default_factory=dict)
     compiled: dict[Hashable, Any] = field(default_factory=dict)
     kernels: dict[Hashable, Any] = field(default_factory=dict)

@@ -6,7 +6,8 @@
   over many calls, with a fresh closure each call as inside a training step.
 * ``front end``: everything ``associative_scan`` does before the engine on a
   second call (flatten, argument checks, the hook).
-* ``first call``: the hook with an empty cache, i.e. including the purity probe.
+* ``first call``: the hook with an empty cache, i.e. including the purity probe
+  and the quick associativity check.
 * ``validate=True``: the extra time of a scan with the full checks (the hook with
   ``validate=True``: uncached probe plus associativity check), and its ratio to
   the scan.
