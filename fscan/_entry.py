@@ -63,7 +63,7 @@ def scan_tree(
 
 def run_scan(call: ScanCall) -> Any:
     """Run a checked call; return a pytree of ``xs``'s structure and shapes, in new memory."""
-    api, combine_fn, xs, spec, leaves, dim, reverse, combine_mode, validate, reset, initial = call
+    _, combine_fn, xs, spec, leaves, dim, reverse, combine_mode, _, reset, initial = call
     heads = None  # a carry-in the C++ kernel may read in place of the first element
     if initial is not None:  # folded into the first element: see fscan._carry
         heads = carried_heads(call, check=_fold_check(call))
@@ -77,7 +77,7 @@ def run_scan(call: ScanCall) -> Any:
         return unflatten(spec, scan_traced(call))
     found = reach(combine_fn)
     entry = knowledge(found, spec, combine_mode, leaves)
-    validate_combine_fn(api, combine_fn, spec, leaves, dim, combine_mode, validate, entry)
+    validate_combine_fn(call, entry)
     return unflatten(spec, scan_flat(call, found, entry, heads))
 
 

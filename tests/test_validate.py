@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fscan
+from fscan._call import ScanCall
 from fscan._config import Config, _env_flag
 from fscan._knowledge.purity import probeable
 from fscan._knowledge.store import Knowledge
@@ -336,8 +337,9 @@ def test_checks_are_skipped_while_torch_compile_traces():
 
     @torch.compile(fullgraph=True, backend="eager")
     def traced(x):
-        validate_combine_fn("t", augmented, spec, [x], 0, "pointwise", None, entry)
-        validate_combine_fn("t", torch.sub, spec, [x], 0, "pointwise", True, entry)
+        call = ScanCall("t", augmented, x, spec, [x], 0, False, "pointwise")
+        validate_combine_fn(call, entry)
+        validate_combine_fn(call._replace(combine_fn=torch.sub, validate=True), entry)
         return x + 1
 
     torch._dynamo.reset()

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from optree import PyTreeSpec
 
+from .._call import ScanCall
 from .._checks import check_scan_args
 from .._combine import FlatCombine, flat_combine
 from .._errors import NotAssociativeError, ScanTypeError, ScanValueError
@@ -125,26 +126,21 @@ def check_associative(
             "compare; pass tensors with data."
         )
     _check_options(trials, rtol, atol, generator)
+    call = ScanCall(_API, combine_fn, xs, spec, leaves, dim, False, combine_mode)
     if leaves[0].shape[dim] and probeable(leaves):
-        probe_purity(_API, combine_fn, spec, leaves, dim, combine_mode)
-    assert_associative(
-        _API, combine_fn, spec, leaves, dim, combine_mode, trials, rtol, atol, generator
-    )
+        probe_purity(call)
+    assert_associative(call, trials, rtol, atol, generator)
 
 
 def assert_associative(
-    api: str,
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    leaves: Sequence[torch.Tensor],
-    dim: int,
-    combine_mode: str,
+    call: ScanCall,
     trials: int = DEFAULT_TRIALS,
     rtol: float | None = None,
     atol: float | None = None,
     generator: torch.Generator | None = None,
 ) -> None:
     """The check on already-checked flat ``leaves``; returns quietly for an empty ``dim``."""
+    api, combine_fn, _, spec, leaves, dim, _, combine_mode = call[:8]
     moved = [x.detach().movedim(dim, 0) for x in leaves]
     if moved[0].shape[0] == 0:
         return
@@ -156,12 +152,7 @@ def assert_associative(
 
 
 def quick_violation(
-    api: str,
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    leaves: Sequence[torch.Tensor],
-    dim: int,
-    combine_mode: str,
+    call: ScanCall,
 ) -> str | None:
     """The first-call check: what is wrong, if ``combine_fn`` fails on a few elements.
 
@@ -174,12 +165,14 @@ def quick_violation(
 
     Example:
         >>> import optree
-        >>> leaves, spec = optree.tree_flatten(torch.arange(8.0))
-        >>> quick_violation("demo", torch.add, spec, leaves, 0, "pointwise") is None
+        >>> xs = torch.arange(8.0)
+        >>> args = (xs, optree.tree_structure(xs), [xs], 0, False, "pointwise")
+        >>> quick_violation(ScanCall("demo", torch.add, *args)) is None
         True
-        >>> print(quick_violation("demo", torch.sub, spec, leaves, 0, "pointwise")[:40])
+        >>> print(quick_violation(ScanCall("demo", torch.sub, *args))[:40])
         demo: `combine_fn` is not associative: f
     """
+    api, combine_fn, _, spec, leaves, dim, _, combine_mode = call[:8]
     positions, sample = _sample(leaves, dim)
     wide = [_widen(x) for x in sample]
     attempts = [wide] if all(w is x for w, x in zip(wide, sample)) else [wide, sample]

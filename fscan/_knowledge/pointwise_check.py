@@ -18,7 +18,7 @@ dispatch mode that sees every aten operation it runs, i.e. a trace of it:
   constants such as ``torch.ones(4, 1)`` made inside) pass, whatever they are:
   they are the same for every element;
 * a random operation raises :class:`~fscan.ImpureCombineError` before it draws;
-* anything else raises :class:`~fscan.CombineFnError` naming the operation and
+* anything else raises :class:`~fscan.NotElementwiseError` naming the operation and
   pointing to ``combine_mode="generic"``, before it runs.
 
 This is the rule ``torch.compile`` applies to the ``combine_fn`` of torch's own
@@ -115,7 +115,7 @@ def checked_on_first_call(
         >>> flat = lambda a, b: [torch.matmul(a[0], b[0])]
         >>> try:
         ...     checked_on_first_call("demo", flat, Knowledge(), leaves)(leaves, leaves)
-        ... except CombineFnError as err:
+        ... except NotElementwiseError as err:
         ...     print(str(err)[:74])
         demo: `combine_fn` is not elementwise: it calls aten.bmm, a matrix product
     """

@@ -32,6 +32,7 @@ import torch
 from optree import PyTreeSpec
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._call import ScanCall
 from .._combine import check_combine_output
 from .._context import in_functorch_transform
 from .._errors import ImpureCombineError
@@ -49,16 +50,8 @@ __all__ = [
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def ensure_pure(
-    api: str,
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    leaves: Sequence[torch.Tensor],
-    dim: int,
-    combine_mode: str,
-    entry: Knowledge,
-) -> None:
-    """Probe ``combine_fn`` unless it passed before with the same key (see module doc).
+def ensure_pure(call: ScanCall, entry: Knowledge) -> None:
+    """Probe ``call.combine_fn`` unless it passed before with the same key (see module doc).
 
     Nothing is probed, nor cached, for an empty scan dimension or for leaves that
     are not plain tensors with data (fake, meta, or wrapped by a ``torch.func``
@@ -66,37 +59,33 @@ def ensure_pure(
 
     Example:
         >>> import optree
-        >>> leaves, spec = optree.tree_flatten(torch.ones(3))
         >>> from fscan._knowledge.store import Knowledge
+        >>> xs, inplace = torch.ones(3), lambda a, b: a.mul_(b)
+        >>> args = (xs, optree.tree_structure(xs), [xs], 0, False, "pointwise")
         >>> try:
-        ...     ensure_pure("demo", lambda a, b: a.mul_(b), spec, leaves, 0, "pointwise",
-        ...                 Knowledge())
+        ...     ensure_pure(ScanCall("demo", inplace, *args), Knowledge())
         ... except ImpureCombineError as err:
         ...     print(str(err)[:88])
         demo: `combine_fn` modified its first argument in place (leaf xs, with aten.mul_.Tensor)
     """
     if entry.pure:
         return
-    if leaves[0].shape[dim] == 0 or not probeable(leaves):
+    if call.leaves[0].shape[call.dim] == 0 or not probeable(call.leaves):
         return
-    probe_purity(api, combine_fn, spec, leaves, dim, combine_mode)
+    probe_purity(call)
     entry.pure = True
 
 
 def probe_purity(
-    api: str,
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    leaves: Sequence[torch.Tensor],
-    dim: int,
-    combine_mode: str,
+    call: ScanCall,
 ) -> None:
-    """Call ``combine_fn`` once on copies of sample operands; raise if it is impure.
+    """Call ``call.combine_fn`` once on copies of sample operands; raise if it is impure.
 
     Raises :class:`ImpureCombineError` for a random op or an in-place write to an
     operand, :class:`CombineFnError` for an output of the wrong structure, shape,
     dtype or device. Never touches ``leaves``.
     """
+    api, combine_fn, _, spec, leaves, dim, _, combine_mode = call[:8]
     a, b = sample_operands(leaves, dim, combine_mode)
     operands = a + b
     pristine = [t.clone() for t in operands]

@@ -26,12 +26,10 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
-from optree import PyTreeSpec
 
+from .._call import ScanCall
 from .._config import config
 from .._context import under_transform
 from .._errors import NotAssociativeWarning, ScanTypeError
@@ -46,37 +44,30 @@ __all__ = ["validate_combine_fn"]
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
-def validate_combine_fn(
-    api: str,
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    leaves: Sequence[torch.Tensor],
-    dim: int,
-    combine_mode: str,
-    validate: bool | None,
-    entry: Knowledge,
-) -> None:
-    """Run the checks ``validate`` asks for on already-checked flat ``leaves``.
+def validate_combine_fn(call: ScanCall, entry: Knowledge) -> None:
+    """Run the checks ``call.validate`` asks for on a checked call's flat leaves.
 
     Example:
         >>> import fscan, optree, warnings
-        >>> leaves, spec = optree.tree_flatten(torch.randn(16))
         >>> from fscan._knowledge.store import Knowledge
-        >>> args = (spec, leaves, 0, "pointwise")
-        >>> validate_combine_fn("demo", torch.add, *args, True, Knowledge())
+        >>> xs = torch.randn(16)
+        >>> call = ScanCall("demo", torch.add, xs, optree.tree_structure(xs), [xs], 0, False, "")
+        >>> call = call._replace(combine_mode="pointwise", validate=True)
+        >>> validate_combine_fn(call, Knowledge())
         >>> try:
-        ...     validate_combine_fn("demo", torch.sub, *args, True, Knowledge())
+        ...     validate_combine_fn(call._replace(combine_fn=torch.sub), Knowledge())
         ... except fscan.NotAssociativeError as err:
         ...     print(str(err)[:47])
         demo: `combine_fn` is not associative: for leaf
-        >>> entry = Knowledge()
+        >>> entry, sub = Knowledge(), call._replace(combine_fn=torch.sub, validate=None)
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
-        ...     validate_combine_fn("demo", torch.sub, *args, None, entry)
-        ...     validate_combine_fn("demo", torch.sub, *args, None, entry)  # checked once
+        ...     validate_combine_fn(sub, entry)
+        ...     validate_combine_fn(sub, entry)  # checked once
         >>> [type(w.message).__name__ for w in caught]
         ['NotAssociativeWarning']
     """
+    leaves, dim, validate, api = call.leaves, call.dim, call.validate, call.api
     if validate is not None and not isinstance(validate, bool):
         raise ScanTypeError(
             f"{api}: `validate` must be a bool or None, got {type(validate).__name__} {validate!r}."
@@ -84,29 +75,22 @@ def validate_combine_fn(
     if torch.compiler.is_compiling():
         return
     if not (config.validate if validate is None else validate):
-        ensure_pure(api, combine_fn, spec, leaves, dim, combine_mode, entry)
+        ensure_pure(call, entry)
         if validate is None and not entry.associativity_checked:
-            _check_associative_once(api, combine_fn, spec, leaves, dim, combine_mode, entry)
+            _check_associative_once(call, entry)
         return
     if leaves[0].shape[dim] == 0 or not probeable(leaves):
         return  # under a torch.func transform: values are hidden; checked on plain calls
-    probe_purity(api, combine_fn, spec, leaves, dim, combine_mode)
-    assert_associative(api, combine_fn, spec, leaves, dim, combine_mode)
+    probe_purity(call)
+    assert_associative(call)
 
 
-def _check_associative_once(
-    api: str,
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    leaves: Sequence[torch.Tensor],
-    dim: int,
-    combine_mode: str,
-    entry: Knowledge,
-) -> None:
+def _check_associative_once(call: ScanCall, entry: Knowledge) -> None:
     """The quick associativity check, once per ``entry``; warns if it fails."""
+    leaves, dim = call.leaves, call.dim
     if leaves[0].shape[dim] == 0 or not probeable(leaves) or under_transform():
         return  # no values to compare (or none visible): the next plain call checks
-    message = quick_violation(api, combine_fn, spec, leaves, dim, combine_mode)
+    message = quick_violation(call)
     entry.associativity_checked = True
     if message is not None:
         message += (

@@ -47,7 +47,7 @@ def reduce_flat(call: ScanCall, init: Sequence[torch.Tensor] | None) -> list[tor
         >>> reduce_flat(call, None)
         [tensor([15.])]
     """
-    api, combine_fn, _, spec, leaves, dim, reverse, combine_mode, validate = call[:9]
+    api, combine_fn, _, spec, leaves, dim, reverse, combine_mode = call[:8]
     combine = flat_combine(api, combine_fn, spec, combine_mode)
     if torch.compiler.is_compiling():  # no ran(): Dynamo cannot trace the log's ContextVar
         scanned = traced_scan(call)
@@ -56,7 +56,7 @@ def reduce_flat(call: ScanCall, init: Sequence[torch.Tensor] | None) -> list[tor
     else:
         ran("tree")
         entry = knowledge(reach(combine_fn), spec, combine_mode, leaves)
-        validate_combine_fn(api, combine_fn, spec, leaves, dim, combine_mode, validate, entry)
+        validate_combine_fn(call, entry)
         if combine_mode == "pointwise" and not entry.elementwise:
             combine = checked_on_first_call(api, combine, entry, leaves)
         versions = leaf_versions(leaves)

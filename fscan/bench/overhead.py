@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 import fscan
+from fscan._call import ScanCall
 from fscan._checks import check_scan_args
 from fscan._knowledge.store import knowledge, reach
 from fscan._knowledge.validate import validate_combine_fn
@@ -91,7 +92,8 @@ def _row(make: Callable[[Any], Callable], xs: Any, mode: str) -> list[str]:
 
     def checks(fn: Callable, tree: Any, flat: list, dim: int, validate: bool | None) -> None:
         entry = knowledge(reach(fn), tree, mode, flat)
-        validate_combine_fn("bench", fn, tree, flat, dim, mode, validate, entry)
+        call = ScanCall("bench", fn, xs, tree, flat, dim, False, mode, validate)
+        validate_combine_fn(call, entry)
 
     hook = lambda validate: checks(make(0), spec, leaves, 0, validate)
 
