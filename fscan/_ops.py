@@ -13,8 +13,9 @@ call into :mod:`fscan._routing.cumulative`, which picks the engine: torch's own
 op, the generated C++ kernel or fscan's blocked parallel scan (its docstring has
 the table; ``path`` says which a call takes).
 
-``out=`` follows torch's rules for the same op (checked before the call, applied
-after it: :func:`_check_out`, :func:`_write_out`): cumsum/cumprod compute in
+``out=`` follows torch's rules for the same op: torch's op applies them itself where
+it serves the call, else they are checked before the call and applied after it
+(:func:`_check_out`, :func:`_write_out`): cumsum/cumprod compute in
 ``out``'s dtype (``dtype=``, if given, must equal it), the others want ``out`` in
 the input's dtype and cummax/cummin's indices in int64; no ``out=`` while autograd
 records a tensor that requires grad; an ``out`` of another shape is resized (with
@@ -31,7 +32,7 @@ import torch
 from ._checks import check_dense, normalize_dim
 from ._errors import ScanTypeError
 from ._route_log import logs_route
-from ._routing.cumulative import cumulative, native_first
+from ._routing.cumulative import cumulative, native_first, native_first_into
 
 __all__ = ["cummax", "cummin", "cumprod", "cumsum", "logcumsumexp"]
 
@@ -72,13 +73,14 @@ def cumsum(
         >>> fscan.cumsum(input=x, dim=0, out=buffer) is buffer, buffer
         (True, tensor([1., 3., 6.]))
     """
-    if (
-        out is None
-        and dtype is None
-        and reverse is False
-        and (result := native_first(torch.cumsum, input, dim)) is not None
-    ):
-        return result  # torch promotes integers and bool to int64 itself
+    if dtype is None and reverse is False:
+        result = (
+            native_first(torch.cumsum, input, dim)
+            if out is None
+            else native_first_into(torch.cumsum, input, dim, out)
+        )
+        if result is not None:
+            return result  # torch promotes integers and bool to int64 itself
     if out is not None:
         dtype = _check_out("fscan.cumsum", input, out, dtype, computes_in_out_dtype=True)
     x, dim = _prepare("fscan.cumsum", input, dim, reverse, dtype, promote_integers=True)
@@ -105,13 +107,14 @@ def cumprod(
         >>> fscan.cumprod(torch.tensor([1.0, 2.0, 3.0]), 0, reverse=True)
         tensor([6., 6., 3.])
     """
-    if (
-        out is None
-        and dtype is None
-        and reverse is False
-        and (result := native_first(torch.cumprod, input, dim)) is not None
-    ):
-        return result
+    if dtype is None and reverse is False:
+        result = (
+            native_first(torch.cumprod, input, dim)
+            if out is None
+            else native_first_into(torch.cumprod, input, dim, out)
+        )
+        if result is not None:
+            return result
     if out is not None:
         dtype = _check_out("fscan.cumprod", input, out, dtype, computes_in_out_dtype=True)
     x, dim = _prepare("fscan.cumprod", input, dim, reverse, dtype, promote_integers=True)
@@ -136,12 +139,14 @@ def logcumsumexp(
         >>> fscan.logcumsumexp(torch.tensor([0.0, float("-inf"), 0.0]), 0)
         tensor([0.0000, 0.0000, 0.6931])
     """
-    if (
-        out is None
-        and reverse is False
-        and (result := native_first(torch.logcumsumexp, input, dim)) is not None
-    ):
-        return result
+    if reverse is False:
+        result = (
+            native_first(torch.logcumsumexp, input, dim)
+            if out is None
+            else native_first_into(torch.logcumsumexp, input, dim, out)
+        )
+        if result is not None:
+            return result
     if out is not None:
         _check_out("fscan.logcumsumexp", input, out)
     x, dim = _prepare("fscan.logcumsumexp", input, dim, reverse)
@@ -218,8 +223,12 @@ def _prepare(
 
 
 def _extremum(api: str, op: Any, input: Any, dim: Any, out: Any, reverse: Any) -> Any:
-    if out is None and reverse is False and (result := native_first(op, input, dim)) is not None:
-        return result
+    if reverse is False:
+        result = (
+            native_first(op, input, dim) if out is None else native_first_into(op, input, dim, out)
+        )
+        if result is not None:
+            return result
     if out is not None:
         out = _check_extremum_out(api, input, out)
     x, dim = _prepare(api, input, dim, reverse)

@@ -21,13 +21,16 @@ from fscan._routing import cumulative as router
 SUMS = ["cumsum", "cumprod"]
 EXTREMA = ["cummax", "cummin"]
 OPS = [*SUMS, "logcumsumexp", *EXTREMA]
-PATHS = ["native", "parallel"]
+PATHS = ["native", "parallel", "first"]
 
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    """Pin the drop-ins' route: torch's op, or fscan's parallel scan where its dtype
-    rules allow it (the call then writes into ``out`` after the scan)."""
+    """Pin the drop-ins' route: torch's op after fscan's checks, or fscan's parallel scan
+    where its dtype rules allow it (the call then writes into ``out`` after the scan);
+    ``"first"``: as routed, torch's op served before the checks where it can."""
+    if request.param == "first":
+        return request.param
     wins = request.param == "parallel"
 
     def route(op, x, dim, reverse):
@@ -36,6 +39,7 @@ def path(request, monkeypatch):
 
     monkeypatch.setattr(router, "route", route)
     monkeypatch.setattr(_ops, "native_first", lambda op, x, dim: None)
+    monkeypatch.setattr(_ops, "native_first_into", lambda op, x, dim, out: None)
     return request.param
 
 
@@ -203,7 +207,9 @@ def test_out_aliasing_the_input(name, path):
     out = (got_x, torch.zeros(3, 4, dtype=torch.int64)) if name in EXTREMA else got_x
     getattr(fscan, name)(got_x, 0, out=out)
     torch.testing.assert_close(got_x, want if name not in EXTREMA else want.values)
-    # a partial overlap: the result is computed before out is written
+    if path == "first":
+        return  # torch's op itself ran: over a partial overlap it reads what it wrote
+    # a partial overlap: fscan's engines compute the result before out is written
     x = _x()
     want = getattr(torch, name)(x[:, :3], 1)
     out = x[:, 1:]
@@ -221,11 +227,12 @@ def test_out_that_is_not_a_tensor(name):
 @parametrize(name=OPS)
 def test_an_overlapping_out_is_refused(name, path):
     out = torch.zeros(1, 4).expand(3, 4)  # three rows in one
-    if name not in EXTREMA:
-        side_by_side(name, (_x(), 0), {"out": out})
+    if name not in EXTREMA or path == "first":
+        pair = (out, torch.zeros(3, 4, dtype=torch.int64))
+        side_by_side(name, (_x(), 0), {"out": pair if name in EXTREMA else out})
         return
-    # torch's cummax/cummin write each row over the one before (no overlap check);
-    # fscan refuses, as torch's other ops do
+    # torch's cummax/cummin write each row over the one before (no overlap check); where
+    # fscan's engines ran, fscan refuses, as torch's other ops do
     with pytest.raises(RuntimeError, match="single memory location"):
         getattr(fscan, name)(_x(), 0, out=(out, torch.zeros(3, 4, dtype=torch.int64)))
 
@@ -248,3 +255,15 @@ def test_the_resize_warning_points_at_the_caller():
     with pytest.warns(UserWarning, match="resized") as caught:
         fscan.cummax(_x(), 0, out=(torch.zeros(5), torch.zeros(0, dtype=torch.int64)))
     assert caught[0].filename == __file__
+
+
+@parametrize(name=OPS)
+def test_torch_s_op_serves_a_small_call_with_an_out_of_the_right_shape(name):
+    op, x = getattr(torch, name), _x()
+    out = _out_like(name, (3, 4))
+    got = router.native_first_into(op, x, 0, out)
+    assert got is not None and all(g is o for g, o in zip(_tensors(got), _tensors(out)))
+    # a resize takes the checked path (its warning names the caller), and so do errors
+    assert router.native_first_into(op, x, 0, _out_like(name, (0,))) is None
+    assert router.native_first_into(op, x.requires_grad_(), 0, out) is None
+    assert router.native_first_into(op, x, 0, 3) is None
