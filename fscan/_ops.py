@@ -81,11 +81,7 @@ def cumsum(
         )
         if result is not None:
             return result  # torch promotes integers and bool to int64 itself
-    if out is not None:
-        dtype = _check_out("fscan.cumsum", input, out, dtype, computes_in_out_dtype=True)
-    x, dim = _prepare("fscan.cumsum", input, dim, reverse, dtype, promote_integers=True)
-    result = cumulative("fscan.cumsum", torch.cumsum, x, dim, reverse)
-    return result if out is None else _write_out(result, out)
+    return _sum_or_product("fscan.cumsum", torch.cumsum, input, dim, dtype, out, reverse)
 
 
 @logs_route("fscan.cumprod")
@@ -115,11 +111,7 @@ def cumprod(
         )
         if result is not None:
             return result
-    if out is not None:
-        dtype = _check_out("fscan.cumprod", input, out, dtype, computes_in_out_dtype=True)
-    x, dim = _prepare("fscan.cumprod", input, dim, reverse, dtype, promote_integers=True)
-    result = cumulative("fscan.cumprod", torch.cumprod, x, dim, reverse)
-    return result if out is None else _write_out(result, out)
+    return _sum_or_product("fscan.cumprod", torch.cumprod, input, dim, dtype, out, reverse)
 
 
 @logs_route("fscan.logcumsumexp")
@@ -220,6 +212,17 @@ def _prepare(
     elif promote_integers and not (input.is_floating_point() or input.is_complex()):
         input = input.to(torch.int64)
     return input, dim
+
+
+def _sum_or_product(
+    api: str, op: Any, input: Any, dim: Any, dtype: Any, out: Any, reverse: Any
+) -> torch.Tensor:
+    """cumsum or cumprod (``op``) past torch's fast path: checked, routed, written to ``out``."""
+    if out is not None:
+        dtype = _check_out(api, input, out, dtype, computes_in_out_dtype=True)
+    x, dim = _prepare(api, input, dim, reverse, dtype, promote_integers=True)
+    result = cumulative(api, op, x, dim, reverse)
+    return result if out is None else _write_out(result, out, 5)
 
 
 def _extremum(api: str, op: Any, input: Any, dim: Any, out: Any, reverse: Any) -> Any:

@@ -267,3 +267,21 @@ def test_torch_s_op_serves_a_small_call_with_an_out_of_the_right_shape(name):
     assert router.native_first_into(op, x, 0, _out_like(name, (0,))) is None
     assert router.native_first_into(op, x.requires_grad_(), 0, out) is None
     assert router.native_first_into(op, x, 0, 3) is None
+
+
+def test_out_under_torch_compile():
+    def both(x, out, values, indices):
+        return fscan.cumsum(x, 0, out=out), fscan.cummax(x, 0, out=(values, indices))
+
+    x = _x()
+    out, values, indices = (
+        torch.empty(3, 4),
+        torch.empty(3, 4),
+        torch.empty(3, 4, dtype=torch.int64),
+    )
+    torch._dynamo.reset()
+    summed, extremum = torch.compile(both, fullgraph=True, backend="eager")(x, out, values, indices)
+    assert summed is out and extremum.indices is indices
+    torch.testing.assert_close(out, torch.cumsum(x, 0))
+    assert torch.equal(indices, torch.cummax(x, 0).indices)
+    torch.testing.assert_close(values, torch.cummax(x, 0).values)
