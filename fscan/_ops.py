@@ -12,10 +12,19 @@ it first, unchecked, and torch's errors send it back to the checks) and makes on
 call into :mod:`fscan._routing.cumulative`, which picks the engine: torch's own
 op, the generated C++ kernel or fscan's blocked parallel scan (its docstring has
 the table; ``path`` says which a call takes).
+
+``out=`` follows torch's rules for the same op: torch's op applies them itself where
+it serves the call, else they are checked before the call and applied after it
+(:func:`_check_out`, :func:`_write_out`): cumsum/cumprod compute in
+``out``'s dtype (``dtype=``, if given, must equal it), the others want ``out`` in
+the input's dtype and cummax/cummin's indices in int64; no ``out=`` while autograd
+records a tensor that requires grad; an ``out`` of another shape is resized (with
+torch's warning unless it is empty); ``out`` itself is returned.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -23,14 +32,19 @@ import torch
 from ._checks import check_dense, normalize_dim
 from ._errors import ScanTypeError
 from ._route_log import logs_route
-from ._routing.cumulative import cumulative, native_first
+from ._routing.cumulative import cumulative, native_first, native_first_into
 
 __all__ = ["cummax", "cummin", "cumprod", "cumsum", "logcumsumexp"]
 
 
 @logs_route("fscan.cumsum")
 def cumsum(
-    input: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None, reverse: bool = False
+    input: torch.Tensor,
+    dim: int,
+    *,
+    dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+    reverse: bool = False,
 ) -> torch.Tensor:
     """``torch.cumsum`` with ``reverse=``: ``out[i] = input[0] + ... + input[i]`` along ``dim``.
 
@@ -38,80 +52,112 @@ def cumsum(
         input (Tensor): the input; 0-d is allowed (``dim`` 0 or -1).
         dim (int): the dimension to sum along.
         dtype (torch.dtype, optional): cast ``input`` to this dtype first.
+        out (Tensor, optional): write the result here and return it, as torch does:
+            ``input`` is cast to ``out``'s dtype first (``dtype``, if given, must be
+            ``out``'s, else ``RuntimeError``); an ``out`` of another shape is resized
+            (with torch's ``UserWarning`` unless it has no elements); ``RuntimeError``
+            while autograd records a tensor that requires grad.
         reverse (bool, default False): sum from the end, ``out[i] = input[i] + ...
             + input[n - 1]``.
 
     Returns:
         Tensor: ``input``'s shape; dtype ``dtype``, else int64 for integer and bool
-        inputs, else ``input``'s.
+        inputs, else ``input``'s; ``out`` itself if given.
 
     Example:
         >>> import fscan, torch
         >>> x = torch.tensor([1, 2, 3])
         >>> fscan.cumsum(x, 0), fscan.cumsum(x, 0, reverse=True)
         (tensor([1, 3, 6]), tensor([6, 5, 3]))
+        >>> buffer = torch.empty(3)
+        >>> fscan.cumsum(input=x, dim=0, out=buffer) is buffer, buffer
+        (True, tensor([1., 3., 6.]))
     """
-    if (
-        dtype is None
-        and reverse is False
-        and (out := native_first(torch.cumsum, input, dim)) is not None
-    ):
-        return out  # torch promotes integers and bool to int64 itself
-    x, dim = _prepare("fscan.cumsum", input, dim, reverse, dtype, promote_integers=True)
-    return cumulative("fscan.cumsum", torch.cumsum, x, dim, reverse)
+    if dtype is None and reverse is False:
+        result = (
+            native_first(torch.cumsum, input, dim)
+            if out is None
+            else native_first_into(torch.cumsum, input, dim, out)
+        )
+        if result is not None:
+            return result  # torch promotes integers and bool to int64 itself
+    return _sum_or_product("fscan.cumsum", torch.cumsum, input, dim, dtype, out, reverse)
 
 
 @logs_route("fscan.cumprod")
 def cumprod(
-    input: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None, reverse: bool = False
+    input: torch.Tensor,
+    dim: int,
+    *,
+    dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+    reverse: bool = False,
 ) -> torch.Tensor:
     """``torch.cumprod`` with ``reverse=``: ``out[i] = input[0] * ... * input[i]`` along ``dim``.
 
-    Arguments and result dtype as in :func:`cumsum`. Gradients are exact with zeros.
+    Arguments (``out=`` included) and result dtype as in :func:`cumsum`. Gradients
+    are exact with zeros.
 
     Example:
         >>> import fscan, torch
         >>> fscan.cumprod(torch.tensor([1.0, 2.0, 3.0]), 0, reverse=True)
         tensor([6., 6., 3.])
     """
-    if (
-        dtype is None
-        and reverse is False
-        and (out := native_first(torch.cumprod, input, dim)) is not None
-    ):
-        return out
-    x, dim = _prepare("fscan.cumprod", input, dim, reverse, dtype, promote_integers=True)
-    return cumulative("fscan.cumprod", torch.cumprod, x, dim, reverse)
+    if dtype is None and reverse is False:
+        result = (
+            native_first(torch.cumprod, input, dim)
+            if out is None
+            else native_first_into(torch.cumprod, input, dim, out)
+        )
+        if result is not None:
+            return result
+    return _sum_or_product("fscan.cumprod", torch.cumprod, input, dim, dtype, out, reverse)
 
 
 @logs_route("fscan.logcumsumexp")
-def logcumsumexp(input: torch.Tensor, dim: int, *, reverse: bool = False) -> torch.Tensor:
+def logcumsumexp(
+    input: torch.Tensor, dim: int, *, out: torch.Tensor | None = None, reverse: bool = False
+) -> torch.Tensor:
     """``torch.logcumsumexp`` with ``reverse=``: ``out[i] = log(sum(exp(input[:i + 1])))``.
 
     ``-inf`` entries add nothing, ``+inf`` and NaN propagate, as in torch. Complex
     inputs always use torch's kernel: the imaginary part of a complex log is only
     defined up to multiples of 2 pi, and which one torch returns depends on its
-    sequential order of combination.
+    sequential order of combination. ``out=`` as in torch: in ``input``'s dtype
+    (else ``RuntimeError``), resized and returned as in :func:`cumsum`.
 
     Example:
         >>> import fscan, torch
         >>> fscan.logcumsumexp(torch.tensor([0.0, float("-inf"), 0.0]), 0)
         tensor([0.0000, 0.0000, 0.6931])
     """
-    if reverse is False and (out := native_first(torch.logcumsumexp, input, dim)) is not None:
-        return out
+    if reverse is False:
+        result = (
+            native_first(torch.logcumsumexp, input, dim)
+            if out is None
+            else native_first_into(torch.logcumsumexp, input, dim, out)
+        )
+        if result is not None:
+            return result
+    if out is not None:
+        _check_out("fscan.logcumsumexp", input, out)
     x, dim = _prepare("fscan.logcumsumexp", input, dim, reverse)
-    return cumulative("fscan.logcumsumexp", torch.logcumsumexp, x, dim, reverse)
+    result = cumulative("fscan.logcumsumexp", torch.logcumsumexp, x, dim, reverse)
+    return result if out is None else _write_out(result, out)
 
 
 @logs_route("fscan.cummax")
-def cummax(input: torch.Tensor, dim: int, *, reverse: bool = False) -> Any:
+def cummax(input: torch.Tensor, dim: int, *, out: Any = None, reverse: bool = False) -> Any:
     """``torch.cummax`` with ``reverse=``: running maxima and the index of each.
 
     Returns ``torch.return_types.cummax(values, indices)``, like torch. Ties go to
     the later index; a NaN, once met, is the maximum from there on, and a later
     NaN takes over the index. With ``reverse=True`` (flip, cummax, flip) the
     indices are positions in ``input`` and ties go to the smaller index.
+
+    ``out=(values, indices)`` (a tuple or list of two tensors: ``values`` in
+    ``input``'s dtype, ``indices`` int64, else ``RuntimeError``) is written, resized
+    as in :func:`cumsum`, and returned as ``torch.return_types.cummax_out``, like torch.
 
     Example:
         >>> import fscan, torch
@@ -120,19 +166,20 @@ def cummax(input: torch.Tensor, dim: int, *, reverse: bool = False) -> Any:
         values=tensor([1., 3., 3., 3.]),
         indices=tensor([0, 1, 2, 2]))
     """
-    return _extremum("fscan.cummax", torch.cummax, input, dim, reverse)
+    return _extremum("fscan.cummax", torch.cummax, input, dim, out, reverse)
 
 
 @logs_route("fscan.cummin")
-def cummin(input: torch.Tensor, dim: int, *, reverse: bool = False) -> Any:
-    """``torch.cummin`` with ``reverse=``: running minima and their indices (see ``cummax``).
+def cummin(input: torch.Tensor, dim: int, *, out: Any = None, reverse: bool = False) -> Any:
+    """``torch.cummin`` with ``reverse=``: running minima and their indices (see ``cummax``,
+    ``out=`` included).
 
     Example:
         >>> import fscan, torch
         >>> fscan.cummin(torch.tensor([3, 1, 2, 1]), 0, reverse=True).indices
         tensor([1, 1, 3, 3])
     """
-    return _extremum("fscan.cummin", torch.cummin, input, dim, reverse)
+    return _extremum("fscan.cummin", torch.cummin, input, dim, out, reverse)
 
 
 # ---- shared pieces -----------------------------------------------------------
@@ -167,8 +214,119 @@ def _prepare(
     return input, dim
 
 
-def _extremum(api: str, op: Any, input: Any, dim: Any, reverse: Any) -> Any:
-    if reverse is False and (out := native_first(op, input, dim)) is not None:
-        return out
+def _sum_or_product(
+    api: str, op: Any, input: Any, dim: Any, dtype: Any, out: Any, reverse: Any
+) -> torch.Tensor:
+    """cumsum or cumprod (``op``) past torch's fast path: checked, routed, written to ``out``."""
+    if out is not None:
+        dtype = _check_out(api, input, out, dtype, computes_in_out_dtype=True)
+    x, dim = _prepare(api, input, dim, reverse, dtype, promote_integers=True)
+    result = cumulative(api, op, x, dim, reverse)
+    return result if out is None else _write_out(result, out, 5)
+
+
+def _extremum(api: str, op: Any, input: Any, dim: Any, out: Any, reverse: Any) -> Any:
+    if reverse is False:
+        result = (
+            native_first(op, input, dim) if out is None else native_first_into(op, input, dim, out)
+        )
+        if result is not None:
+            return result
+    if out is not None:
+        out = _check_extremum_out(api, input, out)
     x, dim = _prepare(api, input, dim, reverse)
-    return cumulative(api, op, x, dim, reverse)
+    result = cumulative(api, op, x, dim, reverse)
+    if out is None:
+        return result
+    values, indices = result
+    return _OUT_TYPES[op]((_write_out(values, out[0], 5), _write_out(indices, out[1], 5)))
+
+
+# ---- out= as torch has it ------------------------------------------------------------
+
+_OUT_TYPES = {
+    torch.cummax: torch.return_types.cummax_out,
+    torch.cummin: torch.return_types.cummin_out,
+}
+
+
+def _check_out(
+    api: str,
+    input: Any,
+    out: Any,
+    dtype: torch.dtype | None = None,
+    computes_in_out_dtype: bool = False,
+) -> torch.dtype | None:
+    """torch's checks of one ``out`` tensor before the call; the dtype to compute in.
+
+    cumsum and cumprod (``computes_in_out_dtype``) cast ``input`` to ``out``'s dtype,
+    which ``dtype`` (if given) must equal; the other ops want ``out`` in ``input``'s
+    dtype. Every op refuses ``out=`` while autograd records a tensor requiring grad."""
+    if not isinstance(out, torch.Tensor):
+        raise ScanTypeError(f"{api}: `out` must be a torch.Tensor, got {type(out).__name__}.")
+    if computes_in_out_dtype:
+        if dtype is not None and out.dtype != dtype:
+            raise RuntimeError(
+                f"{api}: expected `out` to have the dtype asked, {dtype}, got {out.dtype}."
+            )
+        dtype = out.dtype
+    elif isinstance(input, torch.Tensor) and out.dtype != input.dtype:
+        raise RuntimeError(
+            f"{api}: expected `out` in `input`'s dtype {input.dtype}, got {out.dtype}."
+        )
+    _refuse_autograd(api, input, out)
+    return dtype
+
+
+def _check_extremum_out(api: str, input: Any, out: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's checks of cummax/cummin's ``out=(values, indices)``, as a tuple."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        got = f"{len(out)} items" if isinstance(out, (tuple, list)) else type(out).__name__
+        raise ScanTypeError(
+            f"{api}: `out` must be a tuple of two tensors (values, indices), got {got}."
+        )
+    values, indices = out
+    _check_out(api, input, values)
+    if not isinstance(indices, torch.Tensor):
+        raise ScanTypeError(
+            f"{api}: `out`'s indices must be a torch.Tensor, got {type(indices).__name__}."
+        )
+    if indices.dtype != torch.int64:
+        raise RuntimeError(f"{api}: expected `out`'s indices in torch.int64, got {indices.dtype}.")
+    _refuse_autograd(api, input, indices)
+    return values, indices
+
+
+def _refuse_autograd(api: str, input: Any, out: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and (
+        out.requires_grad or (isinstance(input, torch.Tensor) and input.requires_grad)
+    ):
+        raise RuntimeError(
+            f"{api}(): functions with out=... arguments don't support automatic "
+            "differentiation, but one of the arguments requires grad: call it under "
+            "torch.no_grad(), or without `out=`."
+        )
+
+
+def _write_out(result: torch.Tensor, out: torch.Tensor, stacklevel: int = 4) -> torch.Tensor:
+    """``result`` copied into ``out``, resized first where its shape differs, with torch's
+    warning when ``out`` had elements (``resize_output`` in ATen), pointed at the
+    caller ``stacklevel`` frames up; ``out`` returned."""
+    if out.device != result.device:  # copy_ would move the values; torch refuses
+        raise RuntimeError(
+            f"expected `out` on {result.device}, the input's device, got {out.device}."
+        )
+    if out.shape != result.shape:
+        if out.numel() != 0:
+            warnings.warn(
+                f"An output with one or more elements was resized since it had shape "
+                f"{list(out.shape)}, which does not match the required output shape "
+                f"{list(result.shape)}. This behavior is deprecated, and in a future "
+                "PyTorch release outputs will not be resized unless they have zero "
+                "elements. You can explicitly reuse an out tensor t by resizing it, "
+                "inplace, to zero elements with t.resize_(0).",
+                UserWarning,
+                stacklevel=stacklevel,
+            )
+        out.resize_(result.shape)
+    return out.copy_(result)

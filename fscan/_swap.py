@@ -5,10 +5,11 @@ active, every call of ``torch.cumsum``, ``torch.cumprod``, ``torch.cummax``,
 ``torch.cummin``, ``torch.logcumsumexp``, of the ``Tensor`` methods of the same
 names and of the in-place ``Tensor.cumsum_`` and ``Tensor.cumprod_`` goes to
 ``fscan.cumsum`` & co. instead, so a model whose code cannot be edited gets
-fscan's paths. Every other call passes through untouched, and so does a
-cumulative call that fscan's drop-in does not take as given (``out=``, a named
-``dim``, a Tensor subclass, a sparse, nested or quantized input, an in-place
-call that torch refuses): torch's own op runs it and raises its own errors.
+fscan's paths (``out=`` included: the drop-ins follow torch's ``out=`` rules).
+Every other call passes through untouched, and so does a cumulative call that
+fscan's drop-in does not take as given (a named ``dim``, a Tensor subclass, a
+sparse, nested or quantized input, an in-place call that torch refuses): torch's
+own op runs it and raises its own errors.
 
 torch runs a mode's handler with the mode taken off the stack, so the drop-ins'
 own calls to torch (their native path calls ``torch.cumsum``) reach the modes
@@ -28,14 +29,14 @@ from ._ops import cummax, cummin, cumprod, cumsum, logcumsumexp
 __all__ = ["swap_cumulative_ops"]
 
 # torch's function -> (fscan's drop-in, the keywords the drop-in takes besides ``dim``).
-# ``out=`` is not among them: a call that passes one runs torch's op.
+# ``out=`` is among them: the drop-ins apply torch's out= rules themselves.
 _OUT_OF_PLACE: dict[Any, tuple[Callable[..., Any], frozenset[str]]] = {}
 for _torch_op, _fscan_op, _keywords in (
-    ("cumsum", cumsum, frozenset({"dtype"})),
-    ("cumprod", cumprod, frozenset({"dtype"})),
-    ("cummax", cummax, frozenset()),
-    ("cummin", cummin, frozenset()),
-    ("logcumsumexp", logcumsumexp, frozenset()),
+    ("cumsum", cumsum, frozenset({"dtype", "out"})),
+    ("cumprod", cumprod, frozenset({"dtype", "out"})),
+    ("cummax", cummax, frozenset({"out"})),
+    ("cummin", cummin, frozenset({"out"})),
+    ("logcumsumexp", logcumsumexp, frozenset({"out"})),
 ):
     _OUT_OF_PLACE[getattr(torch, _torch_op)] = (_fscan_op, _keywords)
     _OUT_OF_PLACE[getattr(torch.Tensor, _torch_op)] = (_fscan_op, _keywords)
@@ -52,17 +53,15 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 def _bind(args: tuple, kwargs: dict, keywords: frozenset[str]) -> tuple[Any, int, dict] | None:
     """``(input, dim, extra keywords)`` of a call with torch's signature
-    ``(input, dim, *, keywords..., out=None)``, or None where the drop-in cannot take
-    it as given: more positional arguments than two, an unknown keyword, ``out=``
-    given, a ``dim`` that is not an int, an input that is not a plain dense tensor."""
+    ``(input, dim, *, keywords...)``, or None where the drop-in cannot take it as
+    given: more positional arguments than two, an unknown keyword (``out=`` in
+    place), a ``dim`` that is not an int, an input that is not a plain dense tensor."""
     if len(args) == 2 and not kwargs:  # the common spelling, bound without copies
         (input, dim), extra = args, {}
     else:
         if len(args) > 2:
             return None
         extra = dict(kwargs)
-        if extra.pop("out", None) is not None:
-            return None
         bound = list(args)
         for name in ("input", "dim")[len(args) :]:
             if name not in extra:
@@ -127,13 +126,13 @@ def swap_cumulative_ops() -> TorchFunctionMode:
     ``Tensor.cumprod_`` run :func:`fscan.cumsum` & co., for code you cannot edit
     (a model's ``forward``). It is a ``torch.overrides.TorchFunctionMode``, so it
     nests with other modes and works under autograd, ``torch.compile`` and vmap.
-    Results, dtypes and gradients are torch's (the drop-ins' contract); a call
-    the drop-ins do not take as given (``out=``, a named ``dim``, a Tensor
+    Results, dtypes, gradients and ``out=`` are torch's (the drop-ins' contract);
+    a call the drop-ins do not take as given (a named ``dim``, a Tensor
     subclass, a non-dense input, an in-place call with another ``dtype``) runs
     torch's own op, and every other function passes through untouched::
 
-        for every call torch.cumsum(input, dim, dtype=dtype) inside the block:
-            return fscan.cumsum(input, dim, dtype=dtype)
+        for every call torch.cumsum(input, dim, dtype=dtype, out=out) inside the block:
+            return fscan.cumsum(input, dim, dtype=dtype, out=out)
 
     Returns:
         TorchFunctionMode: enter it with ``with``; each call makes a new one.

@@ -163,25 +163,37 @@ def test_torch_special_has_no_logcumsumexp_to_swap():
     assert not hasattr(torch.special, "logcumsumexp")
 
 
-# ---- calls torch's op keeps ------------------------------------------------------------
-
-
-@parametrize(op=OPS)
-def test_out_runs_torch_s_own_op(op, fscan_calls):
+@parametrize(op=OPS, spelling=["tuple", "list"])
+def test_out_runs_fscan_s_drop_in(op, spelling, fscan_calls):
     x = torch.randn(4, 5)
     want = getattr(torch, op)(x, 1)
     extremum = not isinstance(want, torch.Tensor)
     out = (torch.empty(0), torch.empty(0, dtype=torch.int64)) if extremum else torch.empty(0)
+    if extremum and spelling == "list":  # torch takes a list of two tensors too
+        out = list(out)
     with fscan.swap_cumulative_ops():
         got = getattr(torch, op)(x, 1, out=out)
     if extremum:  # torch returns a `cummax_out` struct of the `out` tensors
+        assert type(got) is getattr(torch.return_types, f"{op}_out")
         assert got.values is out[0] and got.indices is out[1]
         assert_same(out[0], want.values)
         assert torch.equal(out[1], want.indices)
     else:
         assert got is out
         assert_same(out, want)
-    assert fscan_calls.apis == []
+    assert f"fscan.{op}" in fscan_calls
+
+
+@parametrize(op=OPS)
+def test_out_errors_under_the_swap_are_torch_s_types(op, fscan_calls):
+    x = torch.randn(4, 5, requires_grad=True)
+    extremum = op in ("cummax", "cummin")
+    out = (torch.empty(0), torch.empty(0, dtype=torch.int64)) if extremum else torch.empty(0)
+    want = raised(lambda: getattr(torch, op)(x, 1, out=out))
+    assert want is RuntimeError  # out= with an input that requires grad
+    with fscan.swap_cumulative_ops():
+        got = raised(lambda: getattr(torch, op)(x, 1, out=out))
+    assert issubclass(got, want)
 
 
 def test_out_none_is_no_out(fscan_calls):
@@ -190,6 +202,9 @@ def test_out_none_is_no_out(fscan_calls):
         got = torch.cumsum(x, 0, out=None)
     assert_same(got, torch.cumsum(x, 0))
     assert "fscan.cumsum" in fscan_calls
+
+
+# ---- calls torch's op keeps ------------------------------------------------------------
 
 
 class Tagged(torch.Tensor):

@@ -2,10 +2,11 @@
 ``cummin`` and ``logcumsumexp``, for eager, traced, gradient and ``torch.func`` calls.
 
 :func:`route` is the one decision (side-effect free: the ``"fscan"`` log's reasons
-ask it too, through :func:`refusals`); :func:`native_first` serves the calls it
-sends to torch's op before any of fscan's checks; :func:`cumulative` runs a checked
-call on the engine it picks. Every engine, in the order they are tried (``inner``:
-the elements after ``dim``, ``n`` its length, ``stride`` its stride):
+ask it too, through :func:`refusals`); :func:`native_first` (:func:`native_first_into`
+with ``out=``) serves the calls it sends to torch's op before any of fscan's checks;
+:func:`cumulative` runs a checked call on the engine it picks. Every engine, in the
+order they are tried (``inner``: the elements after ``dim``, ``n`` its length,
+``stride`` its stride):
 
 ===========  ======================================================================
 engine       when
@@ -65,7 +66,16 @@ from .._pytree import flatten
 from .._route_log import ran
 from .scan import scan_flat
 
-__all__ = ["cumulative", "kernel_call", "native", "native_first", "path", "refusals", "route"]
+__all__ = [
+    "cumulative",
+    "kernel_call",
+    "native",
+    "native_first",
+    "native_first_into",
+    "path",
+    "refusals",
+    "route",
+]
 
 # The parallel-scan rule, measured on CPU (fscan/bench/ops.py and sweeps over shapes,
 # one thread, float32). torch's kernel walks `dim` for one column after another. When
@@ -229,18 +239,51 @@ def native_first(op: Any, x: Any, dim: Any) -> Any:
     try:
         # The table's first row, read before the call into it: most calls end here, and
         # the call would add ~3% to them.
-        if x.numel() < _NATIVE_BELOW:
+        if x.numel() < _NATIVE_BELOW or _torch_serves(op, x, dim):
             return op(x, dim)
-        cells = _cells(op, x, dim, False)
-        if cells is not _NATIVE:  # the common answer needs no more reads
-            kernel, parallel = cells
-            if parallel or (kernel and kernel_possible()):
-                return None
-        return op(x, dim)
+        return None
     except (IndexError, RuntimeError, NotImplementedError):
         # dim out of range, or a tensor torch's op cannot take (sparse, nested, quantized):
         # the checked path says so in fscan's words
         return None
+
+
+def native_first_into(op: Any, x: Any, dim: Any, out: Any) -> Any:
+    """:func:`native_first` with ``out=``: torch's ``op(x, dim, out=out)`` where the table
+    certainly picks torch's op and ``out`` (each of cummax/cummin's pair) already has
+    ``x``'s shape, else None. torch's op then applies its own ``out=`` rules; a call that
+    resizes ``out`` takes the checked path, whose warning names the caller's line (torch's
+    would name this one). Errors send the call to the checked path too: it raises them
+    with torch's types, in fscan's words."""
+    if type(dim) is not int or not isinstance(x, torch.Tensor) or _is_compiling():
+        return None
+    shape = x.shape
+    if isinstance(out, torch.Tensor):
+        if out.shape != shape:
+            return None
+    elif not (
+        isinstance(out, (tuple, list))
+        and len(out) == 2
+        and all(isinstance(o, torch.Tensor) and o.shape == shape for o in out)
+    ):
+        return None
+    try:
+        if x.numel() < _NATIVE_BELOW or _torch_serves(op, x, dim):
+            return op(x, dim, out=out)
+        return None
+    except (IndexError, RuntimeError, NotImplementedError):
+        return None
+
+
+def _torch_serves(op: Any, x: torch.Tensor, dim: int) -> bool:
+    """Whether the table picks torch's op for a forward call on ``x`` (also where it picks
+    the kernel but none can run)."""
+    cells = _cells(op, x, dim, False)
+    if cells is not _NATIVE:  # the common answer needs no more reads
+        kernel, parallel = cells
+        if parallel or (kernel and kernel_possible()):
+            return False
+    return True
 
 
 def cumulative(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool) -> Any:
