@@ -171,7 +171,8 @@ def dtensor_scan(
     initial: Any = None,
 ) -> Any:
     """``fscan.associative_scan`` on a pytree of DTensors (see the module docstring)."""
-    # torch.distributed is optional and slow to import: only DTensor calls import it.
+    # torch.distributed is optional and slow to import: only DTensor calls import it
+    # (the sharded modules import it at their top, so they are deferred too).
     from torch.distributed.tensor import DTensor
 
     from .agree import agreeing
@@ -226,7 +227,8 @@ def dtensor_linear_recurrence(
     a: Any, b: Any, dim: int, *, initial: Any, reverse: bool, reset: Any, acc_dtype: Any = None
 ) -> Any:
     """``fscan.linear_recurrence`` with DTensor operands (see the module docstring)."""
-    # torch.distributed is optional and slow to import: only DTensor calls import it.
+    # torch.distributed is optional and slow to import: only DTensor calls import it
+    # (the sharded modules import it at their top, so they are deferred too).
     from torch.distributed.tensor import DTensor
 
     from .agree import agreeing

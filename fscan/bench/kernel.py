@@ -36,6 +36,7 @@ import fscan
 from fscan._engines.cpp import cpu_kernel
 
 from ._timing import Table, median_time
+from .ops import interleaved_medians
 
 __all__ = ["kernel_table", "latency_table"]
 
@@ -193,8 +194,6 @@ def _captured_combine(name: str, channels: int) -> tuple[Callable[[Any, Any], An
 def _backward_row(name: str, shape: tuple[int, ...]) -> list[str]:
     """Rows ``scaled`` and ``gate`` close over a per-channel weight needing grad: its
     gradient is computed too (and is the only extra input of the gradient)."""
-    from .ops import interleaved_medians
-
     if name in ("scaled", "gate"):
         fn, extra = _captured_combine(name, shape[-1])
         xs = _inputs("linrec" if name == "gate" else "add", shape)

@@ -35,7 +35,9 @@ import torch.nn.functional as F
 
 import fscan
 from fscan._engines.chunked import Operands
+from fscan._recurrences import solve as _linear_solve
 from fscan._recurrences.solve import LINEAR
+from fscan._routing import recurrence as _router
 from fscan._routing.recurrence import solve
 
 from ._timing import Table, fmt_ms
@@ -186,9 +188,6 @@ def engines_of(job: Callable[[], object]) -> str:
     service's warm-up would) and name the engines its recurrences ran on, in order:
     ``cpp`` (the compiled kernel), ``blocked`` (the chunked walk in torch ops), ``tree``
     (the tree scan); ``tree`` also where fscan solved none (docs/routes.md names them)."""
-    from fscan._recurrences import solve as _linear_solve
-    from fscan._routing import recurrence as _router
-
     ran: list[str] = []
 
     def spy(name: str, original: Callable) -> Callable:

@@ -15,6 +15,7 @@ import torch
 
 import fscan
 from fscan._routing.cumulative import path
+from fscan._routing.recurrence import kernel_solve
 
 from ._timing import Table, fmt_ms, optional_jax
 
@@ -172,8 +173,6 @@ def linear_table(quick: bool = False) -> Table:
 def linear_engines(a: torch.Tensor, b: torch.Tensor, dim: int = 1) -> dict[str, str]:
     """The engine each fscan column of :func:`linear_table` ran on, asked after its
     warm-up: ``cpp`` where the compiled kernel serves the call, else ``tree``."""
-    from fscan._routing.recurrence import kernel_solve
-
     with torch.no_grad():
         linear = kernel_solve(a, b, dim, False) is not None
         pair = fscan.precompile(_compose, (a, b), dim)  # built already: only says so
