@@ -12,6 +12,7 @@ from ._errors import ImpureCombineError as ImpureCombineError
 from ._errors import NotAssociativeError as NotAssociativeError
 from ._errors import NotAssociativeWarning as NotAssociativeWarning
 from ._errors import NotElementwiseError as NotElementwiseError
+from ._errors import OutArgumentError as OutArgumentError
 from ._errors import PeerRankError as PeerRankError
 from ._errors import ReverseNotBoolWarning as ReverseNotBoolWarning
 from ._errors import ScanError as ScanError
@@ -43,6 +44,7 @@ __all__ = [
     "NotAssociativeError",
     "NotAssociativeWarning",
     "NotElementwiseError",
+    "OutArgumentError",
     "PeerRankError",
     "ReverseNotBoolWarning",
     "ScanError",

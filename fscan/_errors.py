@@ -10,10 +10,12 @@ from the built-in type a user would naturally catch, so existing
     ├── ScanValueError (ValueError)       an argument of the right type, wrong value
     │   └── CombineFnError                `combine_fn` misbehaves
     │       ├── NotAssociativeError       ... fails the associativity check
+    │       ├── NotElementwiseError       ... is not elementwise in pointwise mode
     │       └── ImpureCombineError        ... mutates an input or draws random numbers
     │                                         (also a RuntimeError)
     ├── UnsupportedScanError              valid, but not something fscan can do
     │   (NotImplementedError)
+    ├── OutArgumentError (RuntimeError)   a drop-in's `out=` does not fit, as torch says
     └── PeerRankError (RuntimeError)      another rank of a fscan.distributed call failed
 
     ScanWarning (UserWarning)             fscan ran the call, but it looks like a mistake
@@ -42,6 +44,7 @@ __all__ = [
     "NotAssociativeError",
     "NotAssociativeWarning",
     "NotElementwiseError",
+    "OutArgumentError",
     "PeerRankError",
     "ReverseNotBoolWarning",
     "ScanError",
@@ -93,6 +96,11 @@ class ImpureCombineError(CombineFnError, RuntimeError):
 
 class UnsupportedScanError(ScanError, NotImplementedError):
     """A valid request that fscan cannot carry out (e.g. in a traced context)."""
+
+
+class OutArgumentError(ScanError, RuntimeError):
+    """A drop-in's ``out=`` does not fit the call: its dtype, its device, or an argument
+    that requires grad. Also a ``RuntimeError``, which torch's own op raises there."""
 
 
 class PeerRankError(ScanError, RuntimeError):

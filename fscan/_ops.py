@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ._checks import check_dense, normalize_dim
-from ._errors import ScanTypeError
+from ._errors import OutArgumentError, ScanTypeError
 from ._route_log import logs_route
 from ._routing.cumulative import cumulative, native_first, native_first_into
 
@@ -266,12 +266,12 @@ def _check_out(
         raise ScanTypeError(f"{api}: `out` must be a torch.Tensor, got {type(out).__name__}.")
     if computes_in_out_dtype:
         if dtype is not None and out.dtype != dtype:
-            raise RuntimeError(
+            raise OutArgumentError(
                 f"{api}: expected `out` to have the dtype asked, {dtype}, got {out.dtype}."
             )
         dtype = out.dtype
     elif isinstance(input, torch.Tensor) and out.dtype != input.dtype:
-        raise RuntimeError(
+        raise OutArgumentError(
             f"{api}: expected `out` in `input`'s dtype {input.dtype}, got {out.dtype}."
         )
     _refuse_autograd(api, input, out)
@@ -292,7 +292,9 @@ def _check_extremum_out(api: str, input: Any, out: Any) -> tuple[torch.Tensor, t
             f"{api}: `out`'s indices must be a torch.Tensor, got {type(indices).__name__}."
         )
     if indices.dtype != torch.int64:
-        raise RuntimeError(f"{api}: expected `out`'s indices in torch.int64, got {indices.dtype}.")
+        raise OutArgumentError(
+            f"{api}: expected `out`'s indices in torch.int64, got {indices.dtype}."
+        )
     _refuse_autograd(api, input, indices)
     return values, indices
 
@@ -301,7 +303,7 @@ def _refuse_autograd(api: str, input: Any, out: torch.Tensor) -> None:
     if torch.is_grad_enabled() and (
         out.requires_grad or (isinstance(input, torch.Tensor) and input.requires_grad)
     ):
-        raise RuntimeError(
+        raise OutArgumentError(
             f"{api}(): functions with out=... arguments don't support automatic "
             "differentiation, but one of the arguments requires grad: call it under "
             "torch.no_grad(), or without `out=`."
@@ -313,7 +315,7 @@ def _write_out(result: torch.Tensor, out: torch.Tensor, stacklevel: int = 4) -> 
     warning when ``out`` had elements (``resize_output`` in ATen), pointed at the
     caller ``stacklevel`` frames up; ``out`` returned."""
     if out.device != result.device:  # copy_ would move the values; torch refuses
-        raise RuntimeError(
+        raise OutArgumentError(
             f"expected `out` on {result.device}, the input's device, got {out.device}."
         )
     if out.shape != result.shape:

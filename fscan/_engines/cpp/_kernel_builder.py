@@ -11,6 +11,7 @@ first: see :func:`warm_up`; :data:`warm` says it is done.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import queue
@@ -136,10 +137,13 @@ class _Worker:
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
         self.warming = False
+        self.closing = False
 
     def submit(self, job: Callable[[], None]) -> None:
-        self.jobs.put(job)
         with self.lock:
+            if self.closing:  # the interpreter is exiting: no new work
+                return
+            self.jobs.put(job)
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._loop, name="fscan-kernel", daemon=True)
                 self.thread.start()
@@ -151,9 +155,28 @@ class _Worker:
             self.warming = True
         self.submit(warm_up)
 
+    def close(self, timeout: float = 60.0) -> None:
+        """At interpreter exit: drop the queued jobs and wait (at most ``timeout``) for the
+        running one. A process that finalizes while this daemon thread is inside torch's
+        C++ (importing torch._dynamo, or compiling) can abort ("terminate called without
+        an active exception"); a short script whose first scan started the warm-up did."""
+        with self.lock:
+            self.closing = True
+            thread = self.thread
+        while True:
+            try:
+                self.jobs.get_nowait()
+            except queue.Empty:
+                break
+        if thread is not None and thread.is_alive():
+            self.jobs.put(_STOP)
+            thread.join(timeout)
+
     def _loop(self) -> None:
         while True:
             job = self.jobs.get()
+            if job is _STOP:
+                return
             try:
                 job()
             except Exception as err:  # never let the thread die: report at debug level
@@ -161,7 +184,17 @@ class _Worker:
             del job
 
 
+def _stop() -> None:
+    """The job that ends the worker's loop (see :meth:`_Worker.close`)."""
+
+
+_STOP = _stop
 worker = _Worker()
+
+
+@atexit.register
+def _close_worker() -> None:
+    worker.close()
 
 
 def submit(entry: Entry, call: BuildCall) -> None:
