@@ -225,3 +225,17 @@ def test_compiles():
     want = f(x)
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1])
+
+
+def test_the_log_names_the_scan_that_ran(caplog):
+    reset = torch.tensor([False, True, False, False])
+    with caplog.at_level("DEBUG", logger="fscan"):
+        fscan.cummin(torch.ones(4), 0, reset=reset)
+    (record,) = [r for r in caplog.records if r.fscan_api == "fscan.cummin"]
+    assert record.fscan_engine == "tree"
+    assert record.fscan_refused == {"native": "torch's op has no reset="}
+
+
+def test_no_reset_keeps_torchs_op():
+    x = torch.randn(64)
+    torch.testing.assert_close(fscan.cumsum(x, 0, reset=None), torch.cumsum(x, 0))
