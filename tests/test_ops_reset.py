@@ -232,7 +232,7 @@ def test_the_log_names_the_scan_that_ran(caplog):
     with caplog.at_level("DEBUG", logger="fscan"):
         fscan.cummin(torch.ones(4), 0, reset=reset)
     (record,) = [r for r in caplog.records if r.fscan_api == "fscan.cummin"]
-    assert record.fscan_engine == "tree"
+    assert record.fscan_engine in ("tree", "cpp")  # the kernel, once another test built it
     assert record.fscan_refused == {"native": "torch's op has no reset="}
 
 
