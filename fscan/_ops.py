@@ -1,4 +1,5 @@
-"""Drop-in cumulative ops: ``torch.cumsum`` & co. with ``reverse=``, each a scan underneath.
+"""Drop-in cumulative ops: ``torch.cumsum`` & co. with ``reverse=`` and ``reset=`` (segmented),
+each a scan underneath.
 
 ``fscan.cumsum``, ``cumprod``, ``cummax``, ``cummin`` and ``logcumsumexp`` take
 torch's arguments in torch's order (extras keyword-only) and return what torch
@@ -45,6 +46,7 @@ def cumsum(
     dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
     reverse: bool = False,
+    reset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``torch.cumsum`` with ``reverse=``: ``out[i] = input[0] + ... + input[i]`` along ``dim``.
 
@@ -59,6 +61,12 @@ def cumsum(
             while autograd records a tensor that requires grad.
         reverse (bool, default False): sum from the end, ``out[i] = input[i] + ...
             + input[n - 1]``.
+        reset (Tensor, optional): a bool mask where the sum restarts (``out[i] =
+            input[i]`` where it is True), as ``fscan.associative_scan``'s ``reset=``: 1-D
+            of length ``n`` along ``dim``, or with ``input``'s dimensions, size ``n``
+            along ``dim`` and 1 or ``input``'s size elsewhere. The same as summing each
+            segment on its own; with ``reverse=True`` a True marks a segment's last
+            element in index order.
 
     Returns:
         Tensor: ``input``'s shape; dtype ``dtype``, else int64 for integer and bool
@@ -72,8 +80,10 @@ def cumsum(
         >>> buffer = torch.empty(3)
         >>> fscan.cumsum(input=x, dim=0, out=buffer) is buffer, buffer
         (True, tensor([1., 3., 6.]))
+        >>> fscan.cumsum(torch.ones(5), 0, reset=torch.tensor([0, 0, 1, 0, 1]) > 0)
+        tensor([1., 2., 1., 2., 1.])
     """
-    if dtype is None and reverse is False:
+    if dtype is None and reverse is False and reset is None:
         result = (
             native_first(torch.cumsum, input, dim)
             if out is None
@@ -81,7 +91,7 @@ def cumsum(
         )
         if result is not None:
             return result  # torch promotes integers and bool to int64 itself
-    return _sum_or_product("fscan.cumsum", torch.cumsum, input, dim, dtype, out, reverse)
+    return _sum_or_product("fscan.cumsum", torch.cumsum, input, dim, dtype, out, reverse, reset)
 
 
 @logs_route("fscan.cumprod")
@@ -92,18 +102,19 @@ def cumprod(
     dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
     reverse: bool = False,
+    reset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``torch.cumprod`` with ``reverse=``: ``out[i] = input[0] * ... * input[i]`` along ``dim``.
 
-    Arguments (``out=`` included) and result dtype as in :func:`cumsum`. Gradients
-    are exact with zeros.
+    Arguments (``out=`` and ``reset=`` included) and result dtype as in :func:`cumsum`.
+    Gradients are exact with zeros.
 
     Example:
         >>> import fscan, torch
         >>> fscan.cumprod(torch.tensor([1.0, 2.0, 3.0]), 0, reverse=True)
         tensor([6., 6., 3.])
     """
-    if dtype is None and reverse is False:
+    if dtype is None and reverse is False and reset is None:
         result = (
             native_first(torch.cumprod, input, dim)
             if out is None
@@ -111,27 +122,33 @@ def cumprod(
         )
         if result is not None:
             return result
-    return _sum_or_product("fscan.cumprod", torch.cumprod, input, dim, dtype, out, reverse)
+    return _sum_or_product("fscan.cumprod", torch.cumprod, input, dim, dtype, out, reverse, reset)
 
 
 @logs_route("fscan.logcumsumexp")
 def logcumsumexp(
-    input: torch.Tensor, dim: int, *, out: torch.Tensor | None = None, reverse: bool = False
+    input: torch.Tensor,
+    dim: int,
+    *,
+    out: torch.Tensor | None = None,
+    reverse: bool = False,
+    reset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``torch.logcumsumexp`` with ``reverse=``: ``out[i] = log(sum(exp(input[:i + 1])))``.
 
     ``-inf`` entries add nothing, ``+inf`` and NaN propagate, as in torch. Complex
     inputs always use torch's kernel: the imaginary part of a complex log is only
     defined up to multiples of 2 pi, and which one torch returns depends on its
-    sequential order of combination. ``out=`` as in torch: in ``input``'s dtype
-    (else ``RuntimeError``), resized and returned as in :func:`cumsum`.
+    sequential order of combination (``reset=``, as in :func:`cumsum`, takes float
+    inputs only). ``out=`` as in torch: in ``input``'s dtype (else ``RuntimeError``),
+    resized and returned as in :func:`cumsum`.
 
     Example:
         >>> import fscan, torch
         >>> fscan.logcumsumexp(torch.tensor([0.0, float("-inf"), 0.0]), 0)
         tensor([0.0000, 0.0000, 0.6931])
     """
-    if reverse is False:
+    if reverse is False and reset is None:
         result = (
             native_first(torch.logcumsumexp, input, dim)
             if out is None
@@ -142,12 +159,19 @@ def logcumsumexp(
     if out is not None:
         _check_out("fscan.logcumsumexp", input, out)
     x, dim = _prepare("fscan.logcumsumexp", input, dim, reverse)
-    result = cumulative("fscan.logcumsumexp", torch.logcumsumexp, x, dim, reverse)
+    result = cumulative("fscan.logcumsumexp", torch.logcumsumexp, x, dim, reverse, reset)
     return result if out is None else _write_out(result, out)
 
 
 @logs_route("fscan.cummax")
-def cummax(input: torch.Tensor, dim: int, *, out: Any = None, reverse: bool = False) -> Any:
+def cummax(
+    input: torch.Tensor,
+    dim: int,
+    *,
+    out: Any = None,
+    reverse: bool = False,
+    reset: torch.Tensor | None = None,
+) -> Any:
     """``torch.cummax`` with ``reverse=``: running maxima and the index of each.
 
     Returns ``torch.return_types.cummax(values, indices)``, like torch. Ties go to
@@ -159,6 +183,9 @@ def cummax(input: torch.Tensor, dim: int, *, out: Any = None, reverse: bool = Fa
     ``input``'s dtype, ``indices`` int64, else ``RuntimeError``) is written, resized
     as in :func:`cumsum`, and returned as ``torch.return_types.cummax_out``, like torch.
 
+    ``reset=`` (as in :func:`cumsum`) restarts the running maximum where it is True;
+    the indices stay positions in the whole ``input``.
+
     Example:
         >>> import fscan, torch
         >>> fscan.cummax(torch.tensor([1.0, 3.0, 3.0, 2.0]), 0)
@@ -166,20 +193,27 @@ def cummax(input: torch.Tensor, dim: int, *, out: Any = None, reverse: bool = Fa
         values=tensor([1., 3., 3., 3.]),
         indices=tensor([0, 1, 2, 2]))
     """
-    return _extremum("fscan.cummax", torch.cummax, input, dim, out, reverse)
+    return _extremum("fscan.cummax", torch.cummax, input, dim, out, reverse, reset)
 
 
 @logs_route("fscan.cummin")
-def cummin(input: torch.Tensor, dim: int, *, out: Any = None, reverse: bool = False) -> Any:
+def cummin(
+    input: torch.Tensor,
+    dim: int,
+    *,
+    out: Any = None,
+    reverse: bool = False,
+    reset: torch.Tensor | None = None,
+) -> Any:
     """``torch.cummin`` with ``reverse=``: running minima and their indices (see ``cummax``,
-    ``out=`` included).
+    ``out=`` and ``reset=`` included).
 
     Example:
         >>> import fscan, torch
         >>> fscan.cummin(torch.tensor([3, 1, 2, 1]), 0, reverse=True).indices
         tensor([1, 1, 3, 3])
     """
-    return _extremum("fscan.cummin", torch.cummin, input, dim, out, reverse)
+    return _extremum("fscan.cummin", torch.cummin, input, dim, out, reverse, reset)
 
 
 # ---- shared pieces -----------------------------------------------------------
@@ -215,18 +249,18 @@ def _prepare(
 
 
 def _sum_or_product(
-    api: str, op: Any, input: Any, dim: Any, dtype: Any, out: Any, reverse: Any
+    api: str, op: Any, input: Any, dim: Any, dtype: Any, out: Any, reverse: Any, reset: Any
 ) -> torch.Tensor:
     """cumsum or cumprod (``op``) past torch's fast path: checked, routed, written to ``out``."""
     if out is not None:
         dtype = _check_out(api, input, out, dtype, computes_in_out_dtype=True)
     x, dim = _prepare(api, input, dim, reverse, dtype, promote_integers=True)
-    result = cumulative(api, op, x, dim, reverse)
+    result = cumulative(api, op, x, dim, reverse, reset)
     return result if out is None else _write_out(result, out, 5)
 
 
-def _extremum(api: str, op: Any, input: Any, dim: Any, out: Any, reverse: Any) -> Any:
-    if reverse is False:
+def _extremum(api: str, op: Any, input: Any, dim: Any, out: Any, reverse: Any, reset: Any) -> Any:
+    if reverse is False and reset is None:
         result = (
             native_first(op, input, dim) if out is None else native_first_into(op, input, dim, out)
         )
@@ -235,7 +269,7 @@ def _extremum(api: str, op: Any, input: Any, dim: Any, out: Any, reverse: Any) -
     if out is not None:
         out = _check_extremum_out(api, input, out)
     x, dim = _prepare(api, input, dim, reverse)
-    result = cumulative(api, op, x, dim, reverse)
+    result = cumulative(api, op, x, dim, reverse, reset)
     if out is None:
         return result
     values, indices = result

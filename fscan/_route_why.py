@@ -62,7 +62,10 @@ _DROPIN_OPS = {
 
 def _dropin(noted: str | None, args: tuple, kwargs: dict, route: Route) -> tuple[str, dict]:
     """Drop-ins: the kernel, else the parallel scan (``blocked``), else torch's op; the
-    reasons are the router's (:func:`fscan._routing.cumulative.refusals`)."""
+    reasons are the router's (:func:`fscan._routing.cumulative.refusals`). With
+    ``reset=``, fscan's segmented scan (:func:`fscan._routing.cumulative.segmented`)."""
+    if kwargs.get("reset") is not None:
+        return noted or "tree", {"native": "torch's op has no reset="}
     engine = noted or "native"
     if engine == "cpp":
         return engine, {}

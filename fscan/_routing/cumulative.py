@@ -61,10 +61,12 @@ from .._engines.cpp.cpu_kernel import (
     kernel_scan,
     reads_in_place,
 )
+from .._errors import ScanTypeError
 from .._knowledge.store import knowledge, reach
-from .._pytree import flatten
+from .._pytree import flatten, unflatten
 from .._route_log import ran
-from .scan import scan_flat
+from .._segmented import check_reset, segmented_scan
+from .scan import scan_flat, scan_traced
 
 __all__ = [
     "cumulative",
@@ -75,6 +77,7 @@ __all__ = [
     "path",
     "refusals",
     "route",
+    "segmented",
 ]
 
 # The parallel-scan rule, measured on CPU (fscan/bench/ops.py and sweeps over shapes,
@@ -286,14 +289,19 @@ def _torch_serves(op: Any, x: torch.Tensor, dim: int) -> bool:
     return True
 
 
-def cumulative(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool) -> Any:
+def cumulative(
+    api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset: Any = None
+) -> Any:
     """Run the drop-in ``api`` of torch's ``op`` on ``x`` on the engine the table picks:
-    ``x`` in the dtype torch computes in, ``dim`` checked and non-negative.
+    ``x`` in the dtype torch computes in, ``dim`` checked and non-negative. With
+    ``reset=`` (torch's op has none), :func:`segmented` runs it.
 
     Example:
         >>> cumulative("fscan.cumsum", torch.cumsum, torch.tensor([1, 2, 3]), 0, True)
         tensor([6, 5, 3])
     """
+    if reset is not None:
+        return segmented(api, op, x, dim, reverse, reset)
     kernel, parallel = route(op, x, dim, reverse)
     if kernel and (out := _kernel(api, op, x, dim, reverse)) is not None:
         ran("cpp")
@@ -305,6 +313,52 @@ def cumulative(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool) -> A
         largest = op is torch.cummax
         return _EXTREMA[op](extremum_scan(x, dim, reverse, largest, _inner_scan))
     return accumulate(_ACCUMULATIONS[op], x, dim, reverse, _inner_scan)
+
+
+def segmented(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset: Any) -> Any:
+    """``op`` restarted wherever the bool mask ``reset`` is True (``out[i] = x[i]``
+    there): fscan's segmented scan (:mod:`fscan._segmented`) of the op's combine, on the
+    engine :mod:`fscan._routing.scan` picks and notes. cummax/cummin scan (value,
+    position) pairs, so their indices are positions in the whole ``x``. The mask is
+    checked here first, so that its errors name ``api``.
+
+    Example:
+        >>> reset = torch.tensor([False, False, True, False])
+        >>> segmented("fscan.cumsum", torch.cumsum, torch.tensor([1, 2, 3, 4]), 0, False, reset)
+        tensor([1, 3, 3, 7])
+    """
+    if x.ndim == 0:  # one step, as torch scans 0-d tensors
+        out = segmented(api, op, x[None], 0, reverse, reset)
+        return _EXTREMA[op]((out[0][0], out[1][0])) if op in _EXTREMA else out[0]
+    check_reset(api, reset, x, [x], dim)
+    if op is torch.logcumsumexp and x.dtype not in _FLOATS:
+        raise ScanTypeError(
+            f"{api}: `reset=` takes float inputs, got {x.dtype}: the imaginary part of a "
+            "complex log depends on torch's order of combination."
+        )
+    xs: Any = x
+    if op in _EXTREMA:
+        n = x.shape[dim]
+        positions = torch.arange(n, device=x.device).reshape([n] + [1] * (x.ndim - 1 - dim))
+        xs = (x, positions.expand(x.shape))
+    leaves, spec = flatten(xs)
+    combine = _KERNEL_COMBINES[op]
+    call = ScanCall(api, combine, xs, spec, leaves, dim, reverse, "pointwise", reset=reset)
+    out = segmented_scan(_scan_pairs, call)
+    if not _is_compiling():  # Dynamo cannot trace the log's ContextVar
+        ran("tree")  # after the scan: an engine its router noted (the kernel) comes first
+    return _EXTREMA[op](out) if op in _EXTREMA else out
+
+
+def _scan_pairs(call: ScanCall) -> Any:
+    """The scan of :func:`segmented`'s (flag, value) pairs, routed as any of fscan's
+    scans (traced while ``torch.compile`` traces). The combine is fscan's own: nothing
+    to validate, and no ``initial`` to fold."""
+    if _is_compiling():
+        return unflatten(call.spec, scan_traced(call))
+    found = reach(call.combine_fn)
+    entry = knowledge(found, call.spec, call.combine_mode, call.leaves)
+    return unflatten(call.spec, scan_flat(call, found, entry))
 
 
 def native(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> Any:
