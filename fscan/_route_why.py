@@ -23,7 +23,8 @@ from ._pytree import flatten
 from ._recurrences.solve import LINEAR
 from ._reduce import associative_reduce
 from ._route_log import Route, register
-from ._routing.cumulative import kernel_call, refusals
+from ._routing.cumulative import kernel_call
+from ._routing.reasons import cumulative_refusals
 from ._routing.recurrence import PAIR_SPEC, compose, kernel_refused
 
 __all__: list[str] = []  # registers its functions on import; nothing to call
@@ -62,7 +63,7 @@ _DROPIN_OPS = {
 
 def _dropin(noted: str | None, args: tuple, kwargs: dict, route: Route) -> tuple[str, dict]:
     """Drop-ins: the kernel, else the parallel scan (``blocked``), else torch's op; the
-    reasons are the router's (:func:`fscan._routing.cumulative.refusals`). With
+    reasons are the router's (:func:`fscan._routing.reasons.cumulative_refusals`). With
     ``reset=``, fscan's segmented scan (:func:`fscan._routing.cumulative.segmented`)."""
     if kwargs.get("reset") is not None:
         return noted or "tree", {"native": "torch's op has no reset="}
@@ -73,7 +74,7 @@ def _dropin(noted: str | None, args: tuple, kwargs: dict, route: Route) -> tuple
     x = args[0] if args else kwargs["input"]
     dim = args[1] if len(args) > 1 else kwargs["dim"]
     reverse = bool(kwargs.get("reverse", False))
-    refused = refusals(op, x, dim, reverse)
+    refused = cumulative_refusals(op, x, dim, reverse)
     if "cpp" not in refused:  # the table picks the kernel: it did not serve
         combine, spec, leaves, positions = kernel_call(op, x)
         why = kernel_refusal(combine, spec, leaves, dim % x.ndim, positions=positions)

@@ -75,7 +75,6 @@ __all__ = [
     "native_first",
     "native_first_into",
     "path",
-    "refusals",
     "route",
     "segmented",
 ]
@@ -458,7 +457,7 @@ def _inner_scan(inner: Op, x: torch.Tensor, dim: int, reverse: bool) -> torch.Te
     return scan_flat(call, found, entry)[0]
 
 
-# ---- what the table says, for the benchmarks and the log's reasons -------------------
+# ---- what the table says, for the benchmarks (the log's reasons: fscan._routing.reasons) ----
 
 
 def path(op: Any, x: torch.Tensor, dim: int, reverse: bool = False) -> str:
@@ -475,29 +474,3 @@ def path(op: Any, x: torch.Tensor, dim: int, reverse: bool = False) -> str:
         if kernel_ready(combine, spec, leaves, dim, positions):
             return "cpp"
     return "blocked" if parallel else "native"
-
-
-def refusals(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> dict[str, str]:
-    """Why the table passes over the kernel (``"cpp"``) and the blocked scan (``"blocked"``)
-    for torch's ``op`` on ``x``, for each it does not pick; changes nothing.
-
-    Example:
-        >>> refusals(torch.cumsum, torch.ones(8), 0, False)["cpp"]
-        "fewer than 32768 elements: torch's op is faster"
-    """
-    if not x.is_cpu or x.ndim == 0:
-        return {"cpp": "torch's op serves tensors off the CPU and 0-d ones"}
-    kernel, parallel = route(op, x, dim, reverse)
-    kernel_bar, parallel_bar = _dtype_refusals(op, x.dtype)
-    why = {}
-    if not kernel:
-        if x.numel() < KERNEL_MIN_NUMEL:
-            why["cpp"] = f"fewer than {KERNEL_MIN_NUMEL} elements: torch's op is faster"
-        elif x.requires_grad and torch.is_grad_enabled():
-            why["cpp"] = "gradients are wanted: the kernel has none here"
-        else:
-            layout = "torch's op is faster for this dim and layout (the drop-ins' route table)"
-            why["cpp"] = kernel_bar or layout
-    if not parallel:
-        why["blocked"] = parallel_bar or "torch's op is faster for this layout"
-    return why

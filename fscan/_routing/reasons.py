@@ -1,5 +1,6 @@
-"""The scan router's reasons: the route :mod:`fscan._routing.scan` picks, with why each
-faster engine is passed over, read without side effects.
+"""The router's reasons: the route :mod:`fscan._routing.scan` picks, with why each
+faster engine is passed over, read without side effects; and the drop-ins' router's
+(:func:`cumulative_refusals`).
 
 :func:`scan_route` follows the router's order (its table): ``empty``, ``traced``, a
 ``torch.func`` transform (``tree``), ``triton``, ``cpp``, then ``tree``; a gradient
@@ -11,17 +12,19 @@ records nothing: ``fscan.explain`` and the ``"fscan"`` log's reasons ask it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from .._call import ScanCall
 from .._context import Where
+from .._engines.cpp.cpu_kernel import KERNEL_MIN_NUMEL
 from .._engines.cpp.refusal import kernel_refusal, kernel_unavailable
 from .._engines.triton import codegen_unavailable
 from .._knowledge.store import Knowledge, known, reach
+from .cumulative import _dtype_refusals, route
 
-__all__ = ["RouteFacts", "scan_route"]
+__all__ = ["RouteFacts", "cumulative_refusals", "scan_route"]
 
 
 class RouteFacts(NamedTuple):
@@ -102,3 +105,30 @@ def _pointwise_refusal(combine_mode: str, holder: Knowledge | None) -> str | Non
 def _triton_failed(holder: Knowledge | None, dim: int, reverse: bool) -> bool:
     compiled = None if holder is None else holder.compiled.get((dim, reverse))
     return bool(compiled is not None and compiled.failed)
+
+
+def cumulative_refusals(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> dict[str, str]:
+    """Why the drop-ins' router (:mod:`fscan._routing.cumulative`) passes over the kernel
+    (``"cpp"``) and the blocked scan (``"blocked"``) for torch's ``op`` on ``x``, for each
+    it does not pick; changes nothing.
+
+    Example:
+        >>> cumulative_refusals(torch.cumsum, torch.ones(8), 0, False)["cpp"]
+        "fewer than 32768 elements: torch's op is faster"
+    """
+    if not x.is_cpu or x.ndim == 0:
+        return {"cpp": "torch's op serves tensors off the CPU and 0-d ones"}
+    kernel, parallel = route(op, x, dim, reverse)
+    kernel_bar, parallel_bar = _dtype_refusals(op, x.dtype)
+    why = {}
+    if not kernel:
+        if x.numel() < KERNEL_MIN_NUMEL:
+            why["cpp"] = f"fewer than {KERNEL_MIN_NUMEL} elements: torch's op is faster"
+        elif x.requires_grad and torch.is_grad_enabled():
+            why["cpp"] = "gradients are wanted: the kernel has none here"
+        else:
+            layout = "torch's op is faster for this dim and layout (the drop-ins' route table)"
+            why["cpp"] = kernel_bar or layout
+    if not parallel:
+        why["blocked"] = parallel_bar or "torch's op is faster for this layout"
+    return why
