@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -16,9 +16,16 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ._errors import ScanIndexError, ScanTypeError, ScanValueError
 from ._pytree import describe, leaf_paths
 
-__all__ = ["COMBINE_MODES", "check_dense", "check_scan_args", "normalize_dim"]
+__all__ = ["COMBINE_MODES", "check_dense", "check_scan_args", "normalize_dim", "refuse_reverse"]
 
 COMBINE_MODES = ("pointwise", "generic")
+
+
+def refuse_reverse(api: str, reverse: Any) -> NoReturn:
+    """Raise the error for a ``reverse`` that is not a bool (every door's wording)."""
+    raise ScanTypeError(
+        f"{api}: `reverse` must be a bool, got {type(reverse).__name__} {reverse!r}."
+    )
 
 
 def check_scan_args(
@@ -35,10 +42,8 @@ def check_scan_args(
         raise ScanTypeError(
             f"{api}: `combine_fn` must be callable, got {type(combine_fn).__name__}."
         )
-    if not isinstance(reverse, bool):
-        raise ScanTypeError(
-            f"{api}: `reverse` must be a bool, got {type(reverse).__name__} {reverse!r}."
-        )
+    if not isinstance(reverse, bool):  # the test inline: it runs on every call
+        refuse_reverse(api, reverse)
     if combine_mode not in COMBINE_MODES:
         raise ScanValueError(
             f"{api}: `combine_mode` must be 'pointwise' or 'generic', got {combine_mode!r}."

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_dense, normalize_dim
+from ._checks import check_dense, normalize_dim, refuse_reverse
 from ._errors import OutArgumentError, ScanTypeError
 from ._route_log import logs_route
 from ._routing.cumulative import cumulative, native_first, native_first_into
@@ -231,10 +231,8 @@ def _prepare(
     if not isinstance(input, torch.Tensor):
         raise ScanTypeError(f"{api}: `input` must be a torch.Tensor, got {type(input).__name__}.")
     check_dense(api, "`input`", input)
-    if not isinstance(reverse, bool):
-        raise ScanTypeError(
-            f"{api}: `reverse` must be a bool, got {type(reverse).__name__} {reverse!r}."
-        )
+    if not isinstance(reverse, bool):  # the test inline: it runs on every call
+        refuse_reverse(api, reverse)
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ScanTypeError(
             f"{api}: `dtype` must be a torch.dtype or None, got {type(dtype).__name__}."

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._checks import check_dense, normalize_dim
+from .._checks import check_dense, normalize_dim, refuse_reverse
 from .._engines.chunked import Operands
 from .._errors import ScanTypeError, ScanValueError
 from .._pytree import describe
@@ -63,10 +63,8 @@ def check_recurrence_args(
         a = torch.tensor(a, dtype=result_dtype(b, a), device=b.device)
     if not isinstance(a, torch.Tensor):
         raise ScanTypeError(f"{api}: `{gate}` must be a torch.Tensor, got {describe(a)}.")
-    if not isinstance(reverse, bool):
-        raise ScanTypeError(
-            f"{api}: `reverse` must be a bool, got {type(reverse).__name__} {reverse!r}."
-        )
+    if not isinstance(reverse, bool):  # the test inline: it runs on every call
+        refuse_reverse(api, reverse)
     if initial is not None and not isinstance(initial, torch.Tensor):
         raise ScanTypeError(
             f"{api}: `initial` must be a torch.Tensor or None, got {describe(initial)}."
