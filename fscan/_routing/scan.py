@@ -65,6 +65,7 @@ from .._errors import ImpureCombineError
 from .._knowledge.pointwise_check import checked_on_first_call
 from .._knowledge.store import Knowledge, Reach
 from .._route_log import ran
+from .repeat import remember
 
 __all__ = [
     "check_untouched",
@@ -150,6 +151,8 @@ def scan_flat(
             out = None
         if out is not None:
             ran("cpp")
+            if head is None:  # for the calls identical to this one: see fscan._routing.repeat
+                remember(call, found, entry)
             return out
         route = "inplace"
     if head is not None:  # the fold: see fscan._carry
