@@ -39,6 +39,10 @@ route          when, and what runs
                walk missed, the result says so and ``autograd`` reruns it)
 =============  ===================================================================
 
+A call identical, in everything this choice depends on, to one that ``cpp`` served
+(no carry-in) is answered by :mod:`fscan._routing.repeat` before the checks:
+``fscan.associative_scan`` asks it first, :func:`scan_flat` stores what it runs.
+
 Pointwise calls whose ``combine_fn`` has not passed the elementwise check yet
 run ``inplace``/``adjoint``/``autograd`` with the check watching their first
 combine call (:mod:`fscan._knowledge.pointwise_check`).
