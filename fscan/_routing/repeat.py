@@ -141,7 +141,7 @@ def call_parts(
     if not -ndim <= dim < ndim:
         return None
     grad = torch.is_grad_enabled()
-    parts: list[Hashable] = [spec, dim % ndim, reverse, validate, config._validate, grad]
+    kinds = []
     for x in leaves:  # a loop, not a generator: ~0.5 µs less per call
         if (
             type(x) is not torch.Tensor
@@ -155,8 +155,8 @@ def call_parts(
             or _is_batched(x)
         ):
             return None
-        parts.append((x.dtype, x.shape, x.requires_grad))
-    return tuple(parts)
+        kinds.append((x.dtype, x.shape, x.requires_grad))
+    return (spec, dim % ndim, reverse, validate, config._validate, grad, *kinds)
 
 
 # A torch.func wrapper (or the old vmap's batched tensor) that escaped its transform:

@@ -146,13 +146,14 @@ def run_prepared(
     """:func:`run_kernel` of a :class:`PreparedRun` on leaves of the shape, layout and dtypes
     it was prepared for, on ``torch.get_num_threads()`` threads; None where the captured
     tensors do not broadcast to one element (the caller's full route then decides)."""
+    params = kernel_params(run.program, captured, run.element) if run.program.params else ()
+    if params is None:
+        return None
+    if len(leaves) == 1:  # no lists to build: ~0.3 µs of a 5 µs scan of 64 elements
+        y = torch.empty_like(leaves[0])
+        run.kernel(leaves[0], y, *params, *run.sizes, torch.get_num_threads(), *run.tail)
+        return [y]
     ys = [torch.empty_like(x) for x in leaves]
-    if run.program.params:
-        params = kernel_params(run.program, captured, run.element)
-        if params is None:
-            return None
-    else:
-        params = []
     run.kernel(*leaves, *ys, *params, *run.sizes, torch.get_num_threads(), *run.tail)
     return ys
 
