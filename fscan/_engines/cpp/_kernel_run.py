@@ -77,9 +77,8 @@ def run_kernel(
                 xs, nb, strides = strided_view(read, dim)
                 break
         else:
-            xs, nb, strides = read, 1, [steps * inner, 0, inner, 1] * len(read)
-        # Dense in the (outer // nb, nb, T, inner) view the inputs' strides use.
-        strides = strides + [nb * steps * inner, steps * inner, inner, 1] * len(written)
+            xs, nb, strides = read, 1, _contiguous_strides(steps, inner, len(read))
+        strides = strides + _dense_strides(nb, steps, inner, len(written))
     else:
         found = strided_layout([*read, *written], dim, fixed=len(written))
         if found is None:  # an out= layout the kernel cannot describe: a dense result
@@ -95,6 +94,18 @@ def run_kernel(
         at = tuple([h.data_ptr() for k, h in enumerate(heads) if k not in positions])
     kernel(*xs, *written, *params, outer, steps, inner, int(reverse), threads, nb, *strides, *at)
     return ys
+
+
+def _contiguous_strides(steps: int, inner: int, n: int) -> list[int]:
+    """The kernel's (block, row in block, step, lane) strides of ``n`` contiguous tensors
+    read as one block."""
+    return [steps * inner, 0, inner, 1] * n
+
+
+def _dense_strides(nb: int, steps: int, inner: int, n: int) -> list[int]:
+    """Those of ``n`` fresh outputs: dense in the (outer // nb, nb, T, inner) view the
+    inputs' strides use."""
+    return [nb * steps * inner, steps * inner, inner, 1] * n
 
 
 _NO_HEADS = [(0,) * n for n in range(9)]  # null carry-in addresses (made once: ~0.1 us)
@@ -133,7 +144,7 @@ def prepare_run(
         return None
     n = len(leaves)
     # As run_kernel passes them for contiguous inputs into fresh outputs: one block.
-    strides = [steps * inner, 0, inner, 1] * n + [steps * inner, steps * inner, inner, 1] * n
+    strides = _contiguous_strides(steps, inner, n) + _dense_strides(1, steps, inner, n)
     tail = (1, *strides, *(0,) * n)
     return PreparedRun(
         entry.kernel, entry.program, element, (outer, steps, inner, int(reverse)), tail
