@@ -11,6 +11,7 @@ from ._call import SCAN_API, ScanCall
 from ._entry import checked_call, run_scan
 from ._pytree import flatten
 from ._route_log import logs_route
+from ._routing.repeat import repeat_scan
 from ._sharded.dtensor import any_dtensor, dtensor_scan
 
 __all__ = ["associative_scan"]
@@ -92,6 +93,10 @@ def associative_scan(
         >>> fscan.associative_scan(torch.add, torch.ones(3), 0, initial=torch.tensor(10.0))
         tensor([11., 12., 13.])
     """
+    if reset is None and initial is None:  # a repeat of a call the kernel served: its route
+        out = repeat_scan(combine_fn, xs, dim, reverse, combine_mode, validate)
+        if out is not None:
+            return out
     leaves, spec = flatten(xs)
     if any_dtensor(leaves):  # sharded across ranks: see fscan._sharded.dtensor
         return dtensor_scan(
