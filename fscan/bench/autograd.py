@@ -15,20 +15,18 @@ so only its generic mode is here.
 from __future__ import annotations
 
 import functools
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 
 import fscan
 
-from ._timing import Table
+from ._timing import Table, interleaved_medians
 from .core import steady_engine
 
-__all__ = ["RUNNERS", "autograd_table", "fwd_bwd", "interleaved_medians", "linrec_inputs"]
+__all__ = ["RUNNERS", "autograd_table", "fwd_bwd", "linrec_inputs"]
 
 LENGTHS = [1024, 4096, 16384, 65536]
 QUICK_LENGTHS = [1024]
@@ -103,24 +101,6 @@ def _jobs(length: int) -> dict[str, Callable[[], object]]:
         a, b = a.requires_grad_(), b.requires_grad_()
         jobs[name] = functools.partial(fwd_bwd, runner, a, b, ca, cb)
     return jobs
-
-
-def interleaved_medians(
-    jobs: dict[str, Callable[[], object]], budget_s: float, min_rounds: int = 3
-) -> dict[str, float]:
-    """Median seconds per job, timed round-robin so that drifting load hits all alike."""
-    for job in jobs.values():  # warm-up
-        job()
-    times: dict[str, list[float]] = {name: [] for name in jobs}
-    start = time.perf_counter()
-    while len(times[next(iter(jobs))]) < min_rounds or time.perf_counter() - start < budget_s:
-        for name, job in jobs.items():
-            begin = time.perf_counter()
-            job()
-            times[name].append(time.perf_counter() - begin)
-        if len(times[next(iter(jobs))]) >= 15:
-            break
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def peak_memory(name: str, length: int) -> tuple[int, int]:

@@ -10,7 +10,7 @@ import torch
 
 import fscan
 
-from ._timing import Table, fmt_ms, median_time, optional_jax
+from ._timing import Table, engine_of, fmt_ms, median_time, optional_jax
 
 __all__ = ["forward_memory", "forward_table"]
 
@@ -108,11 +108,14 @@ def steady_engine(workload: str, leaves: list[torch.Tensor], backward_too: bool 
 
     By default the kernel builds in the background from the second call while the torch
     engine answers, with the compiler competing for the cores: timing those calls would
-    report neither engine's steady state. The row label names the engine measured.
+    report neither engine's steady state. The row label names the engine measured, as
+    fscan's route log names it for a call made after the build.
     """
     xs = leaves[0] if workload == "add" else tuple(leaves)
     combine = torch.add if workload == "add" else _linrec
-    return "cpp" if fscan.precompile(combine, xs, 0, backward_too=backward_too) else "tree"
+    fscan.precompile(combine, xs, 0, backward_too=backward_too)
+    with fscan.config.override(cpu_kernel="eager"):
+        return engine_of(lambda: fscan.associative_scan(combine, xs, 0))
 
 
 def forward_memory(length: int = 2**24) -> str:

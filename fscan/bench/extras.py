@@ -25,8 +25,7 @@ import torch
 import fscan
 
 from ._memprobe import _reset_peak, _status_bytes
-from ._timing import Table, fmt_ms
-from .autograd import interleaved_medians
+from ._timing import Table, fmt_ms, interleaved_medians
 
 __all__ = ["initial_table", "matrix_table", "reduce_table"]
 
@@ -125,8 +124,8 @@ def reduce_table(quick: bool = False) -> Table:
     )
     for key, (label, jobs, args) in _reduce_workloads(quick).items():
         names = list(jobs)
-        fwd = interleaved_medians({n: _fwd(f, *args) for n, f in jobs.items()}, 2.0)
-        bwd = interleaved_medians({n: _fwd_bwd(f, *args) for n, f in jobs.items()}, 2.0)
+        fwd = interleaved_medians({n: _fwd(f, *args) for n, f in jobs.items()}, budget_s=2.0)
+        bwd = interleaved_medians({n: _fwd_bwd(f, *args) for n, f in jobs.items()}, budget_s=2.0)
         for what, times in (("fwd", fwd), ("fwd+bwd", bwd)):
             base = times[names[0]]
             table.add(label, [what, *(fmt_ms(times[n], base) for n in names)])
@@ -192,8 +191,8 @@ def matrix_table(quick: bool = False) -> Table:
             }
             kind = "shared (d, d)" if shared else "per-step"
             label = f"{kind} A, state ({d}, {kk}), B={Bt} T={T}"
-            fwd = interleaved_medians({n: _fwd(f, A, b) for n, f in jobs.items()}, 2.0)
-            bwd = interleaved_medians({n: _fwd_bwd(f, A, b) for n, f in jobs.items()}, 2.0)
+            fwd = interleaved_medians({n: _fwd(f, A, b) for n, f in jobs.items()}, budget_s=2.0)
+            bwd = interleaved_medians({n: _fwd_bwd(f, A, b) for n, f in jobs.items()}, budget_s=2.0)
             for what, times in (("fwd", fwd), ("fwd+bwd", bwd)):
                 table.add(label, [what, *(fmt_ms(times[n], times["fscan"]) for n in jobs)])
     return table
