@@ -168,9 +168,13 @@ def _route_records() -> Iterator[_Collect]:
 
 
 def engine_of(fn: Callable[[], object], none: str = "torch") -> str:
-    """The engine(s) fscan's route log names for one call of ``fn`` (``"cpp"``, ``"tree"``,
-    ...; joined by ``+`` if several public calls ran), or ``none`` if no fscan public call
-    logged one (a torch op, or a compiled graph, which logs nothing)."""
+    """The engine(s) fscan's route log names for a steady call of ``fn`` (``"cpp"``,
+    ``"tree"``, ...; joined by ``+`` if several public calls ran), or ``none`` if no fscan
+    public call logged one (a torch op, or a compiled graph, which logs nothing).
+
+    The call named is the second: a first call of a ``combine_fn`` runs its checks, and
+    may build a kernel, on its way to a route that later calls do not take."""
+    warm_up(fn)
     with _route_records() as records:
         fn()
     return "+".join(dict.fromkeys(records.engines)) or none

@@ -124,7 +124,9 @@ def autograd_table(quick: bool = False) -> Table:
     for length in lengths:
         # Steady state: fscan pointwise's kernels built first (see core.steady_engine).
         engine = steady_engine("linrec", [t.detach() for t in linrec_inputs(length)[:2]], True)
-        times = interleaved_medians(_jobs(length), budget_s=1.0 if quick else 10.0)
+        times = interleaved_medians(
+            _jobs(length), budget_s=1.0 if quick else 10.0, rounds=2 if quick else 3
+        )
         cells = []
         for name in RUNNERS:
             mem = None if quick else peak_memory(name, length)

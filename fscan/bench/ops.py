@@ -119,7 +119,7 @@ def linear_table(quick: bool = False) -> Table:
     with fscan.config.override(cpu_kernel="eager"):  # steady state: kernels built first
         for name in ("fscan.linear_recurrence", "fscan.associative_scan"):
             runners[name]()
-    times = interleaved_medians(present, budget_s=4 if quick else 20)
+    times = interleaved_medians(present, budget_s=4 if quick else 20, rounds=2 if quick else 3)
     times["python loop (est.)"] *= shape[1] / LOOP_STEPS
     base = times["fscan.linear_recurrence"]
     engines = linear_engines(a, b)
