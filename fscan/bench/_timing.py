@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.utils.benchmark import Measurement, Timer
+from torch.utils.benchmark.utils.common import set_torch_threads
 
 __all__ = [
     "Progress",
@@ -36,6 +37,8 @@ __all__ = [
     "measure",
     "median_time",
     "optional_jax",
+    "time_once",
+    "warm_up",
     "warm_up_seconds",
 ]
 
@@ -70,7 +73,7 @@ def measure(
     ``threads`` defaults to ``torch.get_num_threads()``; ``clock`` (e.g.
     ``time.process_time``) replaces the wall clock; the labels feed
     :class:`torch.utils.benchmark.Compare`. A call known (``known_s``, else from the
-    warm-up) to take ``budget_s`` or more is timed once (``Timer.timeit(1)``): the
+    warm-up) to take ``budget_s`` or more is timed once (:func:`time_once`): the
     autorange's block-size estimate would run it once more for nothing.
     """
     if warm:
@@ -86,8 +89,17 @@ def measure(
         **({} if clock is None else {"timer": clock}),
     )
     if known_s is not None and known_s >= budget_s:
-        return timer.timeit(1)
+        return time_once(timer)
     return timer.blocked_autorange(min_run_time=budget_s)
+
+
+def time_once(timer: Timer) -> Measurement:
+    """One call timed by ``timer`` (its clock, thread count and labels). Not
+    ``Timer.timeit(1)``: that runs two warm-up calls first, tripling the cost of a slow
+    baseline and, between ranks that a barrier just lined up, letting them drift."""
+    spec = timer._task_spec  # Timer keeps its settings here; timeit() reads them alike
+    with set_torch_threads(spec.num_threads):
+        return Measurement(number_per_run=1, raw_times=[timer._timeit(1)], task_spec=spec)
 
 
 def median_time(

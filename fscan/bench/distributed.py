@@ -27,7 +27,7 @@ from torch.utils.benchmark import Measurement, Timer
 
 import fscan
 
-from ._timing import Table
+from ._timing import Table, time_once
 
 __all__ = ["distributed_table", "main"]
 
@@ -74,7 +74,7 @@ def _timed(fn: Callable[[], Any], sync: bool) -> float:
     for _ in range(REPS):
         if sync:
             dist.barrier()
-        parts.append(timer.timeit(1))
+        parts.append(time_once(timer))
     return Measurement.merge(parts)[0].median
 
 
