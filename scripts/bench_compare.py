@@ -1,4 +1,4 @@
-"""Before/after ratios of the speed-bar rows: this checkout's benchmark harness run on two checkouts.
+"""Before/after ratios of the speed-bar rows: this checkout's harness run on two checkouts.
 
 Usage::
 
