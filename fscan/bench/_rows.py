@@ -6,7 +6,8 @@ row's fscan call once, with ``fscan.config.cpu_kernel = "eager"`` (unless "off")
 that every C++ kernel a row times is built or loaded before any timing starts, and
 says how long that took; then names each row's engine from fscan's route log; then
 times the rows (fscan and baseline taking turns, torch's Timer) under a progress line.
-:func:`render` groups the results into tables, :func:`to_json` writes them for
+:func:`render` groups the results into tables, :func:`compare` gives torch's own
+``Compare`` table of the same measurements, :func:`to_json` writes them for
 ``scripts/bench_compare.py``.
 
 Only public fscan API is used here, so the rows also run against older checkouts.
@@ -17,13 +18,15 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+from torch.utils.benchmark import Compare, Measurement
 
 import fscan
 
 from ._timing import Progress, Table, engine_of, interleaved, warm_up
 
-__all__ = ["Result", "Row", "render", "run_rows", "to_json"]
+__all__ = ["Result", "Row", "compare", "render", "run_rows", "to_json"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class Result:
     base_name: str
     base_s: float
     bar: float | None
+    # torch's own record of both sides (labels: group, row, "fscan" / "baseline"), for Compare
+    measurements: tuple[Measurement, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def ratio(self) -> float:
@@ -87,9 +92,11 @@ def run_rows(rows: Sequence[Row], budget_s: float, title: str = "rows") -> list[
         for row, engine in zip(rows, engines):
             progress.step(f"{row.group}: {row.label}")
             times = interleaved(
-                {"fscan": row.run, "base": row.base},
+                {"fscan": row.run, "baseline": row.base},
                 budget_s=budget_s,
                 threads=row.threads,
+                label=row.group,
+                sub_label=row.label,
             )
             results.append(
                 Result(
@@ -99,8 +106,9 @@ def run_rows(rows: Sequence[Row], budget_s: float, title: str = "rows") -> list[
                     engine,
                     times["fscan"].median,
                     row.base_name,
-                    times["base"].median,
+                    times["baseline"].median,
                     row.bar,
+                    (times["fscan"], times["baseline"]),
                 )
             )
         progress.close()
@@ -145,8 +153,21 @@ def render(results: Sequence[Result]) -> str:
     return "\n\n".join(t.render() for t in groups.values())
 
 
+def compare(results: Sequence[Result]) -> str:
+    """torch's own table of the same measurements (``torch.utils.benchmark.Compare``): per
+    group and thread count, fscan and the baseline side by side, noisy ones flagged."""
+    table = Compare([m for r in results for m in r.measurements])
+    table.trim_significant_figures()
+    table.highlight_warnings()
+    return str(table)
+
+
 def to_json(results: Sequence[Result], path: str) -> None:
     """Write the results (a list of :class:`Result` fields and the ratio) to ``path``."""
-    data = [{**asdict(r), "ratio": r.ratio} for r in results]
+    data = []
+    for r in results:
+        fields = asdict(r)
+        del fields["measurements"]
+        data.append({**fields, "ratio": r.ratio})
     with open(path, "w") as handle:
         json.dump(data, handle, indent=1)

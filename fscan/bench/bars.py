@@ -1,5 +1,7 @@
-"""``python -m fscan.bench.bars [--quick] [--json PATH] [--group TEXT]``: the rows the speed
-bars are judged on, each as a ratio to its limit or rival (medians, engine per row).
+"""``python -m fscan.bench.bars [--quick] [--json PATH] [--group TEXT] [--torch-compare]``: the
+rows the speed bars are judged on, each as a ratio to its limit or rival (medians, engine per
+row; ``--torch-compare`` adds torch's ``Compare`` table of the same measurements, with
+noisy ones flagged).
 
 1. generated-kernel forward, 1 thread, float32: add, max, mul, the affine pair
    ``(a, b)`` (``associative_scan`` with ``(x[0]*y[0], y[0]*x[1]+y[1])``) and logaddexp,
@@ -33,7 +35,7 @@ import torch
 
 import fscan
 
-from ._rows import Row, render, run_rows, to_json
+from ._rows import Row, compare, render, run_rows, to_json
 from ._timing import optional_jax
 
 __all__ = ["DROP_IN_WORKLOADS", "VIEWS", "bar_rows", "main"]
@@ -168,7 +170,7 @@ def drop_in_rows(quick: bool) -> Iterator[Row]:
             torch_op = functools.partial(theirs, x, dim)
             yield Row(group, label, run, f"torch.{name}", torch_op, 1, 1.05)
             if name == "logcumsumexp":
-                yield Row(group, label, run, "copy", _copy_of(x), 1, 3.0)
+                yield Row(group, f"{label}, limit", run, "copy", _copy_of(x), 1, 3.0)
 
 
 def _grad_node(run: Callable[[], Any]) -> Callable[[], str]:
@@ -300,10 +302,17 @@ def main(argv: list[str] | None = None) -> list:
     parser.add_argument("--quick", action="store_true", help="a short subset of the rows")
     parser.add_argument("--json", metavar="PATH", help="also write the rows to PATH as JSON")
     parser.add_argument("--group", default="", help="only the tables whose title contains this")
+    parser.add_argument(
+        "--torch-compare",
+        action="store_true",
+        help="also print torch.utils.benchmark.Compare's table of the same measurements",
+    )
     args = parser.parse_args(argv)
     rows = [r for r in bar_rows(args.quick) if args.group in r.group]
     results = run_rows(rows, budget_s=0.3 if args.quick else 0.5, title="bar rows")
     print(render(results), flush=True)
+    if args.torch_compare:
+        print(compare(results), flush=True)
     if args.json:
         to_json(results, args.json)
     return results

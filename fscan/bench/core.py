@@ -92,7 +92,7 @@ def forward_table(quick: bool = False) -> Table:
                 list(runners),
             )
         times = {
-            k: (median_time(f, budget_s=0.5 if quick else 2.0) if f else None)
+            k: (median_time(f, budget_s=0.5 if quick else 1.0) if f else None)
             for k, f in runners.items()
         }
         loop_scale = max(1.0, leaves[0].shape[0] / LOOP_STEPS)
