@@ -94,6 +94,8 @@ def test_rows_are_built_in_eager_mode_before_any_timing_and_rendered(tmp_path, c
     ]
     text = _rows.render(results)
     assert text.startswith("group one") and "<=1e+09 ok" in text and "OVER" in text
+    torch_table = _rows.compare(results)  # torch's Compare of the same measurements
+    assert "group one" in torch_table and "row 1" in torch_table and "baseline" in torch_table
     _rows.to_json(results, str(tmp_path / "rows.json"))
     data = json.loads((tmp_path / "rows.json").read_text())
     assert data[0]["ratio"] == pytest.approx(results[0].fscan_s / results[0].base_s)

@@ -23,7 +23,7 @@ import torch
 
 import fscan
 
-from ._timing import Table, interleaved_medians
+from ._timing import Progress, Table, interleaved_medians
 from .core import steady_engine
 
 __all__ = ["RUNNERS", "autograd_table", "fwd_bwd", "linrec_inputs"]
@@ -125,7 +125,9 @@ def autograd_table(quick: bool = False) -> Table:
         list(RUNNERS),
     )
     memory: dict[str, dict[int, int]] = {name: {} for name in RUNNERS}
+    progress = Progress("forward+backward", len(lengths))
     for length in lengths:
+        progress.step(f"T={length}")
         # Steady state: fscan pointwise's kernels built first (see core.steady_engine).
         engine = steady_engine("linrec", [t.detach() for t in linrec_inputs(length)[:2]], True)
         times = interleaved_medians(
@@ -138,6 +140,7 @@ def autograd_table(quick: bool = False) -> Table:
                 memory[name][length] = mem[0]
             cells.append(_cell(name, length, times, mem))
         table.add(f"T={length} [{engine}]", cells)
+    progress.close()
     if not quick:
         table.add("mem ratio 16384->65536", [_growth(n, memory[n], 16384, 65536) for n in RUNNERS])
     return table

@@ -10,7 +10,7 @@ import torch
 
 import fscan
 
-from ._timing import Table, engine_of, fmt_ms, median_time, optional_jax
+from ._timing import Progress, Table, engine_of, fmt_ms, median_time, optional_jax
 
 __all__ = ["forward_memory", "forward_table"]
 
@@ -82,7 +82,9 @@ def forward_table(quick: bool = False) -> Table:
     workloads = [("add", [torch.randn(s)], s) for s in shapes]
     workloads.append(("linrec", [torch.rand(4096, 256), torch.randn(4096, 256)], (4096, 256)))
     table: Table | None = None
+    progress = Progress("forward scans", len(workloads))
     for name, leaves, shape in workloads:
+        progress.step(f"{name} {shape}")
         runners = _contenders(name, leaves)
         engine = steady_engine(name, leaves)
         if table is None:
@@ -99,6 +101,7 @@ def forward_table(quick: bool = False) -> Table:
         times["python loop"] = times["python loop"] * loop_scale
         base = times["fscan pointwise"]
         table.add(f"{name} {shape} [{engine}]", [fmt_ms(t, base) for t in times.values()])
+    progress.close()
     assert table is not None
     return table
 
