@@ -92,6 +92,7 @@ def _run(tables: list[tuple[str, Callable[[], str]]], mode: str) -> None:
         flush=True,
     )
     progress = Progress("fscan.bench", len(tables))
+    begin, first_calls = time.perf_counter(), 0.0
     for name, table in tables:
         progress.step(name)
         warm_up_seconds[0] = 0.0
@@ -105,6 +106,12 @@ def _run(tables: list[tuple[str, Callable[[], str]]], mode: str) -> None:
             "calls: kernel builds and loads, warm-ups)",
             flush=True,
         )
+        first_calls += warm_up_seconds[0]
+    print(
+        f"\nall {len(tables)} tables: {time.perf_counter() - begin:.1f} s, of which "
+        f"{first_calls:.1f} s in untimed first calls",
+        flush=True,
+    )
 
 
 # Tables of full runs only (compiling takes tens of seconds per workload), in print order.
