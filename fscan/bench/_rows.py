@@ -116,7 +116,7 @@ def run_rows(rows: Sequence[Row], budget_s: float, title: str = "rows") -> list[
 
 
 def _engine(row: Row) -> str:
-    logged = engine_of(row.run, none="")
+    logged = engine_of(row.run, none="", warm=False)  # run_rows made the first call
     extra = row.engine() if row.engine is not None else ""
     return " ".join(part for part in (logged, extra) if part) or "torch"
 

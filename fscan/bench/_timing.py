@@ -179,14 +179,16 @@ def _route_records() -> Iterator[_Collect]:
         logger.propagate = saved[1]
 
 
-def engine_of(fn: Callable[[], object], none: str = "torch") -> str:
+def engine_of(fn: Callable[[], object], none: str = "torch", warm: bool = True) -> str:
     """The engine(s) fscan's route log names for a steady call of ``fn`` (``"cpp"``,
     ``"tree"``, ...; joined by ``+`` if several public calls ran), or ``none`` if no fscan
     public call logged one (a torch op, or a compiled graph, which logs nothing).
 
-    The call named is the second: a first call of a ``combine_fn`` runs its checks, and
-    may build a kernel, on its way to a route that later calls do not take."""
-    warm_up(fn)
+    The call named is the second (``warm=False``: the caller made the first): a first
+    call of a ``combine_fn`` runs its checks, and may build a kernel, on its way to a
+    route that later calls do not take."""
+    if warm:
+        warm_up(fn)
     with _route_records() as records:
         fn()
     return "+".join(dict.fromkeys(records.engines)) or none
