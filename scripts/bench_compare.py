@@ -70,7 +70,7 @@ def report(before: dict, after: dict) -> str:
         group, label, base, threads = key
         b, a = before.get(key), after.get(key)
         cells = [
-            f"{label} vs {base} ({threads}t)",
+            f"{label} (/ {base}, {threads}t)",
             "/".join(b["engines"]) if b else "-",
             "/".join(a["engines"]) if a else "-",
             f"{b['ratio']:.2f}" if b else "-",

@@ -178,7 +178,7 @@ def test_bench_compare_overlays_this_harness_and_reports_ratios(tmp_path):
     before = compare.merge([[row(4.0, "tree")], [row(2.0, "tree")]])
     after = compare.merge([[row(1.5, "cpp")]])
     text = compare.report(before, after)
-    assert "add vs copy (1t)" in text and "tree" in text and "cpp" in text
+    assert "add (/ copy, 1t)" in text and "tree" in text and "cpp" in text
     assert text.splitlines()[-1].split()[-3:] == ["3.00", "1.50", "0.50"]
     with pytest.raises(SystemExit, match="no fscan"):
         compare.overlay(tmp_path / "nowhere", tmp_path / "side2")
