@@ -97,7 +97,7 @@ def _row(fn: Callable, args: tuple, cumsum: Callable | None, quick: bool) -> lis
     runners = {"compiled": lambda: compiled(*args), "eager": lambda: fn(*args)}
     if cumsum is not None:
         runners["cumsum"] = lambda: cumsum(*args)
-    times = interleaved_medians(runners, budget_s=1.5 if quick else 4.0)
+    times = interleaved_medians(runners, budget_s=1.5 if quick else 2.0)
     eager = times["eager"]
     compiles = "-" if quick else str(_compiles_over_lengths(fn, args))
     return [

@@ -78,7 +78,7 @@ def initial_table(quick: bool = False) -> Table:
                 _affine, (a, b), 0, False, m, initial=init
             ),
         }
-        t = interleaved_medians(jobs, budget_s=1.0 if quick else 4.0)
+        t = interleaved_medians(jobs, budget_s=1.0 if quick else 2.0)
         cells = [fmt_ms(t["without"]), fmt_ms(t["initial="], t["without"]), _engines(jobs)]
         table.add(f"{mode} forward", cells)
     return table
@@ -132,8 +132,8 @@ def reduce_table(quick: bool = False) -> Table:
     for key, (label, jobs, args) in _reduce_workloads(quick).items():
         names = list(jobs)
         fwds = {n: _fwd(f, *args) for n, f in jobs.items()}
-        fwd = interleaved_medians(fwds, budget_s=2.0)
-        bwd = interleaved_medians({n: _fwd_bwd(f, *args) for n, f in jobs.items()}, budget_s=2.0)
+        fwd = interleaved_medians(fwds, budget_s=1.0)
+        bwd = interleaved_medians({n: _fwd_bwd(f, *args) for n, f in jobs.items()}, budget_s=1.0)
         engines = _engines({n: fwds[n] for n in names[:2]})
         for what, times in (("fwd", fwd), ("fwd+bwd", bwd)):
             base = times[names[0]]
@@ -208,8 +208,8 @@ def matrix_table(quick: bool = False) -> Table:
             kind = "shared (d, d)" if shared else "per-step"
             label = f"{kind} A, state ({d}, {kk}), B={Bt} T={T}"
             fwds = {n: _fwd(f, A, b) for n, f in jobs.items()}
-            fwd = interleaved_medians(fwds, budget_s=2.0)
-            bwd = interleaved_medians({n: _fwd_bwd(f, A, b) for n, f in jobs.items()}, budget_s=2.0)
+            fwd = interleaved_medians(fwds, budget_s=1.0)
+            bwd = interleaved_medians({n: _fwd_bwd(f, A, b) for n, f in jobs.items()}, budget_s=1.0)
             engines = _engines({n: fwds[n] for n in ("fscan", "generic")})
             for what, times in (("fwd", fwd), ("fwd+bwd", bwd)):
                 cells = [fmt_ms(times[n], times["fscan"]) for n in jobs]

@@ -220,9 +220,9 @@ def _backward_row(name: str, shape: tuple[int, ...]) -> list[str]:
         both()
         out = optree.tree_leaves(fscan.associative_scan(fn, xs, 0))[-1]
         engine = engine_of(forward) + f", bwd: {type(out.grad_fn).__name__}"
-        t = interleaved_medians({"copy": copy, "fwd": forward, "both": both}, budget_s=2.0)
+        t = interleaved_medians({"copy": copy, "fwd": forward, "both": both}, budget_s=1.0)
     with fscan.config.override(cpu_kernel="off"):
-        slow = interleaved_medians({"copy": copy, "both": both}, budget_s=1.0)
+        slow = interleaved_medians({"copy": copy, "both": both}, budget_s=0.5)
     ratios = [f"{t['fwd'] / t['copy']:.1f}", f"{t['both'] / t['copy']:.1f}"]
     ratios += [f"{t['both'] / t['fwd']:.1f}", f"{slow['both'] / slow['copy']:.1f}"]
     return [engine, f"{t['copy'] * 1e3:.3f}", *ratios]

@@ -232,7 +232,7 @@ def training_table(quick: bool = False, clock: Callable[[], float] = time.perf_c
             jobs[name + " fwd"] = functools.partial(runner, a, b)
             jobs[name] = functools.partial(_fwd_bwd, runner, ga, gb, cot)
         engines = {name: engines_of(job) for name, job in jobs.items()}  # kernels built here
-        times = interleaved_medians(jobs, budget_s=2 if quick else 10, clock=clock)
+        times = interleaved_medians(jobs, budget_s=2 if quick else 4, rounds=2, clock=clock)
         first = next(iter(RUNNERS))
         cells = []
         for name in RUNNERS:
@@ -385,7 +385,7 @@ def log_table(quick: bool = False, clock: Callable[[], float] = time.perf_counte
             jobs[name + " fwd"] = functools.partial(runner, la, lb)
             if name != "float32 loop":  # its autograd tape is not a contender
                 jobs[name] = functools.partial(_fwd_bwd, runner, ga, gb, cot)
-        times = interleaved_medians(jobs, budget_s=2 if quick else 8, clock=clock)
+        times = interleaved_medians(jobs, budget_s=2 if quick else 3, rounds=2, clock=clock)
         cells = []
         for name, runner in runners.items():
             err = (runner(la, lb).double() - exact).abs()
