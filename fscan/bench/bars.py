@@ -146,7 +146,7 @@ def small_rows() -> Iterator[Row]:
     """Bar 3: the per-call cost of a (64,) add, end to end."""
     x = _data("add", (64,))
     run = _scan("add", x, 0, False)
-    group = "small call, (64,) add, end to end"
+    group = "small call, 1 thread, (64,) add end to end"
     yield Row(group, "(64,) add vs torch.cumsum", run, "torch.cumsum", lambda: torch.cumsum(x, 0))
     found = optional_jax()
     if found is not None:
