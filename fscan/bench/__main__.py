@@ -21,7 +21,6 @@ import torch
 import fscan
 
 from . import autograd, bars, core, extras, gpu, kernel, linear, ops, overhead
-from . import compile as compile_bench
 from . import distributed as distributed_bench
 from ._rows import render, run_rows, to_json
 from ._timing import Progress, warm_up_seconds
@@ -114,16 +113,16 @@ def _run(tables: list[tuple[str, Callable[[], str]]], mode: str) -> None:
     )
 
 
-# Tables of full runs only (compiling takes tens of seconds per workload), in print order.
-# kernel.kernel_table and ops.ops_table run alone (python -m fscan.bench.kernel / .ops):
-# the speed bars' rows cover their forward rows.
+# Tables of full runs only, in print order. Run alone instead: kernel.kernel_table and
+# ops.ops_table (python -m fscan.bench.kernel / .ops: the speed bars hold their rows) and
+# compile.compile_table (python -m fscan.bench.compile: minutes of cold compiles; the
+# speed bars time compiled fwd+bwd and a compiled call).
 _FULL_ONLY = (
     linear.training_table,
     linear.accuracy_table,
     linear.log_table,
     kernel.backward_table,
     kernel.latency_table,
-    compile_bench.compile_table,
     extras.initial_table,
     extras.reduce_table,
     extras.matrix_table,
