@@ -132,8 +132,9 @@ def reduce_table(quick: bool = False) -> Table:
     for key, (label, jobs, args) in _reduce_workloads(quick).items():
         names = list(jobs)
         fwds = {n: _fwd(f, *args) for n, f in jobs.items()}
-        fwd = interleaved_medians(fwds, budget_s=1.0)
-        bwd = interleaved_medians({n: _fwd_bwd(f, *args) for n, f in jobs.items()}, budget_s=1.0)
+        fwd = interleaved_medians(fwds, budget_s=1.0, rounds=2)
+        bwds = {n: _fwd_bwd(f, *args) for n, f in jobs.items()}
+        bwd = interleaved_medians(bwds, budget_s=1.0, rounds=2)
         engines = _engines({n: fwds[n] for n in names[:2]})
         for what, times in (("fwd", fwd), ("fwd+bwd", bwd)):
             base = times[names[0]]
@@ -208,8 +209,9 @@ def matrix_table(quick: bool = False) -> Table:
             kind = "shared (d, d)" if shared else "per-step"
             label = f"{kind} A, state ({d}, {kk}), B={Bt} T={T}"
             fwds = {n: _fwd(f, A, b) for n, f in jobs.items()}
-            fwd = interleaved_medians(fwds, budget_s=1.0)
-            bwd = interleaved_medians({n: _fwd_bwd(f, A, b) for n, f in jobs.items()}, budget_s=1.0)
+            fwd = interleaved_medians(fwds, budget_s=1.0, rounds=2)
+            bwds = {n: _fwd_bwd(f, A, b) for n, f in jobs.items()}
+            bwd = interleaved_medians(bwds, budget_s=1.0, rounds=2)
             engines = _engines({n: fwds[n] for n in ("fscan", "generic")})
             for what, times in (("fwd", fwd), ("fwd+bwd", bwd)):
                 cells = [fmt_ms(times[n], times["fscan"]) for n in jobs]
