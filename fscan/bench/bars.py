@@ -240,12 +240,15 @@ def reduce_rows() -> Iterator[Row]:
 
 
 def _compiled_engine() -> str:
-    """Compiled graphs log no route: say what a traced pointwise scan lowers to."""
+    """Compiled graphs log no route, and the kernel they call is not a dispatcher op that
+    torch's profiler would see: say what the forward lowering would install, as a claim
+    about the lowering, not an observation of the call."""
     try:  # internal: absent from older checkouts, which then say only "compiled"
         from fscan._engines.cpp.traced_kernel import kernel_traceable
     except ImportError:
-        return "compiled"
-    return "compiled: " + ("cpp scan op" if kernel_traceable() else "blocked scan")
+        return "compiled, not logged"
+    lowering = "cpp scan op" if kernel_traceable() else "blocked scan"
+    return f"compiled, not logged; fwd lowering: {lowering}"
 
 
 def compile_rows() -> Iterator[Row]:
