@@ -187,7 +187,10 @@ def _captured_combine(name: str, channels: int) -> tuple[Callable[[Any, Any], An
     w = (torch.rand(channels) + 0.5).requires_grad_()
     if name == "scaled":
         return (lambda a, b: a * w + b), [w]
-    return (lambda a, b: (a[0] * b[0], a[1] * b[0] * w + b[1])), [w]
+    # (g, b) stands for the map h -> g * w * h + b; combining composes two of them, so the
+    # gate's product carries one factor w (a gate of a[0] * b[0] with w on a[1] alone
+    # applied w twice to a[1] in one grouping and once in the other: not associative).
+    return (lambda a, b: (a[0] * b[0] * w, a[1] * b[0] * w + b[1])), [w]
 
 
 def _backward_row(name: str, shape: tuple[int, ...]) -> list[str]:
