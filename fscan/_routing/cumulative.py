@@ -70,11 +70,13 @@ from .scan import scan_flat, scan_traced
 
 __all__ = [
     "cumulative",
+    "engine",
     "kernel_call",
     "native",
     "native_first",
     "native_first_into",
     "path",
+    "refuse_reset_dtype",
     "route",
     "segmented",
 ]
@@ -301,12 +303,22 @@ def cumulative(
     """
     if reset is not None:
         return segmented(api, op, x, dim, reverse, reset)
+    return engine(api, op, x, dim, reverse)
+
+
+def engine(
+    api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, out: list | None = None
+) -> Any:
+    """:func:`cumulative` without ``reset=``: the engine the table picks. ``out``: memory
+    for the results (one view per output, no gradient recorded: an exclusive drop-in's,
+    see :mod:`fscan._routing.exclusive`), written in place by the kernel and by torch's op
+    forward; the other engines return new memory."""
     kernel, parallel = route(op, x, dim, reverse)
-    if kernel and (out := _kernel(api, op, x, dim, reverse)) is not None:
+    if kernel and (found := _kernel(api, op, x, dim, reverse, out)) is not None:
         ran("cpp")
-        return out
+        return found
     if not parallel:
-        return native(op, x, dim, reverse)
+        return native(op, x, dim, reverse, out)
     ran("blocked")
     if op in _EXTREMA:
         largest = op is torch.cummax
@@ -330,11 +342,7 @@ def segmented(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset
         out = segmented(api, op, x[None], 0, reverse, reset)
         return _EXTREMA[op]((out[0][0], out[1][0])) if op in _EXTREMA else out[0]
     check_reset(api, reset, x, [x], dim)
-    if op is torch.logcumsumexp and x.dtype not in _FLOATS:
-        raise ScanTypeError(
-            f"{api}: `reset=` takes float inputs, got {x.dtype}: the imaginary part of a "
-            "complex log depends on torch's order of combination."
-        )
+    refuse_reset_dtype(api, op, x)
     xs: Any = x
     if op in _EXTREMA:
         n = x.shape[dim]
@@ -349,6 +357,15 @@ def segmented(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset
     return _EXTREMA[op](out) if op in _EXTREMA else out
 
 
+def refuse_reset_dtype(api: str, op: Any, x: torch.Tensor) -> None:
+    """``reset=`` takes what the segmented scan of ``op`` can combine: logcumsumexp floats."""
+    if op is torch.logcumsumexp and x.dtype not in _FLOATS:
+        raise ScanTypeError(
+            f"{api}: `reset=` takes float inputs, got {x.dtype}: the imaginary part of a "
+            "complex log depends on torch's order of combination."
+        )
+
+
 def _scan_pairs(call: ScanCall) -> Any:
     """The scan of :func:`segmented`'s (flag, value) pairs, routed as any of fscan's
     scans (traced while ``torch.compile`` traces). The combine is fscan's own: nothing
@@ -360,10 +377,13 @@ def _scan_pairs(call: ScanCall) -> Any:
     return unflatten(call.spec, scan_flat(call, found, entry))
 
 
-def native(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> Any:
+def native(op: Any, x: torch.Tensor, dim: int, reverse: bool, out: list | None = None) -> Any:
     """torch's ``op`` on ``x``; reversed, flip, op, flip (cummax/cummin's indices mapped
-    back to positions in ``x``)."""
+    back to positions in ``x``). ``out``: memory torch's op writes forward (see :func:`engine`)."""
     if not reverse or x.ndim == 0:
+        if out is not None:
+            into = out[0] if len(out) == 1 else tuple(out)
+            return op(x, dim, dtype=x.dtype, out=into) if op in _SUMS else op(x, dim, out=into)
         return op(x, dim, dtype=x.dtype) if op in _SUMS else op(x, dim)
     if op in _SUMS:  # integers and bool already promoted, or cast to the dtype asked
         return op(x.flip(dim), dim, dtype=x.dtype).flip(dim)
@@ -374,9 +394,9 @@ def native(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> Any:
     return _EXTREMA[op]((values.flip(dim), (x.shape[dim] - 1 - indices).flip(dim)))
 
 
-def _kernel(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool) -> Any:
+def _kernel(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, out: Any = None) -> Any:
     """The kernel's scan of ``x`` if it is compiled, else None (the caller checked that
-    it wins).
+    it wins); into ``out`` if given (see :func:`engine`).
 
     Over a single lane the kernel runs on one thread: torch's walk there is serial, and
     the kernel alone beats it (0.7-0.85x). Its threads would double that margin on an idle
@@ -386,7 +406,7 @@ def _kernel(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool) -> Any:
     combine, spec, leaves, positions = kernel_call(op, x)
     threads = 1 if x.shape[dim] == x.numel() else None
     out = kernel_scan(
-        api, combine, spec, leaves, dim, reverse, positions=positions, threads=threads
+        api, combine, spec, leaves, dim, reverse, positions=positions, threads=threads, out=out
     )
     if out is None:
         return None
