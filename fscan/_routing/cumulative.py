@@ -307,13 +307,20 @@ def cumulative(
 
 
 def engine(
-    api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, out: list | None = None
+    api: str,
+    op: Any,
+    x: torch.Tensor,
+    dim: int,
+    reverse: bool,
+    out: list | None = None,
+    cells: tuple[bool, bool] | None = None,
 ) -> Any:
-    """:func:`cumulative` without ``reset=``: the engine the table picks. ``out``: memory
-    for the results (one view per output, no gradient recorded: an exclusive drop-in's,
-    see :mod:`fscan._routing.exclusive`), written in place by the kernel and by torch's op
-    forward; the other engines return new memory."""
-    kernel, parallel = route(op, x, dim, reverse)
+    """:func:`cumulative` without ``reset=``: the engine the table picks. An exclusive
+    drop-in's (:mod:`fscan._routing.exclusive`) passes ``out``, memory for the results
+    (one view per output, no gradient recorded) that the kernel and torch's op (forward)
+    write in place (the other engines return new memory), and ``cells``, the table's
+    answer for its whole input (``x`` is one step shorter)."""
+    kernel, parallel = route(op, x, dim, reverse) if cells is None else cells
     if kernel and (found := _kernel(api, op, x, dim, reverse, out)) is not None:
         ran("cpp")
         return found

@@ -23,7 +23,7 @@ import torch
 
 from .._exclusive import Shift, Steps, exclusive
 from .._segmented import check_reset
-from .cumulative import engine, refuse_reset_dtype, segmented
+from .cumulative import engine, refuse_reset_dtype, route, segmented
 
 __all__ = ["exclusive_cumulative", "identity"]
 
@@ -48,13 +48,14 @@ def exclusive_cumulative(
         refuse_reset_dtype(api, op, x)
     shift = Shift(dim, x.shape[dim], reverse)
     extremum = op in _EXTREMA
+    cells = route(op, x, dim, reverse)  # as the inclusive drop-in on `x` is routed
 
     def inclusive(steps: Steps, outs: list[torch.Tensor] | None) -> list[torch.Tensor]:
         part = steps(x)
         if reset is not None:
             found = segmented(api, op, part, dim, reverse, steps.mask(reset))
         else:
-            found = engine(api, op, part, dim, reverse, outs)
+            found = engine(api, op, part, dim, reverse, outs, cells)
         if not extremum:
             return [found]
         values, indices = found
