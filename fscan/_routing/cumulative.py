@@ -76,7 +76,6 @@ __all__ = [
     "native_first",
     "native_first_into",
     "path",
-    "refuse_reset_dtype",
     "route",
     "segmented",
 ]
@@ -315,10 +314,9 @@ def engine(
     out: list | None = None,
     cells: tuple[bool, bool] | None = None,
 ) -> Any:
-    """:func:`cumulative` without ``reset=``: the engine the table picks. An exclusive
-    drop-in's (:mod:`fscan._routing.exclusive`) passes ``out``, memory for the results
-    (one view per output, no gradient recorded) that the kernel and torch's op (forward)
-    write in place (the other engines return new memory), and ``cells``, the table's
+    """:func:`cumulative` without ``reset=`` on the engine the table picks. An exclusive
+    drop-in (:mod:`fscan._routing.exclusive`) passes ``out`` (views, no gradient wanted),
+    which the kernel and torch's op forward write in place, and ``cells``, the table's
     answer for its whole input (``x`` is one step shorter)."""
     kernel, parallel = route(op, x, dim, reverse) if cells is None else cells
     if kernel and (found := _kernel(api, op, x, dim, reverse, out)) is not None:
@@ -349,7 +347,11 @@ def segmented(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset
         out = segmented(api, op, x[None], 0, reverse, reset)
         return _EXTREMA[op]((out[0][0], out[1][0])) if op in _EXTREMA else out[0]
     check_reset(api, reset, x, [x], dim)
-    refuse_reset_dtype(api, op, x)
+    if op is torch.logcumsumexp and x.dtype not in _FLOATS:
+        raise ScanTypeError(
+            f"{api}: `reset=` takes float inputs, got {x.dtype}: the imaginary part of a "
+            "complex log depends on torch's order of combination."
+        )
     xs: Any = x
     if op in _EXTREMA:
         n = x.shape[dim]
@@ -362,15 +364,6 @@ def segmented(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset
     if not _is_compiling():  # Dynamo cannot trace the log's ContextVar
         ran("tree")  # after the scan: an engine its router noted (the kernel) comes first
     return _EXTREMA[op](out) if op in _EXTREMA else out
-
-
-def refuse_reset_dtype(api: str, op: Any, x: torch.Tensor) -> None:
-    """``reset=`` takes what the segmented scan of ``op`` can combine: logcumsumexp floats."""
-    if op is torch.logcumsumexp and x.dtype not in _FLOATS:
-        raise ScanTypeError(
-            f"{api}: `reset=` takes float inputs, got {x.dtype}: the imaginary part of a "
-            "complex log depends on torch's order of combination."
-        )
 
 
 def _scan_pairs(call: ScanCall) -> Any:

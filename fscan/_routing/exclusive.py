@@ -23,7 +23,7 @@ import torch
 
 from .._exclusive import Shift, Steps, exclusive
 from .._segmented import check_reset
-from .cumulative import engine, refuse_reset_dtype, route, segmented
+from .cumulative import engine, route, segmented
 
 __all__ = ["exclusive_cumulative", "identity"]
 
@@ -45,7 +45,6 @@ def exclusive_cumulative(
         return _EXTREMA[op]((out[0][0], out[1][0])) if op in _EXTREMA else out[0]
     if reset is not None:  # checked on the whole input, so that errors name its shape
         check_reset(api, reset, x, [x], dim)
-        refuse_reset_dtype(api, op, x)
     shift = Shift(dim, x.shape[dim], reverse)
     extremum = op in _EXTREMA
     cells = route(op, x, dim, reverse)  # as the inclusive drop-in on `x` is routed
