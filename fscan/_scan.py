@@ -12,6 +12,7 @@ from ._entry import checked_call, run_scan
 from ._exclusive import refuse_sharded_exclusive
 from ._pytree import flatten
 from ._route_log import logs_route
+from ._routing.repeat import repeat_scan
 from ._sharded.dtensor import any_dtensor, dtensor_scan
 
 __all__ = ["associative_scan"]
@@ -100,6 +101,10 @@ def associative_scan(
         >>> fscan.associative_scan(torch.add, torch.ones(3), 0, initial=10.0, exclusive=True)
         tensor([10., 11., 12.])
     """
+    if reset is None and initial is None:  # a repeat of a call the kernel served: its route
+        out = repeat_scan(combine_fn, xs, dim, reverse, combine_mode, validate)
+        if out is not None:
+            return out
     leaves, spec = flatten(xs)
     if any_dtensor(leaves):  # sharded across ranks: see fscan._sharded.dtensor
         if exclusive is not False:

@@ -14,6 +14,7 @@ from fscan._engines.cpp import cpu_kernel
 from fscan._engines.cpp._cpp_build import compiler_problem
 from fscan._knowledge.store import entries
 from fscan._route_log import ENGINES
+from fscan._routing import repeat
 
 # Written against the torch engine's routes (the session's default is the kernel); the
 # tests of the kernel's route pick cpu_kernel="eager" themselves.
@@ -193,13 +194,17 @@ def test_explain_changes_nothing():
 @needs_compiler
 def test_explain_cpp_after_build_matches_the_kernel_run(records, monkeypatch):
     runs = []
-    run_kernel = cpu_kernel.run_kernel
 
-    def counted(*args, **kwargs):
-        runs.append(1)
-        return run_kernel(*args, **kwargs)
+    def counting(run):
+        def counted(*args, **kwargs):
+            runs.append(1)
+            return run(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_kernel, "run_kernel", counted)
+        return counted
+
+    # The kernel runs on the full route, or on the router's repeat of a served call.
+    monkeypatch.setattr(cpu_kernel, "run_kernel", counting(cpu_kernel.run_kernel))
+    monkeypatch.setattr(repeat, "run_prepared", counting(repeat.run_prepared))
     combine = lambda a, b: a * b
     x = torch.rand(64) + 0.5
     with fscan.config.override(cpu_kernel="eager"):

@@ -39,6 +39,10 @@ route          when, and what runs
                walk missed, the result says so and ``autograd`` reruns it)
 =============  ===================================================================
 
+A call identical, in everything this choice depends on, to one that ``cpp`` served
+(no carry-in) is answered by :mod:`fscan._routing.repeat` before the checks:
+``fscan.associative_scan`` asks it first, :func:`scan_flat` stores what it runs.
+
 Pointwise calls whose ``combine_fn`` has not passed the elementwise check yet
 run ``inplace``/``adjoint``/``autograd`` with the check watching their first
 combine call (:mod:`fscan._knowledge.pointwise_check`).
@@ -65,6 +69,7 @@ from .._errors import ImpureCombineError
 from .._knowledge.pointwise_check import checked_on_first_call
 from .._knowledge.store import Knowledge, Reach
 from .._route_log import ran
+from .repeat import remember
 
 __all__ = [
     "check_untouched",
@@ -155,6 +160,8 @@ def scan_flat(
             out = None
         if out is not None:
             ran("cpp")
+            if head is None:  # for the calls identical to this one: see fscan._routing.repeat
+                remember(call, found, entry)
             return out
         route = "inplace"
     if head is not None:  # the fold: see fscan._carry

@@ -96,7 +96,7 @@ from ._kernel_registry import (
 )
 from ._kernel_registry import captured_occurrences as captured_occurrences
 from ._kernel_registry import leaf_refusal as leaf_refusal
-from ._kernel_run import kernel_params, run_kernel
+from ._kernel_run import PreparedRun, kernel_params, prepare_run, run_kernel, run_prepared
 
 __all__ = [
     "KERNEL_MIN_NUMEL",
@@ -104,6 +104,7 @@ __all__ = [
     "MIN_ELEMENTS",
     "Counters",
     "KernelScan",
+    "PreparedRun",
     "counters",
     "kernel_entries",
     "kernel_grad_scan",
@@ -111,7 +112,9 @@ __all__ = [
     "kernel_ready",
     "kernel_scan",
     "precompile",
+    "prepare_run",
     "reads_in_place",
+    "run_prepared",
     "slot_key",
     "strided_layout",
     "strided_view",

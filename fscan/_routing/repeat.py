@@ -1,0 +1,179 @@
+"""The ``repeat`` shortcut: a scan identical, in everything the route depends on, to one
+the router already sent to the C++ kernel runs that kernel again, without the checks.
+
+A small scan (64 elements) spends most of its time above the kernel: the argument
+checks, the walk over ``combine_fn``, the knowledge lookups, the route and the kernel
+lookup cost ~10 µs around ~2 µs of allocation and kernel. Once :func:`scan_flat
+<fscan._routing.scan.scan_flat>` served a call on the kernel, :func:`remember` stores
+a :class:`~fscan._engines.cpp._kernel_run.PreparedRun` under the call's key (:func:`call_parts`);
+``fscan.associative_scan`` asks :func:`repeat_scan` first, which answers from the
+store or returns None (the full path then runs). The engine is the kernel, noted as
+``cpp`` like any route (the ``"fscan"`` log and ``fscan.explain`` read the same state
+the full route would have read, and name the same engine).
+
+The key holds everything the full path's verdict depends on:
+
+* ``combine_fn``: its :func:`~fscan._knowledge.store.reach` key (its code and the
+  values it captures, each captured tensor's type, dtype, device, ndim and
+  requires_grad) and which captured places share a tensor; the captured tensors
+  themselves are read on every call, as the kernel's parameters;
+* the pytree structure, and per leaf its dtype, shape and requires_grad; ``dim``
+  (made non-negative), ``reverse``, ``combine_mode``, ``validate``;
+* grad mode, ``fscan.config.validate`` (``fscan.config.cpu_kernel`` "off": no lookup).
+
+And a call is only looked up (or stored) where the full path cannot differ for
+reasons outside the key: not while tracing, no ``torch.func`` transform or dual
+level, no ``TorchDispatchMode``, no ``reset=``/``initial=``, every leaf a plain
+contiguous dense CPU tensor without the negative bit, ``dim`` an int in range and
+``reverse`` a bool (``0`` equals ``False`` in a key but is an error), ``validate``
+None or False. It is stored only once the checks ``validate`` asks for ran for the
+key (the purity probe, and for ``validate=None`` the once-per-key associativity
+check), and never where ``validate`` asks for checks on every call. The store is
+bounded and cleared by ``fscan.clear_caches()``.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+from optree import PyTreeSpec
+
+from .._cache import BoundedCache
+from .._call import ScanCall
+from .._config import config
+from .._context import under_dispatch_mode, under_transform
+from .._engines.cpp.cpu_kernel import PreparedRun, prepare_run, run_prepared
+from .._knowledge.reach_keys import unbound
+from .._knowledge.store import Knowledge, Reach, on_clear, reach
+from .._pytree import LEAF, flatten, unflatten
+from .._route_log import ran
+
+__all__ = ["call_parts", "remember", "repeat_scan", "repeats"]
+
+# Keys of calls served on the kernel (each a few shapes of a few combine_fns, typically).
+repeats: BoundedCache[PreparedRun] = BoundedCache(maxsize=256)
+on_clear(repeats.clear)
+
+_is_compiling = torch.compiler.is_compiling
+_STRIDED = torch.strided
+# reach() of module builtins (torch.add): keyed by identity, capturing nothing, so one
+# walk serves every call (the walk itself costs ~3 µs, a fifth of a small scan).
+_builtin_reach: dict[Any, Reach] = {}
+
+
+def repeat_scan(
+    combine_fn: Callable[[Any, Any], Any],
+    xs: Any,
+    dim: Any,
+    reverse: Any,
+    combine_mode: Any,
+    validate: Any,
+) -> Any:
+    """The scan of ``xs`` by the kernel a call with the same key ran on (module doc), as
+    a pytree of ``xs``'s structure; None where no such call was stored (or the captured
+    tensors no longer broadcast): the caller then takes the full path."""
+    if type(xs) is torch.Tensor:
+        leaves, spec = [xs], LEAF
+    else:
+        leaves, spec = flatten(xs)
+    parts = call_parts(spec, leaves, dim, reverse, combine_mode, validate)
+    if parts is None:
+        return None
+    found = _reach(combine_fn)
+    if found.key is None or (found.tensors and found.aliases is None):
+        return None
+    run = repeats.get((found.key, found.aliases, *parts))
+    if run is None:
+        return None
+    out = run_prepared(run, leaves, found.tensors)
+    if out is None:
+        return None
+    ran("cpp")
+    return out[0] if spec is LEAF else unflatten(spec, out)
+
+
+def remember(call: ScanCall, found: Reach, entry: Knowledge) -> None:
+    """Store the kernel that just served ``call`` on the full route (with no carry-in)
+    for the calls :func:`repeat_scan` finds identical to it."""
+    validate = call.validate
+    if call.reset is not None or call.initial is not None or not entry.pure:
+        return
+    if validate is None:  # the full path checks on every call, or once: checked?
+        if config._validate or not entry.associativity_checked:
+            return
+    elif validate is not False:
+        return
+    if found.key is None or (found.tensors and found.aliases is None):
+        return
+    leaves, dim, reverse = call.leaves, call.dim, call.reverse
+    parts = call_parts(call.spec, leaves, dim, reverse, call.combine_mode, validate)
+    if parts is None:
+        return
+    key = (found.key, found.aliases, *parts)
+    if key not in repeats:
+        run = prepare_run(entry, found.aliases if found.tensors else (), leaves, dim, reverse)
+        if run is not None:
+            repeats.put(key, run)
+
+
+def call_parts(
+    spec: PyTreeSpec,
+    leaves: Sequence[Any],
+    dim: Any,
+    reverse: Any,
+    combine_mode: Any,
+    validate: Any,
+) -> tuple[Hashable, ...] | None:
+    """The key of a call (module doc) but for ``combine_fn``'s part, or None where the call
+    may not be repeated (cheapest tests first: a call that fails them pays no walk)."""
+    if type(dim) is not int or (reverse is not False and reverse is not True):
+        return None
+    if (validate is not None and validate is not False) or combine_mode != "pointwise":
+        return None
+    if config._cpu_kernel == "off" or not leaves or _is_compiling():
+        return None  # ("on" and "eager" serve a READY kernel alike)
+    if under_transform() or under_dispatch_mode():
+        return None
+    ndim = leaves[0].ndim
+    if not -ndim <= dim < ndim:
+        return None
+    grad = torch.is_grad_enabled()
+    kinds = []
+    for x in leaves:  # a loop, not a generator: ~0.5 µs less per call
+        if (
+            type(x) is not torch.Tensor
+            or not x.is_cpu
+            or x.layout is not _STRIDED
+            or x.is_nested
+            or not x.is_contiguous()
+            or x.is_neg()
+            or (grad and x.requires_grad)  # the kernel serves no gradient: never stored
+            or _is_wrapped(x)
+            or _is_batched(x)
+        ):
+            return None
+        kinds.append((x.dtype, x.shape, x.requires_grad))
+    return (spec, dim % ndim, reverse, validate, config._validate, grad, *kinds)
+
+
+# A torch.func wrapper (or the old vmap's batched tensor) that escaped its transform:
+# its storage is not its data (fscan._knowledge.purity.probeable refuses it too).
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_is_batched = torch._C._functorch.is_legacy_batchedtensor
+
+
+def _reach(combine_fn: Any) -> Reach:
+    """:func:`~fscan._knowledge.store.reach`, remembered for builtins of modules."""
+    if type(combine_fn) is types.BuiltinFunctionType and unbound(combine_fn):
+        found = _builtin_reach.get(combine_fn)
+        if found is None:
+            found = reach(combine_fn)
+            if not found.tensors:
+                if len(_builtin_reach) >= 64:
+                    _builtin_reach.clear()
+                _builtin_reach[combine_fn] = found
+        return found
+    return reach(combine_fn)
