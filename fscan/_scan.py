@@ -101,7 +101,7 @@ def associative_scan(
         >>> fscan.associative_scan(torch.add, torch.ones(3), 0, initial=10.0, exclusive=True)
         tensor([10., 11., 12.])
     """
-    if reset is None and initial is None:  # a repeat of a call the kernel served: its route
+    if reset is None and initial is None and exclusive is False:  # a repeat the kernel served
         out = repeat_scan(combine_fn, xs, dim, reverse, combine_mode, validate)
         if out is not None:
             return out

@@ -700,3 +700,13 @@ def test_reset_errors_name_the_whole_input():
         fscan.associative_scan(
             torch.add, torch.ones(4), 0, exclusive=True, initial=0.0, reset=torch.ones(2) > 0
         )
+
+
+def test_a_repeated_inclusive_call_does_not_answer_an_exclusive_one():
+    x = torch.randn(257, 128)
+    for _ in range(3):  # served by the kernel, then by the repeat route
+        fscan.associative_scan(torch.add, x, 0)
+    with pytest.raises(ScanValueError, match="exclusive=True needs `initial`"):
+        fscan.associative_scan(torch.add, x, 0, exclusive=True)
+    with pytest.raises(ScanTypeError, match="`exclusive` must be a bool"):
+        fscan.associative_scan(torch.add, x, 0, exclusive=1)
