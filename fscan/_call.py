@@ -28,8 +28,9 @@ class ScanCall(NamedTuple):
     """One scan of ``leaves`` (the flat ``xs``, structure ``spec``) along ``dim``.
 
     ``dim`` is non-negative and every leaf has it, with one length: the door checked
-    them. ``api`` names the public function in errors. ``reset`` and ``initial`` are
-    the public options (None: not given); ``validate`` as for ``fscan.associative_scan``.
+    them. ``api`` names the public function in errors. ``reset``, ``initial`` and
+    ``exclusive`` are the public options (None, False: not given); ``validate`` as for
+    ``fscan.associative_scan``.
     (A NamedTuple, immutable like a frozen dataclass: made on every call, and cheaper.)
     """
 
@@ -44,6 +45,7 @@ class ScanCall(NamedTuple):
     validate: bool | None = None
     reset: torch.Tensor | None = None
     initial: Any = None
+    exclusive: bool = False
 
 
 class RecurrenceCall(NamedTuple):

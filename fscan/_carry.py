@@ -67,7 +67,7 @@ def carried_heads(
         >>> carried_heads(ScanCall(*args, initial=torch.tensor(10.0)))
         [tensor([13.])]
     """
-    api, combine_fn, xs, spec, leaves, dim, reverse, combine_mode, _, reset, initial = call
+    api, combine_fn, xs, spec, leaves, dim, reverse, combine_mode, _, reset, initial = call[:11]
     init = check_initial(api, initial, xs, leaves, spec, dim)
     n = leaves[0].shape[dim]
     if n == 0:

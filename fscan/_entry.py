@@ -21,6 +21,7 @@ from ._call import SCAN_API, ScanCall
 from ._carry import carried_heads, swap_heads
 from ._checks import check_scan_args
 from ._combine import FlatCombine
+from ._exclusive import check_exclusive, exclusive_scan
 from ._knowledge.pointwise_check import checked_on_first_call
 from ._knowledge.store import knowledge, reach
 from ._knowledge.validate import validate_combine_fn
@@ -36,6 +37,8 @@ def checked_call(call: ScanCall) -> ScanCall:
     non-negative (the other fields are checked where they are used)."""
     api, combine_fn, xs, spec, leaves, dim, reverse, combine_mode = call[:8]
     dim = check_scan_args(api, combine_fn, xs, leaves, dim, reverse, combine_mode)
+    if call.exclusive is not False:
+        check_exclusive(api, call.exclusive, call.initial, needs_initial=True)
     # tuple.__new__, not _replace: no Python frames on every public call (~0.2 us).
     return tuple.__new__(ScanCall, (api, combine_fn, xs, spec, leaves, dim, *call[6:]))
 
@@ -50,7 +53,8 @@ def scan_tree(
 ) -> Any:
     """The scan of ``xs`` for fscan's own callers, whose arguments fscan made or checked:
     ``dim`` non-negative, every leaf a dense tensor with that dimension, of one length.
-    ``options``: the call record's ``reset=`` and ``initial=`` (:class:`~fscan._call.ScanCall`).
+    ``options``: the call record's ``reset=``, ``initial=`` and ``exclusive=``
+    (:class:`~fscan._call.ScanCall`; ``exclusive=True`` with an ``initial``).
 
     Example:
         >>> scan_tree(torch.add, torch.arange(1.0, 5.0), 0)
@@ -61,9 +65,15 @@ def scan_tree(
     return run_scan(ScanCall(SCAN_API, *args, **options))
 
 
-def run_scan(call: ScanCall) -> Any:
-    """Run a checked call; return a pytree of ``xs``'s structure and shapes, in new memory."""
-    _, combine_fn, xs, spec, leaves, dim, reverse, combine_mode, _, reset, initial = call
+def run_scan(call: ScanCall, out: list[torch.Tensor] | None = None) -> Any:
+    """Run a checked call; return a pytree of ``xs``'s structure and shapes, in new memory.
+
+    ``out``: memory the C++ kernel may write the results into, one tensor per leaf (an
+    exclusive scan's narrowed views of its outputs: see :mod:`fscan._exclusive`); other
+    routes ignore it."""
+    if call.exclusive:  # the scan of the steps before each step: see fscan._exclusive
+        return exclusive_scan(run_scan, call)
+    _, combine_fn, xs, spec, leaves, dim, reverse, combine_mode, _, reset, initial = call[:11]
     heads = None  # a carry-in the C++ kernel may read in place of the first element
     if initial is not None:  # folded into the first element: see fscan._carry
         heads = carried_heads(call, check=_fold_check(call))
@@ -78,7 +88,7 @@ def run_scan(call: ScanCall) -> Any:
     found = reach(combine_fn)
     entry = knowledge(found, spec, combine_mode, leaves)
     validate_combine_fn(call, entry)
-    return unflatten(spec, scan_flat(call, found, entry, heads))
+    return unflatten(spec, scan_flat(call, found, entry, heads, out))
 
 
 def _fold_check(call: ScanCall) -> Callable[[FlatCombine], FlatCombine] | None:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+import torch
+
 from ._call import ScanCall
 from ._context import where
 from ._entry import checked_call
@@ -95,7 +97,8 @@ def explain(
         capture = lambda pair_call: seen.append(pair_call) or (None, None)
         segmented_scan(capture, call._replace(reset=reset))
         call = seen[0]
-    heads = [] if initial is None else flatten(initial)[0]
+    # A number as initial (or as one of its leaves) is a constant: only tensors can need grad.
+    heads = [] if initial is None else [h for h in flatten(initial)[0] if torch.is_tensor(h)]
     facts = scan_route(call, where(call.leaves), heads)
     return Explanation(_API, facts.engine, MappingProxyType(facts.refused), facts.grad)
 

@@ -41,6 +41,7 @@ from numbers import Number
 
 import torch
 
+from ._exclusive import refuse_sharded_exclusive
 from ._recurrences.solve import run_linear_recurrence
 from ._route_log import logs_route
 from ._sharded.dtensor import any_dtensor, dtensor_linear_recurrence
@@ -60,6 +61,7 @@ def linear_recurrence(
     reverse: bool = False,
     reset: torch.Tensor | None = None,
     acc_dtype: torch.dtype | None = None,
+    exclusive: bool = False,
 ) -> torch.Tensor:
     """All states of ``h_t = a_t * h_{t-1} + b_t`` along ``dim``, in one call.
 
@@ -91,6 +93,9 @@ def linear_recurrence(
         acc_dtype (torch.dtype or None, default None): accumulate in this
             (floating or complex) dtype and round once at the end, e.g.
             ``torch.float32`` for bfloat16/float16 inputs.
+        exclusive (bool, default False): return the state entering each step instead,
+            ``h[t - 1]`` (``h[t + 1]`` reversed): ``initial`` (else 0) at the first step
+            and 0 at the resets, which restart from zero; same shape.
 
     Returns:
         Tensor: ``h``, of ``b``'s shape and the promoted dtype of ``a``, ``b`` and
@@ -105,8 +110,12 @@ def linear_recurrence(
         tensor([ 3.,  7., 15.])
         >>> fscan.linear_recurrence(0.5, torch.ones(4), 0, reset=torch.tensor([0, 0, 1, 0]) > 0)
         tensor([1.0000, 1.5000, 1.0000, 1.5000])
+        >>> fscan.linear_recurrence(0.5, torch.ones(4), 0, exclusive=True)
+        tensor([0.0000, 1.0000, 1.5000, 1.7500])
     """
     if any_dtensor((a, b, initial, reset)):  # sharded across ranks: see fscan._sharded.dtensor
+        if exclusive is not False:
+            refuse_sharded_exclusive(_API)
         args = dict(initial=initial, reverse=reverse, reset=reset, acc_dtype=acc_dtype)
         return dtensor_linear_recurrence(a, b, dim, **args)
-    return run_linear_recurrence(_API, a, b, dim, initial, reverse, reset, acc_dtype)
+    return run_linear_recurrence(_API, a, b, dim, initial, reverse, reset, acc_dtype, exclusive)

@@ -60,6 +60,7 @@ def linear_recurrence_matrix(
     reverse: bool = False,
     reset: torch.Tensor | None = None,
     matrix_state: bool = False,
+    exclusive: bool = False,
 ) -> torch.Tensor:
     """All states of ``h_t = A_t @ h_{t-1} + b_t`` along ``dim`` (matrix-valued gates).
 
@@ -81,6 +82,9 @@ def linear_recurrence_matrix(
             mask of length ``n``, or a mask with the batch's dimensions (``b``'s
             dimensions also work if the state's are size 1), broadcastable to it.
         matrix_state (bool, default False): states are ``(d, k)`` matrices.
+        exclusive (bool, default False): return the state entering each step instead,
+            ``h[t - 1]`` (``h[t + 1]`` reversed): ``initial`` (else 0) at the first step,
+            0 at the resets; same shape.
 
     Returns:
         Tensor: ``h``, of ``b``'s shape and the promoted dtype; differentiable in
@@ -100,4 +104,4 @@ def linear_recurrence_matrix(
         ((6, 3, 2), 1.96875)
     """
     call = RecurrenceCall(_API, A, b, dim, initial, reverse, reset, matrix_state=matrix_state)
-    return run_linear_recurrence_matrix(call)
+    return run_linear_recurrence_matrix(call, exclusive)

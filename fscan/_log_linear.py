@@ -41,6 +41,7 @@ def log_linear_recurrence(
     initial: torch.Tensor | None = None,
     reverse: bool = False,
     reset: torch.Tensor | None = None,
+    exclusive: bool = False,
 ) -> torch.Tensor:
     """``log h`` for ``h_t = a_t * h_{t-1} + b_t`` along ``dim``, from ``log a`` and ``log b``.
 
@@ -60,6 +61,9 @@ def log_linear_recurrence(
         reverse (bool, default False): run from the end of ``dim``.
         reset (bool Tensor or None, default None): restart where True,
             ``log h_t = log b_t``, as in :func:`fscan.linear_recurrence`.
+        exclusive (bool, default False): return ``log h`` entering each step instead:
+            ``initial`` (else ``-inf``) at the first step, ``-inf`` at the resets, as in
+            :func:`fscan.linear_recurrence`.
 
     Returns:
         Tensor: ``log h``, of ``log_b``'s shape and the promoted dtype; differentiable
@@ -72,4 +76,4 @@ def log_linear_recurrence(
         >>> log_h.exp()
         tensor([1.0000, 1.5000, 1.7500, 1.8750])
     """
-    return run_log_linear_recurrence(_API, log_a, log_b, dim, initial, reverse, reset)
+    return run_log_linear_recurrence(_API, log_a, log_b, dim, initial, reverse, reset, exclusive)

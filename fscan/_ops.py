@@ -32,8 +32,10 @@ import torch
 
 from ._checks import check_dense, normalize_dim, refuse_reverse
 from ._errors import OutArgumentError, ScanTypeError
+from ._exclusive import check_exclusive
 from ._route_log import logs_route
 from ._routing.cumulative import cumulative, native_first, native_first_into
+from ._routing.exclusive import exclusive_cumulative
 
 __all__ = ["cummax", "cummin", "cumprod", "cumsum", "logcumsumexp"]
 
@@ -47,6 +49,7 @@ def cumsum(
     out: torch.Tensor | None = None,
     reverse: bool = False,
     reset: torch.Tensor | None = None,
+    exclusive: bool = False,
 ) -> torch.Tensor:
     """``torch.cumsum`` with ``reverse=``: ``out[i] = input[0] + ... + input[i]`` along ``dim``.
 
@@ -83,7 +86,7 @@ def cumsum(
         >>> fscan.cumsum(torch.ones(5), 0, reset=torch.tensor([0, 0, 1, 0, 1]) > 0)
         tensor([1., 2., 1., 2., 1.])
     """
-    if dtype is None and reverse is False and reset is None:
+    if dtype is None and reverse is False and reset is None and exclusive is False:
         result = (
             native_first(torch.cumsum, input, dim)
             if out is None
@@ -91,7 +94,8 @@ def cumsum(
         )
         if result is not None:
             return result  # torch promotes integers and bool to int64 itself
-    return _sum_or_product("fscan.cumsum", torch.cumsum, input, dim, dtype, out, reverse, reset)
+    args = (input, dim, dtype, out, reverse, reset, exclusive)
+    return _sum_or_product("fscan.cumsum", torch.cumsum, *args)
 
 
 @logs_route("fscan.cumprod")
@@ -103,6 +107,7 @@ def cumprod(
     out: torch.Tensor | None = None,
     reverse: bool = False,
     reset: torch.Tensor | None = None,
+    exclusive: bool = False,
 ) -> torch.Tensor:
     """``torch.cumprod`` with ``reverse=``: ``out[i] = input[0] * ... * input[i]`` along ``dim``.
 
@@ -114,7 +119,7 @@ def cumprod(
         >>> fscan.cumprod(torch.tensor([1.0, 2.0, 3.0]), 0, reverse=True)
         tensor([6., 6., 3.])
     """
-    if dtype is None and reverse is False and reset is None:
+    if dtype is None and reverse is False and reset is None and exclusive is False:
         result = (
             native_first(torch.cumprod, input, dim)
             if out is None
@@ -122,7 +127,8 @@ def cumprod(
         )
         if result is not None:
             return result
-    return _sum_or_product("fscan.cumprod", torch.cumprod, input, dim, dtype, out, reverse, reset)
+    args = (input, dim, dtype, out, reverse, reset, exclusive)
+    return _sum_or_product("fscan.cumprod", torch.cumprod, *args)
 
 
 @logs_route("fscan.logcumsumexp")
@@ -133,6 +139,7 @@ def logcumsumexp(
     out: torch.Tensor | None = None,
     reverse: bool = False,
     reset: torch.Tensor | None = None,
+    exclusive: bool = False,
 ) -> torch.Tensor:
     """``torch.logcumsumexp`` with ``reverse=``: ``out[i] = log(sum(exp(input[:i + 1])))``.
 
@@ -148,7 +155,7 @@ def logcumsumexp(
         >>> fscan.logcumsumexp(torch.tensor([0.0, float("-inf"), 0.0]), 0)
         tensor([0.0000, 0.0000, 0.6931])
     """
-    if reverse is False and reset is None:
+    if reverse is False and reset is None and exclusive is False:
         result = (
             native_first(torch.logcumsumexp, input, dim)
             if out is None
@@ -158,8 +165,8 @@ def logcumsumexp(
             return result
     if out is not None:
         _check_out("fscan.logcumsumexp", input, out)
-    x, dim = _prepare("fscan.logcumsumexp", input, dim, reverse)
-    result = cumulative("fscan.logcumsumexp", torch.logcumsumexp, x, dim, reverse, reset)
+    x, dim = _prepare("fscan.logcumsumexp", input, dim, reverse, exclusive)
+    result = _run("fscan.logcumsumexp", torch.logcumsumexp, x, dim, reverse, reset, exclusive)
     return result if out is None else _write_out(result, out)
 
 
@@ -171,6 +178,7 @@ def cummax(
     out: Any = None,
     reverse: bool = False,
     reset: torch.Tensor | None = None,
+    exclusive: bool = False,
 ) -> Any:
     """``torch.cummax`` with ``reverse=``: running maxima and the index of each.
 
@@ -193,7 +201,7 @@ def cummax(
         values=tensor([1., 3., 3., 3.]),
         indices=tensor([0, 1, 2, 2]))
     """
-    return _extremum("fscan.cummax", torch.cummax, input, dim, out, reverse, reset)
+    return _extremum("fscan.cummax", torch.cummax, input, dim, out, reverse, reset, exclusive)
 
 
 @logs_route("fscan.cummin")
@@ -204,6 +212,7 @@ def cummin(
     out: Any = None,
     reverse: bool = False,
     reset: torch.Tensor | None = None,
+    exclusive: bool = False,
 ) -> Any:
     """``torch.cummin`` with ``reverse=``: running minima and their indices (see ``cummax``,
     ``out=`` and ``reset=`` included).
@@ -213,7 +222,7 @@ def cummin(
         >>> fscan.cummin(torch.tensor([3, 1, 2, 1]), 0, reverse=True).indices
         tensor([1, 1, 3, 3])
     """
-    return _extremum("fscan.cummin", torch.cummin, input, dim, out, reverse, reset)
+    return _extremum("fscan.cummin", torch.cummin, input, dim, out, reverse, reset, exclusive)
 
 
 # ---- shared pieces -----------------------------------------------------------
@@ -224,6 +233,7 @@ def _prepare(
     input: Any,
     dim: Any,
     reverse: Any,
+    exclusive: Any,
     dtype: torch.dtype | None = None,
     promote_integers: bool = False,
 ) -> tuple[torch.Tensor, int]:
@@ -233,6 +243,8 @@ def _prepare(
     check_dense(api, "`input`", input)
     if not isinstance(reverse, bool):  # the test inline: it runs on every call
         refuse_reverse(api, reverse)
+    if exclusive is not False:
+        check_exclusive(api, exclusive)
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ScanTypeError(
             f"{api}: `dtype` must be a torch.dtype or None, got {type(dtype).__name__}."
@@ -247,18 +259,28 @@ def _prepare(
 
 
 def _sum_or_product(
-    api: str, op: Any, input: Any, dim: Any, dtype: Any, out: Any, reverse: Any, reset: Any
+    api: str,
+    op: Any,
+    input: Any,
+    dim: Any,
+    dtype: Any,
+    out: Any,
+    reverse: Any,
+    reset: Any,
+    exclusive: Any,
 ) -> torch.Tensor:
     """cumsum or cumprod (``op``) past torch's fast path: checked, routed, written to ``out``."""
     if out is not None:
         dtype = _check_out(api, input, out, dtype, computes_in_out_dtype=True)
-    x, dim = _prepare(api, input, dim, reverse, dtype, promote_integers=True)
-    result = cumulative(api, op, x, dim, reverse, reset)
+    x, dim = _prepare(api, input, dim, reverse, exclusive, dtype, promote_integers=True)
+    result = _run(api, op, x, dim, reverse, reset, exclusive)
     return result if out is None else _write_out(result, out, 5)
 
 
-def _extremum(api: str, op: Any, input: Any, dim: Any, out: Any, reverse: Any, reset: Any) -> Any:
-    if reverse is False and reset is None:
+def _extremum(
+    api: str, op: Any, input: Any, dim: Any, out: Any, reverse: Any, reset: Any, exclusive: Any
+) -> Any:
+    if reverse is False and reset is None and exclusive is False:
         result = (
             native_first(op, input, dim) if out is None else native_first_into(op, input, dim, out)
         )
@@ -266,12 +288,19 @@ def _extremum(api: str, op: Any, input: Any, dim: Any, out: Any, reverse: Any, r
             return result
     if out is not None:
         out = _check_extremum_out(api, input, out)
-    x, dim = _prepare(api, input, dim, reverse)
-    result = cumulative(api, op, x, dim, reverse, reset)
+    x, dim = _prepare(api, input, dim, reverse, exclusive)
+    result = _run(api, op, x, dim, reverse, reset, exclusive)
     if out is None:
         return result
     values, indices = result
     return _OUT_TYPES[op]((_write_out(values, out[0], 5), _write_out(indices, out[1], 5)))
+
+
+def _run(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset: Any, exclusive: bool):
+    """The checked call on the drop-ins' router, inclusive or exclusive."""
+    if exclusive:
+        return exclusive_cumulative(api, op, x, dim, reverse, reset)
+    return cumulative(api, op, x, dim, reverse, reset)
 
 
 # ---- out= as torch has it ------------------------------------------------------------

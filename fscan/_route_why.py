@@ -127,10 +127,13 @@ def _matrix(noted: str | None, args: tuple, kwargs: dict, route: Route) -> tuple
 
 
 def _reduce(noted: str | None, args: tuple, kwargs: dict, route: Route) -> tuple[str, dict]:
-    """``associative_reduce``: a tree reduction in torch ops (no kernel route)."""
+    """``associative_reduce``: the reduce kernel (``cpp``) where the router ran it, else a
+    tree reduction in torch ops."""
     bound = _bind(associative_reduce, args, kwargs)
     leaves = flatten(bound["xs"])[0]
-    return ("empty" if leaves[0].shape[bound["dim"]] == 0 else "tree"), {}
+    if leaves[0].shape[bound["dim"]] == 0:
+        return "empty", {}
+    return ("cpp" if noted == "cpp" else "tree"), {}
 
 
 def _bind(fn: Any, args: tuple, kwargs: dict) -> dict[str, Any]:

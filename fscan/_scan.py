@@ -9,6 +9,7 @@ import torch
 
 from ._call import SCAN_API, ScanCall
 from ._entry import checked_call, run_scan
+from ._exclusive import refuse_sharded_exclusive
 from ._pytree import flatten
 from ._route_log import logs_route
 from ._routing.repeat import repeat_scan
@@ -30,8 +31,9 @@ def associative_scan(
     validate: bool | None = None,
     reset: torch.Tensor | None = None,
     initial: Any = None,
+    exclusive: bool = False,
 ) -> Any:
-    """Inclusive scan of ``xs`` along ``dim`` with an associative ``combine_fn``.
+    """Inclusive (or exclusive) scan of ``xs`` along ``dim`` with an associative ``combine_fn``.
 
     Semantics, for a single tensor (pytrees scan every leaf together)::
 
@@ -76,6 +78,10 @@ def associative_scan(
             ``xs`` with ``dim`` removed, or a shape broadcasting to it) combined in
             front: ``out[0] = combine_fn(initial, xs[0])`` (``out[n-1]`` for
             ``reverse``); gradients flow to it. A reset at the first step drops it.
+        exclusive (bool, default False): return the carry *into* each step instead:
+            ``out[0] = initial`` and ``out[i]`` the inclusive ``out[i - 1]`` (``out[i +
+            1]`` for ``reverse``), same length; ``initial`` (required) also where
+            ``reset`` is True. See ``fscan._exclusive``.
 
     Returns:
         A pytree of the structure and shapes of ``xs``, in new memory.
@@ -92,13 +98,17 @@ def associative_scan(
                 [0., 1.]])
         >>> fscan.associative_scan(torch.add, torch.ones(3), 0, initial=torch.tensor(10.0))
         tensor([11., 12., 13.])
+        >>> fscan.associative_scan(torch.add, torch.ones(3), 0, initial=10.0, exclusive=True)
+        tensor([10., 11., 12.])
     """
-    if reset is None and initial is None:  # a repeat of a call the kernel served: its route
+    if reset is None and initial is None and exclusive is False:  # a repeat the kernel served
         out = repeat_scan(combine_fn, xs, dim, reverse, combine_mode, validate)
         if out is not None:
             return out
     leaves, spec = flatten(xs)
     if any_dtensor(leaves):  # sharded across ranks: see fscan._sharded.dtensor
+        if exclusive is not False:
+            refuse_sharded_exclusive(_API)
         return dtensor_scan(
             combine_fn,
             xs,
@@ -110,4 +120,4 @@ def associative_scan(
             initial=initial,
         )
     args = (combine_fn, xs, spec, leaves, dim, reverse, combine_mode, validate, reset, initial)
-    return run_scan(checked_call(ScanCall(_API, *args)))
+    return run_scan(checked_call(ScanCall(_API, *args, exclusive)))

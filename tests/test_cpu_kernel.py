@@ -545,10 +545,13 @@ def _gate_adjoint(xs, w: float, u: float, cots, reverse: bool):
 
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize(("shape", "dim"), [((70001,), 0), ((3, 20001), 1)])
+@pytest.mark.parametrize(
+    ("shape", "dim"), [((70001,), 0), ((3, 20001), 1), ((9001, 16), 0), ((2, 8193, 24), 1)]
+)
 def test_few_lane_backward_is_chunked_and_matches_the_oracle(shape, dim, threads):
-    # Chunks of >= 2048 steps, 8 interleaved per thread, carries fixed up: float64 vs a
-    # sequential oracle, both directions, captured scalars' gradients summed per chunk.
+    # Chunks of >= 2048 steps, carries fixed up: float64 vs a sequential oracle, both
+    # directions, captured scalars' gradients summed per chunk. Chains (8 interleaved per
+    # thread), and the lane path where its columns are fewer than the threads.
     gen = torch.Generator().manual_seed(5)
     w = torch.tensor(0.9999, dtype=torch.float64, requires_grad=True)
     u = torch.tensor(0.25, dtype=torch.float64, requires_grad=True)

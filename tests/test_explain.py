@@ -194,6 +194,18 @@ def test_explain_names_the_engine_that_runs(records):
     assert record.fscan_refused == dict(before.refused)
 
 
+def test_a_number_as_initial_has_its_reasons(records):
+    """A number (not a tensor) as ``initial``: the record and explain say why, alike (the
+    record used to say its reasons could not be worked out: a float has no requires_grad)."""
+    before = fscan.explain(torch.add, x8, 0, initial=1.0)
+    out = fscan.associative_scan(torch.add, x8, 0, initial=1.0)
+    torch.testing.assert_close(out, torch.cumsum(x8, 0) + 1.0)
+    [record] = records()
+    assert "could not be worked out" not in record.getMessage()
+    assert record.fscan_engine == before.engine
+    assert record.fscan_refused == dict(before.refused)
+
+
 def test_explain_changes_nothing():
     seen = []
 

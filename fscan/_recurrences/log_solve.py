@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from .._engines.chunked import Algebra, Operands, toward_end
+from .._exclusive import check_exclusive
 from .._routing.recurrence import Recurrence, route, solve
 from .args import RecurrenceCall, shaped_operands
-from .solve import Adjoint, adjoint_grads, tree_solve
+from .solve import Adjoint, adjoint_grads, exclusive_states, tree_solve
 
 __all__ = ["LOG", "LogLinearFn", "log_compose", "log_step", "run_log_linear_recurrence"]
 
@@ -27,11 +28,23 @@ log_toward_end = partial(toward_end, empty=_NEG_INF)
 
 
 def run_log_linear_recurrence(
-    api: str, log_a: Any, log_b: Any, dim: Any, initial: Any, reverse: Any, reset: Any
+    api: str,
+    log_a: Any,
+    log_b: Any,
+    dim: Any,
+    initial: Any,
+    reverse: Any,
+    reset: Any,
+    exclusive: Any = False,
 ) -> torch.Tensor:
     """``fscan.log_linear_recurrence`` on plain tensors, its arguments checked here."""
     call = RecurrenceCall(api, log_a, log_b, dim, initial, reverse, reset)
-    return route(LOG, shaped_operands(call, log_space=True)[0])
+    ops = shaped_operands(call, log_space=True)[0]
+    if exclusive is not False:
+        check_exclusive(api, exclusive)
+        if exclusive:
+            return exclusive_states(LOG, ops, _NEG_INF)
+    return route(LOG, ops)
 
 
 class LogLinearFn(torch.autograd.Function):

@@ -16,6 +16,7 @@ from .._checks import check_dense, normalize_dim
 from .._engines.matrix_tree import MatrixMaps
 from .._entry import scan_tree
 from .._errors import ScanTypeError, ScanValueError
+from .._exclusive import Shift, Steps, check_exclusive, exclusive
 from .._pytree import describe
 from .._routing.recurrence import route_matrix
 from .args import RecurrenceCall, broadcasts_to, check_initial_fits
@@ -23,29 +24,61 @@ from .args import RecurrenceCall, broadcasts_to, check_initial_fits
 __all__ = ["check_matrix_args", "run_linear_recurrence_matrix", "traced_matrix_scan"]
 
 
-def run_linear_recurrence_matrix(call: RecurrenceCall) -> torch.Tensor:
-    """``fscan.linear_recurrence_matrix``, its arguments checked here."""
+def run_linear_recurrence_matrix(call: RecurrenceCall, exclusive: Any = False) -> torch.Tensor:
+    """``fscan.linear_recurrence_matrix``, its arguments checked here. ``exclusive``: the
+    states entering each step (``initial`` or 0 at the first, 0 at the resets): the
+    shift of :func:`fscan._exclusive.exclusive` on the maps laid out time first."""
     A, b, initial, dim, flags = check_matrix_args(call)
+    if exclusive is not False:
+        check_exclusive(call.api, exclusive)
     reverse, matrix_state = call.reverse, call.matrix_state
-    n = b.shape[dim]
     z = b if matrix_state else b.unsqueeze(-1)  # (*batch, d, k)
     batch = z.ndim - 2
     A = A.reshape((1,) * (batch + 2 - A.ndim) + tuple(A.shape)).movedim(dim, 0)
-    shared = A.shape[0] == 1 and n > 1
     z = z.movedim(dim, 0)
     carry = None if initial is None else _as_state(initial, z, matrix_state)
     if flags is not None:
         flags = flags.movedim(dim, 0)
-    if reverse:
+    if reverse:  # time first and in scan order from here on
         z = z.flip(0)
-        A = A if shared else A.flip(0)
+        A = A if A.shape[0] == 1 else A.flip(0)
         flags = None if flags is None else flags.flip(0)
-    gates = A.squeeze(0) if shared else A
-    h = route_matrix(MatrixMaps(z, gates, flags, carry, shared), traced_matrix_scan)
+    if exclusive:
+        h = _exclusive_states(z, A, flags, carry, (A, b, initial))
+    else:
+        h = _states(z, A, flags, carry)
     if reverse:
         h = h.flip(0)
     h = h.movedim(0, dim)
     return h if matrix_state else h.squeeze(-1)
+
+
+def _states(
+    z: torch.Tensor, A: torch.Tensor, flags: torch.Tensor | None, carry: torch.Tensor | None
+) -> torch.Tensor:
+    """The states of the maps ``(A, z)`` laid out time first, in scan order."""
+    shared = A.shape[0] == 1 and z.shape[0] > 1
+    gates = A.squeeze(0) if shared else A
+    return route_matrix(MatrixMaps(z, gates, flags, carry, shared), traced_matrix_scan)
+
+
+def _exclusive_states(
+    z: torch.Tensor,
+    A: torch.Tensor,
+    flags: torch.Tensor | None,
+    carry: torch.Tensor | None,
+    inputs: tuple,
+) -> torch.Tensor:
+    """The states entering each step of :func:`_states`' maps, 0 at the resets."""
+    shift = Shift(0, z.shape[0], False)
+
+    def inclusive(steps: Steps, outs: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        part = None if flags is None else steps.mask(flags)
+        return [_states(steps(z), steps(A), part, carry)]
+
+    start = 0.0 if carry is None else carry
+    outputs = [(z.shape, z.dtype)]
+    return exclusive(shift, inclusive, outputs, z.device, [start], inputs, flags, [0.0])[0]
 
 
 def traced_matrix_scan(maps: MatrixMaps) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 
 from .._engines.chunked import Algebra, Operands, plain_step, toward_end, toward_start
 from .._entry import scan_tree
+from .._exclusive import Shift, Steps, check_exclusive, exclusive
 from .._routing.recurrence import KERNEL_BAR, Recurrence, compose, route, solve
 from .args import RecurrenceCall, shaped_operands
 from .composed_gates import repair_carries
@@ -28,6 +29,7 @@ __all__ = [
     "Adjoint",
     "LinearRecurrenceFn",
     "adjoint_grads",
+    "exclusive_states",
     "run_linear_recurrence",
     "tree_solve",
 ]
@@ -42,11 +44,35 @@ def run_linear_recurrence(
     reverse: Any,
     reset: Any,
     acc_dtype: Any,
+    exclusive: Any = False,
 ) -> torch.Tensor:
     """``fscan.linear_recurrence`` on plain tensors, its arguments checked here with
     errors naming ``api``."""
     ops, dtype = shaped_operands(RecurrenceCall(api, a, b, dim, initial, reverse, reset, acc_dtype))
+    if exclusive is not False:
+        check_exclusive(api, exclusive)
+        if exclusive:
+            return exclusive_states(LINEAR, ops, 0.0).to(dtype)
     return route(LINEAR, ops).to(dtype)
+
+
+def exclusive_states(kind: Recurrence, ops: Operands, empty: float) -> torch.Tensor:
+    """The states entering each step of the recurrence ``kind`` (``exclusive=True``):
+    ``initial`` (else ``empty``, the zero state) at the first step, ``empty`` at the
+    resets (which restart from it), and the state after the step before elsewhere; the
+    shift of :func:`fscan._exclusive.exclusive`, the walks writing into its view."""
+    a, b, dim, initial, reverse, mask = ops
+    shift = Shift(dim, b.shape[dim], reverse)
+
+    def inclusive(steps: Steps, outs: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        part = Operands(
+            steps(a), steps(b), dim, initial, reverse, None if mask is None else steps.mask(mask)
+        )
+        return [route(kind, part, None if outs is None else outs[0])]
+
+    start = empty if initial is None else initial
+    outputs, inputs = [(b.shape, b.dtype)], (a, b, initial)
+    return exclusive(shift, inclusive, outputs, b.device, [start], inputs, mask, [empty])[0]
 
 
 def tree_solve(

@@ -70,6 +70,7 @@ from .scan import scan_flat, scan_traced
 
 __all__ = [
     "cumulative",
+    "engine",
     "kernel_call",
     "native",
     "native_first",
@@ -301,12 +302,28 @@ def cumulative(
     """
     if reset is not None:
         return segmented(api, op, x, dim, reverse, reset)
-    kernel, parallel = route(op, x, dim, reverse)
-    if kernel and (out := _kernel(api, op, x, dim, reverse)) is not None:
+    return engine(api, op, x, dim, reverse)
+
+
+def engine(
+    api: str,
+    op: Any,
+    x: torch.Tensor,
+    dim: int,
+    reverse: bool,
+    out: list | None = None,
+    cells: tuple[bool, bool] | None = None,
+) -> Any:
+    """:func:`cumulative` without ``reset=`` on the engine the table picks. An exclusive
+    drop-in (:mod:`fscan._routing.exclusive`) passes ``out`` (views, no gradient wanted),
+    which the kernel and torch's op forward write in place, and ``cells``, the table's
+    answer for its whole input (``x`` is one step shorter)."""
+    kernel, parallel = route(op, x, dim, reverse) if cells is None else cells
+    if kernel and (found := _kernel(api, op, x, dim, reverse, out)) is not None:
         ran("cpp")
-        return out
+        return found
     if not parallel:
-        return native(op, x, dim, reverse)
+        return native(op, x, dim, reverse, out)
     ran("blocked")
     if op in _EXTREMA:
         largest = op is torch.cummax
@@ -360,10 +377,13 @@ def _scan_pairs(call: ScanCall) -> Any:
     return unflatten(call.spec, scan_flat(call, found, entry))
 
 
-def native(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> Any:
+def native(op: Any, x: torch.Tensor, dim: int, reverse: bool, out: list | None = None) -> Any:
     """torch's ``op`` on ``x``; reversed, flip, op, flip (cummax/cummin's indices mapped
-    back to positions in ``x``)."""
+    back to positions in ``x``). ``out``: memory torch's op writes forward (see :func:`engine`)."""
     if not reverse or x.ndim == 0:
+        if out is not None:
+            into = out[0] if len(out) == 1 else tuple(out)
+            return op(x, dim, dtype=x.dtype, out=into) if op in _SUMS else op(x, dim, out=into)
         return op(x, dim, dtype=x.dtype) if op in _SUMS else op(x, dim)
     if op in _SUMS:  # integers and bool already promoted, or cast to the dtype asked
         return op(x.flip(dim), dim, dtype=x.dtype).flip(dim)
@@ -374,9 +394,9 @@ def native(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> Any:
     return _EXTREMA[op]((values.flip(dim), (x.shape[dim] - 1 - indices).flip(dim)))
 
 
-def _kernel(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool) -> Any:
+def _kernel(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, out: Any = None) -> Any:
     """The kernel's scan of ``x`` if it is compiled, else None (the caller checked that
-    it wins).
+    it wins); into ``out`` if given (see :func:`engine`).
 
     Over a single lane the kernel runs on one thread: torch's walk there is serial, and
     the kernel alone beats it (0.7-0.85x). Its threads would double that margin on an idle
@@ -386,7 +406,7 @@ def _kernel(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool) -> Any:
     combine, spec, leaves, positions = kernel_call(op, x)
     threads = 1 if x.shape[dim] == x.numel() else None
     out = kernel_scan(
-        api, combine, spec, leaves, dim, reverse, positions=positions, threads=threads
+        api, combine, spec, leaves, dim, reverse, positions=positions, threads=threads, out=out
     )
     if out is None:
         return None

@@ -143,12 +143,14 @@ def pick_route(ops: Operands) -> str:
     return "inplace"
 
 
-def route(kind: Recurrence, ops: Operands) -> torch.Tensor:
+def route(kind: Recurrence, ops: Operands, out: torch.Tensor | None = None) -> torch.Tensor:
     """The states of the recurrence ``kind`` on the route :func:`pick_route` picks; each
-    route computes the same states, differentiably."""
+    route computes the same states, differentiably. ``out``: memory the ``inplace``
+    route writes into (an exclusive recurrence's view, see :mod:`fscan._exclusive`);
+    the others return new memory."""
     chosen = pick_route(ops)
     if chosen == "inplace":
-        return solve(kind, ops, fast=True)
+        return solve(kind, ops, fast=True, out=out)
     if chosen == "autograd":
         return kind.with_grad(*ops)
     if chosen == "functional":

@@ -119,7 +119,11 @@ def _any_requires_grad(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def scan_flat(
-    call: ScanCall, found: Reach, entry: Knowledge, head: list[torch.Tensor] | None = None
+    call: ScanCall,
+    found: Reach,
+    entry: Knowledge,
+    head: list[torch.Tensor] | None = None,
+    into: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Scan a checked call's flat leaves on the route :func:`pick_route` picks.
 
@@ -129,7 +133,8 @@ def scan_flat(
     folded in (:mod:`fscan._entry`). ``head``: a carry-in
     (:func:`fscan._carry.carried_heads`, no gradient wanted), the first element in scan
     order to scan instead of the leaves': the C++ kernel reads it in place; other routes
-    scan a copy of the leaves with it swapped in.
+    scan a copy of the leaves with it swapped in. ``into``: memory the C++ kernel writes
+    the results into (``kernel_scan``'s ``out=``); other routes return new memory.
 
     Example:
         >>> from fscan._call import ScanCall
@@ -147,10 +152,10 @@ def scan_flat(
     api, combine_fn, _, spec, leaves, dim, reverse = call[:7]
     if route == "cpp":  # the kernel never calls combine_fn: no versions to compare
         if head is None:
-            out = kernel_scan(api, combine_fn, spec, leaves, dim, reverse, found, entry)
+            out = kernel_scan(api, combine_fn, spec, leaves, dim, reverse, found, entry, out=into)
         elif (elements := _elements(head, leaves, dim)) is not None:
             args = (api, combine_fn, spec, leaves, dim, reverse, found, entry)
-            out = kernel_scan(*args, head=elements)
+            out = kernel_scan(*args, head=elements, out=into)
         else:  # combine_fn changed the element's dtype or shape: the fold's cat decides
             out = None
         if out is not None:

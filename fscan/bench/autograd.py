@@ -15,20 +15,18 @@ so only its generic mode is here.
 from __future__ import annotations
 
 import functools
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 
 import fscan
 
-from ._timing import Table
+from ._timing import Progress, Table, interleaved_medians
 from .core import steady_engine
 
-__all__ = ["RUNNERS", "autograd_table", "fwd_bwd", "interleaved_medians", "linrec_inputs"]
+__all__ = ["RUNNERS", "autograd_table", "fwd_bwd", "linrec_inputs"]
 
 LENGTHS = [1024, 4096, 16384, 65536]
 QUICK_LENGTHS = [1024]
@@ -36,6 +34,10 @@ WIDTH = 256
 # The Python loop makes one autograd node per op per step: timed (and its memory
 # measured) on this many steps and scaled linearly, marked "est.".
 LOOP_STEPS = 4096
+# The generic modes cost about a second per 1024 steps here (Python per tree level,
+# autograd through plain torch ops), linear in T: measured on at most this many steps
+# and scaled the same way, which keeps the full table within minutes.
+STEP_CAPS = {"python loop": LOOP_STEPS, "torch assoc_scan generic": 2048, "fscan generic": 4096}
 
 
 def _linrec(x, y):
@@ -89,15 +91,19 @@ def fwd_bwd(runner: Callable, a, b, cot_a, cot_b) -> tuple[torch.Tensor, ...]:
     return torch.autograd.grad(runner(a, b), (a, b), (cot_a, cot_b))
 
 
-def _steps(name: str, length: int) -> int:
-    return min(length, LOOP_STEPS) if name == "python loop" else length
+def _steps(name: str, length: int, capped: bool = False) -> int:
+    """The steps ``name`` runs at ``length``: the Python loop's always capped, the
+    generic modes' in the table only (``capped``; the charts draw them measured)."""
+    if not capped and name != "python loop":
+        return length
+    return min(length, STEP_CAPS.get(name, length))
 
 
-def _jobs(length: int) -> dict[str, Callable[[], object]]:
+def _jobs(length: int, capped: bool = False) -> dict[str, Callable[[], object]]:
     """What is timed at one length: fwd+bwd of every contender, and fscan's forwards."""
     jobs: dict[str, Callable[[], object]] = {}
     for name, runner in RUNNERS.items():
-        a, b, ca, cb = (t[: _steps(name, length)].detach() for t in linrec_inputs(length))
+        a, b, ca, cb = (t[: _steps(name, length, capped)].detach() for t in linrec_inputs(length))
         if name.startswith("fscan"):
             jobs[name + " fwd"] = functools.partial(runner, a, b)
         a, b = a.requires_grad_(), b.requires_grad_()
@@ -105,30 +111,21 @@ def _jobs(length: int) -> dict[str, Callable[[], object]]:
     return jobs
 
 
-def interleaved_medians(
-    jobs: dict[str, Callable[[], object]], budget_s: float, min_rounds: int = 3
-) -> dict[str, float]:
-    """Median seconds per job, timed round-robin so that drifting load hits all alike."""
-    for job in jobs.values():  # warm-up
-        job()
-    times: dict[str, list[float]] = {name: [] for name in jobs}
-    start = time.perf_counter()
-    while len(times[next(iter(jobs))]) < min_rounds or time.perf_counter() - start < budget_s:
-        for name, job in jobs.items():
-            begin = time.perf_counter()
-            job()
-            times[name].append(time.perf_counter() - begin)
-        if len(times[next(iter(jobs))]) >= 15:
-            break
-    return {name: statistics.median(t) for name, t in times.items()}
+def peak_memory(name: str, length: int, capped: bool = False) -> tuple[int, int]:
+    """``(extra peak RSS, input bytes)`` of one forward+backward, in a fresh process
+    (on at most the contender's capped steps, scaled)."""
+    steps = _steps(name, length, capped)
+    extra, size = _probe(name, steps)
+    return extra * length // steps, size * length // steps
 
 
-def peak_memory(name: str, length: int) -> tuple[int, int]:
-    """``(extra peak RSS, input bytes)`` of one forward+backward, in a fresh process."""
-    steps = _steps(name, length)
+@functools.cache
+def _probe(name: str, steps: int) -> tuple[int, int]:
+    """One fresh process per contender and step count: a capped contender's longer
+    lengths reuse the probe of its cap."""
     probe = [sys.executable, "-m", "fscan.bench._memprobe", "fwd_bwd_linrec", str(steps), name]
     extra, size = map(int, subprocess.check_output(probe, text=True).split())
-    return extra * length // steps, size * length // steps
+    return extra, size
 
 
 def autograd_table(quick: bool = False) -> Table:
@@ -141,37 +138,42 @@ def autograd_table(quick: bool = False) -> Table:
         list(RUNNERS),
     )
     memory: dict[str, dict[int, int]] = {name: {} for name in RUNNERS}
+    progress = Progress("forward+backward", len(lengths))
     for length in lengths:
+        progress.step(f"T={length}")
         # Steady state: fscan pointwise's kernels built first (see core.steady_engine).
         engine = steady_engine("linrec", [t.detach() for t in linrec_inputs(length)[:2]], True)
-        times = interleaved_medians(_jobs(length), budget_s=1.0 if quick else 10.0)
+        times = interleaved_medians(_jobs(length, True), budget_s=1.0 if quick else 4.0, rounds=2)
         cells = []
         for name in RUNNERS:
-            mem = None if quick else peak_memory(name, length)
+            mem = None if quick else peak_memory(name, length, True)
             if mem is not None:
                 memory[name][length] = mem[0]
             cells.append(_cell(name, length, times, mem))
         table.add(f"T={length} [{engine}]", cells)
+    progress.close()
     if not quick:
-        table.add("mem ratio 16384->65536", [_growth(memory[n], 16384, 65536) for n in RUNNERS])
+        table.add("mem ratio 16384->65536", [_growth(n, memory[n], 16384, 65536) for n in RUNNERS])
     return table
 
 
 def _cell(name: str, length: int, times: dict[str, float], mem) -> str:
-    seconds = times[name] * length / _steps(name, length)
+    seconds = times[name] * length / _steps(name, length, True)
     text = f"{seconds * 1e3:.1f} ms"
     if name + " fwd" in times:
         text += f" ({seconds / times[name + ' fwd']:.1f}x fwd)"
     if mem is not None:
         text += f" | {mem[0] / 2**20:.0f} MiB"
-    if _steps(name, length) < length:
+    if _steps(name, length, True) < length:
         text += " est."
     return text
 
 
-def _growth(memory: dict[int, int], small: int, large: int) -> str:
+def _growth(name: str, memory: dict[int, int], small: int, large: int) -> str:
     if small not in memory or large not in memory:
         return "n/a"
+    if _steps(name, large, True) < large:  # scaled from fewer steps: linear by construction
+        return "est."
     return f"{memory[large] / memory[small]:.2f}x"
 
 

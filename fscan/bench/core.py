@@ -10,7 +10,7 @@ import torch
 
 import fscan
 
-from ._timing import Table, fmt_ms, median_time, optional_jax
+from ._timing import Progress, Table, engine_of, fmt_ms, median_time, optional_jax
 
 __all__ = ["forward_memory", "forward_table"]
 
@@ -82,7 +82,9 @@ def forward_table(quick: bool = False) -> Table:
     workloads = [("add", [torch.randn(s)], s) for s in shapes]
     workloads.append(("linrec", [torch.rand(4096, 256), torch.randn(4096, 256)], (4096, 256)))
     table: Table | None = None
+    progress = Progress("forward scans", len(workloads))
     for name, leaves, shape in workloads:
+        progress.step(f"{name} {shape}")
         runners = _contenders(name, leaves)
         engine = steady_engine(name, leaves)
         if table is None:
@@ -92,13 +94,14 @@ def forward_table(quick: bool = False) -> Table:
                 list(runners),
             )
         times = {
-            k: (median_time(f, budget_s=0.5 if quick else 2.0) if f else None)
+            k: (median_time(f, budget_s=0.5 if quick else 1.0) if f else None)
             for k, f in runners.items()
         }
         loop_scale = max(1.0, leaves[0].shape[0] / LOOP_STEPS)
         times["python loop"] = times["python loop"] * loop_scale
         base = times["fscan pointwise"]
         table.add(f"{name} {shape} [{engine}]", [fmt_ms(t, base) for t in times.values()])
+    progress.close()
     assert table is not None
     return table
 
@@ -108,11 +111,14 @@ def steady_engine(workload: str, leaves: list[torch.Tensor], backward_too: bool 
 
     By default the kernel builds in the background from the second call while the torch
     engine answers, with the compiler competing for the cores: timing those calls would
-    report neither engine's steady state. The row label names the engine measured.
+    report neither engine's steady state. The row label names the engine measured, as
+    fscan's route log names it for a call made after the build.
     """
     xs = leaves[0] if workload == "add" else tuple(leaves)
     combine = torch.add if workload == "add" else _linrec
-    return "cpp" if fscan.precompile(combine, xs, 0, backward_too=backward_too) else "tree"
+    fscan.precompile(combine, xs, 0, backward_too=backward_too)
+    with fscan.config.override(cpu_kernel="eager"):
+        return engine_of(lambda: fscan.associative_scan(combine, xs, 0))
 
 
 def forward_memory(length: int = 2**24) -> str:

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -25,10 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils.benchmark import Measurement, Timer
 
 import fscan
 
-from ._timing import Table
+from ._timing import Table, time_once
 
 __all__ = ["distributed_table", "main"]
 
@@ -67,16 +66,16 @@ def _workloads(t: int, world: int) -> dict[str, tuple[Callable, Callable, Callab
 
 
 def _timed(fn: Callable[[], Any], sync: bool) -> float:
-    """Median wall seconds of ``fn()`` after one warm-up; ranks start together."""
+    """Median wall seconds of ``fn()`` after one warm-up; ranks start every call together
+    (a barrier before each ``Timer.timeit(1)``: a block of calls would let them drift)."""
     fn()
-    times = []
+    timer = Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    parts = []
     for _ in range(REPS):
         if sync:
             dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        parts.append(time_once(timer))
+    return Measurement.merge(parts)[0].median
 
 
 def _fwd_bwd(call: Callable, inputs: list[torch.Tensor]) -> Callable[[], None]:

@@ -25,8 +25,7 @@ import torch
 import fscan
 
 from ._memprobe import _reset_peak, _status_bytes
-from ._timing import Table, fmt_ms
-from .autograd import interleaved_medians
+from ._timing import Table, engine_of, fmt_ms, interleaved_medians
 
 __all__ = ["initial_table", "matrix_table", "reduce_table"]
 
@@ -52,6 +51,12 @@ def _fwd_bwd(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> Callable[[
     return lambda: torch.autograd.grad(fn(*leaves).sum(), leaves)
 
 
+def _engines(runs: dict[str, Callable[[], object]]) -> str:
+    """``column: engine`` for each job, as fscan's route log names it (``torch``: no
+    fscan call)."""
+    return ", ".join(f"{name}: {engine_of(run)}" for name, run in runs.items())
+
+
 # ---- initial= -----------------------------------------------------------------------
 
 
@@ -64,7 +69,7 @@ def initial_table(quick: bool = False) -> Table:
     table = Table(
         f"initial= on associative_scan, ({T}, {D}) float32, {torch.get_num_threads()} threads "
         "(median; ratio = with / without)",
-        ["without", "initial="],
+        ["without", "initial=", "engines"],
     )
     for mode in ("pointwise", "generic"):
         jobs = {
@@ -73,8 +78,9 @@ def initial_table(quick: bool = False) -> Table:
                 _affine, (a, b), 0, False, m, initial=init
             ),
         }
-        t = interleaved_medians(jobs, budget_s=1.0 if quick else 4.0)
-        table.add(f"{mode} forward", [fmt_ms(t["without"]), fmt_ms(t["initial="], t["without"])])
+        t = interleaved_medians(jobs, budget_s=1.0 if quick else 2.0)
+        cells = [fmt_ms(t["without"]), fmt_ms(t["initial="], t["without"]), _engines(jobs)]
+        table.add(f"{mode} forward", cells)
     return table
 
 
@@ -121,18 +127,22 @@ def reduce_table(quick: bool = False) -> Table:
     table = Table(
         f"associative_reduce, float32, {torch.get_num_threads()} threads (median; ratio = time "
         "/ associative_reduce; mem = extra peak RSS of the forward, fresh process)",
-        ["pass", *columns],
+        ["pass", *columns, "engines (fwd)"],
     )
     for key, (label, jobs, args) in _reduce_workloads(quick).items():
         names = list(jobs)
-        fwd = interleaved_medians({n: _fwd(f, *args) for n, f in jobs.items()}, 2.0)
-        bwd = interleaved_medians({n: _fwd_bwd(f, *args) for n, f in jobs.items()}, 2.0)
+        fwds = {n: _fwd(f, *args) for n, f in jobs.items()}
+        fwd = interleaved_medians(fwds, budget_s=1.0, rounds=2)
+        bwds = {n: _fwd_bwd(f, *args) for n, f in jobs.items()}
+        bwd = interleaved_medians(bwds, budget_s=1.0, rounds=2)
+        engines = _engines({n: fwds[n] for n in names[:2]})
         for what, times in (("fwd", fwd), ("fwd+bwd", bwd)):
             base = times[names[0]]
-            table.add(label, [what, *(fmt_ms(times[n], base) for n in names)])
+            cells = [fmt_ms(times[n], base) for n in names]
+            table.add(label, [what, *cells, engines if what == "fwd" else ""])
         mem = [_peak_memory(key, n, quick) for n in names]
-        table.add(label, ["mem", *(f"{m / 2**20:.1f} MiB" for m in mem)])
-    table.columns[-1] = "baseline (logsumexp / loop)"
+        table.add(label, ["mem", *(f"{m / 2**20:.1f} MiB" for m in mem), ""])
+    table.columns[-2] = "baseline (logsumexp / loop)"
     return table
 
 
@@ -174,7 +184,13 @@ def matrix_table(quick: bool = False) -> Table:
     table = Table(
         f"linear_recurrence_matrix, float32, {torch.get_num_threads()} threads "
         "(median; ratio = time / linear_recurrence_matrix)",
-        ["pass", "linear_recurrence_matrix", "sequential loop", "associative_scan generic"],
+        [
+            "pass",
+            "linear_recurrence_matrix",
+            "sequential loop",
+            "associative_scan generic",
+            "engines",
+        ],
     )
     for shared in (True, False):
         for kk in (1, k):
@@ -192,10 +208,14 @@ def matrix_table(quick: bool = False) -> Table:
             }
             kind = "shared (d, d)" if shared else "per-step"
             label = f"{kind} A, state ({d}, {kk}), B={Bt} T={T}"
-            fwd = interleaved_medians({n: _fwd(f, A, b) for n, f in jobs.items()}, 2.0)
-            bwd = interleaved_medians({n: _fwd_bwd(f, A, b) for n, f in jobs.items()}, 2.0)
+            fwds = {n: _fwd(f, A, b) for n, f in jobs.items()}
+            fwd = interleaved_medians(fwds, budget_s=1.0, rounds=2)
+            bwds = {n: _fwd_bwd(f, A, b) for n, f in jobs.items()}
+            bwd = interleaved_medians(bwds, budget_s=1.0, rounds=2)
+            engines = _engines({n: fwds[n] for n in ("fscan", "generic")})
             for what, times in (("fwd", fwd), ("fwd+bwd", bwd)):
-                table.add(label, [what, *(fmt_ms(times[n], times["fscan"]) for n in jobs)])
+                cells = [fmt_ms(times[n], times["fscan"]) for n in jobs]
+                table.add(label, [what, *cells, engines if what == "fwd" else ""])
     return table
 
 

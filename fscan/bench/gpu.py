@@ -3,22 +3,22 @@ torch.cumsum, torch's own compiled ``associative_scan`` and fscan generic, forwa
 forward+backward, with effective bandwidth.
 
 Run as ``python -m fscan.bench.gpu`` (``scripts/gpu_check.sh`` does) on a machine with
-a CUDA device. Times are medians of CUDA-event timings after warm-up calls (which
-also pay for compiling). Effective bandwidth is the forward's minimal traffic
+a CUDA device. Times are medians of ``torch.utils.benchmark.Timer`` blocks (which
+synchronise the device around each block) after a warm-up call (which also pays
+for compiling). Effective bandwidth is the forward's minimal traffic
 (every input read once, every output written once) over its time, next to a
 device-to-device copy of the same bytes: the ceiling a scan can approach.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 
 import torch
 
 import fscan
 
-from ._timing import Table
+from ._timing import Table, median_time
 
 __all__ = ["gpu_table"]
 
@@ -35,23 +35,6 @@ CONTENDERS = [
 
 def _linrec(x, y):
     return x[0] * y[0], y[0] * x[1] + y[1]
-
-
-def cuda_time(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
-    """Median seconds of ``fn()`` by CUDA events, after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def _inputs(name: str, shape: tuple[int, ...], grad: bool) -> list[torch.Tensor]:
@@ -83,7 +66,7 @@ def _forward(name: str, contender: str, dim: int) -> Callable[[list[torch.Tensor
 
 def _time_or_none(fn: Callable[[], object]) -> float | None:
     try:
-        return cuda_time(fn)
+        return median_time(fn)
     except Exception as err:  # a contender that cannot run this workload: say why, keep going
         print(f"  ({type(err).__name__}: {str(err).splitlines()[0][:100]})", flush=True)
         return None
@@ -119,7 +102,7 @@ def _row(name: str, shape: tuple[int, ...], dim: int, backward: bool) -> list[st
         return [*cells, "", ""]
     nbytes = 2 * sum(x.nbytes for x in leaves)  # read the inputs, write the outputs
     copies = [torch.empty_like(x) for x in leaves]
-    copy = cuda_time(lambda: [c.copy_(x) for c, x in zip(copies, leaves)])
+    copy = median_time(lambda: [c.copy_(x) for c, x in zip(copies, leaves)])
     gbps = lambda t: "n/a" if t is None else f"{nbytes / t / 1e9:.0f}"
     return [*cells, gbps(base), gbps(copy)]
 
@@ -129,7 +112,7 @@ def gpu_table() -> Table | str:
     if not torch.cuda.is_available():
         return "GPU benchmark: skipped, no CUDA device."
     table = Table(
-        f"GPU scans on {torch.cuda.get_device_name()}, float32 (median of CUDA-event times; "
+        f"GPU scans on {torch.cuda.get_device_name()}, float32 (median of Timer blocks; "
         "ratio = time / fscan pointwise; GB/s = 2 x input bytes / forward time)",
         [*CONTENDERS, "fscan pw GB/s", "d2d copy GB/s"],
     )

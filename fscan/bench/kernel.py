@@ -35,8 +35,7 @@ import torch
 import fscan
 from fscan._engines.cpp import cpu_kernel
 
-from ._timing import Table, median_time
-from .ops import interleaved_medians
+from ._timing import Table, engine_of, interleaved_medians, median_time
 
 __all__ = ["kernel_table", "latency_table"]
 
@@ -142,11 +141,11 @@ def _row(name: str, shape: tuple[int, ...]) -> list[str]:
     clone = median_time(lambda: [x.clone() for x in leaves])
     with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):
         bare = _bare_kernel(fn, xs)
-        engine = "cpp" if bare is not None else "tree"
+        engine = engine_of(lambda: fscan.associative_scan(fn, xs, 0))
         scan = median_time(lambda: fscan.associative_scan(fn, xs, 0))
         kernel = median_time(bare) if bare is not None else None
     with torch.no_grad(), fscan.config.override(cpu_kernel="off"):
-        slow = median_time(lambda: fscan.associative_scan(fn, xs, 0), reps=5)
+        slow = median_time(lambda: fscan.associative_scan(fn, xs, 0))
         nat = median_time(lambda: native(xs)) if native is not None else None
     return [
         engine,
@@ -188,7 +187,10 @@ def _captured_combine(name: str, channels: int) -> tuple[Callable[[Any, Any], An
     w = (torch.rand(channels) + 0.5).requires_grad_()
     if name == "scaled":
         return (lambda a, b: a * w + b), [w]
-    return (lambda a, b: (a[0] * b[0], a[1] * b[0] * w + b[1])), [w]
+    # (g, b) stands for the map h -> g * w * h + b; combining composes two of them, so the
+    # gate's product carries one factor w (a gate of a[0] * b[0] with w on a[1] alone
+    # applied w twice to a[1] in one grouping and once in the other: not associative).
+    return (lambda a, b: (a[0] * b[0] * w, a[1] * b[0] * w + b[1])), [w]
 
 
 def _backward_row(name: str, shape: tuple[int, ...]) -> list[str]:
@@ -220,10 +222,10 @@ def _backward_row(name: str, shape: tuple[int, ...]) -> list[str]:
     with fscan.config.override(cpu_kernel="eager"):
         both()
         out = optree.tree_leaves(fscan.associative_scan(fn, xs, 0))[-1]
-        engine = "cpp" if type(out.grad_fn).__name__ == "KernelScanBackward" else "tree"
-        t = interleaved_medians({"copy": copy, "fwd": forward, "both": both}, reps=21)
+        engine = engine_of(forward) + f", bwd: {type(out.grad_fn).__name__}"
+        t = interleaved_medians({"copy": copy, "fwd": forward, "both": both}, budget_s=1.0)
     with fscan.config.override(cpu_kernel="off"):
-        slow = interleaved_medians({"copy": copy, "both": both}, reps=5)
+        slow = interleaved_medians({"copy": copy, "both": both}, budget_s=0.5)
     ratios = [f"{t['fwd'] / t['copy']:.1f}", f"{t['both'] / t['copy']:.1f}"]
     ratios += [f"{t['both'] / t['fwd']:.1f}", f"{slow['both'] / slow['copy']:.1f}"]
     return [engine, f"{t['copy'] * 1e3:.3f}", *ratios]
@@ -253,19 +255,17 @@ def latency_table() -> Table:
     x = torch.randn(64)
     with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):
         bare = _bare_kernel(_add, x)
-        call = median_time(lambda: fscan.associative_scan(_add, x, 0), reps=200)
+        call = median_time(lambda: fscan.associative_scan(_add, x, 0))
     table.add("cached call, (64,) add, end to end", [f"{call * 1e6:.1f} us", "front end + kernel"])
     xg = torch.randn(64, requires_grad=True)
     with fscan.config.override(cpu_kernel="eager"):
-        grad_call = median_time(lambda: fscan.associative_scan(_add, xg, 0), reps=200)
+        grad_call = median_time(lambda: fscan.associative_scan(_add, xg, 0))
     table.add(
         "cached call, (64,) add requiring grad",
         [f"{grad_call * 1e6:.1f} us", "forward only: front end + KernelScan"],
     )
     if bare is not None:
-        table.add(
-            "bare kernel call, (64,) add", [f"{median_time(bare, reps=200) * 1e6:.1f} us", ""]
-        )
+        table.add("bare kernel call, (64,) add", [f"{median_time(bare) * 1e6:.1f} us", ""])
     start = time.perf_counter()
     cpu_kernel.captured_occurrences(_add)
     table.add("captured-tensor walk", [f"{(time.perf_counter() - start) * 1e6:.1f} us", ""])

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import statistics
 import subprocess
 import sys
 import time
@@ -40,7 +39,7 @@ from fscan._recurrences.solve import LINEAR
 from fscan._routing import recurrence as _router
 from fscan._routing.recurrence import solve
 
-from ._timing import Table, fmt_ms
+from ._timing import Table, fmt_ms, interleaved_medians
 
 __all__ = [
     "BlellochScan",
@@ -217,24 +216,6 @@ def engines_of(job: Callable[[], object]) -> str:
     return ", ".join(dict.fromkeys(ran)) or "tree"
 
 
-def _medians(
-    jobs: dict[str, Callable[[], object]], budget_s: float, clock: Callable[[], float]
-) -> dict[str, float]:
-    """Median ``clock`` seconds per job, timed round-robin (drifting load hits all alike)."""
-    for job in jobs.values():  # warm-up
-        job()
-    times: dict[str, list[float]] = {name: [] for name in jobs}
-    start = time.perf_counter()
-    while len(times[next(iter(jobs))]) < 5 or time.perf_counter() - start < budget_s:
-        for name, job in jobs.items():
-            begin = clock()
-            job()
-            times[name].append(clock() - begin)
-        if len(times[next(iter(jobs))]) >= 21:
-            break
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def training_table(quick: bool = False, clock: Callable[[], float] = time.perf_counter) -> Table:
     """Forward, forward+backward and peak memory per contender and shape."""
     table = Table(
@@ -251,7 +232,7 @@ def training_table(quick: bool = False, clock: Callable[[], float] = time.perf_c
             jobs[name + " fwd"] = functools.partial(runner, a, b)
             jobs[name] = functools.partial(_fwd_bwd, runner, ga, gb, cot)
         engines = {name: engines_of(job) for name, job in jobs.items()}  # kernels built here
-        times = _medians(jobs, 2 if quick else 10, clock)
+        times = interleaved_medians(jobs, budget_s=2 if quick else 4, rounds=2, clock=clock)
         first = next(iter(RUNNERS))
         cells = []
         for name in RUNNERS:
@@ -306,7 +287,7 @@ def _copy_row(length: int, budget_s: float, clock: Callable[[], float]) -> list[
 
     jobs = {"copy": copy, "fwd": lambda: fscan.linear_recurrence(a, b, 0), "both": both}
     engines = engines_of(both)  # the kernels built here, before timing
-    t = _medians(jobs, budget_s, clock)
+    t = interleaved_medians(jobs, budget_s=budget_s, clock=clock)
     return [
         *(fmt_ms(t[k]).removesuffix(" ms") for k in ("copy", "fwd", "both")),
         f"{t['both'] / t['fwd']:.2f}",
@@ -404,7 +385,7 @@ def log_table(quick: bool = False, clock: Callable[[], float] = time.perf_counte
             jobs[name + " fwd"] = functools.partial(runner, la, lb)
             if name != "float32 loop":  # its autograd tape is not a contender
                 jobs[name] = functools.partial(_fwd_bwd, runner, ga, gb, cot)
-        times = _medians(jobs, 2 if quick else 8, clock)
+        times = interleaved_medians(jobs, budget_s=2 if quick else 3, rounds=2, clock=clock)
         cells = []
         for name, runner in runners.items():
             err = (runner(la, lb).double() - exact).abs()

@@ -6,8 +6,6 @@ from other processes falls on all of them alike; the tables report medians.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 
@@ -15,56 +13,18 @@ import torch
 
 import fscan
 from fscan._routing.cumulative import path
-from fscan._routing.recurrence import kernel_solve
 
-from ._timing import Table, fmt_ms, optional_jax
+from ._timing import Table, engine_of, fmt_ms, interleaved_medians, optional_jax
+from .bars import DROP_IN_WORKLOADS, VIEWS
 
 __all__ = ["cumsum_precision", "linear_engines", "linear_table", "ops_table"]
 
 OPS = ["cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"]
-# (shape of the memory, dim, view): the view is scanned; "" is the contiguous tensor.
-VIEWS = {
-    "": lambda x: x,
-    ".t()": lambda x: x.t(),
-    "[:, ::2]": lambda x: x[:, ::2],
-    ".expand(4096, 256)": lambda x: x.expand(4096, 256),
-    ".transpose(1, 2)": lambda x: x.transpose(1, 2),
-}
-WORKLOADS = [
-    ((2**20,), 0, ""),
-    ((4096, 256), 0, ""),
-    ((4096, 256), 1, ""),
-    ((8, 1024, 256), 1, ""),
-    ((256, 4096), 0, ".t()"),
-    ((256, 4096), 1, ".t()"),
-    ((4096, 512), 0, "[:, ::2]"),
-    ((4096, 512), 1, "[:, ::2]"),
-    ((4096, 1), 0, ".expand(4096, 256)"),
-    ((8, 256, 1024), 1, ".transpose(1, 2)"),
-]
+WORKLOADS = DROP_IN_WORKLOADS  # (shape of the memory, dim, view): the rows of bars.py
 QUICK_WORKLOADS = [((4096, 256), 0, ""), ((4096, 256), 1, ""), ((256, 4096), 0, ".t()")]
 LINEAR_SHAPE = (8, 4096, 256)
 QUICK_LINEAR_SHAPE = (8, 1024, 256)
 LOOP_STEPS = 512
-
-
-def interleaved_medians(
-    runners: dict[str, Callable[[], object]], reps: int = 11, budget_s: float = 6.0
-) -> dict[str, float]:
-    """Median seconds per runner; runners take turns, after one warm-up call each."""
-    for run in runners.values():
-        run()
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    spent = 0.0
-    for _ in range(reps):
-        for name, run in runners.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-            spent += times[name][-1]
-        if spent > budget_s:
-            break
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def ops_table(quick: bool = False) -> Table:
@@ -74,14 +34,14 @@ def ops_table(quick: bool = False) -> Table:
 
     The C++ kernel is built (or loaded from the disk cache) before timing, as a
     service's warm-up would (``fscan.precompile`` does it for ``associative_scan``):
-    ``fscan`` is the steady state, on the path named in the last column;
+    ``fscan`` is the steady state, on the engine named in the last column;
     ``no kernel`` is the same call with ``fscan.config.cpu_kernel = "off"`` (no
     compiler, or before the background build is done).
     """
     table = Table(
         f"drop-in ops vs torch, float32 forward, {torch.get_num_threads()} threads "
-        "(median; ratio = fscan / torch; path = fscan's choice)",
-        ["torch", "fscan", "ratio", "no kernel", "ratio", "path"],
+        "(median; ratio = fscan / torch; engine = fscan's route log)",
+        ["torch", "fscan", "ratio", "no kernel", "ratio", "engine"],
     )
     for shape, dim, view in QUICK_WORKLOADS if quick else WORKLOADS:
         x = VIEWS[view](torch.randn(shape, generator=torch.Generator().manual_seed(0)))
@@ -101,11 +61,13 @@ def ops_table(quick: bool = False) -> Table:
 
             times = interleaved_medians(
                 {"torch": partial(theirs, x, dim), "fscan": partial(ours, x, dim), "off": off},
-                reps=5 if quick else 11,
+                budget_s=0.5 if quick else 1.0,
             )
+            with fscan.config.override(cpu_kernel="eager"):
+                engine = engine_of(partial(ours, x, dim))
             cells = [fmt_ms(times["torch"]), fmt_ms(times["fscan"])]
             cells += [f"{times['fscan'] / times['torch']:.2f}x", fmt_ms(times["off"])]
-            cells += [f"{times['off'] / times['torch']:.2f}x", path(theirs, x, dim)]
+            cells += [f"{times['off'] / times['torch']:.2f}x", engine]
             table.add(f"{name} {shape}{view} dim {dim}", cells)
     return table
 
@@ -157,7 +119,7 @@ def linear_table(quick: bool = False) -> Table:
     with fscan.config.override(cpu_kernel="eager"):  # steady state: kernels built first
         for name in ("fscan.linear_recurrence", "fscan.associative_scan"):
             runners[name]()
-    times = interleaved_medians(present, reps=3 if quick else 7, budget_s=4 if quick else 20)
+    times = interleaved_medians(present, budget_s=4 if quick else 20, rounds=2 if quick else 3)
     times["python loop (est.)"] *= shape[1] / LOOP_STEPS
     base = times["fscan.linear_recurrence"]
     engines = linear_engines(a, b)
@@ -171,13 +133,15 @@ def linear_table(quick: bool = False) -> Table:
 
 
 def linear_engines(a: torch.Tensor, b: torch.Tensor, dim: int = 1) -> dict[str, str]:
-    """The engine each fscan column of :func:`linear_table` ran on, asked after its
-    warm-up: ``cpp`` where the compiled kernel serves the call, else ``tree``."""
-    with torch.no_grad():
-        linear = kernel_solve(a, b, dim, False) is not None
-        pair = fscan.precompile(_compose, (a, b), dim)  # built already: only says so
-    name = lambda kernel: "cpp" if kernel else "tree"
-    return {"fscan.linear_recurrence": name(linear), "fscan.associative_scan": name(pair)}
+    """The engine each fscan column of :func:`linear_table` ran on, as fscan's route log
+    names it for one more call after the warm-up (kernels built: mode "eager")."""
+    with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):
+        return {
+            "fscan.linear_recurrence": engine_of(lambda: fscan.linear_recurrence(a, b, dim)),
+            "fscan.associative_scan": engine_of(
+                lambda: fscan.associative_scan(_compose, (a, b), dim)
+            ),
+        }
 
 
 def cumsum_precision() -> Table:

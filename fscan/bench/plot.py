@@ -28,6 +28,7 @@ import torch
 import fscan
 
 from . import autograd, core
+from ._timing import interleaved_medians
 
 __all__ = ["line_chart", "measure_forward", "measure_fwd_bwd", "measure_memory", "write_plots"]
 
@@ -63,7 +64,7 @@ def measure_forward(workload: str, lengths: Sequence[int], budget_s: float) -> S
     series: Series = {}
     for i, length in enumerate(lengths):
         jobs, loop_steps = _forward_jobs(workload, length)
-        times = autograd.interleaved_medians(jobs, budget_s=budget_s)
+        times = interleaved_medians(jobs, budget_s=budget_s)
         times["python loop"] *= length / loop_steps
         for name, seconds in times.items():
             series.setdefault(name, [None] * len(lengths))[i] = seconds
@@ -74,7 +75,7 @@ def measure_fwd_bwd(lengths: Sequence[int], budget_s: float) -> Series:
     """Median forward+backward seconds of :mod:`.autograd`'s contenders at each length."""
     series: Series = {name: [] for name in autograd.RUNNERS}
     for length in lengths:
-        times = autograd.interleaved_medians(autograd._jobs(length), budget_s=budget_s)
+        times = interleaved_medians(autograd._jobs(length), budget_s=budget_s)
         for name in autograd.RUNNERS:
             series[name].append(times[name] * length / autograd._steps(name, length))
     return series

@@ -65,6 +65,8 @@ __all__ = [
     "forward_argtypes",
     "forward_source",
     "param_dtype",
+    "reduce_argtypes",
+    "reduce_source",
     "step_argtypes",
     "step_source",
 ]
@@ -322,5 +324,37 @@ def step_source(dtypes: Sequence[torch.dtype], program: Program) -> str:
         lefts=", ".join(unit(f"x{k}") for k in R),
         rights=", ".join(unit(f"x{k} + n") for k in R),
         y=", ".join(unit(f"y{k}") for k in R),
+        params=_param_names(program),
+    )
+
+
+def reduce_argtypes(dtypes: Sequence[torch.dtype], program: Program) -> list[str]:
+    """C types of the reduce kernel's arguments: x.., z.., p.., sizes, x strides.."""
+    st = [STORAGE[d] for d in dtypes]
+    types = [f"const {c}*" for c in st] + [f"{c}*" for c in st]
+    types += [f"const {param_ctype(p.dtype)}*" for p in program.params]
+    return types + ["int64_t"] * (5 + 1 + len(STRIDES) * len(dtypes))
+
+
+def reduce_source(dtypes: Sequence[torch.dtype], program: Program) -> str:
+    """The complete reduce kernel (the forward's structs and combine around
+    ``csrc/reduce.h``): ``kernel(x.., z.., p.., outer, T, inner, rev, threads, nb,
+    x strides..)``. The inputs ``x`` are read through their strides; the totals ``z``
+    are contiguous ``(outer, inner)``, one element per lane, nothing else written."""
+    compute = [compute_ctype(d, program.wide) for d in dtypes]
+    st = [STORAGE[d] for d in dtypes]
+    read = [f"x{k}" for k in range(len(dtypes))]
+    return _kernel(
+        "reduce.cpp.in",
+        structs=leaf_structs(dtypes, compute, program, (), ()),
+        combine=_combine_function(compute, program),
+        tuning=csrc("tuning.h"),
+        reduce=csrc("reduce.h"),
+        arguments=", ".join(
+            _signature(dtypes, program, [f"{st[k]}* z{k}" for k in range(len(dtypes))], ())
+        ),
+        strides=_stride_params(read),
+        x=_strided_init(read),
+        z=", ".join(f"dense(z{k}, nb, 1, inner)" for k in range(len(dtypes))),
         params=_param_names(program),
     )

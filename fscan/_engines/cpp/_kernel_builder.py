@@ -24,7 +24,7 @@ from ._cpp_codegen import Unsupported, translate_combine, translate_param_vjp, t
 from ._cpp_source import backward_argtypes, backward_source, forward_argtypes, forward_source
 from ._kernel_entry import BuildCall, Entry, State, kernel_entries, logger
 
-__all__ = ["build", "submit", "warm", "warm_up", "worker"]
+__all__ = ["build", "build_source", "submit", "warm", "warm_up", "worker"]
 
 
 def build(entry: Entry, call: BuildCall) -> None:
@@ -209,6 +209,22 @@ def submit(entry: Entry, call: BuildCall) -> None:
         if entry.source is None and not _translate(entry, call):
             return
         entry.state = State.PENDING
+    _compile_imports()
+    worker.submit(functools.partial(_compile_queued, entry))
+
+
+def build_source(entry: Entry, eager: bool) -> None:
+    """Compile an entry whose source its caller wrote (a reduce kernel, from its forward
+    entry's translation): now if ``eager`` (waiting for a queued compile of it too), else
+    queued on the compile thread as :func:`submit` queues one."""
+    with entry.lock:
+        if entry.state is State.NEW and not eager:
+            entry.state = State.PENDING
+        elif entry.state in (State.NEW, State.PENDING):
+            _compile(entry)
+            return
+        else:
+            return
     _compile_imports()
     worker.submit(functools.partial(_compile_queued, entry))
 

@@ -4,24 +4,34 @@
 // (the forward's structs, Lam, Grad, Bar, LamBuf, LamStore, PLam, PBar, NF, vjp and the
 // lam_* helpers) and before the generated entry point, which calls backward().
 
-// Lanes [i0, i0 + w) of outer index o, all T steps backwards in scan order.
-// The params' cotangents of these lanes (element positions e0..) sum into q, which
-// this column owns. Rows of x, y and g with other inner strides than 1 are gathered.
+// Lanes [i0, i0 + w) of outer index o, steps [a, z) backwards in scan order: the
+// cotangent entering the chunk's top step is g's plus in[i] (what the chunk above passes
+// down; none for the top chunk). The params' cotangents of these lanes (element positions
+// e0..) sum into q, which this column owns, or, for a chunk of a split column, into
+// pt[i]. Rows of x, y and g with other inner strides than 1 are gathered.
+// Step s (in scan order) of T: its position along the scan dim.
+static FSCAN_INLINE int64_t pos(int64_t s, int64_t T, bool rev) { return rev ? T - 1 - s : s; }
+
 struct BwdRows { InRow x, y; GradRow g; explicit BwdRows(int64_t n) : x(n), y(n), g(n) {} };
 
 template <bool GATHER>
 static void lane_bwd(const In x, const In y, const Grad g, const Bar b, const PBar q, const Par p,
-                     const Geo& S, int64_t o, int64_t i0, int64_t w, bool rev, const LamBuf lam,
-                     const BwdRows& rows) {
+                     const Geo& S, int64_t o, int64_t i0, int64_t w, int64_t a, int64_t z, bool rev,
+                     const Lam* in, PLam* pt, const LamBuf lam, const BwdRows& rows) {
   const In xc = at(x, S, o, 0, i0), yc = at(y, S, o, 0, i0);
   const Grad gc = at(g, S, o, 0, i0);
   const Bar bc = at(b, S, o, 0, i0);
   const int64_t T = S.T, e0 = o * S.inner + i0;
-  const Grad glast = GATHER ? gather(row(gc, rev ? 0 : T - 1), rows.g, w, false) : row(gc, rev ? 0 : T - 1);
+  const Grad gtop = GATHER ? gather(row(gc, pos(z - 1, T, rev)), rows.g, w, false) : row(gc, pos(z - 1, T, rev));
 #pragma GCC ivdep
-  for (int64_t i = 0; i < w; ++i) { put_lam(lam, i, load_g_i(glast, i)); zero_pbar(q, e0 + i); }
-  for (int64_t s = T - 1; s >= 1; --s) {
-    const int64_t tc = rev ? T - 1 - s : s, tp = rev ? T - s : s - 1;
+  for (int64_t i = 0; i < w; ++i) {
+    put_lam(lam, i, in ? lam_add(load_g_i(gtop, i), in[i]) : load_g_i(gtop, i));
+    if (pt) pt[i] = plam_zero(); else zero_pbar(q, e0 + i);
+  }
+  // The last step (s = a) of a chunk with a > 0 reads g one row below it too: what it
+  // passes down is not kept here (the transfer pass found it).
+  for (int64_t s = z - 1; s >= std::max<int64_t>(a, 1); --s) {
+    const int64_t tc = pos(s, T, rev), tp = pos(s - 1, T, rev);
     const In xr = GATHER ? gather(row(xc, tc), rows.x, w, !rev) : row(xc, tc);
     const In yr = GATHER ? gather(row(yc, tp), rows.y, w, !rev) : row(yc, tp);
     const Grad gr = GATHER ? gather(row(gc, tp), rows.g, w, !rev) : row(gc, tp);
@@ -32,12 +42,52 @@ static void lane_bwd(const In x, const In y, const Grad g, const Bar b, const PB
       vjp(load_i(yr, i, tp), load_i(xr, i, tc), get_lam(lam, i), p, e0 + i, lb, rb, pb);
       store_bar_i(br, i, rb);
       put_lam(lam, i, lam_add(load_g_i(gr, i), lb));
-      add_pbar(q, e0 + i, pb);
+      if (pt) pt[i] = plam_add(pt[i], pb); else add_pbar(q, e0 + i, pb);
     });
   }
-  const Bar bfirst = row(bc, rev ? T - 1 : 0);
+  if (a > 0) return;
+  const Bar bfirst = row(bc, pos(0, T, rev));
 #pragma GCC ivdep
   for (int64_t i = 0; i < w; ++i) store_bar_i(bfirst, i, get_lam(lam, i));
+}
+
+// A split column's chunk [a, z), a > 0, as a linear map of what enters its top step
+// (see the chains below): out[i], what it passes down from a zero entry, and M[i * NF + u],
+// what it passes down per unit cotangent u entering (NF extra VJPs a step, no stores).
+// lam holds (1 + NF) * w running cotangents.
+template <bool GATHER>
+static void lane_transfer(const In x, const In y, const Grad g, const Par p, const Geo& S,
+                          int64_t o, int64_t i0, int64_t w, int64_t a, int64_t z, bool rev,
+                          Lam* out, Lam* M, const LamBuf lam, const BwdRows& rows) {
+  const In xc = at(x, S, o, 0, i0), yc = at(y, S, o, 0, i0);
+  const Grad gc = at(g, S, o, 0, i0);
+  const int64_t T = S.T, e0 = o * S.inner + i0;
+  const Grad gtop = GATHER ? gather(row(gc, pos(z - 1, T, rev)), rows.g, w, false) : row(gc, pos(z - 1, T, rev));
+  for (int64_t i = 0; i < w; ++i) {
+    put_lam(lam, i, load_g_i(gtop, i));
+    for (int u = 0; u < NF; ++u) put_lam(lam, (1 + u) * w + i, lam_unit(u));
+  }
+  for (int64_t s = z - 1; s >= a; --s) {
+    const int64_t tc = pos(s, T, rev), tp = pos(s - 1, T, rev);
+    const In xr = GATHER ? gather(row(xc, tc), rows.x, w, !rev) : row(xc, tc);
+    const In yr = GATHER ? gather(row(yc, tp), rows.y, w, !rev) : row(yc, tp);
+    const Grad gr = GATHER ? gather(row(gc, tp), rows.g, w, !rev) : row(gc, tp);
+    fscan_lanes<LANE_BLOCK>(w, !rev, [&](int64_t i) {
+      const Vals l = load_i(yr, i, tp), v = load_i(xr, i, tc);
+      Lam lb, rb;
+      PLam pb;
+      vjp(l, v, get_lam(lam, i), p, e0 + i, lb, rb, pb);
+      put_lam(lam, i, s > a ? lam_add(load_g_i(gr, i), lb) : lb);
+      for (int u = 0; u < NF; ++u) {
+        vjp(l, v, get_lam(lam, (1 + u) * w + i), p, e0 + i, lb, rb, pb);
+        put_lam(lam, (1 + u) * w + i, lb);
+      }
+    });
+  }
+  for (int64_t i = 0; i < w; ++i) {
+    out[i] = get_lam(lam, i);
+    for (int u = 0; u < NF; ++u) M[i * NF + u] = get_lam(lam, (1 + u) * w + i);
+  }
 }
 
 // --- Chains: few lanes (1-D, or a scan over the last dim), or lanes laid out along T (a
@@ -50,8 +100,6 @@ static void lane_bwd(const In x, const In y, const Grad g, const Bar b, const PB
 // params' per-chunk sums are added in chunk order.
 
 struct Chunk { In x, y; Grad g; Bar b; int64_t e, a, z; };  // a lane's start, position, steps [a, z)
-
-static FSCAN_INLINE int64_t pos(int64_t s, int64_t T, bool rev) { return rev ? T - 1 - s : s; }
 
 template <int NG>
 static FSCAN_INLINE void transfer(const Par p, const Chunk* k, int64_t T, bool rev, Lam* out, Lam* M) {
@@ -196,20 +244,77 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const PB
     chain_bwd(x, y, g, b, q, p, S, rev, nt, chunks_per_lane(outer * inner, S.T, nt));
     return;
   }
-  // Columns of up to TILE lanes (halved until every thread has one).
+  // Columns of up to TILE lanes (halved until every thread has one); too few columns for
+  // the threads (a narrow inner dim): each column split into C chunks of steps, as the
+  // forward splits them, composed through their transfer maps (see the chains above).
   int64_t W = std::min<int64_t>(inner, TILE);
   while (W > 16 && outer * ((inner + W - 1) / W) < nt) W = (W / 2 + 15) / 16 * 16;
-  const int64_t ntiles = (inner + W - 1) / W, ncols = outer * ntiles;
+  const int64_t ntiles = (inner + W - 1) / W, ncols = outer * ntiles, T = S.T;
+  int64_t C = 1;
+  if (ncols < nt) C = std::min<int64_t>((nt + ncols - 1) / ncols * 2, std::max<int64_t>(1, T / MIN_CHUNK));
+  const int64_t L = (T + C - 1) / C;
+  C = (T + L - 1) / L;
   const bool dense = unit(x) && unit(y) && unit(g);
+  const int64_t slots = C > 1 ? ncols * C * W : 0;  // per (column, chunk, lane)
+  std::vector<Lam> outs(slots), ins(slots, lam_zero()), M(slots * NF);
+  std::vector<PLam> pt(slots);
+  auto place = [&](int64_t col, int64_t& o, int64_t& i0, int64_t& w) {
+    o = col / ntiles; i0 = (col % ntiles) * W; w = std::min(W, inner - i0);
+  };
 #pragma omp parallel num_threads(nt)
   {
-    LamStore store(W);
+    LamStore store(C > 1 ? W * (1 + NF) : W);
     const BwdRows rows(dense ? 0 : W);
+    int64_t o, i0, w;
+    if (C > 1) {
 #pragma omp for schedule(static)
-    for (int64_t col = 0; col < ncols; ++col) {
-      const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
-      if (dense) lane_bwd<false>(x, y, g, b, q, p, S, o, i0, w, rev, store.buf(), rows);
-      else lane_bwd<true>(x, y, g, b, q, p, S, o, i0, w, rev, store.buf(), rows);
+      for (int64_t k = 0; k < ncols * (C - 1); ++k) {
+        const int64_t col = k / (C - 1), c = k % (C - 1) + 1, base = (col * C + c) * W;
+        place(col, o, i0, w);
+        const int64_t a = c * L, z = std::min(T, a + L);
+        if (dense) lane_transfer<false>(x, y, g, p, S, o, i0, w, a, z, rev, &outs[base], &M[base * NF], store.buf(), rows);
+        else lane_transfer<true>(x, y, g, p, S, o, i0, w, a, z, rev, &outs[base], &M[base * NF], store.buf(), rows);
+      }
+#pragma omp for schedule(static)
+      for (int64_t lane = 0; lane < ncols * W; ++lane) {
+        const int64_t col = lane / W, i = lane % W;
+        place(col, o, i0, w);
+        if (i >= w) continue;
+        Lam carry = lam_zero();  // what the chunk above passes down
+        for (int64_t c = C - 1; c >= 1; --c) {
+          const int64_t slot = (col * C + c) * W + i;
+          ins[slot] = carry;
+          Lam next = outs[slot];
+          for (int u = 0; u < NF; ++u) next = lam_axpy(next, M[slot * NF + u], carry, u);
+          if (lam_suspect(outs[slot], carry, next)) {
+            const Chunk k{at(x, S, o, 0, i0 + i), at(y, S, o, 0, i0 + i), at(g, S, o, 0, i0 + i),
+                          at(b, S, o, 0, i0 + i), o * inner + i0 + i, c * L, std::min(T, (c + 1) * L)};
+            next = walk_down(p, k, T, rev, carry);
+          }
+          carry = next;
+        }
+        ins[(col * C) * W + i] = carry;
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < ncols * C; ++k) {
+      const int64_t col = k / C, c = k % C, base = k * W;
+      place(col, o, i0, w);
+      const int64_t a = c * L, z = std::min(T, a + L);
+      const Lam* in = C > 1 ? &ins[base] : nullptr;
+      PLam* sums = C > 1 ? &pt[base] : nullptr;
+      if (dense) lane_bwd<false>(x, y, g, b, q, p, S, o, i0, w, a, z, rev, in, sums, store.buf(), rows);
+      else lane_bwd<true>(x, y, g, b, q, p, S, o, i0, w, a, z, rev, in, sums, store.buf(), rows);
+    }
+    if (C > 1) {  // the params' sums of a split column, in chunk order
+#pragma omp for schedule(static)
+      for (int64_t lane = 0; lane < ncols * W; ++lane) {
+        const int64_t col = lane / W, i = lane % W;
+        place(col, o, i0, w);
+        if (i >= w) continue;
+        zero_pbar(q, o * inner + i0 + i);
+        for (int64_t c = 0; c < C; ++c) add_pbar(q, o * inner + i0 + i, pt[(col * C + c) * W + i]);
+      }
     }
   }
 }

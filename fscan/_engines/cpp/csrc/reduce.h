@@ -1,0 +1,131 @@
+// The reduce: each lane's total over its T steps, one element per lane, nothing else
+// written (a read of the leaves). Lanes next to each other in memory are reduced in
+// columns (vector loops along each row), others as chains (G interleaved); where that
+// leaves threads idle, or a lone chain waits on each combine's latency, a lane's steps
+// are split into chunks whose totals are combined in scan order.
+// fscan.engine._cpp_source places this after the forward's generated part (Vals, In,
+// Out, Par, Buf, Store, InRow, LANE_BLOCK, load_*/store_*/get_all/put_all, combine)
+// and before the generated entry point, which calls reduce().
+
+// The total of steps [s0, s1) (in scan order, s1 > s0) of lanes [i0, i0 + w) of outer
+// index o, into acc (w entries, every leaf).
+template <bool GATHER>
+static void lane_total(const In x, const Par p, const Geo& S, int64_t o, int64_t i0, int64_t w,
+                       int64_t s0, int64_t s1, bool rev, const Buf acc, const InRow& rows) {
+  const In xc = at(x, S, o, 0, i0);
+  const int64_t e0 = o * S.inner + i0, T = S.T, dt = rev ? -1 : 1;
+  In xs = row(xc, rev ? T - 1 - s0 : s0);
+  {
+    const int64_t t = rev ? T - 1 - s0 : s0;
+    const In xr = GATHER ? gather(xs, rows, w, rev) : xs;
+    fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) { put_all(acc, i, load_i(xr, i, t)); });
+  }
+  for (int64_t s = s0 + 1; s < s1; ++s) {
+    const int64_t t = rev ? T - 1 - s : s;
+    xs = row(xs, dt);
+    const In xr = GATHER ? gather(xs, rows, w, rev) : xs;
+    fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
+      put_all(acc, i, combine(get_all(acc, i), load_i(xr, i, t), p, e0 + i));
+    });
+  }
+}
+
+static void reduce_lanes(const In x, const Out z, const Par p, const Geo& S, bool rev, int nt) {
+  const int64_t outer = S.outer, T = S.T, inner = S.inner;
+  int64_t W = std::min<int64_t>(inner, TILE);
+  while (outer * ((inner + W - 1) / W) < nt && W > 16) W = (W / 2 + 15) / 16 * 16;
+  const int64_t ntiles = (inner + W - 1) / W, ncols = outer * ntiles;
+  int64_t C = 1;  // chunks per column
+  if (ncols < nt) C = std::min<int64_t>((nt + ncols - 1) / ncols, std::max<int64_t>(1, T / MIN_CHUNK));
+  const int64_t L = (T + C - 1) / C;
+  C = (T + L - 1) / L;
+  Store tot(ncols * C * W);  // every chunk's total, W lanes each
+  const Buf tb = tot.buf();
+  const bool dense = unit(x);
+#pragma omp parallel num_threads(nt)
+  {
+    const InRow rows(dense ? 0 : W);
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < ncols * C; ++k) {
+      const int64_t col = k / C, c = k % C;
+      const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
+      const int64_t s1 = std::min(T, (c + 1) * L);
+      if (dense) lane_total<false>(x, p, S, o, i0, w, c * L, s1, rev, offset(tb, k * W), rows);
+      else lane_total<true>(x, p, S, o, i0, w, c * L, s1, rev, offset(tb, k * W), rows);
+    }
+#pragma omp for schedule(static)
+    for (int64_t col = 0; col < ncols; ++col) {
+      const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
+      const Buf first = offset(tb, col * C * W);
+      for (int64_t c = 1; c < C; ++c) {
+        const Buf next = offset(tb, (col * C + c) * W);
+        for (int64_t i = 0; i < w; ++i)
+          put_all(first, i, combine(get_all(first, i), get_all(next, i), p, o * inner + i0 + i));
+      }
+      const Out zr = at(z, S, o, 0, i0);
+      for (int64_t i = 0; i < w; ++i) store_i(zr, i, get_all(first, i));
+    }
+  }
+}
+
+// NG chunks of chains interleaved: chunk g starts at xb[g] (its first step in scan order),
+// runs len[g] steps tstep (+-1) apart from position t0[g], at element position elem[g].
+template <int NG>
+static FSCAN_INLINE void chain_totals(const In* xb, const Par p, const int64_t* t0, const int64_t* len,
+                                      const int64_t* elem, int64_t tstep, Vals* out) {
+  Vals acc[NG];
+  int64_t common = len[0];
+  for (int g = 1; g < NG; ++g) common = std::min(common, len[g]);
+#pragma GCC unroll 8
+  for (int g = 0; g < NG; ++g) acc[g] = load_t(xb[g], 0, t0[g]);
+  for (int64_t s = 1; s < common; ++s) {
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; ++g) acc[g] = combine(acc[g], load_t(xb[g], s * tstep, t0[g] + s * tstep), p, elem[g]);
+  }
+  for (int g = 0; g < NG; ++g) {
+    for (int64_t s = common; s < len[g]; ++s) acc[g] = combine(acc[g], load_t(xb[g], s * tstep, t0[g] + s * tstep), p, elem[g]);
+    out[g] = acc[g];
+  }
+}
+
+static void reduce_chains(const In x, const Out z, const Par p, const Geo& S, bool rev, int nt) {
+  const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
+  int64_t C = 1;  // chunks per lane
+  if (lanes < (int64_t)nt * G) C = std::min<int64_t>(((int64_t)nt * G + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
+  const int64_t L = (T + C - 1) / C;
+  C = (T + L - 1) / L;
+  const int64_t tstep = rev ? -1 : 1, items = lanes * C, groups = (items + G - 1) / G;
+  std::vector<Vals> tot(items);
+#pragma omp parallel num_threads(nt)
+  {
+    In xb[G];
+    int64_t t0[G], len[G], elem[G];
+#pragma omp for schedule(static)
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int ng = (int)std::min<int64_t>(G, items - gi * G);
+      for (int g = 0; g < ng; ++g) {
+        const int64_t k = gi * G + g, lane = k / C, c = k % C, s = c * L;
+        t0[g] = rev ? T - 1 - s : s;
+        xb[g] = row(at(x, S, lane / inner, 0, lane % inner), t0[g]);
+        len[g] = std::min(T, s + L) - s;
+        elem[g] = lane;
+      }
+      if (ng == G) chain_totals<G>(xb, p, t0, len, elem, tstep, &tot[gi * G]);
+      else for (int g = 0; g < ng; ++g) chain_totals<1>(xb + g, p, t0 + g, len + g, elem + g, tstep, &tot[gi * G + g]);
+    }
+#pragma omp for schedule(static)
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      Vals v = tot[lane * C];
+      for (int64_t c = 1; c < C; ++c) v = combine(v, tot[lane * C + c], p, lane);
+      store_t(at(z, S, lane / inner, 0, lane % inner), 0, v);
+    }
+  }
+}
+
+static void reduce(const In x, const Out z, const Par p, const Geo& S, bool rev, int threads) {
+  if (S.T <= 0 || S.outer <= 0 || S.inner <= 0) return;
+  const int64_t total = S.outer * S.T * S.inner;
+  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, total / PER_THREAD));
+  if (S.inner >= VEC_MIN && !along(x)) reduce_lanes(x, z, p, S, rev, nt);
+  else reduce_chains(x, z, p, S, rev, nt);
+}

@@ -1,0 +1,93 @@
+"""The exclusive drop-ins: ``fscan.cumsum(..., exclusive=True)`` & co. on the drop-ins' router.
+
+The shift is :func:`fscan._exclusive.exclusive`'s (the same for every door): the
+inclusive drop-in of the first ``n - 1`` steps in scan order, on the engine
+:mod:`fscan._routing.cumulative` picks for them (torch's op, the C++ kernel, the
+blocked scan, or the segmented scan with ``reset=``), lands one step later; the first
+step and the resets get the op's identity: 0 for cumsum, 1 for cumprod, ``-inf`` for
+logcumsumexp, and for cummax (cummin) the lowest (highest) value of the dtype
+(``-inf``/``inf`` for floating types, ``False``/``True`` for bool) with index -1. Where
+nothing is recorded, the kernel and torch's op (forward) write their results in place
+into the output's later steps, so an exclusive drop-in costs what the inclusive one
+does.
+
+cummax/cummin's indices are positions in the whole input: reversed, the narrowed input
+starts one step later, so its indices are moved by one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._exclusive import Shift, Steps, exclusive
+from .._segmented import check_reset
+from .cumulative import engine, route, segmented
+
+__all__ = ["exclusive_cumulative", "identity"]
+
+_EXTREMA = {torch.cummax: torch.return_types.cummax, torch.cummin: torch.return_types.cummin}
+
+
+def exclusive_cumulative(
+    api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset: Any = None
+) -> Any:
+    """The exclusive drop-in ``api`` of torch's ``op`` on ``x`` (checked, in the dtype
+    torch computes in, ``dim`` non-negative), restarted where ``reset`` is True.
+
+    Example:
+        >>> exclusive_cumulative("fscan.cumsum", torch.cumsum, torch.tensor([1, 2, 3]), 0, False)
+        tensor([0, 1, 3])
+    """
+    if x.ndim == 0:  # one step, as torch scans 0-d tensors
+        out = exclusive_cumulative(api, op, x[None], 0, reverse, reset)
+        return _EXTREMA[op]((out[0][0], out[1][0])) if op in _EXTREMA else out[0]
+    if reset is not None:  # checked on the whole input, so that errors name its shape
+        check_reset(api, reset, x, [x], dim)
+    shift = Shift(dim, x.shape[dim], reverse)
+    extremum = op in _EXTREMA
+    cells = route(op, x, dim, reverse)  # as the inclusive drop-in on `x` is routed
+
+    def inclusive(steps: Steps, outs: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        part = steps(x)
+        if reset is not None:
+            found = segmented(api, op, part, dim, reverse, steps.mask(reset))
+        else:
+            found = engine(api, op, part, dim, reverse, outs, cells)
+        if not extremum:
+            return [found]
+        values, indices = found
+        if reverse and steps.narrow:  # positions in `part`, which starts one step later
+            indices = indices.add_(1)
+        return [values, indices]
+
+    outputs = [(x.shape, x.dtype)]
+    starts: list[Any] = [identity(op, x.dtype)]
+    if extremum:
+        outputs.append((x.shape, torch.int64))
+        starts.append(-1)
+    out = exclusive(shift, inclusive, outputs, x.device, starts, [x], reset)
+    return _EXTREMA[op](out) if extremum else out[0]
+
+
+def identity(op: Any, dtype: torch.dtype) -> Any:
+    """The start value of the exclusive drop-in of ``op`` in ``dtype``.
+
+    Example:
+        >>> identity(torch.cummax, torch.int8), identity(torch.cummin, torch.bool)
+        (-128, True)
+    """
+    if op is torch.cumsum:
+        return 0
+    if op is torch.cumprod:
+        return 1
+    if op is torch.logcumsumexp:
+        return float("-inf")
+    largest = op is torch.cummax
+    if dtype == torch.bool:
+        return not largest
+    if dtype.is_floating_point:
+        return float("-inf") if largest else float("inf")
+    info = torch.iinfo(dtype)
+    return info.min if largest else info.max

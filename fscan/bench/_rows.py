@@ -1,0 +1,173 @@
+"""Ratio rows: fscan against a baseline, each row with its median, ratio and engine.
+
+A :class:`Row` pairs an fscan call with the baseline it is judged against (a copy of
+the leaves, torch's op, the forward alone...). :func:`run_rows` first calls every
+row's fscan call once, with ``fscan.config.cpu_kernel = "eager"`` (unless "off"), so
+that every C++ kernel a row times is built or loaded before any timing starts, and
+says how long that took; then names each row's engine from fscan's route log; then
+times the rows (fscan and baseline taking turns, torch's Timer) under a progress line.
+:func:`render` groups the results into tables, :func:`compare` gives torch's own
+``Compare`` table of the same measurements, :func:`to_json` writes them for
+``scripts/bench_compare.py``.
+
+Only public fscan API is used here, so the rows also run against older checkouts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from torch.utils.benchmark import Compare, Measurement
+
+import fscan
+
+from ._timing import Progress, Table, engine_of, interleaved, warm_up
+
+__all__ = ["Result", "Row", "compare", "render", "run_rows", "to_json"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One judged workload.
+
+    ``group`` names the table (one bar of the issue); ``run`` is the fscan call,
+    ``base`` the baseline called ``base_name``; both timed on ``threads`` threads.
+    ``bar`` is the ratio the row should reach (None: no bar). ``engine`` overrides the
+    route log's name for calls that log none (compiled graphs), or adds to it
+    (a backward's node).
+    """
+
+    group: str
+    label: str
+    run: Callable[[], object]
+    base_name: str
+    base: Callable[[], object]
+    threads: int = 1
+    bar: float | None = None
+    engine: Callable[[], str] | None = None
+
+
+@dataclass(frozen=True)
+class Result:
+    """A timed row (seconds are medians), as written by :func:`to_json`."""
+
+    group: str
+    label: str
+    threads: int
+    engine: str
+    fscan_s: float
+    base_name: str
+    base_s: float
+    bar: float | None
+    # torch's own record of both sides (labels: group, row, "fscan" / "baseline"), for Compare
+    measurements: tuple[Measurement, ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def ratio(self) -> float:
+        return self.fscan_s / self.base_s
+
+
+def run_rows(rows: Sequence[Row], budget_s: float, title: str = "rows") -> list[Result]:
+    """Build, name and time ``rows`` (module doc); prints the build line."""
+    mode = "off" if fscan.config.cpu_kernel == "off" else "eager"
+    with fscan.config.override(cpu_kernel=mode):
+        start = time.perf_counter()
+        progress = Progress(f"{title}: building kernels", len(rows))
+        for row in rows:
+            progress.step(row.label)
+            warm_up(row.run)
+        progress.close()
+        built = time.perf_counter() - start
+        print(
+            f"{title}: the first calls of {len(rows)} rows (C++ kernel builds and disk-cache "
+            f"loads, cpu_kernel={mode!r}) took {built:.1f} s, before any timing",
+            flush=True,
+        )
+        engines = [_engine(row) for row in rows]
+        progress = Progress(f"{title}: timing", len(rows))
+        results = []
+        for row, engine in zip(rows, engines):
+            progress.step(f"{row.group}: {row.label}")
+            times = interleaved(
+                {"fscan": row.run, "baseline": row.base},
+                budget_s=budget_s,
+                threads=row.threads,
+                label=row.group,
+                sub_label=row.label,
+            )
+            results.append(
+                Result(
+                    row.group,
+                    row.label,
+                    row.threads,
+                    engine,
+                    times["fscan"].median,
+                    row.base_name,
+                    times["baseline"].median,
+                    row.bar,
+                    (times["fscan"], times["baseline"]),
+                )
+            )
+        progress.close()
+    return results
+
+
+def _engine(row: Row) -> str:
+    logged = engine_of(row.run, none="", warm=False)  # run_rows made the first call
+    extra = row.engine() if row.engine is not None else ""
+    return " ".join(part for part in (logged, extra) if part) or "torch"
+
+
+def _time(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} us"
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def render(results: Sequence[Result]) -> str:
+    """One table per group, in order of first appearance."""
+    groups: dict[str, Table] = {}
+    for r in results:
+        table = groups.get(r.group)
+        if table is None:
+            table = groups[r.group] = Table(
+                f"{r.group} (medians; ratio = fscan / baseline; bar = the ratio to reach)",
+                ["thr", "engine", "fscan", "baseline", "baseline time", "ratio", "bar"],
+            )
+        bar = "-" if r.bar is None else f"<={r.bar:g} " + ("ok" if r.ratio <= r.bar else "OVER")
+        table.add(
+            r.label,
+            [
+                str(r.threads),
+                r.engine,
+                _time(r.fscan_s),
+                r.base_name,
+                _time(r.base_s),
+                f"{r.ratio:.2f}",
+                bar,
+            ],
+        )
+    return "\n\n".join(t.render() for t in groups.values())
+
+
+def compare(results: Sequence[Result]) -> str:
+    """torch's own table of the same measurements (``torch.utils.benchmark.Compare``): per
+    group and thread count, fscan and the baseline side by side, noisy ones flagged."""
+    table = Compare([m for r in results for m in r.measurements])
+    table.trim_significant_figures()
+    table.highlight_warnings()
+    return str(table)
+
+
+def to_json(results: Sequence[Result], path: str) -> None:
+    """Write the results (a list of :class:`Result` fields and the ratio) to ``path``."""
+    data = []
+    for r in results:
+        fields = asdict(r)
+        del fields["measurements"]
+        data.append({**fields, "ratio": r.ratio})
+    with open(path, "w") as handle:
+        json.dump(data, handle, indent=1)

@@ -1,0 +1,124 @@
+"""``fscan.associative_reduce`` on the generated reduce kernel: values against a sequential
+float64 oracle (lane and chain paths, chunked lanes, strided leaves, both directions,
+thread counts), the route as logged, and the refusals that leave the tree reduction."""
+
+from __future__ import annotations
+
+import logging
+
+import optree
+import pytest
+import torch
+
+import fscan
+from fscan._engines.cpp._cpp_build import compiler_problem
+
+needs_compiler = pytest.mark.skipif(
+    compiler_problem() is not None, reason=f"no C++ kernel here: {compiler_problem()}"
+)
+
+
+def affine(a, b):
+    return (a[0] * b[0], a[1] * b[0] + b[1])
+
+
+def oracle(fn, xs, dim: int, reverse: bool):
+    """The total by a sequential loop, floats in float64."""
+    leaves, spec = optree.tree_flatten(xs)
+    wide = [x.double() if x.is_floating_point() else x for x in leaves]
+    n = wide[0].shape[dim]
+    order = range(n - 1, -1, -1) if reverse else range(n)
+    acc = None
+    for t in order:
+        x = spec.unflatten([w.select(dim, t) for w in wide])
+        acc = x if acc is None else fn(acc, x)
+    return acc
+
+
+@pytest.fixture
+def engines(caplog: pytest.LogCaptureFixture):
+    caplog.set_level(logging.DEBUG, logger="fscan")
+    return lambda: [r.fscan_engine for r in caplog.records if hasattr(r, "fscan_engine")]
+
+
+def _reduce_twice(fn, xs, dim, reverse):
+    """The second call: the first one runs the elementwise check on the tree."""
+    fscan.associative_reduce(fn, xs, dim, reverse=reverse)
+    return fscan.associative_reduce(fn, xs, dim, reverse=reverse)
+
+
+SHAPES = [
+    ((300, 40), 0),  # lanes, one column
+    ((7, 300, 5), 1),  # chains (inner < 8)
+    ((5, 40, 16), 2),  # the last dim: chains
+    ((9000, 16), 0),  # lanes, chunked when the columns are fewer than the threads
+    ((20001,), 0),  # one chain, chunked
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize(("shape", "dim"), SHAPES)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_matches_the_oracle_on_the_kernel(shape, dim, reverse, threads, engines):
+    gen = torch.Generator().manual_seed(len(shape) * 7 + dim)
+    a = torch.rand(shape, generator=gen, dtype=torch.float64) * 0.2 + 0.9
+    b = torch.randn(shape, generator=gen, dtype=torch.float64)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for fn, xs in ((torch.add, b), (torch.maximum, b), (affine, (a, b))):
+            got = _reduce_twice(fn, xs, dim, reverse)
+            assert engines()[-1] == "cpp"
+            want = oracle(fn, xs, dim, reverse)
+            optree.tree_map(
+                lambda g, w: torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-9), got, want
+            )
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_compiler
+@pytest.mark.parametrize("reverse", [False, True])
+def test_strided_float32_and_integer_leaves(reverse, engines):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 300, generator=gen).t()  # a transpose: read in place
+    got = _reduce_twice(torch.add, x, 0, reverse)
+    assert engines()[-1] == "cpp"
+    torch.testing.assert_close(got, x.double().sum(0).float(), rtol=1e-5, atol=1e-5)
+    step = torch.randn(600, 32, generator=gen)[::2]  # a step slice
+    got = _reduce_twice(torch.maximum, step, 0, reverse)
+    assert torch.equal(got, step.amax(0))
+    ints = torch.randint(-5, 5, (50, 3, 10), generator=gen)
+    got = _reduce_twice(torch.add, ints, 1, reverse)
+    assert engines()[-1] == "cpp"
+    assert got.dtype == torch.int64 and torch.equal(got, ints.sum(1))
+
+
+@needs_compiler
+def test_initial_and_length_one(engines):
+    x = torch.randn(1, 20, dtype=torch.float64)
+    init = torch.randn(20, dtype=torch.float64)
+    got = _reduce_twice(torch.add, x, 0, False)
+    assert engines()[-1] == "cpp"
+    assert torch.equal(got, x[0]) and got.data_ptr() != x.data_ptr()
+    y = torch.randn(50, 20, dtype=torch.float64)
+    got = fscan.associative_reduce(torch.add, y, 0, initial=init)
+    torch.testing.assert_close(got, init + y.sum(0))
+
+
+@needs_compiler
+def test_gradients_and_off_take_the_tree(engines):
+    x = torch.randn(30, 4, dtype=torch.float64, requires_grad=True)
+    a = (torch.rand(30, 4, dtype=torch.float64) + 0.5).requires_grad_()
+    _reduce_twice(torch.add, x.detach(), 0, False)
+    for dim in (0, 1):
+        for reverse in (False, True):
+            assert torch.autograd.gradcheck(
+                lambda a, x: fscan.associative_reduce(affine, (a, x), dim, reverse=reverse),
+                (a, x),
+            )
+            assert engines()[-1] == "tree"
+    with fscan.config.override(cpu_kernel="off"):
+        fscan.associative_reduce(torch.add, x.detach(), 0)
+    assert engines()[-1] == "tree"
