@@ -17,6 +17,7 @@ from test_cpu_kernel import add, linrec, needs_compiler, num_threads, oracle
 import fscan
 from fscan._engines.cpp import cpu_kernel
 from fscan._engines.cpp.cpu_kernel import kernel_scan
+from fscan._routing.recurrence import KernelBar
 
 F64 = torch.float64
 
@@ -269,7 +270,7 @@ def small_kernel_sizes(monkeypatch):
     """The kernel serves linear_recurrence at any size (gradcheck needs small shapes)."""
     from fscan._recurrences import solve as _linear_solve
 
-    fits_all = _linear_solve.LINEAR._replace(kernel_min_numel=0)
+    fits_all = _linear_solve.LINEAR._replace(kernel=KernelBar(0, 0, 0, widest=2**62))
     monkeypatch.setattr(_linear_solve, "LINEAR", fits_all)
 
 

@@ -126,6 +126,35 @@ def test_routes_of_the_drop_ins_and_recurrences(records):
     assert empty.fscan_engine == "empty"
 
 
+@needs_compiler
+@pytest.mark.parametrize(
+    ("shape", "carried", "engine", "why"),
+    [
+        ((64,), False, "cpp", None),
+        ((2, 3), False, "cpp", None),
+        ((1, 5), False, "blocked", "fewer than 2 steps: the loop is faster"),
+        ((4, 64), True, "blocked", "fewer than 8 steps with a carry-in: the loop is faster"),
+        ((8, 64), True, "cpp", None),
+        ((4, 8192), False, "blocked", "fewer than 32 steps of 8192 or more elements"),
+        ((32, 8192), False, "cpp", None),
+    ],
+)
+def test_linear_recurrence_kernel_bar_as_logged(records, shape, carried, engine, why):
+    """Where the loop beats the kernel (fscan._routing.recurrence.KERNEL_BAR) the log
+    says so; elsewhere the kernel runs, at every size (it beat the walk at 64 elements)."""
+    a, b = torch.rand(shape), torch.randn(shape)
+    initial = torch.randn(shape[1:]) if carried else None
+    with fscan.config.override(cpu_kernel="eager"):
+        h = fscan.linear_recurrence(a, b, 0, initial=initial)
+    [record] = records()
+    assert record.fscan_engine == engine
+    assert record.fscan_refused.get("cpp") == why or why in record.fscan_refused["cpp"]
+    expected = torch.zeros(shape[1:], dtype=torch.float64) if initial is None else initial.double()
+    for t in range(shape[0]):
+        expected = a[t].double() * expected + b[t].double()
+        torch.testing.assert_close(h[t], expected.float())
+
+
 def test_explain_empty_and_printable():
     report = fscan.explain(torch.add, torch.ones(0, 3), 0)
     assert (report.engine, dict(report.refused), report.grad) == ("empty", {}, None)

@@ -18,10 +18,9 @@ from typing import Any, NamedTuple
 import torch
 
 from .._engines.chunked import Algebra, Operands, plain_step, toward_end, toward_start
-from .._engines.cpp.cpu_kernel import KERNEL_MIN_NUMEL
 from .._entry import scan_tree
 from .._exclusive import Shift, Steps, check_exclusive, exclusive
-from .._routing.recurrence import Recurrence, compose, route, solve
+from .._routing.recurrence import KERNEL_BAR, Recurrence, compose, route, solve
 from .args import RecurrenceCall, shaped_operands
 from .composed_gates import repair_carries
 
@@ -241,6 +240,6 @@ LINEAR = Recurrence(
     partial(tree_solve, compose, plain_step),
     LinearRecurrenceFn.apply,
     short="loop",
-    kernel_min_numel=KERNEL_MIN_NUMEL,
+    kernel=KERNEL_BAR,
 )
 """The plain recurrence ``h_t = a_t h_{t-1} + b_t`` as the router solves it."""

@@ -30,7 +30,8 @@ adjoint, the recurrence over chunk ends):
 engine         when, and what runs
 =============  ===================================================================
 ``cpp``        the kind has a kernel, :func:`kernel_refused` finds no reason
-               against it and the C++ kernel (:mod:`fscan._engines.cpp`) is built:
+               against it (under 32 steps, :class:`KernelBar`: where the loop is
+               not faster) and the C++ kernel (:mod:`fscan._engines.cpp`) is built:
                the pairs scanned keeping only ``h``, ``initial`` its carry-in
 ``blocked``    32 steps or more: the chunked walk (:mod:`fscan._engines.chunked`),
                with :func:`solve` passed in for the recurrence over chunk ends;
@@ -73,7 +74,9 @@ from .._engines.matrix_tree import MatrixMaps, matrix_scan, matrix_walk
 from .._route_log import ran
 
 __all__ = [
+    "KERNEL_BAR",
     "PAIR_SPEC",
+    "KernelBar",
     "Recurrence",
     "compose",
     "kernel_refused",
@@ -97,8 +100,32 @@ class Recurrence(NamedTuple):
     tree: Callable[[Operands], torch.Tensor]  # the pairs as one associative scan
     with_grad: Callable[..., torch.Tensor]  # the autograd Function's apply(*operands)
     short: Literal["loop", "tree"]  # what solves fewer than 32 steps
-    # the fewest elements the C++ kernel serves, None where no kernel serves this kind
-    kernel_min_numel: int | None = None
+    kernel: KernelBar | None = None  # where the C++ kernel serves; None: no kernel
+
+
+class KernelBar(NamedTuple):
+    """Where the C++ kernel beats the loop that solves fewer than 32 steps (from 32 steps
+    the kernel beats the chunked walk at every size measured, and serves).
+
+    The loop costs a few torch ops per step, each over a whole step's elements; the
+    kernel a fixed cost per call (more with a carry-in, more again writing into ``out=``
+    memory) and then every element. So the loop is faster for very few steps, and for
+    steps of many elements, where torch's vectorized ops outrun the kernel's chains.
+    Measured against each other, float32, 1 thread, 2-core AMD EPYC, December 2026:
+    :data:`KERNEL_BAR`.
+    """
+
+    steps: int  # the fewest steps the kernel serves
+    carried_steps: int  # ... with a carry-in (``initial=``)
+    into_steps: int  # ... with a carry-in, written into ``out=`` (the backward's adjoint)
+    widest: int  # the most elements per step it serves
+
+
+# Walk over kernel time: 1 step 0.66x, 2 steps 0.95-1.2x, 4 steps 1.1-1.75x and 16
+# steps 1.5-3x (256-4096 elements per step); with a carry-in 0.8x at 4 steps, 1.0-1.35x
+# at 8; with one into out= 0.5-0.75x at 8, 1.15x at 16 (256-1024 per step); at 16384
+# elements per step 0.8-1.0x, at 65536 0.45-0.7x.
+KERNEL_BAR = KernelBar(steps=2, carried_steps=8, into_steps=16, widest=8192)
 
 
 def pick_route(ops: Operands) -> str:
@@ -141,12 +168,15 @@ _DTYPES = "the gates and inputs differ in dtype"
 _INITIAL = "initial requires grad: the chunked walk carries it"
 
 
-def kernel_refused(kind: Recurrence, ops: Operands, transform: bool) -> str | None:
-    """Why :func:`solve` does not offer this walk to the C++ kernel, or None where it
-    does (the kernel may still decline: not built yet, see ``fscan.explain``). Reads
-    nothing but its arguments: the ``"fscan"`` log's reasons ask it too."""
-    least = kind.kernel_min_numel
-    if least is None:
+def kernel_refused(
+    kind: Recurrence, ops: Operands, transform: bool, into: bool = False
+) -> str | None:
+    """Why :func:`solve` does not offer this walk (written into ``out=`` memory where
+    ``into``) to the C++ kernel, or None where it does (the kernel may still decline:
+    not built yet, see ``fscan.explain``). Reads nothing but its arguments: the
+    ``"fscan"`` log's reasons ask it too."""
+    bar = kind.kernel
+    if bar is None:
         return "no kernel serves this recurrence"
     a, b, _, initial, _, mask = ops
     if mask is not None:
@@ -157,10 +187,22 @@ def kernel_refused(kind: Recurrence, ops: Operands, transform: bool) -> str | No
         return f"dtype {b.dtype}: the kernel takes floating point"
     if a.dtype != b.dtype:
         return _DTYPES
-    if b.numel() < least:
-        return f"fewer than {least} elements: the chunked walk is faster"
     if initial is not None and initial.requires_grad and torch.is_grad_enabled():
         return _INITIAL  # the walk's ops carry it
+    return _loop_faster(bar, b.shape[ops.dim], b.numel(), initial is not None, into)
+
+
+def _loop_faster(bar: KernelBar, steps: int, numel: int, carried: bool, into: bool) -> str | None:
+    """Why the loop beats the kernel on ``steps`` steps of ``numel`` elements in all
+    (:class:`KernelBar`), or None where the kernel is faster."""
+    if chunk_size(steps) is not None:
+        return None  # the chunked walk: the kernel is faster
+    least = bar.into_steps if into and carried else bar.carried_steps if carried else bar.steps
+    if steps < least:
+        carry = " with a carry-in" if carried else ""
+        return f"fewer than {least} steps{carry}: the loop is faster"
+    if numel >= bar.widest * steps:
+        return f"fewer than 32 steps of {bar.widest} or more elements: the loop is faster"
     return None
 
 
@@ -177,7 +219,7 @@ def solve(
     n = b.shape[dim]
     a = a.expand(*(n if i == dim else s for i, s in enumerate(a.shape)))  # stride 0 if constant
     ops = Operands(a, b, dim, ops.initial, ops.reverse, ops.mask)
-    if kernel_refused(kind, ops, not fast) is None:
+    if kernel_refused(kind, ops, not fast, out is not None) is None:
         h = kernel_solve(a, b, dim, ops.reverse, ops.initial, out)
         if h is not None:
             ran("cpp")

@@ -121,8 +121,8 @@ __all__ = [
 ]
 
 # Below this many elements torch's own ops (2-30 us) beat the kernel's fixed cost of a
-# call: the drop-ins and the chunked recurrence leave smaller calls to torch (measured
-# on a 2-core AMD EPYC, 1 and 2 threads, float32, December 2026).
+# call: the drop-ins leave smaller calls to torch (measured on a 2-core AMD EPYC, 1 and
+# 2 threads, float32, December 2026). The recurrences' own bar is in fscan._routing.
 KERNEL_MIN_NUMEL = 2**15
 
 # Names that callers outside the engine have used (the benchmarks read entries by them).
