@@ -49,6 +49,10 @@ from ._cpp_ops import (
 __all__ = ["Prologue", "Translator"]
 
 
+# Ops whose repeated application shrinks a value geometrically (a product of gates).
+SCALING = frozenset({"mul", "div", "reciprocal", "pow"})
+
+
 class Translator:
     """One pass over a traced graph: split the prologue off, then emit C++ statements."""
 
@@ -69,6 +73,10 @@ class Translator:
         # would make that sum a float32 accumulation).
         self.wide_nodes: set[torch.fx.Node] = set()
         self.node_wide = False  # whether the node being emitted is one of them
+        # Values a product or quotient went into: the outputs among them are flushed
+        # (see fscan_flush_f32 in the prelude; sums of float32 values never reach
+        # double's subnormals, so the others keep their loop as it was).
+        self.scaled: set[torch.fx.Node] = set()
         self.full = (2, *element)  # every value that depends on the operands has this shape
         self.names: dict[torch.fx.Node, str] = {}
         # Nodes whose value other ops read rounded to their dtype: the unrounded value.
@@ -197,6 +205,8 @@ class Translator:
             raise Unsupported(f"{node.target} changes the shape of the operands")
         name = op_name(node.target)
         self.node_wide = any(a in self.wide_nodes for a in node.all_input_nodes)
+        if name in SCALING or any(a in self.scaled for a in node.all_input_nodes):
+            self.scaled.add(node)
         if self.node_wide:
             self.wide_nodes.add(node)
         oc = self._ctype(out.dtype)
@@ -370,7 +380,10 @@ class Translator:
                 val = self._val(o)
                 if val.dtype != dtype:
                     raise Unsupported("combine_fn changes a leaf's dtype")
-                self.lines.append(f"o{k} = static_cast<{oc}>({self.exact.get(o, self.names[o])});")
+                value = f"static_cast<{oc}>({self.exact.get(o, self.names[o])})"
+                if dtype == torch.float32 and oc == "double" and o in self.scaled:
+                    value = f"fscan_flush_f32({value})"  # see the prelude
+                self.lines.append(f"o{k} = {value};")
             else:
                 self.lines.append(f"o{k} = {cpp_const(converted_constant(o, dtype), oc)};")
 

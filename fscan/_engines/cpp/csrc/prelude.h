@@ -98,6 +98,14 @@ template <typename T> static FSCAN_INLINE T fscan_range(T x, T over, T under) {
   const T m = std::fabs(x);
   return m >= over ? std::copysign(std::numeric_limits<T>::infinity(), x) : (m <= under ? std::copysign(T(0), x) : x);
 }
+// A float32 running value held in double, flushed to 0 below double's normal range
+// (2**-1022, which rounds to float32 0): a product of float32 gates above 0.5 runs on
+// into double's subnormals and stays at the least one (2**-1074 times a gate rounds back
+// up to it), and every later step paid the CPU's slow path for subnormal operands,
+// about 50x. Above 2**-1022 the value is kept as computed, beyond float32's range
+// too, as torch.cumprod/cumsum accumulate float32 in double; only a value that had
+// sunk below 2**-1022 and grew back past 2**-150 (by factors over 2**872) would differ.
+static FSCAN_INLINE double fscan_flush_f32(double x) { return std::fabs(x) < 0x1p-1022 ? std::copysign(0.0, x) : x; }
 static FSCAN_INLINE double fscan_range_f32(double x) { return fscan_range(x, 0x1.ffffffp127, 0x1p-150); }
 static FSCAN_INLINE float fscan_range_f16(float x) { return fscan_range(x, 65520.0f, 0x1p-25f); }
 static FSCAN_INLINE float fscan_range_bf16(float x) { return fscan_range(x, 0x1.ffp127f, 0x1p-134f); }
