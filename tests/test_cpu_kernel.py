@@ -290,6 +290,21 @@ def test_long_chains_walked_apart_match_the_oracle(shape, dim, reverse):
 
 
 @needs_compiler
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("shape,dim", [((40, 37), 1), ((70001,), 0), ((3, 5, 1000), 2)])
+def test_float32_chains_in_tiles_match_the_oracle(shape, dim, reverse):
+    # Float32 chains go 16 side by side in transposed tiles (csrc/forward.h: tile_chains):
+    # whole groups and a group of fewer, tails shorter than a tile, chunks of one lane.
+    gen = torch.Generator().manual_seed(5)
+    xs = (torch.rand(shape, generator=gen) * 0.5 + 0.5, torch.randn(shape, generator=gen))
+    ref = oracle(linrec, xs, dim, reverse)
+    assert_close_to(run_kernel("linrec", xs, dim, reverse), tuple(r.float() for r in ref), "")
+    (out,) = run_kernel("add", xs[1], dim, reverse)
+    (ref,) = oracle(add, xs[1], dim, reverse)
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
 def test_captured_tensors_are_inputs_read_at_each_call():
     def make(w, k):
         return lambda a, b: torch.maximum(a * w, b) + k

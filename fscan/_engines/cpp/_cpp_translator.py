@@ -51,6 +51,7 @@ __all__ = ["Prologue", "Translator"]
 
 # Ops whose repeated application shrinks a value geometrically (a product of gates).
 SCALING = frozenset({"mul", "div", "reciprocal", "pow"})
+F32 = torch.float32
 
 
 class Translator:
@@ -64,9 +65,13 @@ class Translator:
         wide: bool,
         element: Sequence[int],
         wide_inputs: Sequence[str] = (),
+        flush_outputs: bool = False,
     ) -> None:
         self.gm = gm
         self.wide = wide
+        # A forward combine's float32 outputs held in double, flushed where combine's
+        # FLUSH says (see fscan_flush_f32 in the prelude); a VJP's are not.
+        self.flush_outputs = flush_outputs
         # Values computed in double even when the rest is not (float32 only): those
         # derived from the inputs named in wide_inputs (a VJP's cotangents, which sum
         # along the whole scan in a double buffer: rounding them to float each step
@@ -205,7 +210,8 @@ class Translator:
             raise Unsupported(f"{node.target} changes the shape of the operands")
         name = op_name(node.target)
         self.node_wide = any(a in self.wide_nodes for a in node.all_input_nodes)
-        if name in SCALING or any(a in self.scaled for a in node.all_input_nodes):
+        scales = name in SCALING or any(a in self.scaled for a in node.all_input_nodes)
+        if scales and out.dtype.is_floating_point:  # (a product of bools is a logical and)
             self.scaled.add(node)
         if self.node_wide:
             self.wide_nodes.add(node)
@@ -381,8 +387,8 @@ class Translator:
                 if val.dtype != dtype:
                     raise Unsupported("combine_fn changes a leaf's dtype")
                 value = f"static_cast<{oc}>({self.exact.get(o, self.names[o])})"
-                if dtype == torch.float32 and oc == "double" and o in self.scaled:
-                    value = f"fscan_flush_f32({value})"  # see the prelude
+                if self.flush_outputs and o in self.scaled and oc == "double" and dtype == F32:
+                    value = f"(FLUSH ? fscan_flush_f32({value}) : {value})"
                 self.lines.append(f"o{k} = {value};")
             else:
                 self.lines.append(f"o{k} = {cpp_const(converted_constant(o, dtype), oc)};")
