@@ -262,15 +262,16 @@ def test_float32_products_below_doubles_range_are_flushed(reverse):
 @needs_compiler
 def test_float32_products_keep_doubles_range_as_torch_cumprod():
     # Beyond float32's range a running product is kept in double as torch.cumprod keeps
-    # it (an overflow comes back); only below double's normal range (2**-1022) is it 0.
+    # it (an overflow comes back); only a pair's, below double's normal range
+    # (2**-1022), is 0.
     x = torch.tensor([1e30, 1e30, 1e-30, 1e-30, 2.0])
     (out,) = kernel_scan("test", mul, optree.tree_flatten(0)[1], [x], 0, False) or [None]
     assert out is not None
     torch.testing.assert_close(out, x.cumprod(0))
-    sunk = torch.tensor([1e-38] * 8 + [1e-10] + [1e38] * 8)  # 1e-314: a double subnormal
-    (out,) = kernel_scan("test", mul, optree.tree_flatten(0)[1], [sunk], 0, False) or [None]
-    assert out is not None
-    assert sunk.cumprod(0)[-1] > 0 and (out[8:] == 0).all()
+    # A pair's: 1e-314 (a double subnormal) is 0 from there on.
+    sunk = torch.tensor([1e-38] * 8 + [1e-10] + [1e38] * 8)
+    out = run_kernel("linrec", (sunk, torch.zeros(17)), 0, False)
+    assert sunk.cumprod(0)[-1] > 0 and (out[0][8:] == 0).all()
 
 
 @needs_compiler
@@ -293,7 +294,8 @@ def test_long_chains_walked_apart_match_the_oracle(shape, dim, reverse):
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("shape,dim", [((40, 37), 1), ((70001,), 0), ((3, 5, 1000), 2)])
 def test_float32_chains_in_tiles_match_the_oracle(shape, dim, reverse):
-    # Float32 chains go 16 side by side in transposed tiles (csrc/forward.h: tile_chains):
+    # Float32 pairs go 16 chains side by side in transposed tiles (csrc/forward.h:
+    # tile_chains; a single leaf is walked):
     # whole groups and a group of fewer, tails shorter than a tile, chunks of one lane.
     gen = torch.Generator().manual_seed(5)
     xs = (torch.rand(shape, generator=gen) * 0.5 + 0.5, torch.randn(shape, generator=gen))
