@@ -241,6 +241,71 @@ def test_float32_sum_accumulates_in_double():
     assert err <= 2 * max(torch_err, 1e-7)
 
 
+def mul(a, b):
+    return a * b
+
+
+@needs_compiler
+@pytest.mark.parametrize("reverse", [False, True])
+def test_float32_products_below_doubles_range_are_flushed(reverse):
+    # Gates above 0.5: the float32 product, held in double, would sink into double's
+    # subnormals and stay at the least one; it is flushed to 0 there instead, which
+    # rounds to the same float32 outputs (0) as the float64 oracle's.
+    gen = torch.Generator().manual_seed(3)
+    xs = (torch.rand(5000, 3, generator=gen) * 0.5 + 0.5, torch.randn(5000, 3, generator=gen))
+    out = run_kernel("linrec", xs, 0, reverse)
+    ref = oracle(linrec, xs, 0, reverse)
+    assert out[0].abs().min() == 0  # the products did underflow
+    assert_close_to(out, tuple(r.float() for r in ref), "linrec")
+
+
+@needs_compiler
+def test_float32_products_keep_doubles_range_as_torch_cumprod():
+    # Beyond float32's range a running product is kept in double as torch.cumprod keeps
+    # it (an overflow comes back); only a pair's, below double's normal range
+    # (2**-1022), is 0.
+    x = torch.tensor([1e30, 1e30, 1e-30, 1e-30, 2.0])
+    (out,) = kernel_scan("test", mul, optree.tree_flatten(0)[1], [x], 0, False) or [None]
+    assert out is not None
+    torch.testing.assert_close(out, x.cumprod(0))
+    # A pair's: 1e-314 (a double subnormal) is 0 from there on.
+    sunk = torch.tensor([1e-38] * 8 + [1e-10] + [1e38] * 8)
+    out = run_kernel("linrec", (sunk, torch.zeros(17)), 0, False)
+    assert sunk.cumprod(0)[-1] > 0 and (out[0][8:] == 0).all()
+
+
+@needs_compiler
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("shape,dim", [((17, 16384), 1), ((1, 2, 40000), 2), ((80000,), 0)])
+def test_long_chains_walked_apart_match_the_oracle(shape, dim, reverse):
+    # Chains long enough to be walked SKEW steps apart (csrc/forward.h: chains), power-of-
+    # two lengths (lanes 4 KiB apart) and a group of fewer than G lanes among them.
+    gen = torch.Generator().manual_seed(4)
+    xs = (torch.rand(shape, generator=gen, dtype=torch.float64) * 0.1 + 0.9,)
+    xs += (torch.randn(shape, generator=gen, dtype=torch.float64),)
+    assert_close_to(run_kernel("linrec", xs, dim, reverse), oracle(linrec, xs, dim, reverse), "")
+    (x,) = xs[1:]
+    (out,) = run_kernel("add", x, dim, reverse)
+    ref = x.flip(dim).cumsum(dim).flip(dim) if reverse else x.cumsum(dim)
+    torch.testing.assert_close(out, ref)
+
+
+@needs_compiler
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("shape,dim", [((40, 37), 1), ((70001,), 0), ((3, 5, 1000), 2)])
+def test_float32_chains_in_tiles_match_the_oracle(shape, dim, reverse):
+    # Float32 pairs go 16 chains side by side in transposed tiles (csrc/forward.h:
+    # tile_chains; a single leaf is walked):
+    # whole groups and a group of fewer, tails shorter than a tile, chunks of one lane.
+    gen = torch.Generator().manual_seed(5)
+    xs = (torch.rand(shape, generator=gen) * 0.5 + 0.5, torch.randn(shape, generator=gen))
+    ref = oracle(linrec, xs, dim, reverse)
+    assert_close_to(run_kernel("linrec", xs, dim, reverse), tuple(r.float() for r in ref), "")
+    (out,) = run_kernel("add", xs[1], dim, reverse)
+    (ref,) = oracle(add, xs[1], dim, reverse)
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
+
+
 @needs_compiler
 def test_captured_tensors_are_inputs_read_at_each_call():
     def make(w, k):

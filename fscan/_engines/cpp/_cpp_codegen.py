@@ -140,7 +140,7 @@ def _forward_translator(what: TraceInput) -> tuple[Translator, Program]:
     gm = _make_fx(flat, _examples(dtypes, element) + _examples(dtypes, element))
     names = [f"l{k}" for k in range(n)] + [f"r{k}" for k in range(n)]
     wide = rounds(gm) and torch.float32 in dtypes
-    translator = Translator(gm, names, captured, wide, element)
+    translator = Translator(gm, names, captured, wide, element, flush_outputs=True)
     return translator, translator.program(list(dtypes))
 
 

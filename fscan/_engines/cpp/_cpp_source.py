@@ -30,8 +30,11 @@ compiled kernel serves every shape and layout.
   untaken branch per row and input).
 * Chain path (``inner < 8``: 1-D, or a scan over the last dim; or inputs laid
   out along T, such as a transpose, whose T stride is below their inner
-  stride): each lane is a chain; 8 chains run interleaved (instruction-level
-  parallelism), each walking its steps.
+  stride): each lane is a chain. Two or more float32 leaves whose steps are dense
+  (AVX-512) go 16 chains side by side, as the lanes of vector loops: 16 steps of each are
+  transposed into a tile in registers, scanned a row at a time, and transposed back
+  (``tile_chains``). Other leaves: 8 chains run interleaved (instruction-level
+  parallelism), each walking its steps (long ones 16 steps apart, off one cache set).
 * Either path splits T into chunks when there are too few columns or chains
   for the threads (and, on the chain path, for the 8-way interleave):
   reduce-then-scan (chunk totals, a short scan of the totals, then each chunk
@@ -204,6 +207,7 @@ def forward_source(
         combine=_combine_function(compute, program),
         suspect=" || ".join(checks) or "false",
         tuning=csrc("tuning.h"),
+        tiles=_tiles(read_idx if _tiled(st, positions) else None, kept),
         forward=csrc("forward.h"),
         arguments=", ".join(
             _signature(dtypes, program, [f"{st[k]}* y{k}" for k in kept], positions)
@@ -214,6 +218,69 @@ def forward_source(
         y=_strided_init(written),
         params=_param_names(program),
         head_init="".join(heads) + (f"h{read_idx[0]} != 0" if read_idx else "false"),
+    )
+
+
+def _tiled(storage: Sequence[str], positions: Sequence[int]) -> bool:
+    """Whether the chain path tiles its chains (see tile_chains in csrc/forward.h): float32
+    leaves, none of them positions, and two or more of them. One leaf's combine (add,
+    mul, max) walked 8 chains interleaved at 0.40-0.55 ns an element over (1048576,),
+    tiled at 0.7: the transposes cost more than its scalar combine; the affine pair's
+    went from 2.4-4.4 walked to 1.2-2.1 tiled."""
+    return not positions and set(storage) == {"float"} and len(storage) >= 2
+
+
+def _tiles(read: Sequence[int] | None, kept: Sequence[int]) -> str:
+    """The chain path's tiles (see tile_chains in csrc/forward.h): ``InTile``/``OutTile``,
+    TB steps of TW chains of each read/kept leaf, transposed in and out by ``tile_in``/
+    ``tile_out`` (float32 leaves, no position leaves: ``read`` is None otherwise, and
+    ``TILED`` false, with stubs)."""
+    if read is None:
+        return "\n".join(
+            [
+                "static constexpr bool TILED = false;",
+                "struct InTile {}; struct OutTile {};",
+                "static FSCAN_INLINE bool tileable(const In, const Out) { return false; }",
+                "static FSCAN_INLINE void tile_in(const In*, const int64_t*, InTile&) {}",
+                "static FSCAN_INLINE void tile_out(const Out*, const int64_t*, const OutTile&) {}",
+                "static FSCAN_INLINE In tile_row(const In x, const InTile&, int64_t) { return x; }",
+                "static FSCAN_INLINE Out tile_row(const Out y, OutTile&, int64_t) { return y; }",
+            ]
+        )
+    tile = lambda name, fields: (
+        f"struct {name} {{ " + " ".join(f"alignas(64) float {f}[TB * TW];" for f in fields) + " };"
+    )
+    xs, ys = [f"x{k}" for k in read], [f"y{k}" for k in kept]
+    units = [f"x.{f}.st == 1" for f in xs] + [f"y.{f}.st == 1" for f in ys]
+    return "\n".join(
+        [
+            "static constexpr bool TILED = FSCAN_TILES;",
+            tile("InTile", xs),
+            tile("OutTile", ys),
+            "static FSCAN_INLINE bool tileable(const In x, const Out y) "
+            "{ (void)x; (void)y; return " + " && ".join(units or ["true"]) + "; }",
+            "static FSCAN_INLINE void tile_in(const In* x, const int64_t* t, InTile& b) { "
+            + " ".join(
+                f"{{ const float* s[TW]; for (int g = 0; g < TW; ++g) s[g] = x[g].{f}.p + t[g]; "
+                f"fscan_tile_in(s, b.{f}); }}"
+                for f in xs
+            )
+            + " }",
+            "static FSCAN_INLINE void tile_out(const Out* y, const int64_t* t, const OutTile& b) "
+            "{ "
+            + " ".join(
+                f"{{ float* d[TW]; for (int g = 0; g < TW; ++g) d[g] = y[g].{f}.p + t[g]; "
+                f"fscan_tile_out(b.{f}, d); }}"
+                for f in ys
+            )
+            + " }",
+            "static FSCAN_INLINE In tile_row(const In x, const InTile& b, int64_t j) { In r = x; "
+            + " ".join(f"r.{f} = Ptr<const float>{{b.{f} + j * TW, 0, 0, 0, 1}};" for f in xs)
+            + " return r; }",
+            "static FSCAN_INLINE Out tile_row(const Out y, OutTile& b, int64_t j) { Out r = y; "
+            + " ".join(f"r.{f} = Ptr<float>{{b.{f} + j * TW, 0, 0, 0, 1}};" for f in ys)
+            + " return r; }",
+        ]
     )
 
 

@@ -11,6 +11,51 @@
 
 #define FSCAN_INLINE __attribute__((always_inline)) inline
 
+// 16 x 16 float32 tiles transposed in registers (the chain path's tiles: forward.h).
+#ifdef __AVX512F__
+#include <immintrin.h>
+#define FSCAN_TILES true
+static FSCAN_INLINE void fscan_transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) { t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]); t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]); }
+  for (int i = 0; i < 16; i += 4) {
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c)); r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d)); r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  // r[4q + m]: rows 4q..4q+3 of columns 4b + m, b the 128-bit block.
+  for (int q = 0; q < 4; q += 2)
+    for (int m = 0; m < 4; ++m) {
+      t[4 * q + m] = _mm512_shuffle_f32x4(r[4 * q + m], r[4 * q + 4 + m], 0x88);
+      t[4 * q + 4 + m] = _mm512_shuffle_f32x4(r[4 * q + m], r[4 * q + 4 + m], 0xdd);
+    }
+  for (int m = 0; m < 4; ++m) {
+    r[m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0x88);
+    r[8 + m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0xdd);
+    r[4 + m] = _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0x88);
+    r[12 + m] = _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0xdd);
+  }
+}
+// dst[j * 16 + g] = src[g][j]; and back: dst[g][j] = src[j * 16 + g].
+static FSCAN_INLINE void fscan_tile_in(const float* const* src, float* dst) {
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src[i]);
+  fscan_transpose16(r);
+  for (int i = 0; i < 16; ++i) _mm512_store_ps(dst + 16 * i, r[i]);
+}
+static FSCAN_INLINE void fscan_tile_out(const float* src, float* const* dst) {
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(src + 16 * i);
+  fscan_transpose16(r);
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst[i], r[i]);
+}
+#else
+#define FSCAN_TILES false
+static FSCAN_INLINE void fscan_tile_in(const float* const*, float*) {}
+static FSCAN_INLINE void fscan_tile_out(const float*, float* const*) {}
+#endif
+
 // The ops below as torch computes them (tests/test_cpu_kernel_ops.py checks each against
 // eager torch on every dtype, special values included).
 // torch.maximum/minimum: NaN wins from either side.
@@ -98,6 +143,14 @@ template <typename T> static FSCAN_INLINE T fscan_range(T x, T over, T under) {
   const T m = std::fabs(x);
   return m >= over ? std::copysign(std::numeric_limits<T>::infinity(), x) : (m <= under ? std::copysign(T(0), x) : x);
 }
+// A float32 running value held in double, flushed to 0 below double's normal range
+// (2**-1022, which rounds to float32 0): a product of float32 gates above 0.5 runs on
+// into double's subnormals and stays at the least one (2**-1074 times a gate rounds back
+// up to it), and every later step paid the CPU's slow path for subnormal operands,
+// about 50x. Above 2**-1022 the value is kept as computed, beyond float32's range
+// too, as torch.cumprod/cumsum accumulate float32 in double; only a value that had
+// sunk below 2**-1022 and grew back past 2**-150 (by factors over 2**872) would differ.
+static FSCAN_INLINE double fscan_flush_f32(double x) { return std::fabs(x) < 0x1p-1022 ? std::copysign(0.0, x) : x; }
 static FSCAN_INLINE double fscan_range_f32(double x) { return fscan_range(x, 0x1.ffffffp127, 0x1p-150); }
 static FSCAN_INLINE float fscan_range_f16(float x) { return fscan_range(x, 65520.0f, 0x1p-25f); }
 static FSCAN_INLINE float fscan_range_bf16(float x) { return fscan_range(x, 0x1.ffp127f, 0x1p-134f); }
