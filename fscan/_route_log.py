@@ -95,7 +95,9 @@ def register(api: str, why: Why, before: Callable[[tuple, dict], Any] | None = N
 
 def ran(engine: Engine) -> None:
     """Note that ``engine`` serves the current public call (a no-op while no DEBUG
-    record is being gathered)."""
+    record is being gathered, and while compiling: Dynamo cannot read the record)."""
+    if _is_compiling():
+        return
     route = _route.get()
     if route is not None:
         route.noted.append((route.depth, engine))
