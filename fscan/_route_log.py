@@ -95,12 +95,15 @@ def register(api: str, why: Why, before: Callable[[tuple, dict], Any] | None = N
 
 def ran(engine: Engine) -> None:
     """Note that ``engine`` serves the current public call (a no-op while no DEBUG
-    record is being gathered, and while compiling: Dynamo cannot read the record)."""
-    if _is_compiling():
-        return
+    record is being gathered)."""
     route = _route.get()
     if route is not None:
         route.noted.append((route.depth, engine))
+
+
+# Dynamo cannot trace the ContextVar read: it calls ran() at trace time instead (a
+# no-op there: logs_route gathers no record while compiling), at no cost to eager calls.
+ran._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def logs_route(api: str) -> Callable[[_F], _F]:
