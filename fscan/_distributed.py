@@ -53,8 +53,9 @@ def associative_scan(
     rank must run backward through it (as with DDP). Before its exchange each call
     checks that the ranks agree (one 16-byte ``all_gather``): where they differ,
     every rank raises the same ``fscan.ScanValueError``; a rank that raised before
-    it raises its own error and the others ``fscan.PeerRankError``. Under
-    ``torch.compile`` it is refused (``fscan.UnsupportedScanError``). Tensors that ``combine_fn``
+    it raises its own error and the others ``fscan.PeerRankError``. It runs under
+    ``torch.compile`` (``fullgraph=True`` too), values and gradients, without that
+    check (every rank must compile the same call). Tensors that ``combine_fn``
     closes over get this rank's share of their gradient: sum it over ``group``
     (DDP and FSDP over a mesh that includes the sequence dimension do).
 

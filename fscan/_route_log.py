@@ -101,6 +101,11 @@ def ran(engine: Engine) -> None:
         route.noted.append((route.depth, engine))
 
 
+# Dynamo cannot trace the ContextVar read: it calls ran() at trace time instead (a
+# no-op there: logs_route gathers no record while compiling), at no cost to eager calls.
+ran._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def logs_route(api: str) -> Callable[[_F], _F]:
     """Wrap the public function ``api`` so that it logs its route (see module doc)."""
 

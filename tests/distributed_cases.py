@@ -168,6 +168,7 @@ def _scan_case(
     tree: Callable = lambda p: p[0],
     static: bool = False,
     lengths: list[int] | None = None,
+    compiled: bool = False,
 ) -> Callable[[int, int], None]:
     def run(rank: int, world: int) -> None:
         ls = lengths[:world] if lengths else UNEVEN[world]
@@ -181,12 +182,14 @@ def _scan_case(
             return leaves, [dim] * len(shapes), []
 
         layout = fd.Layout.contiguous(world, ls) if static else None
+        group = _group(compiled)
+        local = lambda p, _: fd.associative_scan(
+            combine, tree(p), dim, reverse, mode, layout=layout, group=group
+        )
         check(
             Case(
                 make,
-                lambda p, _: fd.associative_scan(
-                    combine, tree(p), dim, reverse, mode, layout=layout
-                ),
+                _compile(local) if compiled else local,
                 lambda x, _: fscan.associative_scan(combine, tree(x), dim, reverse, mode),
                 ls,
             ),
@@ -201,7 +204,40 @@ def _dict_tree(p: list) -> dict:
     return {"a": p[0], "h": p[1]}
 
 
-def _reset_case(reverse: bool) -> Callable[[int, int], None]:
+# Every rank compiles its own graph before its first collective; on a loaded machine
+# that can take longer than TIMEOUT_S, so compiled calls run on a group with more time.
+_COMPILE_TIMEOUT_S = 600.0
+_SLOW_GROUP: list[Any] = []
+
+
+def _group(compiled: bool) -> Any:
+    """The default group (None), or for compiled calls one with a long timeout (made by
+    every rank in the same case: ``new_group`` is a collective)."""
+    if not compiled:
+        return None
+    if not _SLOW_GROUP:
+        _SLOW_GROUP.append(dist.new_group(timeout=timedelta(seconds=_COMPILE_TIMEOUT_S)))
+    return _SLOW_GROUP[0]
+
+
+def _at(world_size: int, case: Callable[[int, int], None]) -> Callable[[int, int], None]:
+    """``case``, run at ``world_size`` only."""
+
+    def run(rank: int, world: int) -> None:
+        if world == world_size:
+            case(rank, world)
+
+    return run
+
+
+def _compile(fn: Callable) -> Callable:
+    """``fn`` under ``torch.compile(fullgraph=True)``: the collectives trace (aot_eager:
+    the joint forward and backward graphs, without the time of a C++ build)."""
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend="aot_eager")
+
+
+def _reset_case(reverse: bool, compiled: bool = False) -> Callable[[int, int], None]:
     def run(rank: int, world: int) -> None:
         ls = UNEVEN[world]
         n = sum(ls)
@@ -209,10 +245,14 @@ def _reset_case(reverse: bool) -> Callable[[int, int], None]:
         flags[::3] = True  # resets inside pieces and at piece starts
         starts = [sum(ls[:r]) for r in range(world)]
         mine = flags.narrow(0, starts[rank], ls[rank])
+        group = _group(compiled)
+        local = lambda p, _: fd.associative_scan(
+            torch.add, p[0], 0, reverse, reset=mine, group=group
+        )
         check(
             Case(
                 lambda: ([torch.rand(n, 2, dtype=torch.float64)], [0], []),
-                lambda p, _: fd.associative_scan(torch.add, p[0], 0, reverse, reset=mine),
+                _compile(local) if compiled else local,
                 lambda x, _: fscan.associative_scan(torch.add, x[0], 0, reverse, reset=flags),
                 ls,
             ),
@@ -233,10 +273,12 @@ def _closure_pointwise(rank: int, world: int) -> None:
     def shifted(w):  # x + y + w is associative: addition conjugated by a shift
         return lambda x, y: x + y + w
 
+    local = lambda p, w: fd.associative_scan(shifted(w[0]), p[0], 0)
+
     check(
         Case(
             make,
-            lambda p, w: fd.associative_scan(shifted(w[0]), p[0], 0),
+            local,
             lambda x, w: fscan.associative_scan(shifted(w[0]), x[0], 0),
             ls,
         ),
@@ -292,13 +334,14 @@ def _head_tail(rank: int, world: int) -> None:
     )
 
 
-def _linear_case(*, gate: str, reverse: bool, initial: bool, reset: bool):
+def _linear_case(*, gate: str, reverse: bool, initial: bool, reset: bool, compiled: bool = False):
     def run(rank: int, world: int) -> None:
         ls = UNEVEN[world]
         n = sum(ls)
         starts = [sum(ls[:r]) for r in range(world)]
         flags = (torch.arange(n) % 4 == 1) if reset else None
         mine = None if flags is None else flags.narrow(0, starts[rank], ls[rank])
+        group = _group(compiled)
 
         def make():
             b = torch.randn(n, 3, dtype=torch.float64)
@@ -316,13 +359,15 @@ def _linear_case(*, gate: str, reverse: bool, initial: bool, reset: bool):
 
         def local(p, params):
             a, b, init = split(p, params)
-            return fd.linear_recurrence(a, b, 0, initial=init, reverse=reverse, reset=mine)
+            return fd.linear_recurrence(
+                a, b, 0, initial=init, reverse=reverse, reset=mine, group=group
+            )
 
         def whole(x, params):
             a, b, init = split(x, params)
             return fscan.linear_recurrence(a, b, 0, initial=init, reverse=reverse, reset=flags)
 
-        check(Case(make, local, whole, ls), rank, world)
+        check(Case(make, _compile(local) if compiled else local, whole, ls), rank, world)
 
     return run
 
@@ -331,7 +376,7 @@ def _torch_func(rank: int, world: int) -> None:
     """torch.func.grad with uneven pieces; vmap and jacrev (a vmap over the backward)
     with equal pieces: the batch folds into the one collective, so every rank must
     map over the same batch size, and batch element b on one rank meets batch
-    element b on the others. jvp has no rule (forward mode through a collective)."""
+    element b on the others (forward mode: :func:`_jvp`)."""
     torch.manual_seed(1)
     ls = UNEVEN[world]
     start = sum(ls[:rank])
@@ -363,6 +408,34 @@ def _torch_func(rank: int, world: int) -> None:
     )
     want_mapped = torch.func.vmap(lambda x: fscan.associative_scan(torch.mul, x, 0))(batch)
     _close(mapped, want_mapped.narrow(1, m * rank, m), "vmap")
+
+
+def _jvp(rank: int, world: int) -> None:
+    """torch.func.jvp: the tangents are gathered with the totals (uneven and empty
+    pieces, lengths unknown; a recurrence with ``initial`` and resets)."""
+    torch.manual_seed(2)
+    ls = UNEVEN[world]
+    n, start = sum(ls), sum(ls[:rank])
+    whole, tangent = torch.rand(n, 2, dtype=torch.float64) + 0.5, torch.randn(n, 2).double()
+    flags = torch.arange(n) % 3 == 2
+    initial = torch.rand(2, dtype=torch.float64)
+    mine = lambda t: t.narrow(0, start, ls[rank])
+    for name, local, whole_fn in (
+        (
+            "scan reverse",
+            lambda x: fd.associative_scan(torch.mul, x, 0, reverse=True),
+            lambda x: fscan.associative_scan(torch.mul, x, 0, reverse=True),
+        ),
+        (
+            "linear_recurrence",
+            lambda x: fd.linear_recurrence(0.5, x, 0, initial=initial, reset=mine(flags)),
+            lambda x: fscan.linear_recurrence(0.5, x, 0, initial=initial, reset=flags),
+        ),
+    ):
+        got, got_t = torch.func.jvp(local, (mine(whole),), (mine(tangent),))
+        want, want_t = torch.func.jvp(whole_fn, (whole,), (tangent,))
+        _close(got, mine(want), f"jvp {name}: value")
+        _close(got_t, mine(want_t), f"jvp {name}: tangent")
 
 
 # ---- DTensor --------------------------------------------------------------------------
@@ -485,7 +558,16 @@ CASES: dict[str, Callable[[int, int], None]] = {
         gate="channel", reverse=True, initial=True, reset=False
     ),
     "linear reset initial": _linear_case(gate="full", reverse=False, initial=True, reset=True),
+    # torch.compile(fullgraph=True): values and gradients, empty pieces included. Each
+    # rank compiles each case (tens of seconds on 2 shared cores), so each runs at one
+    # world size: 3 (an empty piece between two others) and 2 (an empty last piece).
+    "compile: add, lengths unknown": _at(3, _scan_case(torch.add, [(-1, 3)], 0, compiled=True)),
+    "compile: reset reverse": _at(3, _reset_case(True, compiled=True)),
+    "compile: linear reset initial": _at(
+        2, _linear_case(gate="full", reverse=False, initial=True, reset=True, compiled=True)
+    ),
     "torch.func grad, jacrev, vmap": _torch_func,
+    "torch.func.jvp": _jvp,
     "dtensor shard": _dtensor_shard,
     "dtensor refused": _dtensor_refused,
     "dtensor 2-D mesh": _dtensor_2d,

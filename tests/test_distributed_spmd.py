@@ -1,5 +1,5 @@
 """SPMD preconditions of ``fscan.distributed`` on gloo at world sizes 2 and 3: ranks that
-make different calls, a rank that raises before the exchange, and ``torch.compile``.
+make different calls, a rank that raises before the exchange.
 
 Every rank must end each case with a clear error (the same one wherever the ranks
 disagree), never hang in a collective or abort inside gloo, and the group must stay
@@ -158,22 +158,7 @@ def _matching_calls(rank: int, world: int) -> None:
             torch.testing.assert_close(grad, want_grad.narrow(0, start, length), msg=where)
 
 
-# ---- compile ----------------------------------------------------------------------------
-
-
-def _compiled(rank: int, world: int, *, fullgraph: bool, grad: bool, what: str) -> None:
-    torch._dynamo.reset()
-    x = _piece(rank, world).requires_grad_(grad)  # rank 1's piece is empty
-    if what == "scan":
-        fn = lambda x: fd.associative_scan(torch.add, x, 0)
-    else:
-        fn = lambda x: fd.linear_recurrence(0.5, x, 0)
-    out = torch.compile(fn, fullgraph=fullgraph, backend="eager")(x)
-    if grad:
-        out.sum().backward()
-
-
-def _dtensor(rank: int, world: int, *, wrong_on: int | None = None, compiled: bool = False):
+def _dtensor(rank: int, world: int, *, wrong_on: int | None = None):
     """``fscan.associative_scan`` on a DTensor sharded along the scan dimension; rank
     ``wrong_on`` builds its shard one step too long (metadata it disagrees with)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -187,15 +172,7 @@ def _dtensor(rank: int, world: int, *, wrong_on: int | None = None, compiled: bo
     x = DTensor.from_local(
         local, mesh, [Shard(0)], run_check=False, shape=x.shape, stride=x.stride()
     )
-    scan = lambda x: fscan.associative_scan(torch.add, x, 0)
-    if compiled:
-        torch._dynamo.reset()
-        scan = torch.compile(scan, backend="eager")
-    scan(x)
-
-
-def _dynamo_unsupported() -> type:
-    return torch._dynamo.exc.Unsupported
+    fscan.associative_scan(torch.add, x, 0)
 
 
 # ---- the cases --------------------------------------------------------------------------
@@ -359,40 +336,6 @@ CASES: dict[str, Case] = {
         lambda r, w: _dtensor(r, w, wrong_on=1), lambda w: 1, lambda: fscan.ScanValueError
     ),
     "matching calls after the errors": _ok(_matching_calls),
-    # torch.compile: refused on every rank before any collective, the empty rank too
-    "compile: scan with grad": _refused(
-        lambda r, w: _compiled(r, w, fullgraph=False, grad=True, what="scan"),
-        lambda: fscan.UnsupportedScanError,
-        "fscan.distributed.associative_scan: a scan across ranks",
-        "does not run under torch.compile yet",
-    ),
-    "compile: scan without grad": _refused(
-        lambda r, w: _compiled(r, w, fullgraph=False, grad=False, what="scan"),
-        lambda: fscan.UnsupportedScanError,
-        "does not run under torch.compile",
-    ),
-    "compile: recurrence with grad": _refused(
-        lambda r, w: _compiled(r, w, fullgraph=False, grad=True, what="recurrence"),
-        lambda: fscan.UnsupportedScanError,
-        "fscan.distributed.linear_recurrence: a scan across ranks",
-    ),
-    "compile: dtensor": _refused(
-        lambda r, w: _dtensor(r, w, compiled=True),
-        lambda: fscan.UnsupportedScanError,
-        "fscan.associative_scan: a scan across ranks",
-    ),
-    # fullgraph: Dynamo raises its own error at trace time, giving fscan's reason
-    "compile fullgraph: scan with grad": _refused(
-        lambda r, w: _compiled(r, w, fullgraph=True, grad=True, what="scan"),
-        _dynamo_unsupported,
-        "fscan.distributed calls do not run under torch.compile yet",
-    ),
-    "compile fullgraph: recurrence without grad": _refused(
-        lambda r, w: _compiled(r, w, fullgraph=True, grad=False, what="recurrence"),
-        _dynamo_unsupported,
-        "fscan.distributed calls do not run under torch.compile yet",
-    ),
-    "matching calls after compile": _ok(_matching_calls),
 }
 
 
@@ -519,10 +462,35 @@ def test_one_rank_raises_its_own_errors_unchanged(one_rank):
     assert out.tolist() == [2.0, 4.0, 8.0, 16.0]
 
 
-@pytest.mark.parametrize("fullgraph", [False, True])
-@pytest.mark.parametrize("what", ["scan", "recurrence"])
-def test_one_rank_refuses_compile_too(one_rank, fullgraph, what):
-    """The refusal does not depend on the world size or the data."""
-    error = torch._dynamo.exc.Unsupported if fullgraph else fscan.UnsupportedScanError
-    with pytest.raises(error, match=r"do(es)? not run under torch.compile yet"):
-        _compiled(0, 1, fullgraph=fullgraph, grad=True, what=what)
+@pytest.mark.parametrize("what", ["scan", "recurrence", "dtensor"])
+def test_one_rank_compiles(one_rank, what):
+    """torch.compile(fullgraph=True) of a distributed call on a group of one: the values
+    and gradients of the one-process call (several ranks: tests/test_distributed.py)."""
+    torch._dynamo.reset()
+    if what == "scan":
+        fn = lambda x: fd.associative_scan(torch.mul, x, 0, reverse=True)
+        want_fn = lambda x: fscan.associative_scan(torch.mul, x, 0, reverse=True)
+    elif what == "recurrence":
+        fn = lambda x: fd.linear_recurrence(0.5, x, 0, reverse=True)
+        want_fn = lambda x: fscan.linear_recurrence(0.5, x, 0, reverse=True)
+    else:  # a DTensor sharded along the scan dimension, on a mesh of one
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (1,))
+        fn = want_fn = lambda x: fscan.associative_scan(torch.mul, x, 0, reverse=True)
+    x = _piece(0, 1).requires_grad_()
+    if what == "dtensor":
+        sharded = distribute_tensor(x.detach(), mesh, [Shard(0)]).requires_grad_()
+        got = torch.compile(fn, fullgraph=True, backend="aot_eager")(sharded)
+        assert got.placements == (Shard(0),), got.placements
+        (grad,) = torch.autograd.grad(got.to_local().sum(), sharded)
+        got, grad = got.to_local(), grad.to_local()
+    else:
+        got = torch.compile(fn, fullgraph=True, backend="aot_eager")(x)
+        (grad,) = torch.autograd.grad(got.sum(), x)
+    x = x.detach().requires_grad_()
+    want = want_fn(x)
+    (want_grad,) = torch.autograd.grad(want.sum(), x)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(grad, want_grad)

@@ -3,5 +3,6 @@
 ``layout`` says where the pieces lie and which group holds them; ``agree`` makes
 every rank check the call before an element moves; ``exchange`` moves the piece
 totals (with its autograd); ``scan`` scans a sharded sequence from local scans
-through :mod:`fscan._entry`; ``dtensor`` unwraps DTensor inputs to it.
+through :mod:`fscan._entry` (``traced``: its fold of the totals under
+``torch.compile``); ``dtensor`` unwraps DTensor inputs to it.
 """

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .._call import RecurrenceCall, ScanCall
-from .._errors import PeerRankError, ScanValueError, UnsupportedScanError
+from .._errors import PeerRankError, ScanValueError
 from .._pytree import describe, leaf_paths
 from .layout import Layout, resolve_group
 
@@ -181,42 +181,24 @@ def _mismatch_message(api: str, got: list[Any]) -> str:
     )
 
 
-@torch.compiler.disable(
-    reason="fscan.distributed calls do not run under torch.compile yet: call them "
-    "outside the compiled region"
-)
-def _refuse_compiled(api: str) -> None:
-    """Raise fscan's error for a distributed call met while compiling.
-
-    Out of the graph (``disable``): without ``fullgraph`` Dynamo breaks the graph here
-    and runs this eagerly, so the error is fscan's, on every rank before any
-    collective (a raise traced inside the graph would make Dynamo fall back to
-    running the whole frame eagerly, refusing nothing). With ``fullgraph=True``,
-    Dynamo's own error names the reason above, at trace time.
-    """
-    raise UnsupportedScanError(
-        f"{api}: a scan across ranks (fscan.distributed, or a DTensor sharded along "
-        "the scan dimension) does not run under torch.compile yet: its collectives "
-        "need eager piece lengths and the same path on every rank, which tracing does "
-        "not give (a rank with an empty piece traces differently). Call it outside the "
-        "compiled region, e.g. in a function decorated with torch.compiler.disable."
-    )
-
-
 def agreeing(api: str, group: Any) -> contextlib.AbstractContextManager[Agreement]:
-    """Open a distributed call on ``group``: refuse tracing, then make sure the ranks
-    agree (:func:`agree`, run by the first :func:`~fscan._sharded.exchange.exchange`)
-    before the first exchange, also when one of them raises before it.
+    """Open a distributed call on ``group``: make sure the ranks agree (:func:`agree`,
+    run by the first :func:`~fscan._sharded.exchange.exchange`) before the first
+    exchange, also when one of them raises before it.
 
     Everything that may raise on one rank alone (argument checks, a DTensor's shard
     metadata, ``combine_fn`` on its data) runs inside: an error reaches the peers, who
     hear of it where they agree, and then propagates here. The body sets the
     agreement's ``describe`` once the arguments are checked.
+
+    Under ``torch.compile`` the check is skipped (the agreement is born agreed): it
+    reads the gathered digests on the host, which a graph cannot, and Dynamo cannot
+    trace the context variable. A traced call's collectives do not depend on the data
+    (see :mod:`fscan._sharded.traced`), so ranks that make the same call meet in them.
     """
-    # A plain function, not the context manager: Dynamo traces this one, so the refusal
-    # comes first, before anything that depends on the data.
+    # A plain function, not the context manager: Dynamo traces this one.
     if torch.compiler.is_compiling():
-        _refuse_compiled(api)
+        return contextlib.nullcontext(Agreement(api, resolve_group(api, group), agreed=True))
     return _agreeing(Agreement(api, resolve_group(api, group)))
 
 

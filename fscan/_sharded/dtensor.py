@@ -103,12 +103,16 @@ def _sequence_mesh_dim(api: str, name: str, placements: tuple, dim: int) -> int 
 
 
 def _shard_lengths(length: int, parts: int) -> tuple[int, ...]:
-    """Every shard's length along a ``Shard`` dimension of global ``length``."""
-    from torch.distributed.tensor import Shard
+    """Every shard's length along a ``Shard`` dimension of global ``length``: torch's
+    ``torch.chunk`` rule (``Shard._local_shard_size_and_offset``), written out so that
+    Dynamo traces it; :func:`_checked_lengths` compares it with the local shard.
 
-    split = getattr(Shard, "local_shard_size_and_offset", None)
-    split = split or Shard._local_shard_size_and_offset
-    return tuple(int(split(length, parts, r)[0]) for r in range(parts))
+    Example:
+        >>> _shard_lengths(10, 4), _shard_lengths(3, 4)
+        ((3, 3, 3, 1), (1, 1, 1, 0))
+    """
+    chunk = -(-length // parts)
+    return tuple(max(0, min(length, (r + 1) * chunk) - r * chunk) for r in range(parts))
 
 
 def _checked_lengths(api: str, first: Any, mesh_dim: int, dim: int) -> tuple[int, ...]:

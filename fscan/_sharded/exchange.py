@@ -45,6 +45,7 @@ class _AllGather(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         ctx.group_name, ctx.world = inputs[1], inputs[2]
         ctx.anchors = len(inputs) - 3
+        ctx.like = (inputs[0].shape, inputs[0].dtype, inputs[0].device)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
@@ -66,6 +67,20 @@ class _AllGather(torch.autograd.Function):
         return out.view(world, batch, k).transpose(0, 1).reshape(batch, world * k), 0
 
 
+class _AllGatherJvp(_AllGather):
+    """:class:`_AllGather` with a forward-mode rule, for eager calls: Dynamo refuses to
+    trace a Function that defines ``jvp``, so traced calls use the plain one."""
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor | None, *rest: Any) -> torch.Tensor:
+        """The gather is linear, so the tangents are gathered too (zeros from a rank
+        whose totals have none: every rank runs the collective)."""
+        if tangent is None:
+            shape, dtype, device = ctx.like
+            tangent = torch.zeros(shape, dtype=dtype, device=device)
+        return _AllGather.apply(tangent, ctx.group_name, ctx.world)
+
+
 class _ReduceScatter(torch.autograd.Function):
     """(W * k,) from every rank -> this rank's (k,) block of their sum; backward: gather."""
 
@@ -81,6 +96,10 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         return _AllGather.apply(grad, ctx.group_name, ctx.world), None, None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, *rest: Any) -> torch.Tensor:
+        return _ReduceScatter.apply(tangent, ctx.group_name, ctx.world)
 
     @staticmethod
     def vmap(
@@ -118,10 +137,18 @@ class _Tie(torch.autograd.Function):
         return (zero.expand(shape), *grads)
 
 
+class _TieJvp(_Tie):
+    """:class:`_Tie` with a forward-mode rule, for eager calls (see :class:`_AllGatherJvp`)."""
+
+    @staticmethod
+    def jvp(ctx: Any, anchor: torch.Tensor | None, *tangents: torch.Tensor) -> tuple:
+        return tuple(t.view_as(t) for t in tangents)
+
+
 def tie(anchor: torch.Tensor, outs: list[torch.Tensor]) -> list[torch.Tensor]:
     if not anchor.requires_grad or not torch.is_grad_enabled():
         return outs
-    return list(_Tie.apply(anchor, *outs))
+    return list((_Tie if torch.compiler.is_compiling() else _TieJvp).apply(anchor, *outs))
 
 
 @dataclass(frozen=True)
@@ -203,7 +230,7 @@ def exchange(
     needs_grad = torch.is_grad_enabled() and (
         flat.requires_grad or any(a.requires_grad for a in anchors)
     )
-    state = CURRENT_CALL.get()
+    state = None if torch.compiler.is_compiling() else CURRENT_CALL.get()
     if state is not None and not state.agreed:  # the first exchange of a call: agree first
         state.more = [
             ("elements exchanged", None, f"{flat.numel()} of {flat.dtype}"),
@@ -211,7 +238,8 @@ def exchange(
         ]
         agree(state)
     live = [a for a in anchors if a.requires_grad] if needs_grad else []
-    gathered = _AllGather.apply(flat, group.group_name, world, *live)
+    gather = _AllGather if torch.compiler.is_compiling() else _AllGatherJvp
+    gathered = gather.apply(flat, group.group_name, world, *live)
     rows = gathered.view(world, flat.numel())
     return [_unpack(rows, slot) for slot in slots], gathered
 

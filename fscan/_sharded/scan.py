@@ -16,7 +16,9 @@ the whole sequence. The classic block scan (MPI_Exscan):
 Before step 2 the ranks agree (:func:`fscan._sharded.agree.agree`, one 16-byte
 ``all_gather``): the same call on every rank, and no rank failed, else every rank
 raises.
-Under ``torch.compile`` every call is refused where the agreement opens.
+Under ``torch.compile`` (``fullgraph=True`` works) the agreement is skipped, the
+exchange is the same functional collectives, and lengths not given by a ``Layout``
+are not read: emptiness travels as flags (:mod:`fscan._sharded.traced`).
 
 Only totals cross ranks, so the exchange does not grow with the length.
 Gradients come from autograd: the gather's transpose returns to each piece's
@@ -53,6 +55,7 @@ from .._segmented import segmented_scan
 from .agree import Agreement, recurrence_facts, scan_facts
 from .exchange import exchange, tie
 from .layout import Layout
+from .traced import masked_prefix
 
 __all__ = ["sharded_recurrence", "sharded_scan"]
 
@@ -66,17 +69,23 @@ _LOCAL_RECURRENCE_API = "fscan.linear_recurrence"
 def _piece_total(piece: list[torch.Tensor], dim: int, reverse: bool) -> list[torch.Tensor]:
     """The total of a scanned piece, or zeros standing in for an empty piece's.
 
-    The zeros are computed from the piece (a sum over an empty dimension is exactly
-    0) so that the piece stays in the graph and this rank records the gather like
-    every other rank, also under ``autograd.grad(inputs=piece)``.
+    The zeros of a floating leaf are computed from the piece (a sum over an empty
+    dimension is exactly 0) so that the piece stays in the graph and this rank records
+    the gather like every other rank, also under ``autograd.grad(inputs=piece)``, and
+    carries a tangent under ``torch.func.jvp`` (whose gather rule runs only where one
+    comes in: every rank must run it).
     """
     n = piece[0].shape[dim]
     if n:
         return [x.select(dim, 0 if reverse else n - 1) for x in piece]
     return [
-        x.sum(dim) if x.requires_grad else x.new_zeros(x.shape[:dim] + x.shape[dim + 1 :])
+        x.sum(dim) if _inexact(x) else x.new_zeros(x.shape[:dim] + x.shape[dim + 1 :])
         for x in piece
     ]
+
+
+def _inexact(x: torch.Tensor) -> bool:
+    return x.is_floating_point() or x.is_complex()
 
 
 def _fixup(
@@ -153,12 +162,13 @@ def _scan_pieces(call: ScanCall, pg: Any, layout: Layout | None) -> Any:
     scanned = [_local_scan(call, p) for p in pieces]
     if world == 1 and layout.pieces == 1:
         return unflatten(spec, scanned[0])
+    if layout.lengths is None and torch.compiler.is_compiling():  # no host read in a trace
+        return unflatten(spec, _fold_traced(call, scanned[0], pg, layout))
     totals = [_piece_total(p, dim, reverse) for p in scanned]
     stacked = [torch.stack([t[i] for t in totals]) for i in range(len(leaves))]
     if layout.lengths is None:  # lengths travel with the totals, read on the host
         stacked.append(torch.tensor(lengths, dtype=torch.int64, device=leaves[0].device))
-    anchors = [t for t in reach(call.combine_fn).tensors if t.requires_grad]
-    gathered, anchor = exchange(stacked, pg, anchors)
+    gathered, anchor = exchange(stacked, pg, _anchors(call))
     if layout.lengths is None:
         all_lengths = [tuple(row) for row in gathered.pop().tolist()]
     else:
@@ -183,6 +193,35 @@ def _scan_pieces(call: ScanCall, pg: Any, layout: Layout | None) -> Any:
         tied = False
     out = outs[0] if len(outs) == 1 else [torch.cat(col, dim) for col in zip(*outs)]
     return unflatten(spec, tie(anchor, out) if tied else out)
+
+
+def _anchors(call: ScanCall) -> list[torch.Tensor]:
+    """The differentiable tensors ``combine_fn`` closes over: inputs of the gather, so
+    that it leads to them on every rank (see the module docstring). None under
+    ``torch.compile``: Dynamo cannot read a closure made while tracing (the segmented
+    combine of ``reset=``, a lambda in the compiled function), and the compiled call is
+    one node of the autograd graph, whose backward runs whole."""
+    if torch.compiler.is_compiling():
+        return []
+    return [t for t in reach(call.combine_fn).tensors if t.requires_grad]
+
+
+def _fold_traced(call: ScanCall, piece: list[torch.Tensor], pg: Any, layout: Layout) -> list:
+    """This rank's scanned ``piece`` with the prefix of every rank before it, lengths
+    unknown: their emptiness travels as flags (see :mod:`fscan._sharded.traced`)."""
+    dim, reverse, rank = call.dim, call.reverse, dist.get_rank(pg)
+    totals = [t.unsqueeze(0) for t in _piece_total(piece, dim, reverse)]
+    flag = torch.full((1,), bool(piece[0].shape[dim]), dtype=torch.bool, device=piece[0].device)
+    gathered, anchor = exchange([*totals, flag], pg, _anchors(call))
+    nonempty = gathered.pop()[:, 0]
+    order = sorted(range(len(layout.order)), key=lambda r: layout.order[r][0])
+    order = order[::-1] if reverse else order
+    before = order[: order.index(rank)]
+    if not before:
+        return tie(anchor, piece)
+    prefix, valid = masked_prefix(call, [g[:, 0] for g in gathered], nonempty, before)
+    fixed = _fixup(call, prefix, piece)
+    return [torch.where(valid, f, x) for f, x in zip(fixed, piece)]
 
 
 def _prefixes(
@@ -272,7 +311,7 @@ def _piece_map(
     if n:
         last = own.select(dim, 0 if reverse else n - 1)
     else:
-        last = b.sum(dim) if b.requires_grad else b.new_zeros(lane)
+        last = b.sum(dim) if _inexact(b) else b.new_zeros(lane)  # see _piece_total
     if mask is None:
         drops = torch.zeros(lane, dtype=torch.bool, device=b.device)
     else:
@@ -296,6 +335,10 @@ class _ValueOf(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         return None, grad
+
+    @staticmethod
+    def jvp(ctx: Any, value: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        return like.clone()
 
 
 def _compose_map(
@@ -329,7 +372,10 @@ def _fold(
     the exact state before it, and shared with one more ``all_gather`` (values only:
     the gradient is the composed map's, see :class:`_ValueOf`).
     """
-    check = (gates.is_floating_point() or gates.is_complex()) and not values_hidden(gates, ends)
+    # Under torch.compile the walks are skipped: whether one is needed is a host read
+    # and it is a collective of its own (the composed map stands, see the docs).
+    check = not torch.compiler.is_compiling() and (gates.is_floating_point() or gates.is_complex())
+    check = check and not values_hidden(gates, ends)
     # the common case: one reduction, one sync (complex: see inexact_carries)
     check = check and (gates.is_complex() or ends.is_complex() or not all_normal(gates))
     state = entering = initial
