@@ -18,7 +18,9 @@ compile, pointwise, CUDA/XPU, grad mode on,  ``adjoint``: the HOP without a tape
 float leaves of one shape                     the adjoint scan, a HOP too, for the
                                               gradient (:mod:`fscan._engines.traced_adjoint`)
 compile, pointwise, CPU with a C++ compiler   ``associative_scan`` HOP: the C++ kernel
-and ``cpu_kernel`` not ``"off"``, grad off    (:mod:`fscan._engines.cpp.traced_kernel`)
+and ``cpu_kernel`` not ``"off"``; with grad,  (:mod:`fscan._engines.cpp.traced_kernel`),
+float leaves of one dtype and shape           differentiated by its backward kernel
+                                              (:mod:`fscan._engines.cpp.traced_kernel_grad`)
 compile, anything else                        blocked scan around a ``while_loop``
 ============================================  =====================================
 
