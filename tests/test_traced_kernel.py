@@ -59,8 +59,13 @@ def test_the_route():
         assert _traced.traced_route(add, [torch.ones(3)], "pointwise") == "hop"
         with fscan.config.override(cpu_kernel="off"):
             assert _traced.traced_route(add, [torch.ones(3)], "pointwise") == "blocked"
-    with torch.enable_grad():  # see traced_route
-        assert _traced.traced_route(add, [torch.ones(3)], "pointwise") == "blocked"
+    with torch.enable_grad():  # the kernel's backward: float leaves of one dtype and shape
+        assert _traced.traced_route(add, [torch.ones(3)], "pointwise") == "hop"
+        mixed = [torch.ones(3), torch.ones(3, dtype=F64)]
+        assert _traced.traced_route(add, mixed, "pointwise") == "blocked"
+        assert _traced.traced_route(add, [torch.ones(3, dtype=torch.int64)], "pointwise") == (
+            "blocked"
+        )
 
 
 @pytest.mark.parametrize(
@@ -100,14 +105,63 @@ def test_linear_recurrence_and_reset_scans_with_dynamic_lengths():
             assert_trees_close(s, fscan.associative_scan(add, b, 1, reset=r))
 
 
-def test_gradients_take_the_blocked_scan():
-    a = (torch.rand(23, 4, dtype=F64) + 0.5).requires_grad_()
-    b = torch.randn(23, 4, dtype=F64, requires_grad=True)
-    g = torch.randn(23, 4, dtype=F64)
-    fn = compiled_scan(linear_recurrence)
-    (got, calls) = kernel_calls(lambda: torch.autograd.grad((fn((a, b))[1] * g).sum(), (a, b)))
-    want = torch.autograd.grad((sequential_scan(linear_recurrence, (a, b), 0)[1] * g).sum(), (a, b))
-    assert calls == 0
+def gradients(fn, xs, g):
+    """The cotangents of the leaves of ``xs`` for ``fn(xs)`` weighted by ``g``."""
+    leaves = optree.tree_leaves(xs)
+    outs = optree.tree_leaves(fn(xs))
+    return torch.autograd.grad(outs, leaves, optree.tree_leaves(g))
+
+
+@pytest.mark.parametrize("op", [add, linear_recurrence])
+@pytest.mark.parametrize(("dim", "reverse"), [(0, False), (1, True), (0, True), (1, False)])
+def test_gradients_run_the_kernel_forward_and_backward(op, dim, reverse):
+    """With gradients the forward and the backward are the kernel's ops (one call each),
+    with the sequential oracle's values and gradients."""
+    shape = (23, 4) if dim == 0 else (4, 23)
+    a = (torch.rand(shape, dtype=F64) + 0.5).requires_grad_()
+    b = torch.randn(shape, dtype=F64, requires_grad=True)
+    xs = (a, b) if op is linear_recurrence else b
+    g = optree.tree_map(torch.randn_like, xs)
+    fn = compiled_scan(op, dim, reverse)
+    got, calls = kernel_calls(lambda: (fn(xs), gradients(fn, xs, g)))
+    oracle = lambda xs: sequential_scan(op, xs, dim, reverse, "pointwise")
+    assert calls == 3  # a forward; for the gradients, a forward and the backward
+    assert_trees_close(got, (oracle(xs), gradients(oracle, xs, g)))
+
+
+def test_gradcheck_through_the_compiled_kernel():
+    fn = compiled_scan(linear_recurrence, dim=1, reverse=True)
+    a = (torch.rand(3, 9, dtype=F64) + 0.5).requires_grad_()
+    b = torch.randn(3, 9, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: fn((a, b)), (a, b))
+
+
+def test_gradients_of_a_closed_over_tensor():
+    """A lifted tensor that requires grad gets its gradient from the backward op (the
+    backward kernel sums it over the steps)."""
+    w = (torch.rand(5, dtype=F64) + 0.5).requires_grad_()
+    x = (torch.rand(17, 5, dtype=F64) + 0.5).requires_grad_()
+    g = torch.randn(17, 5, dtype=F64)
+    scale = lambda left, right: left * right * w  # associative: w once per combine
+    fn = torch.compile(lambda x: fscan.associative_scan(scale, x, 0), fullgraph=True)
+    got = torch.autograd.grad(fn(x), (x, w), g)
+    want = torch.autograd.grad(sequential_scan(scale, x, 0, False, "pointwise"), (x, w), g)
+    assert_trees_close(got, want)
+
+
+def test_a_backward_kernel_not_ready_runs_the_adjoint(monkeypatch):
+    """Where the backward kernel cannot serve (still building, params that do not fit),
+    fscan's adjoint scan answers inside the backward op, which lets autograd back in."""
+    from fscan._engines.cpp import traced_kernel_grad
+
+    monkeypatch.setattr(traced_kernel_grad, "_by_kernel", lambda *args: None)
+    w = (torch.rand(5, dtype=F64) + 0.5).requires_grad_()
+    x = (torch.rand(17, 5, dtype=F64) + 0.5).requires_grad_()
+    g = torch.randn(17, 5, dtype=F64)
+    scale = lambda left, right: left * right * w
+    fn = torch.compile(lambda x: fscan.associative_scan(scale, x, 0, True), fullgraph=True)
+    got = torch.autograd.grad(fn(x), (x, w), g)
+    want = torch.autograd.grad(sequential_scan(scale, x, 0, True, "pointwise"), (x, w), g)
     assert_trees_close(got, want)
 
 

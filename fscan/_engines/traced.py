@@ -18,7 +18,9 @@ compile, pointwise, CUDA/XPU, grad mode on,  ``adjoint``: the HOP without a tape
 float leaves of one shape                     the adjoint scan, a HOP too, for the
                                               gradient (:mod:`fscan._engines.traced_adjoint`)
 compile, pointwise, CPU with a C++ compiler   ``associative_scan`` HOP: the C++ kernel
-and ``cpu_kernel`` not ``"off"``, grad off    (:mod:`fscan._engines.cpp.traced_kernel`)
+and ``cpu_kernel`` not ``"off"``; with grad,  (:mod:`fscan._engines.cpp.traced_kernel`),
+float leaves of one dtype and shape           differentiated by its backward kernel
+                                              (:mod:`fscan._engines.cpp.traced_kernel_grad`)
 compile, anything else                        blocked scan around a ``while_loop``
 ============================================  =====================================
 
@@ -70,6 +72,7 @@ from .._context import in_functorch_transform
 from .._knowledge.store import reach
 from .._pytree import unflatten
 from .cpp.traced_kernel import install_lowering, kernel_traceable
+from .cpp.traced_kernel_grad import install_autograd
 from .hop import CODEGEN_DEVICES, SpecSource, hop_scan, spec_source
 from .traced_adjoint import adjoint_serves, adjoint_traced_scan
 from .traced_workarounds import prepare_loop_backward, quiet_function_contexts
@@ -156,16 +159,25 @@ def traced_route(
         if not grad:
             return "hop"
         return "adjoint" if adjoint_serves(xs) else "blocked"
-    # With grad on CPU, the adjoint route's backward graph met a layout Inductor fixed to
-    # the first length (a stride assertion at the next one, with dynamic shapes).
-    return "hop" if device == "cpu" and not grad and cpu_kernel_lowered() else "blocked"
+    if device != "cpu" or not cpu_kernel_lowered():
+        return "blocked"
+    # With grad, the kernel's backward: float leaves of one dtype and shape, as KernelScan's.
+    return "hop" if not grad or _kernel_differentiates(xs) else "blocked"
+
+
+def _kernel_differentiates(xs: Sequence[torch.Tensor]) -> bool:
+    dtype, shape = xs[0].dtype, xs[0].shape
+    for x in xs:
+        if not x.dtype.is_floating_point or x.dtype != dtype or x.shape != shape:
+            return False
+    return True
 
 
 def cpu_kernel_lowered() -> bool:
     """Whether CPU scans traced now take the C++ kernel's lowering of the HOP, installed
     here with the tree engine for the calls the kernel declines at run time (a graph
     compiled for the kernel, run where no kernel builds: the same results)."""
-    return kernel_traceable() and install_lowering(_declined_by_kernel)
+    return kernel_traceable() and install_lowering(_declined_by_kernel) and install_autograd()
 
 
 # Dynamo cannot trace the config read and the compiler probe: it calls this while it

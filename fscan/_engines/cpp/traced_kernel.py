@@ -44,7 +44,15 @@ from ..._config import config
 from ._cpp_build import compiler_problem
 from .cpu_kernel import kernel_scan, precompile
 
-__all__ = ["OP", "DeclinedScan", "install_lowering", "kernel_traceable"]
+__all__ = [
+    "OP",
+    "DeclinedScan",
+    "combine_of",
+    "install_lowering",
+    "kernel_traceable",
+    "listed",
+    "registered",
+]
 
 # What runs a scan along dimension 0 the kernel declines at run time: ``(combine, xs)``
 # to fresh contiguous tensors, as the op's fake implementation promises Inductor.
@@ -86,15 +94,7 @@ def _kernel_scan_hop(
     key: str, xs: list[torch.Tensor], tensors: list[torch.Tensor], numbers: list[int]
 ) -> list[torch.Tensor]:
     """Inclusive scan of ``xs`` along dimension 0 by the combine graph ``key`` names."""
-    graph = _graphs.get(key)
-    if graph is None:  # only after GRAPHS newer graphs, or from a disk cache (the scan
-        # op keeps graphs out of those)
-        raise RuntimeError(
-            f"fscan: a compiled graph refers to combine graph {key[:12]}, unknown in this "
-            f"process (or evicted after {GRAPHS} newer ones); compile again "
-            "(torch._dynamo.reset(), and clear Inductor's cache: TORCHINDUCTOR_CACHE_DIR)"
-        )
-    combine = _combine_of(graph, tensors, numbers)
+    combine = combine_of(key, tensors, numbers)
     spec = optree.tree_structure(list(xs))
     # Contiguous, as the fake implementation promises Inductor, whatever the inputs' layout.
     ys = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
@@ -104,11 +104,26 @@ def _kernel_scan_hop(
         out = run()
     if out is None:  # the kernel declines: the scan the installer handed in
         assert _declined is not None  # the op is only in graphs install_lowering lowered
-        return _declined(_listed(combine), xs)
+        return _declined(listed(combine), xs)
     return ys
 
 
-def _listed(combine: Callable[..., list]) -> Callable[..., list]:
+def combine_of(
+    key: str, tensors: Sequence[torch.Tensor], numbers: Sequence[int]
+) -> Callable[..., list]:
+    """The combine of the graph ``key`` names, with this call's extra inputs."""
+    graph = _graphs.get(key)
+    if graph is None:  # only after GRAPHS newer graphs, or from a disk cache (the scan
+        # op keeps graphs out of those)
+        raise RuntimeError(
+            f"fscan: a compiled graph refers to combine graph {key[:12]}, unknown in this "
+            f"process (or evicted after {GRAPHS} newer ones); compile again "
+            "(torch._dynamo.reset(), and clear Inductor's cache: TORCHINDUCTOR_CACHE_DIR)"
+        )
+    return _combine_of(graph, tensors, numbers)
+
+
+def listed(combine: Callable[..., list]) -> Callable[..., list]:
     return lambda a, b: combine(list(a), list(b))
 
 
@@ -177,6 +192,15 @@ def _lower_on_cpu(combine_fn: Any, xs: Sequence[Any], additional_inputs: Sequenc
     from torch._inductor.lowering import fallback_handler
 
     gm = combine_fn.graph_module
+    key, tensors, numbers = registered(gm, len(xs), additional_inputs, _is_ir_tensor)
+    return fallback_handler(OP, add_to_fallback_set=False)(key, list(xs), tensors, numbers)
+
+
+def registered(
+    gm: Any, n_leaves: int, additional_inputs: Sequence[Any], is_tensor: Callable[[Any], bool]
+) -> tuple[str, list[Any], list[Any]]:
+    """Register the combine graph ``gm`` (of ``n_leaves`` leaves a side) under its key:
+    the key, and the extra inputs that are tensors and numbers it reads, in order."""
     if any(node.op == "get_attr" for node in gm.graph.nodes):
         # Constants held by the module are not in its code, which keys the registry.
         raise RuntimeError(
@@ -184,16 +208,17 @@ def _lower_on_cpu(combine_fn: Any, xs: Sequence[Any], additional_inputs: Sequenc
             "lowering keys graphs by their code. Compile with fscan.config.cpu_kernel='off'"
         )
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    extra_nodes = placeholders[2 * len(xs) :]
-    kinds = tuple(_kind(a, node) for a, node in zip(additional_inputs, extra_nodes))
+    extra_nodes = placeholders[2 * n_leaves :]
+    kinds = tuple(
+        _TENSOR if is_tensor(a) else _NUMBER if node.users else _UNREAD
+        for a, node in zip(additional_inputs, extra_nodes)
+    )
     key = hashlib.sha256(f"{kinds}\n{gm.code}".encode()).hexdigest()
     _graphs.get_or_compute(key, lambda: _Graph(gm.forward.__func__, kinds))
     tensors = [a for a, k in zip(additional_inputs, kinds) if k == _TENSOR]
     numbers = [a for a, k in zip(additional_inputs, kinds) if k == _NUMBER]
-    return fallback_handler(OP, add_to_fallback_set=False)(key, list(xs), tensors, numbers)
+    return key, tensors, numbers
 
 
-def _kind(value: Any, placeholder: Any) -> str:
-    if hasattr(value, "get_dtype"):  # an IR node: a tensor
-        return _TENSOR
-    return _NUMBER if placeholder.users else _UNREAD
+def _is_ir_tensor(value: Any) -> bool:
+    return hasattr(value, "get_dtype")  # an IR node: a tensor
