@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers import assert_trees_close, linear_recurrence, sequential_scan
 
 import fscan
+from fscan._engines.cpp.traced_kernel import kernel_traceable
 
 LENGTHS = (2, 3, 7, 64, 1000)
 SEQ = torch.export.Dim("seq", min=2)
@@ -138,14 +143,45 @@ def test_closures_over_tensors_export_as_a_while_loop():
         assert_trees_close(ep.module()(x), x.cummax(0).values)
 
 
-def test_strict_export_of_a_closure_over_a_parameter_fails_at_export_time():
-    # Documented limitation: under Dynamo (strict=True) fscan cannot see the
-    # closure, the HOP gets the parameter as a lifted input, and torch's HOP has
-    # no gradients for lifted inputs. The default, non-strict export works (above).
-    with pytest.raises(Exception, match="lifted parameters"):
-        torch.export.export(
-            ClosesOverTensors(), (torch.randn(5, 3),), dynamic_shapes={"xs": {0: SEQ}}, strict=True
-        )
+def test_strict_export_of_a_closure_over_a_parameter():
+    # Under Dynamo (strict=True) fscan cannot see the closure: the HOP gets the
+    # parameter as a lifted input. torch's own autograd rule for the op refuses lifted
+    # inputs; on CPU with the C++ kernel, fscan's rule (the kernel's backward) serves
+    # them, in a fresh process as after a compile (the route installs it either way).
+    module = ClosesOverTensors()
+    export = lambda: torch.export.export(
+        module, (torch.randn(5, 3),), dynamic_shapes={"xs": {0: SEQ}}, strict=True
+    )
+    if not kernel_traceable():
+        with pytest.raises(Exception, match="lifted parameters"):
+            export()
+        return
+    ep = export()
+    for n in LENGTHS:
+        x = torch.randn(n, 3, requires_grad=True)
+        out = ep.module()(x)
+        assert_trees_close(out, x.cummax(0).values)
+        (grad,) = torch.autograd.grad(out.sum(), x)
+        assert_trees_close(grad, torch.autograd.grad(x.cummax(0).values.sum(), x)[0])
+
+
+_FRESH_STRICT_EXPORT = """
+import sys, torch
+sys.path.insert(0, "tests")
+from test_export import SEQ, ClosesOverTensors
+shapes = {"xs": {0: SEQ}}
+torch.export.export(ClosesOverTensors(), (torch.randn(5, 3),), dynamic_shapes=shapes, strict=True)
+"""
+
+
+@pytest.mark.skipif(not kernel_traceable(), reason="no C++ kernel lowering here")
+def test_strict_export_of_a_closure_over_a_parameter_in_a_fresh_process():
+    # Whether it exports must not depend on an earlier compile in the process.
+    root = pathlib.Path(__file__).resolve().parent.parent
+    run = subprocess.run(
+        [sys.executable, "-c", _FRESH_STRICT_EXPORT], cwd=root, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 class Segmented(torch.nn.Module):

@@ -150,6 +150,11 @@ def traced_route(
         # Strict export runs under Dynamo, which lifts closed-over tensors into
         # HOP inputs itself (and cannot trace the introspection below).
         if torch.compiler.is_dynamo_compiling() or not reach(combine_fn).tensors:
+            # On CPU the op's autograd rule is the kernel's backward once installed, and
+            # a strict export of a closure over a parameter differentiates through it:
+            # install it here too, so that export does not depend on an earlier compile.
+            if xs[0].device.type == "cpu":
+                cpu_kernel_lowered()
             return "hop"
         return "blocked"
     if combine_mode == "generic":
