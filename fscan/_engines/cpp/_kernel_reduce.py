@@ -58,9 +58,6 @@ def kernel_reduce(
     if lookup is None:
         return None
     holder, aliases, captured = lookup
-    if captured and torch.is_grad_enabled() and any(t.requires_grad for t in captured):
-        log_once("combine_fn captures tensors that require grad: the autograd engine runs")
-        return None
     element = element_shape(leaves, dim)
     key = ("reduce", slot_key(aliases, element, (), (), False, False))
     reducer = kernel_slots(holder).get(key)

@@ -81,12 +81,19 @@ def serving_lookup(
 ) -> tuple[Knowledge, Hashable, tuple[torch.Tensor, ...]] | None:
     """:func:`lookup_kernels` for a call the kernel may serve, else None after one debug
     log of why not (:func:`unavailable`; and, unless ``gradients`` are what the caller
-    computes, :func:`grad_wanted`)."""
+    computes, :func:`grad_wanted` or captured tensors that require grad)."""
     reason = unavailable(leaves) or (None if gradients else grad_wanted(leaves))
     if reason is not None:
         log_once(reason)
         return None
-    return lookup_kernels(combine_fn, spec, leaves, found, entry)
+    lookup = lookup_kernels(combine_fn, spec, leaves, found, entry)
+    if lookup is None or gradients:
+        return lookup
+    captured = lookup[2]
+    if captured and torch.is_grad_enabled() and any(t.requires_grad for t in captured):
+        log_once("combine_fn captures tensors that require grad: the autograd engine runs")
+        return None
+    return lookup
 
 
 def lookup_kernels(

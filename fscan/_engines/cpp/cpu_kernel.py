@@ -66,11 +66,11 @@ from ._kernel_entry import (
     is_ready,
     kernel_entries,
     kernel_slots,
-    log_once,
     slot_key,
 )
 from ._kernel_entry import Entry as Entry
 from ._kernel_entry import State as State
+from ._kernel_entry import log_once as log_once
 from ._kernel_grad import KernelScan, kernel_grad_scan
 from ._kernel_layout import (
     Counters,
@@ -186,9 +186,6 @@ def kernel_scan(
     if lookup is None:
         return None
     holder, aliases, captured = lookup
-    if captured and torch.is_grad_enabled() and any(t.requires_grad for t in captured):
-        log_once("combine_fn captures tensors that require grad: the autograd engine runs")
-        return None
     element = element_shape(leaves, dim)
     kernel = kernel_slots(holder).get(slot_key(aliases, element, positions, dropped, False, False))
     if not is_ready(kernel):  # counted, built or queued
