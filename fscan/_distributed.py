@@ -15,6 +15,7 @@ from ._entry import checked_call
 from ._errors import ScanTypeError
 from ._pytree import describe, flatten
 from ._sharded.agree import agreeing
+from ._sharded.deterministic import deterministic_recurrence, deterministic_scan
 from ._sharded.layout import Layout
 from ._sharded.scan import sharded_recurrence, sharded_scan
 
@@ -38,6 +39,7 @@ def associative_scan(
     layout: Layout | None = None,
     reset: torch.Tensor | None = None,
     validate: bool | None = None,
+    deterministic: bool = False,
 ) -> Any:
     """This rank's piece of the inclusive scan of a sequence sharded along ``dim``.
 
@@ -73,6 +75,14 @@ def associative_scan(
         reset (bool tensor or None): restart where True, as in ``fscan.associative_scan``
             (this rank's part of the mask); a reset stops the carry from other ranks.
         validate (bool or None): passed to each local ``fscan.associative_scan``.
+        deterministic (bool, default False): values bitwise the same for any number
+            of ranks and any split (``layout``), equal to this call on one rank
+            holding the whole sequence: a combine order fixed by global position
+            (blocks of ``ceil(sqrt(n))`` steps folded left to right, then their
+            totals one by one), in batched calls of a fixed width. Slower (about
+            ``2 sqrt(n)`` sequential ``combine_fn`` calls, three ``all_gather``s);
+            gradients equal up to rounding; not under ``torch.compile``. See the
+            distributed page of the docs.
 
     Returns:
         This rank's piece of the scan, the structure and shapes of ``xs``.
@@ -93,6 +103,8 @@ def associative_scan(
                 f"{_API}: `layout` must be a fscan.distributed.Layout or None, "
                 f"got {describe(layout)}."
             )
+        if _checked_flag(_API, deterministic):
+            return deterministic_scan(call, agreement, layout)
         return sharded_scan(call, agreement, layout)
 
 
@@ -106,6 +118,7 @@ def linear_recurrence(
     reset: torch.Tensor | None = None,
     group: Any = None,
     acc_dtype: torch.dtype | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """This rank's piece of ``h_t = a_t h_{t-1} + b_t`` over a sequence sharded along ``dim``.
 
@@ -129,6 +142,9 @@ def linear_recurrence(
         group: as in :func:`associative_scan`.
         acc_dtype (dtype or None): accumulate in this wider dtype, as in
             ``fscan.linear_recurrence`` (the exchanged maps too).
+        deterministic (bool, default False): as in :func:`associative_scan`: the scan
+            of the ``(a, b)`` pairs (``h -> a2 (a1 h + b1) + b2``) in that fixed
+            order, ``initial`` folded into the first step (``a[0] initial + b[0]``).
 
     Returns:
         Tensor: this rank's piece of ``h``.
@@ -142,4 +158,14 @@ def linear_recurrence(
     """
     call = RecurrenceCall(_API_LINEAR, a, b, dim, initial, reverse, reset, acc_dtype)
     with agreeing(_API_LINEAR, group) as agreement:
+        if _checked_flag(_API_LINEAR, deterministic):
+            return deterministic_recurrence(call, agreement)
         return sharded_recurrence(call, agreement)
+
+
+def _checked_flag(api: str, deterministic: Any) -> bool:
+    if not isinstance(deterministic, bool):
+        raise ScanTypeError(
+            f"{api}: `deterministic` must be a bool, got {describe(deterministic)}."
+        )
+    return deterministic

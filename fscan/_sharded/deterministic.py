@@ -1,0 +1,361 @@
+"""``deterministic=True``: sharded scans whose values are bitwise the same for any
+number of ranks and any split of the sequence, equal to the same call on one rank
+holding the whole sequence.
+
+The default sharded scan (:mod:`fscan._sharded.scan`) combines in an order that
+follows the pieces (each piece's local scan, then the totals of the pieces before
+it), so its last bits change with the split. Here the order is fixed by global
+position alone. Summary of the algorithm, in scan order (``reverse=True`` flips each
+piece, runs forward, and flips back), with blocks of ``B = ceil(sqrt(n))`` steps
+aligned to the first step (:mod:`fscan._sharded.blocks`):
+
+1. every rank learns every piece's length (from the ``Layout``, else one
+   ``all_gather``) and so the blocks;
+2. the steps of a block that starts before a piece travel to the piece's rank (one
+   ``all_gather`` of at most ``B - 1`` rows per piece), so that every block a rank
+   touches is whole up to its last step there;
+3. each block is folded left to right, ``y[j] = (((x[0] . x[1]) . x[2]) ... x[j])``,
+   step ``j`` of all of a rank's blocks in one batched call
+   (:func:`~fscan._sharded.fixed_batch.fold_blocks`);
+4. the block totals travel to every rank (one ``all_gather``) and each rank folds
+   them one by one in global order into the carry into block ``k``,
+   ``c[k] = ((t[0] . t[1]) . t[2]) ... t[k-1]``;
+5. every step of block ``k >= 1`` becomes ``c[k] . y[j]`` (batched again).
+
+Every value is thus one fixed bracketing of the sequence, and every batched call has
+a fixed width (:mod:`fscan._sharded.fixed_batch`), so torch's kernels round each
+element alike whatever the batch. ``reset=`` is the scan of ``(flag, value)`` pairs
+(:mod:`fscan._segmented`); ``linear_recurrence`` is the scan of ``(a, b)`` pairs
+under ``(a1, b1) . (a2, b2) = (a2 a1, a2 b1 + b2)``, with ``initial`` folded into the
+first step as ``a[0] initial + b[0]``. Gradients are autograd's through these calls
+(equal up to rounding, not bitwise). Not under ``torch.compile``: see
+:func:`refuse_traced`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._call import RecurrenceCall, ScanCall
+from .._combine import FlatCombine, flat_combine
+from .._errors import UnsupportedScanError
+from .._knowledge.pointwise_check import checked_on_first_call
+from .._knowledge.store import knowledge, reach
+from .._knowledge.validate import validate_combine_fn
+from .._pytree import flatten, unflatten
+from .._recurrences.args import accumulation_dtype, check_recurrence_args, reset_mask
+from .._segmented import segmented_scan
+from .agree import Agreement, agree, recurrence_facts, scan_facts
+from .blocks import Piece, Plan
+from .exchange import exchange, tie
+from .fixed_batch import combine_rows, dense, fold_blocks
+from .layout import Layout
+from .scan import check_layout, combine_anchors
+
+__all__ = ["deterministic_recurrence", "deterministic_scan", "refuse_traced"]
+
+Head = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+def refuse_traced(api: str) -> None:
+    """Refuse ``deterministic=True`` inside ``torch.compile``: the mode is a fixed chain
+    of about ``2 sqrt(n)`` small ``combine_fn`` calls, which a trace would unroll, and
+    Inductor may fuse ``a * b + c`` into one rounding (an fma) in some kernels and
+    not others, which is what the mode exists to rule out."""
+    if torch.compiler.is_compiling():
+        raise UnsupportedScanError(
+            f"{api}: `deterministic=True` does not run under torch.compile (a trace would "
+            "unroll its fixed chain of combine_fn calls, and fused kernels round "
+            "differently); call it outside the compiled function, e.g. wrapped in "
+            "torch.compiler.disable, or drop `deterministic=True` to compile the scan."
+        )
+
+
+# ---- associative_scan ------------------------------------------------------------
+
+
+def deterministic_scan(call: ScanCall, agreement: Agreement, layout: Layout | None) -> Any:
+    """The body of ``fscan.distributed.associative_scan(..., deterministic=True)``:
+    ``call`` checked, run inside :func:`~fscan._sharded.agree.agreeing`."""
+    refuse_traced(call.api)
+    agreement.describe = lambda: scan_facts(call, layout, deterministic=True)
+    anchors = combine_anchors(call)
+    if call.reset is None:
+        return unflatten(call.spec, _scan(call, agreement, layout, anchors))
+
+    def run(pairs: ScanCall) -> Any:  # the (flag, value) pairs: see fscan._segmented
+        return unflatten(pairs.spec, _scan(pairs, agreement, layout, anchors))
+
+    return segmented_scan(run, call)
+
+
+def _checked_combine(call: ScanCall) -> FlatCombine:
+    """``combine_fn`` on flat leaves (batched along dimension 0), with the checks a local
+    scan runs (:func:`fscan._entry.run_scan`): purity, associativity as ``validate``
+    asks, elementwise on its first pointwise call."""
+    entry = knowledge(reach(call.combine_fn), call.spec, call.combine_mode, call.leaves)
+    validate_combine_fn(call, entry)
+    combine = flat_combine(call.api, call.combine_fn, call.spec, call.combine_mode)
+    if call.combine_mode == "pointwise" and not entry.elementwise:
+        combine = checked_on_first_call(call.api, combine, entry, call.leaves)
+    return combine
+
+
+def _scan(
+    call: ScanCall,
+    agreement: Agreement,
+    layout: Layout | None,
+    anchors: list[torch.Tensor],
+    head: Head | None = None,
+) -> list[torch.Tensor]:
+    """The deterministic scan of ``call`` (no ``reset``) across the ranks: its leaves.
+
+    ``head``: applied to the first step of the sequence (rows of length 1, scan order)
+    by the rank that holds it, before anything moves (``initial`` of a recurrence).
+    """
+    api, leaves, dim, reverse = call.api, call.leaves, call.dim, call.reverse
+    pg = agreement.group
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    layout = layout or Layout.contiguous(world)
+    mine = check_layout(api, layout, pg, leaves[0].shape[dim])
+    rows = [x.movedim(dim, 0) for x in leaves]  # steps first, as combine_fn sees them
+    combine = _checked_combine(call)
+    if rows[0].shape[0] >= 2:  # a first call on this rank's data, before any exchange
+        with torch.no_grad():
+            combine([x[:1] for x in rows], [x[1:2] for x in rows])
+    _agree(agreement, leaves, anchors)
+    if layout.lengths is None:  # every rank's lengths, for the blocks
+        sent = torch.tensor(mine, dtype=torch.int64, device=leaves[0].device)
+        lengths = exchange([sent], pg)[0][0].tolist()
+    else:
+        lengths = layout.lengths
+    plan = Plan.build(layout.order, lengths, reverse)
+    starts = [sum(mine[:p]) for p in range(len(mine))]
+    own = [[x.narrow(0, s, m) for x in rows] for s, m in zip(starts, mine)]
+    if reverse:
+        own = [[x.flip(0) for x in piece] for piece in own]
+    pieces = [plan.piece(rank, p) for p in range(len(own))]
+    if head is not None:
+        for p, piece in enumerate(pieces):
+            if piece.start == 0 and piece.length:
+                first = head([x[:1] for x in own[p]])
+                own[p] = [torch.cat([f, x[1:]]) for f, x in zip(first, own[p])]
+    outs = _scan_pieces(combine, plan, pieces, own, pg, world, anchors)
+    if reverse:
+        outs = [[x.flip(0) for x in piece] for piece in outs]
+    joined = [torch.cat(col) if len(col) > 1 else col[0] for col in zip(*outs)]
+    return [x.movedim(0, dim) for x in joined]
+
+
+def _agree(agreement: Agreement, leaves: list[torch.Tensor], anchors: list[torch.Tensor]) -> None:
+    """The ranks' agreement (:func:`~fscan._sharded.agree.agree`), before the first exchange
+    (some calls exchange nothing, and every rank must still hear of a peer's error)."""
+    if agreement.agreed:
+        return
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*leaves, *anchors))
+    agreement.more = [("a backward exchange (grad mode, requires_grad)", None, str(needs_grad))]
+    agree(agreement)
+
+
+def _scan_pieces(
+    combine: FlatCombine,
+    plan: Plan,
+    pieces: list[Piece],
+    own: list[list[torch.Tensor]],
+    pg: Any,
+    world: int,
+    anchors: list[torch.Tensor],
+) -> list[list[torch.Tensor]]:
+    """Steps 2 to 5 of the module docstring on this rank's pieces (``own[p]``: the
+    leaves of its piece ``p``, scan order, steps first): each piece's results."""
+    like = own[0]
+    # 2. the steps of the blocks that reach into a piece from before it
+    gathered, anchor = None, None
+    if plan.segment_rows:
+        sent = [_segments(plan, pieces, own, i) for i in range(len(like))]
+        gathered, anchor = exchange(sent, pg, anchors)
+    # 3. every block a piece touches, from the block's first step, folded left to right
+    blocks, firsts = [], []
+    for piece, xs in zip(pieces, own):
+        firsts.append(sum(b[0].shape[0] for b in blocks))  # its first block's row
+        if piece.length:
+            xs = _with_prefix(plan.prefix(piece), gathered, xs)
+            count = plan.last_block(piece) - plan.first_block(piece) + 1
+            blocks.append([_as_blocks(x, count, plan.size) for x in xs])
+    folded = fold_blocks(combine, [torch.cat(col) for col in zip(*blocks)]) if blocks else []
+    # 4. every block's total, folded one by one in global order into the carries
+    carries: dict[int, list[torch.Tensor]] = {}
+    if plan.count > 1:
+        sent = _totals(plan, pieces, firsts, folded, world, like)
+        if anchor is not None:  # every rank: the totals' backward before the rows'
+            sent = tie(anchor, sent)
+        totals, anchor = exchange(sent, pg, anchors)
+        where, _ = plan.total_rows(world)
+        carry = None
+        for k in range(1, max((plan.last_block(q) for q in pieces if q.length), default=0) + 1):
+            r, i = where[k - 1]
+            total = [t[r, i : i + 1].contiguous() for t in totals]
+            carry = total if carry is None else dense(combine(carry, total))
+            carries[k] = carry
+    # 5. the steps of every block after the first: the block's carry in front
+    outs = [
+        _carried(combine, plan, piece, xs, folded, first, carries)
+        for piece, xs, first in zip(pieces, own, firsts)
+    ]
+    if anchor is None or not outs:
+        return outs
+    # every rank runs the backward collectives, also where no result needs them
+    flat = tie(anchor, [x for piece in outs for x in piece])
+    return [flat[p * len(like) : (p + 1) * len(like)] for p in range(len(outs))]
+
+
+def _zeros(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``rows`` zero rows shaped like ``x``'s, computed from ``x`` where it is inexact (a
+    sum over no rows: exact zeros in the graph, so the send buffer of a rank without
+    data still leads to its input, as every rank's must: see fscan._sharded.scan)."""
+    if x.is_floating_point() or x.is_complex():
+        return x[:0].sum(0, keepdim=True).expand(rows, *x.shape[1:])
+    return x.new_zeros(rows, *x.shape[1:])
+
+
+def _segments(
+    plan: Plan, pieces: list[Piece], own: list[list[torch.Tensor]], i: int
+) -> torch.Tensor:
+    """Leaf ``i``'s rows that later pieces need (:meth:`Plan.segment`), ``segment_rows``
+    per piece, in the pieces' order."""
+    parts = []
+    for piece, xs in zip(pieces, own):
+        span = plan.segment(piece)
+        rows = xs[i][span[0] - piece.start : span[1] - piece.start] if span else xs[i][:0]
+        parts += [rows, _zeros(xs[i], plan.segment_rows - rows.shape[0])]
+    return torch.cat(parts)
+
+
+def _with_prefix(
+    runs: list[tuple[int, int, int]], gathered: list[torch.Tensor] | None, xs: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """A piece's leaves after the steps of its first block that lie before it."""
+    if not runs or gathered is None:
+        return xs
+    return [torch.cat([*(g[r, i : i + c] for r, i, c in runs), x]) for g, x in zip(gathered, xs)]
+
+
+def _as_blocks(x: torch.Tensor, count: int, size: int) -> torch.Tensor:
+    """``x`` (rows from a block's first step) as ``(count, size, ...)``, the last block
+    padded with copies of the last row (their results are dropped)."""
+    pad = count * size - x.shape[0]
+    if pad:
+        x = torch.cat([x, x[-1:].expand(pad, *x.shape[1:])])
+    return x.reshape(count, size, *x.shape[1:])
+
+
+def _totals(
+    plan: Plan,
+    pieces: list[Piece],
+    firsts: list[int],
+    folded: list[torch.Tensor],
+    world: int,
+    like: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """The totals of the blocks that end on this rank, in block order, padded to the
+    rows every rank sends."""
+    rank = pieces[0].rank
+    _, most = plan.total_rows(world)
+    rows = []
+    for k in plan.totals_of(rank):
+        p = next(p for p, q in enumerate(pieces) if q.start < plan.block_stop(k) <= q.stop)
+        rows.append(firsts[p] + k - plan.first_block(pieces[p]))
+    sent = []
+    for i, x in enumerate(like):
+        mine = folded[i][rows, plan.size - 1] if rows else x[:0]
+        sent.append(torch.cat([mine, _zeros(x, most - len(rows))]))
+    return sent
+
+
+def _carried(
+    combine: FlatCombine,
+    plan: Plan,
+    piece: Piece,
+    xs: list[torch.Tensor],
+    folded: list[torch.Tensor],
+    first: int,
+    carries: dict[int, list[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """A piece's results: its steps' block folds, with their block's carry in front from
+    the second block of the sequence on."""
+    if not piece.length:
+        return [x.clone() for x in xs]
+    k0, k1 = plan.first_block(piece), plan.last_block(piece)
+    skip = piece.start - k0 * plan.size  # the block's steps before the piece
+    mine = [
+        f[first : first + k1 - k0 + 1].flatten(0, 1)[skip : skip + piece.length] for f in folded
+    ]
+    head = max(0, min(plan.size, piece.stop) - piece.start)  # steps in block 0: no carry
+    if head == piece.length:
+        return mine
+    counts = [
+        (k, min(piece.stop, (k + 1) * plan.size) - max(piece.start, k * plan.size))
+        for k in range(max(k0, 1), k1 + 1)
+    ]
+    lefts = [
+        torch.cat([carries[k][i].expand(c, *x.shape[1:]) for k, c in counts])
+        for i, x in enumerate(mine)
+    ]
+    fixed = combine_rows(combine, lefts, [x[head:] for x in mine])
+    return [torch.cat([x[:head], f]) if head else f for x, f in zip(mine, fixed)]
+
+
+# ---- linear_recurrence -----------------------------------------------------------
+
+
+def _affine(x: tuple, y: tuple) -> tuple:
+    """``(a1, b1)`` then ``(a2, b2)``: ``h -> a2 (a1 h + b1) + b2``, without an fma."""
+    return y[0] * x[0], y[0] * x[1] + y[1]
+
+
+def deterministic_recurrence(call: RecurrenceCall, agreement: Agreement) -> torch.Tensor:
+    """The body of ``fscan.distributed.linear_recurrence(..., deterministic=True)``, run
+    inside :func:`~fscan._sharded.agree.agreeing`: the scan of ``(a, b)`` pairs (module
+    docstring), in ``acc_dtype`` if given, rounded once."""
+    refuse_traced(call.api)
+    agreement.describe = lambda: recurrence_facts(call, deterministic=True)
+    api, a, b, dim, initial, reverse, reset, acc_dtype = call
+    a, b, initial, dim = check_recurrence_args(api, a, b, dim, initial, reverse, matrix=False)
+    dtype = b.dtype
+    if acc_dtype is not None:
+        wide = accumulation_dtype(acc_dtype, dtype, api)
+        a, b = a.to(wide), b.to(wide)
+        initial = None if initial is None else initial.to(wide)
+    gate = a.reshape((1,) * (b.ndim - a.ndim) + tuple(a.shape)).expand_as(b)
+    leaves, spec = flatten((gate, b))
+    pairs = ScanCall(api, _affine, (gate, b), spec, leaves, dim, reverse, "pointwise", False)
+    anchors = [t for t in (a, initial) if t is not None and t.requires_grad]
+    head = None if initial is None else _carried_in(initial)
+    if reset is None:
+        return _scan(pairs, agreement, None, anchors, head)[-1].to(dtype)
+
+    def run(flagged: ScanCall) -> Any:  # the (flag, (a, b)) pairs: see fscan._segmented
+        return unflatten(flagged.spec, _scan(flagged, agreement, None, anchors, head))
+
+    mask = reset_mask(reset, b, dim, api=api)
+    return segmented_scan(run, pairs._replace(reset=mask))[-1].to(dtype)
+
+
+def _carried_in(initial: torch.Tensor) -> Head:
+    """The first step with ``initial`` folded in: ``b[0] + a[0] initial``, or ``b[0]``
+    where a reset drops what came before (a selection: ``0 * inf`` is NaN)."""
+
+    def head(first: list[torch.Tensor]) -> list[torch.Tensor]:
+        *flag, gate, b = first  # (flag,) gate, b: rows of one step
+        state = initial.expand(b.shape[1:]).unsqueeze(0)
+        if not flag:
+            return [gate, gate * state + b]
+        drops = flag[0]
+        kept = torch.where(drops, 1, gate) * torch.where(drops, 0, state) + b
+        return [*flag, gate, torch.where(drops, b, kept)]
+
+    return head
