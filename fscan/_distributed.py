@@ -15,7 +15,7 @@ from ._entry import checked_call
 from ._errors import ScanTypeError
 from ._pytree import describe, flatten
 from ._sharded.agree import agreeing
-from ._sharded.deterministic import deterministic_recurrence, deterministic_scan
+from ._sharded.deterministic import NOT_TRACED, deterministic_recurrence, deterministic_scan
 from ._sharded.layout import Layout
 from ._sharded.scan import sharded_recurrence, sharded_scan
 
@@ -94,6 +94,25 @@ def associative_scan(
         tensor([ 1.,  3.,  6., 10.])
         >>> dist.destroy_process_group()
     """
+    args = (combine_fn, xs, dim, reverse, combine_mode, group, layout, reset, validate)
+    if deterministic is True:  # eagerly, also inside torch.compile (see NOT_TRACED)
+        return _scan_eagerly(*args, deterministic)
+    return _scan(*args, deterministic)
+
+
+def _scan(
+    combine_fn: Callable[[Any, Any], Any],
+    xs: Any,
+    dim: int,
+    reverse: bool,
+    combine_mode: str,
+    group: Any,
+    layout: Layout | None,
+    reset: torch.Tensor | None,
+    validate: bool | None,
+    deterministic: bool,
+) -> Any:
+    """The body of :func:`associative_scan`."""
     with agreeing(_API, group) as agreement:  # a rank's error reaches every rank
         leaves, spec = flatten(xs)
         args = (combine_fn, xs, spec, leaves, dim, reverse, combine_mode, validate, reset)
@@ -157,10 +176,22 @@ def linear_recurrence(
         >>> dist.destroy_process_group()
     """
     call = RecurrenceCall(_API_LINEAR, a, b, dim, initial, reverse, reset, acc_dtype)
+    if deterministic is True:  # eagerly, also inside torch.compile (see NOT_TRACED)
+        return _recurrence_eagerly(call, group, deterministic)
+    return _recurrence(call, group, deterministic)
+
+
+def _recurrence(call: RecurrenceCall, group: Any, deterministic: bool) -> torch.Tensor:
+    """The body of :func:`linear_recurrence`."""
     with agreeing(_API_LINEAR, group) as agreement:
         if _checked_flag(_API_LINEAR, deterministic):
             return deterministic_recurrence(call, agreement)
         return sharded_recurrence(call, agreement)
+
+
+# Dynamo does not trace these: it calls them (a graph break; fullgraph=True refuses).
+_scan_eagerly = torch.compiler.disable(_scan, reason=NOT_TRACED)
+_recurrence_eagerly = torch.compiler.disable(_recurrence, reason=NOT_TRACED)
 
 
 def _checked_flag(api: str, deterministic: Any) -> bool:

@@ -28,8 +28,8 @@ element alike whatever the batch. ``reset=`` is the scan of ``(flag, value)`` pa
 (:mod:`fscan._segmented`); ``linear_recurrence`` is the scan of ``(a, b)`` pairs
 under ``(a1, b1) . (a2, b2) = (a2 a1, a2 b1 + b2)``, with ``initial`` folded into the
 first step as ``a[0] initial + b[0]``. Gradients are autograd's through these calls
-(equal up to rounding, not bitwise). Not under ``torch.compile``: see
-:func:`refuse_traced`.
+(equal up to rounding, not bitwise). Never traced by ``torch.compile``: see
+``NOT_TRACED``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import torch.distributed as dist
 
 from .._call import RecurrenceCall, ScanCall
 from .._combine import FlatCombine, flat_combine
-from .._errors import UnsupportedScanError
 from .._knowledge.pointwise_check import checked_on_first_call
 from .._knowledge.store import knowledge, reach
 from .._knowledge.validate import validate_combine_fn
@@ -56,23 +55,19 @@ from .fixed_batch import combine_rows, dense, fold_blocks
 from .layout import Layout
 from .scan import check_layout, combine_anchors
 
-__all__ = ["deterministic_recurrence", "deterministic_scan", "refuse_traced"]
+__all__ = ["NOT_TRACED", "deterministic_recurrence", "deterministic_scan"]
 
 Head = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 
-def refuse_traced(api: str) -> None:
-    """Refuse ``deterministic=True`` inside ``torch.compile``: the mode is a fixed chain
-    of about ``2 sqrt(n)`` small ``combine_fn`` calls, which a trace would unroll, and
-    Inductor may fuse ``a * b + c`` into one rounding (an fma) in some kernels and
-    not others, which is what the mode exists to rule out."""
-    if torch.compiler.is_compiling():
-        raise UnsupportedScanError(
-            f"{api}: `deterministic=True` does not run under torch.compile (a trace would "
-            "unroll its fixed chain of combine_fn calls, and fused kernels round "
-            "differently); call it outside the compiled function, e.g. wrapped in "
-            "torch.compiler.disable, or drop `deterministic=True` to compile the scan."
-        )
+# Why the doors run this mode outside torch.compile's graphs (Dynamo shows it where
+# fullgraph=True refuses; without it the call is a graph break and runs eagerly).
+NOT_TRACED = (
+    "fscan.distributed: `deterministic=True` runs eagerly, outside the graph: its fixed "
+    "chain of about 2 sqrt(n) small combine_fn calls would unroll into the trace, and "
+    "compiled kernels that fuse them could round differently by shape. Compile without "
+    "fullgraph=True (the call is a graph break), or drop `deterministic=True`."
+)
 
 
 # ---- associative_scan ------------------------------------------------------------
@@ -80,8 +75,8 @@ def refuse_traced(api: str) -> None:
 
 def deterministic_scan(call: ScanCall, agreement: Agreement, layout: Layout | None) -> Any:
     """The body of ``fscan.distributed.associative_scan(..., deterministic=True)``:
-    ``call`` checked, run inside :func:`~fscan._sharded.agree.agreeing`."""
-    refuse_traced(call.api)
+    ``call`` checked, run inside :func:`~fscan._sharded.agree.agreeing`; never
+    traced (``NOT_TRACED``)."""
     agreement.describe = lambda: scan_facts(call, layout, deterministic=True)
     anchors = combine_anchors(call)
     if call.reset is None:
@@ -320,8 +315,7 @@ def _affine(x: tuple, y: tuple) -> tuple:
 def deterministic_recurrence(call: RecurrenceCall, agreement: Agreement) -> torch.Tensor:
     """The body of ``fscan.distributed.linear_recurrence(..., deterministic=True)``, run
     inside :func:`~fscan._sharded.agree.agreeing`: the scan of ``(a, b)`` pairs (module
-    docstring), in ``acc_dtype`` if given, rounded once."""
-    refuse_traced(call.api)
+    docstring), in ``acc_dtype`` if given, rounded once; never traced (``NOT_TRACED``)."""
     agreement.describe = lambda: recurrence_facts(call, deterministic=True)
     api, a, b, dim, initial, reverse, reset, acc_dtype = call
     a, b, initial, dim = check_recurrence_args(api, a, b, dim, initial, reverse, matrix=False)
