@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 __all__ = ["Piece", "Plan", "block_size"]
 
@@ -61,6 +62,7 @@ class Plan:
     n: int
     size: int
     pieces: tuple[Piece, ...]
+    world: int
 
     @classmethod
     def build(
@@ -81,7 +83,7 @@ class Plan:
             length = lengths[r][p]
             pieces.append(Piece(n - start - length if reverse else start, length, r, p))
         pieces.sort(key=lambda q: (q.start, q.length))
-        return cls(n, block_size(n), tuple(pieces))
+        return cls(n, block_size(n), tuple(pieces), len(order))
 
     @property
     def count(self) -> int:
@@ -110,7 +112,7 @@ class Plan:
             return None
         return max(piece.start, k * self.size), piece.stop
 
-    @property
+    @cached_property
     def segment_rows(self) -> int:
         """The longest segment: the rows every piece sends (padded), 0 if none."""
         spans = [s for s in map(self.segment, self.pieces) if s is not None]
@@ -129,23 +131,19 @@ class Plan:
         runs.sort()  # they tile the steps before the piece: the pieces tile the sequence
         return [(r, row, c) for _, r, row, c in runs]
 
-    def totals_of(self, rank: int) -> list[int]:
-        """The blocks whose totals ``rank`` sends (it holds their last step), in order;
-        the last block's total is never needed."""
-        blocks = []
-        for q in self.pieces:
-            if q.rank == rank and q.length:
-                for k in range(self.first_block(q), self.last_block(q) + 1):
-                    if k < self.count - 1 and q.start <= self.block_stop(k) - 1 < q.stop:
-                        blocks.append(k)
-        return sorted(blocks)
+    def totals_in(self, piece: Piece) -> range:
+        """The blocks whose totals ``piece`` sends: those whose last step it holds (the
+        last block's total is never needed)."""
+        return range(piece.start // self.size, min(piece.stop // self.size, self.count - 1))
 
-    def total_rows(self, world: int) -> tuple[dict[int, tuple[int, int]], int]:
-        """Where each block's total lies in the gathered totals, ``{block: (rank, row)}``,
-        and the rows every rank sends (padded)."""
+    @cached_property
+    def total_rows(self) -> tuple[dict[int, tuple[int, int]], int]:
+        """Where each block's total lies in the gathered totals, ``{block: (rank, row)}``
+        (each rank sends its blocks' totals in block order), and the rows every rank
+        sends (padded)."""
         at, most = {}, 0
-        for r in range(world):
-            mine = self.totals_of(r)
+        for r in range(self.world):
+            mine = sorted(k for q in self.pieces if q.rank == r for k in self.totals_in(q))
             most = max(most, len(mine))
             at.update({k: (r, i) for i, k in enumerate(mine)})
         return at, most

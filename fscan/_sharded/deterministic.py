@@ -51,7 +51,7 @@ from .._segmented import segmented_scan
 from .agree import Agreement, agree, recurrence_facts, scan_facts
 from .blocks import Piece, Plan
 from .exchange import exchange, tie
-from .fixed_batch import combine_rows, dense, fold_blocks
+from .fixed_batch import combine_rows, dense, fold_blocks, rows_per_call
 from .layout import Layout
 from .scan import check_layout, combine_anchors
 
@@ -95,8 +95,26 @@ def _checked_combine(call: ScanCall) -> FlatCombine:
     entry = knowledge(reach(call.combine_fn), call.spec, call.combine_mode, call.leaves)
     validate_combine_fn(call, entry)
     combine = flat_combine(call.api, call.combine_fn, call.spec, call.combine_mode)
-    if call.combine_mode == "pointwise" and not entry.elementwise:
+    if call.combine_mode != "pointwise":
+        return combine
+    if not entry.elementwise:
         combine = checked_on_first_call(call.api, combine, entry, call.leaves)
+    return _checked_once(combine, call)
+
+
+def _checked_once(checked: FlatCombine, call: ScanCall) -> FlatCombine:
+    """``checked`` on the first call, then ``combine_fn`` without the output checks: the
+    mode makes thousands of small calls with the operands of that first one (shapes,
+    dtypes, structure), where the checks would cost as much as the call."""
+    combine_fn, spec, pending = call.combine_fn, call.spec, [True]
+
+    def combine(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
+        if pending:
+            out = checked(a, b)
+            pending.clear()
+            return out
+        return flatten(combine_fn(unflatten(spec, list(a)), unflatten(spec, list(b))))[0]
+
     return combine
 
 
@@ -139,11 +157,13 @@ def _scan(
             if piece.start == 0 and piece.length:
                 first = head([x[:1] for x in own[p]])
                 own[p] = [torch.cat([f, x[1:]]) for f, x in zip(first, own[p])]
-    outs = _scan_pieces(combine, plan, pieces, own, pg, world, anchors)
-    if reverse:
-        outs = [[x.flip(0) for x in piece] for piece in outs]
-    joined = [torch.cat(col) if len(col) > 1 else col[0] for col in zip(*outs)]
-    return [x.movedim(0, dim) for x in joined]
+    parts, anchor = _scan_pieces(combine, plan, pieces, own, pg, anchors)
+    if reverse:  # each piece's results flipped back
+        parts = [[[torch.cat(p).flip(0)] if p else [] for p in piece] for piece in parts]
+    outs = [_joined([t for piece in parts for t in piece[i]], x) for i, x in enumerate(rows)]
+    if anchor is not None:  # every rank runs the backward collectives
+        outs = tie(anchor, outs)
+    return [x.movedim(0, dim) for x in outs]
 
 
 def _agree(agreement: Agreement, leaves: list[torch.Tensor], anchors: list[torch.Tensor]) -> None:
@@ -162,50 +182,67 @@ def _scan_pieces(
     pieces: list[Piece],
     own: list[list[torch.Tensor]],
     pg: Any,
-    world: int,
     anchors: list[torch.Tensor],
-) -> list[list[torch.Tensor]]:
+) -> tuple[list[list[list[torch.Tensor]]], torch.Tensor | None]:
     """Steps 2 to 5 of the module docstring on this rank's pieces (``own[p]``: the
-    leaves of its piece ``p``, scan order, steps first): each piece's results."""
+    leaves of its piece ``p``, scan order, steps first): for each piece and leaf, the
+    parts of its results in order; and the last gathered buffer (None: nothing was
+    exchanged), which every rank's results must depend on (:func:`tie`)."""
     like = own[0]
     # 2. the steps of the blocks that reach into a piece from before it
     gathered, anchor = None, None
     if plan.segment_rows:
         sent = [_segments(plan, pieces, own, i) for i in range(len(like))]
         gathered, anchor = exchange(sent, pg, anchors)
-    # 3. every block a piece touches, from the block's first step, folded left to right
-    blocks, firsts = [], []
+    # 3. every block a piece touches, from the block's first step, folded left to right:
+    # all of them in one tensor (G, B, ...), G padded to whole calls
+    parts, firsts, count = [[] for _ in like], [], 0
     for piece, xs in zip(pieces, own):
-        firsts.append(sum(b[0].shape[0] for b in blocks))  # its first block's row
+        firsts.append(count)
         if piece.length:
-            xs = _with_prefix(plan.prefix(piece), gathered, xs)
-            count = plan.last_block(piece) - plan.first_block(piece) + 1
-            blocks.append([_as_blocks(x, count, plan.size) for x in xs])
-    folded = fold_blocks(combine, [torch.cat(col) for col in zip(*blocks)]) if blocks else []
+            blocks = plan.last_block(piece) - plan.first_block(piece) + 1
+            before = piece.start - plan.first_block(piece) * plan.size  # the prefix's steps
+            runs = plan.prefix(piece)
+            for i, x in enumerate(xs):
+                prefix = [gathered[i][r, row : row + c] for r, row, c in runs]
+                pad = blocks * plan.size - before - x.shape[0]
+                parts[i] += [*prefix, x, _copies(x[-1:], pad)]
+            count += blocks
+    folded = []
+    if count:
+        calls = rows_per_call([x[:1] for x in like], count)
+        pad = (-count % calls) * plan.size
+        whole = [torch.cat([*p, _copies(p[0][:1], pad)]) for p in parts]
+        blocks = [x.reshape(-1, plan.size, *x.shape[1:]) for x in whole]
+        folded = [x.flatten(0, 1) for x in fold_blocks(combine, blocks)]  # steps in order
     # 4. every block's total, folded one by one in global order into the carries
-    carries: dict[int, list[torch.Tensor]] = {}
+    carries: list[list[torch.Tensor]] = []
     if plan.count > 1:
-        sent = _totals(plan, pieces, firsts, folded, world, like)
+        sent = _totals(plan, pieces, firsts, folded, like)
         if anchor is not None:  # every rank: the totals' backward before the rows'
             sent = tie(anchor, sent)
         totals, anchor = exchange(sent, pg, anchors)
-        where, _ = plan.total_rows(world)
-        carry = None
-        for k in range(1, max((plan.last_block(q) for q in pieces if q.length), default=0) + 1):
-            r, i = where[k - 1]
-            total = [t[r, i : i + 1].contiguous() for t in totals]
-            carry = total if carry is None else dense(combine(carry, total))
-            carries[k] = carry
+        carries = _carries(combine, plan, pieces, totals)
     # 5. the steps of every block after the first: the block's carry in front
-    outs = [
-        _carried(combine, plan, piece, xs, folded, first, carries)
-        for piece, xs, first in zip(pieces, own, firsts)
+    parts = [
+        _carried(combine, plan, piece, folded, first, carries) if piece.length else [[]] * len(like)
+        for piece, first in zip(pieces, firsts)
     ]
-    if anchor is None or not outs:
-        return outs
-    # every rank runs the backward collectives, also where no result needs them
-    flat = tie(anchor, [x for piece in outs for x in piece])
-    return [flat[p * len(like) : (p + 1) * len(like)] for p in range(len(outs))]
+    return parts, anchor
+
+
+def _copies(row: torch.Tensor, rows: int) -> torch.Tensor:
+    """``rows`` copies of ``row`` (a block's padding: real values, results dropped)."""
+    return row.expand(rows, *row.shape[1:])
+
+
+def _joined(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The parts of a leaf's results as one new tensor (``like``: the leaf, steps first)."""
+    if not parts:
+        return like.clone()  # no steps here
+    if len(parts) == 1 and parts[0]._base is None:
+        return parts[0]  # already a tensor of its own
+    return torch.cat(parts)
 
 
 def _zeros(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -230,78 +267,79 @@ def _segments(
     return torch.cat(parts)
 
 
-def _with_prefix(
-    runs: list[tuple[int, int, int]], gathered: list[torch.Tensor] | None, xs: list[torch.Tensor]
-) -> list[torch.Tensor]:
-    """A piece's leaves after the steps of its first block that lie before it."""
-    if not runs or gathered is None:
-        return xs
-    return [torch.cat([*(g[r, i : i + c] for r, i, c in runs), x]) for g, x in zip(gathered, xs)]
-
-
-def _as_blocks(x: torch.Tensor, count: int, size: int) -> torch.Tensor:
-    """``x`` (rows from a block's first step) as ``(count, size, ...)``, the last block
-    padded with copies of the last row (their results are dropped)."""
-    pad = count * size - x.shape[0]
-    if pad:
-        x = torch.cat([x, x[-1:].expand(pad, *x.shape[1:])])
-    return x.reshape(count, size, *x.shape[1:])
-
-
 def _totals(
     plan: Plan,
     pieces: list[Piece],
     firsts: list[int],
     folded: list[torch.Tensor],
-    world: int,
     like: list[torch.Tensor],
 ) -> list[torch.Tensor]:
     """The totals of the blocks that end on this rank, in block order, padded to the
     rows every rank sends."""
-    rank = pieces[0].rank
-    _, most = plan.total_rows(world)
-    rows = []
-    for k in plan.totals_of(rank):
-        p = next(p for p, q in enumerate(pieces) if q.start < plan.block_stop(k) <= q.stop)
-        rows.append(firsts[p] + k - plan.first_block(pieces[p]))
+    _, most = plan.total_rows
+    ends = sorted(
+        (k, (first + k - plan.first_block(q) + 1) * plan.size - 1)
+        for q, first in zip(pieces, firsts)
+        for k in plan.totals_in(q)
+    )
+    index = torch.tensor([row for _, row in ends], dtype=torch.long, device=like[0].device)
     sent = []
     for i, x in enumerate(like):
-        mine = folded[i][rows, plan.size - 1] if rows else x[:0]
-        sent.append(torch.cat([mine, _zeros(x, most - len(rows))]))
+        mine = folded[i].index_select(0, index) if ends else x[:0]
+        sent.append(torch.cat([mine, _zeros(x, most - len(ends))]))
     return sent
+
+
+def _carries(
+    combine: FlatCombine, plan: Plan, pieces: list[Piece], totals: list[torch.Tensor]
+) -> list[list[torch.Tensor]]:
+    """``carries[k]``, the carry into block ``k`` (``carries[0]`` unused): the totals of
+    blocks ``0 .. k-1`` folded one by one, one-row calls, up to this rank's last block."""
+    last = max((plan.last_block(q) for q in pieces if q.length), default=0)
+    if not last:
+        return []
+    at, most = plan.total_rows
+    index = [r * most + i for r, i in (at[k] for k in range(last))]
+    where = torch.tensor(index, dtype=torch.long, device=totals[0].device)
+    # one row per total, (1, ...) each: the same shape for every rank's calls
+    rows = [t.flatten(0, 1).index_select(0, where).unsqueeze(1).unbind(0) for t in totals]
+    carry = [r[0] for r in rows]
+    carries = [carry, carry]
+    for k in range(1, last):
+        carry = dense(combine(carry, [r[k] for r in rows]))
+        carries.append(carry)
+    return carries
 
 
 def _carried(
     combine: FlatCombine,
     plan: Plan,
     piece: Piece,
-    xs: list[torch.Tensor],
     folded: list[torch.Tensor],
     first: int,
-    carries: dict[int, list[torch.Tensor]],
-) -> list[torch.Tensor]:
-    """A piece's results: its steps' block folds, with their block's carry in front from
-    the second block of the sequence on."""
-    if not piece.length:
-        return [x.clone() for x in xs]
+    carries: list[list[torch.Tensor]],
+) -> list[list[torch.Tensor]]:
+    """A non-empty piece's results, as parts per leaf: its steps' block folds, with
+    their block's carry in front from the second block of the sequence on."""
     k0, k1 = plan.first_block(piece), plan.last_block(piece)
-    skip = piece.start - k0 * plan.size  # the block's steps before the piece
-    mine = [
-        f[first : first + k1 - k0 + 1].flatten(0, 1)[skip : skip + piece.length] for f in folded
-    ]
+    begin = first * plan.size + piece.start - k0 * plan.size  # the piece's first step
+    mine = [f[begin : begin + piece.length] for f in folded]
     head = max(0, min(plan.size, piece.stop) - piece.start)  # steps in block 0: no carry
     if head == piece.length:
-        return mine
+        return [[x] for x in mine]
     counts = [
         (k, min(piece.stop, (k + 1) * plan.size) - max(piece.start, k * plan.size))
         for k in range(max(k0, 1), k1 + 1)
     ]
+    repeats = torch.tensor([c for _, c in counts], device=mine[0].device)
     lefts = [
-        torch.cat([carries[k][i].expand(c, *x.shape[1:]) for k, c in counts])
-        for i, x in enumerate(mine)
+        torch.cat([carries[k][i] for k, _ in counts]).repeat_interleave(
+            repeats, dim=0, output_size=piece.length - head
+        )
+        for i in range(len(mine))
     ]
     fixed = combine_rows(combine, lefts, [x[head:] for x in mine])
-    return [torch.cat([x[:head], f]) if head else f for x, f in zip(mine, fixed)]
+    return [([x[:head]] if head else []) + f for x, f in zip(mine, fixed)]
 
 
 # ---- linear_recurrence -----------------------------------------------------------

@@ -48,6 +48,8 @@ def rows_per_call(leaves: Sequence[torch.Tensor], count: int | None = None) -> i
         5440
         >>> rows_per_call([torch.zeros(5, 3)], count=5)  # a multiple of 64 numbers
         64
+        >>> rows_per_call([torch.zeros(5, 64)], count=363)  # two calls of 182 rows
+        182
         >>> rows_per_call([torch.zeros(5, 64)]), rows_per_call([torch.zeros(5, 1001)])
         (256, 1)
     """
@@ -56,7 +58,10 @@ def rows_per_call(leaves: Sequence[torch.Tensor], count: int | None = None) -> i
     fits = BUDGET // (step * max(sizes))
     if not fits:
         return 1
-    return step * (fits if count is None else min(fits, -(-count // step)))
+    if count is None:
+        return step * fits
+    calls = -(-count // (step * fits))  # as few calls as fit, as even as the step allows
+    return step * -(-count // (calls * step))
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -67,43 +72,45 @@ def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x[:1].expand(rows, *x.shape[1:])])
 
 
-def _split(x: torch.Tensor, calls: int, rows: int) -> torch.Tensor:
-    """``x`` (``calls * rows`` rows after padding) as ``(calls, rows, ...)``, contiguous."""
-    return _padded(x, calls * rows - x.shape[0]).reshape(calls, rows, *x.shape[1:]).contiguous()
-
-
 def combine_rows(
     combine: FlatCombine, lefts: list[torch.Tensor], rights: list[torch.Tensor]
-) -> list[torch.Tensor]:
-    """``combine(lefts[i], rights[i])`` for every row ``i`` (dimension 0), in calls of
-    :func:`rows_per_call` rows. ``lefts`` must not be broadcast views (it is copied)."""
+) -> list[list[torch.Tensor]]:
+    """``combine(lefts[i], rights[i])`` for every row ``i`` (dimension 0; contiguous
+    leaves), in calls of :func:`rows_per_call` rows: for each leaf, the calls' results
+    in order, for the caller to concatenate."""
     n = rights[0].shape[0]
     rows = rows_per_call(rights, n)
-    calls = -(-n // rows)
-    left = [_split(x, calls, rows) for x in lefts]
-    right = [_split(x, calls, rows) for x in rights]
-    outs = [dense(combine([x[c] for x in left], [x[c] for x in right])) for c in range(calls)]
-    return [torch.cat(col)[:n] for col in zip(*outs)]
+    outs = []
+    for start in range(0, n - n % rows, rows):  # whole calls: views
+        part = slice(start, start + rows)
+        outs.append(combine([x[part] for x in lefts], [x[part] for x in rights]))
+    if n % rows:  # the rest, padded to a whole call
+        rest, pad = n % rows, rows - n % rows
+        left = [_padded(x[n - rest :], pad) for x in lefts]
+        right = [_padded(x[n - rest :], pad) for x in rights]
+        outs.append([x[:rest] for x in combine(left, right)])
+    return [list(col) for col in zip(*outs)]
 
 
 def fold_blocks(combine: FlatCombine, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
     """The inclusive scan of each block, folded left to right: ``blocks`` are leaves of
-    shape ``(G, size, *element)``; step ``j`` of every block is one batched call
-    ``acc = combine(acc, x[:, j])`` (:func:`rows_per_call` blocks per call)."""
+    shape ``(G, size, *element)``, ``G`` a multiple of :func:`rows_per_call` (pad it
+    with copies of real blocks); step ``j`` of each ``rows_per_call`` blocks is one
+    call ``acc = combine(acc, x[:, j])``. Returns leaves of the same shape."""
     count, size = blocks[0].shape[:2]
     rows = rows_per_call([x[:, 0] for x in blocks], count)
-    calls = -(-count // rows)
-    # (size, calls, rows, *element): step j of call c is one contiguous batch
-    steps = [_split(x, calls, rows).movedim(2, 0).contiguous() for x in blocks]
+    # (size, G, ...): step j of a call's blocks is one contiguous batch
+    steps = [x.transpose(0, 1).contiguous() for x in blocks]
     outs = []
-    for c in range(calls):
-        acc = [x[0, c] for x in steps]
+    for start in range(0, count, rows):
+        views = [x[:, start : start + rows].unbind(0) for x in steps]
+        acc = [v[0] for v in views]
         folded = [acc]
         for j in range(1, size):
-            acc = dense(combine(acc, [x[j, c] for x in steps]))
+            acc = dense(combine(acc, [v[j] for v in views]))
             folded.append(acc)
         outs.append([torch.stack(col, 1) for col in zip(*folded)])  # (rows, size, ...)
-    return [torch.cat(col)[:count] for col in zip(*outs)]
+    return [torch.cat(col) if len(col) > 1 else col[0] for col in zip(*outs)]
 
 
 def dense(out: list[torch.Tensor]) -> list[torch.Tensor]:
