@@ -95,7 +95,7 @@ def associative_scan(
         >>> dist.destroy_process_group()
     """
     args = (combine_fn, xs, dim, reverse, combine_mode, group, layout, reset, validate)
-    if deterministic is True:  # eagerly, also inside torch.compile (see NOT_TRACED)
+    if deterministic is True and torch.compiler.is_compiling():  # see NOT_TRACED
         return _scan_eagerly(*args, deterministic)
     return _scan(*args, deterministic)
 
@@ -176,7 +176,7 @@ def linear_recurrence(
         >>> dist.destroy_process_group()
     """
     call = RecurrenceCall(_API_LINEAR, a, b, dim, initial, reverse, reset, acc_dtype)
-    if deterministic is True:  # eagerly, also inside torch.compile (see NOT_TRACED)
+    if deterministic is True and torch.compiler.is_compiling():  # see NOT_TRACED
         return _recurrence_eagerly(call, group, deterministic)
     return _recurrence(call, group, deterministic)
 
@@ -190,6 +190,7 @@ def _recurrence(call: RecurrenceCall, group: Any, deterministic: bool) -> torch.
 
 
 # Dynamo does not trace these: it calls them (a graph break; fullgraph=True refuses).
+# Eager calls go around them: the wrapper costs milliseconds per call.
 _scan_eagerly = torch.compiler.disable(_scan, reason=NOT_TRACED)
 _recurrence_eagerly = torch.compiler.disable(_recurrence, reason=NOT_TRACED)
 

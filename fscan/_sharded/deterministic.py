@@ -143,7 +143,7 @@ def _scan(
     _agree(agreement, leaves, anchors)
     if layout.lengths is None:  # every rank's lengths, for the blocks
         sent = torch.tensor(mine, dtype=torch.int64, device=leaves[0].device)
-        lengths = exchange([sent], pg)[0][0].tolist()
+        lengths = _gathered([sent], pg, [])[0][0].tolist()
     else:
         lengths = layout.lengths
     plan = Plan.build(layout.order, lengths, reverse)
@@ -193,7 +193,7 @@ def _scan_pieces(
     gathered, anchor = None, None
     if plan.segment_rows:
         sent = [_segments(plan, pieces, own, i) for i in range(len(like))]
-        gathered, anchor = exchange(sent, pg, anchors)
+        gathered, anchor = _gathered(sent, pg, anchors)
     # 3. every block a piece touches, from the block's first step, folded left to right:
     # all of them in one tensor (G, B, ...), G padded to whole calls
     parts, firsts, count = [[] for _ in like], [], 0
@@ -221,7 +221,7 @@ def _scan_pieces(
         sent = _totals(plan, pieces, firsts, folded, like)
         if anchor is not None:  # every rank: the totals' backward before the rows'
             sent = tie(anchor, sent)
-        totals, anchor = exchange(sent, pg, anchors)
+        totals, anchor = _gathered(sent, pg, anchors)
         carries = _carries(combine, plan, pieces, totals)
     # 5. the steps of every block after the first: the block's carry in front
     parts = [
@@ -229,6 +229,17 @@ def _scan_pieces(
         for piece, first in zip(pieces, firsts)
     ]
     return parts, anchor
+
+
+def _gathered(
+    sent: list[torch.Tensor], pg: Any, anchors: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Every rank's ``sent``, ``(W, ...)`` per leaf, and the buffer to tie results to
+    (:func:`~fscan._sharded.exchange.exchange`); a group of one keeps its own (the same
+    values: the exchange moves them exactly) and needs no backward collective."""
+    if dist.get_world_size(pg) == 1:
+        return [x.unsqueeze(0) for x in sent], None
+    return exchange(sent, pg, anchors)
 
 
 def _copies(row: torch.Tensor, rows: int) -> torch.Tensor:
@@ -331,11 +342,13 @@ def _carried(
         (k, min(piece.stop, (k + 1) * plan.size) - max(piece.start, k * plan.size))
         for k in range(max(k0, 1), k1 + 1)
     ]
+    # row r of the carried steps takes its block's carry (an index, then one gather: a
+    # tensor's own repeat_interleave is far slower on CPU)
     repeats = torch.tensor([c for _, c in counts], device=mine[0].device)
+    which = torch.arange(len(counts), device=repeats.device)
+    which = which.repeat_interleave(repeats, output_size=piece.length - head)
     lefts = [
-        torch.cat([carries[k][i] for k, _ in counts]).repeat_interleave(
-            repeats, dim=0, output_size=piece.length - head
-        )
+        torch.cat([carries[k][i] for k, _ in counts]).index_select(0, which)
         for i in range(len(mine))
     ]
     fixed = combine_rows(combine, lefts, [x[head:] for x in mine])
