@@ -279,6 +279,29 @@ def _ranks_disagree(rank: int, world: int) -> None:
     assert_bitwise(got, torch.arange(1.0, 3.0) + 2 * rank)
 
 
+def _a_rank_fails(rank: int, world: int) -> None:
+    """The last rank's ``combine_fn`` fails on its data before any exchange: it raises its
+    own error, every other rank ``fscan.PeerRankError``, and the group stays usable."""
+    last = world - 1
+
+    def add_but_not_on_last(x, y):
+        if dist.get_rank() == last:
+            raise ValueError("rank-local failure")
+        return x + y
+
+    try:
+        fd.associative_scan(add_but_not_on_last, torch.ones(4, 2), 0, deterministic=True)
+    except Exception as err:
+        if (rank == last) == isinstance(err, fscan.PeerRankError):
+            raise
+        if rank == last and "rank-local failure" not in str(err):
+            raise
+    else:
+        raise AssertionError("no rank raised")
+    got = fd.associative_scan(torch.add, torch.ones(2), 0, deterministic=True)
+    assert_bitwise(got, torch.arange(1.0, 3.0) + 2 * rank)
+
+
 CASES: dict[str, Callable[[int, int], None]] = {
     "bitwise: add": _bitwise_scan(torch.add, 0),
     "bitwise: logaddexp dim 1": _bitwise_scan(torch.logaddexp, 1),
@@ -292,4 +315,5 @@ CASES: dict[str, Callable[[int, int], None]] = {
     "one process: linear_recurrence": _recurrence_against_one_process,
     "torch.func.jvp": _jvp,
     "ranks disagree": _ranks_disagree,
+    "a rank fails before the exchange": _a_rank_fails,
 }
