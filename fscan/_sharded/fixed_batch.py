@@ -80,15 +80,18 @@ def combine_rows(
     in order, for the caller to concatenate."""
     n = rights[0].shape[0]
     rows = rows_per_call(rights, n)
+    # split, not slices: a slice's backward fills a tensor the size of the whole
+    # operand for every call, split's concatenates once
+    lefts, rights = [x.split(rows) for x in lefts], [x.split(rows) for x in rights]
     outs = []
-    for start in range(0, n - n % rows, rows):  # whole calls: views
-        part = slice(start, start + rows)
-        outs.append(combine([x[part] for x in lefts], [x[part] for x in rights]))
-    if n % rows:  # the rest, padded to a whole call
-        rest, pad = n % rows, rows - n % rows
-        left = [_padded(x[n - rest :], pad) for x in lefts]
-        right = [_padded(x[n - rest :], pad) for x in rights]
-        outs.append([x[:rest] for x in combine(left, right)])
+    for left, right in zip(zip(*lefts), zip(*rights)):
+        rest = right[0].shape[0]
+        if rest == rows:
+            outs.append(combine(list(left), list(right)))
+        else:  # the last call, padded to a whole one
+            pad = [_padded(x, rows - rest) for x in (*left, *right)]
+            out = combine(pad[: len(left)], pad[len(left) :])
+            outs.append([x[:rest] for x in out])
     return [list(col) for col in zip(*outs)]
 
 
@@ -102,8 +105,8 @@ def fold_blocks(combine: FlatCombine, blocks: list[torch.Tensor]) -> list[torch.
     # (size, G, ...): step j of a call's blocks is one contiguous batch
     steps = [x.transpose(0, 1).contiguous() for x in blocks]
     outs = []
-    for start in range(0, count, rows):
-        views = [x[:, start : start + rows].unbind(0) for x in steps]
+    for calls in zip(*(x.split(rows, dim=1) for x in steps)):  # split: see combine_rows
+        views = [x.unbind(0) for x in calls]
         acc = [v[0] for v in views]
         folded = [acc]
         for j in range(1, size):
