@@ -114,13 +114,14 @@ def test_bitwise_for_any_split(fn, dim, reverse, dtype):
             assert_bitwise(got, whole, f"n={n} pieces {lengths}")
 
 
-def test_bitwise_for_pieces_in_any_order():
+@pytest.mark.parametrize("reverse", [False, True])
+def test_bitwise_for_pieces_in_any_order(reverse):
     """Pieces held out of sequence order (torch context parallel's head-tail layout and
     others): each piece's results are the whole scan's at its place."""
     x = torch.randn(40, 5)
-    whole = _scan(logaddexp, x, 0)
+    whole = _scan(logaddexp, x, 0, reverse)
     for lengths, order in (([10, 10, 10, 10], [0, 3, 1, 2]), ([7, 0, 20, 13], [2, 0, 3, 1])):
-        got = _scan(logaddexp, x, 0, lengths=lengths, order=order)
+        got = _scan(logaddexp, x, 0, reverse, lengths=lengths, order=order)
         assert_bitwise(got, _pieces(whole, 0, lengths, order), f"order {order}")
 
 
