@@ -73,6 +73,7 @@ def segmented_source(
         suspect=suspect_check(dtypes, list(every)),
         tuning=csrc("tuning.h"),
         segmented=csrc("segmented.h"),
+        pick="".join(f"  o.v{k} = f ? a.v{k} : b.v{k};\n" for k in every),
         arguments=", ".join(
             _signature(dtypes, program, [f"{st[k]}* {y}" for k, y in enumerate(written)], positions)
         ),
