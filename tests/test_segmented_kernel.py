@@ -170,3 +170,51 @@ def test_gradients_take_the_pairs_scan(caplog):
         [int(((segments == segments[t]) & (torch.arange(n) >= t)).sum()) for t in range(n)]
     )
     torch.testing.assert_close(grad, left[:, None].double().expand(n, 40))
+
+
+def _affine(p, q):
+    return (p[0] * q[0], q[0] * p[1] + q[1])
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("flags", ["row", "element"])
+def test_associative_scan_takes_it_and_explain_agrees(reverse, flags, caplog):
+    gen = torch.Generator().manual_seed(3)
+    a = torch.rand(200, 24, generator=gen, dtype=torch.float64) * 0.5 + 0.5
+    b = torch.randn(200, 24, generator=gen, dtype=torch.float64)
+    reset = mask(200) if flags == "row" else mask((200, 24))
+    with fscan.config.override(cpu_kernel="eager"):
+        fscan.associative_scan(_affine, (a, b), 0, reverse, reset=reset)  # builds
+        report = fscan.explain(_affine, (a, b), 0, reverse, reset=reset)
+        with caplog.at_level("DEBUG", logger="fscan"):
+            got = fscan.associative_scan(_affine, (a, b), 0, reverse, reset=reset)
+    assert report.engine == "cpp"
+    (record,) = [r for r in caplog.records if getattr(r, "fscan_api", "") == SCAN]
+    assert record.fscan_engine == "cpp"
+    with fscan.config.override(cpu_kernel="off"):
+        want = fscan.associative_scan(_affine, (a, b), 0, reverse, reset=reset)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+SCAN = "fscan.associative_scan"
+
+
+def test_associative_scan_checks_combine_fn_before_the_kernel():
+    """The kernel never calls combine_fn: a combine that mixes elements fails on the
+    first call's check, as on the scan without a mask."""
+    x, reset = torch.randn(64, 8), mask(64)
+    mixing = lambda p, q: p + q.flip(0)  # reverses the batch of elements
+    with fscan.config.override(cpu_kernel="eager"), pytest.raises(fscan.NotElementwiseError):
+        fscan.associative_scan(mixing, x, 0, reset=reset)
+
+
+def test_associative_scan_with_gradients_takes_the_pairs():
+    a = torch.rand(50, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(50, 4, dtype=torch.float64, requires_grad=True)
+    reset = mask(50, 0.2)
+    with fscan.config.override(cpu_kernel="eager"):
+        report = fscan.explain(_affine, (a, b), 0, reset=reset)
+        assert report.engine != "cpp" and "gradients" in report.refused["cpp"]
+        scan = lambda a, b: fscan.associative_scan(_affine, (a, b), 0, reset=reset)[1]
+        assert torch.autograd.gradcheck(scan, (a, b))
