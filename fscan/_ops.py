@@ -36,7 +36,7 @@ from ._exclusive import check_exclusive
 from ._route_log import logs_route
 from ._routing.cumulative import cumulative, native_first, native_first_into
 from ._routing.exclusive import exclusive_cumulative
-from ._sharded.dtensor_ops import is_dtensor, on_dtensor
+from ._sharded.dtensor_ops import is_dtensor, on_dtensor, refuse_dtensor_reset
 
 __all__ = ["cummax", "cummin", "cumprod", "cumsum", "logcumsumexp"]
 
@@ -310,6 +310,8 @@ def _extremum(
 
 def _run(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset: Any, exclusive: bool):
     """The checked call on the drop-ins' router, inclusive or exclusive."""
+    if reset is not None and is_dtensor(reset):
+        refuse_dtensor_reset(api)  # with a plain `input`: DTensor inputs never get here
     if exclusive:
         return exclusive_cumulative(api, op, x, dim, reverse, reset)
     return cumulative(api, op, x, dim, reverse, reset)

@@ -371,6 +371,8 @@ def _refusals(rank: int, world: int) -> None:
         (lambda: fscan.cumsum(dx, 0, reset=short), fscan.ScanValueError, "length 5"),
         (lambda: fscan.cumsum(dx, 2), fscan.ScanIndexError, "dim"),
         (lambda: fscan.logcumsumexp(waves, 0), fscan.ScanTypeError, "complex"),
+        (lambda: fscan.cumsum(torch.ones(6), 0, reset=replicated), fscan.ScanTypeError, "`input`"),
+        (lambda: fscan.cummin(torch.ones(6), 0, reset=replicated), fscan.ScanTypeError, "`input`"),
     ]
     for call, error, words in cases:
         try:
@@ -380,6 +382,26 @@ def _refusals(rank: int, world: int) -> None:
                 raise AssertionError(f"{error.__name__} without {words!r}: {err}") from err
             continue
         raise AssertionError(f"expected {error.__name__} naming {words!r}")
+
+
+def _ranks_disagree(rank: int, world: int) -> None:
+    """Ranks that make different calls (rank 0 reversed) all get the same clear error
+    from the agreement before the exchange, never a hang or mixed-up bytes; the group
+    stays usable."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = _mesh(world)
+    x = _data("cummax", (13, 2), torch.float64, seed=6)
+    dx = distribute_tensor(x, mesh, [Shard(0)])
+    if world > 1:
+        try:
+            fscan.cummax(dx, 0, reverse=rank == 0)
+        except fscan.ScanValueError as err:
+            if "`reverse`: True on rank 0; False on rank" not in str(err):
+                raise AssertionError(f"the error does not say who differs: {err}") from err
+        else:
+            raise AssertionError("ranks with different calls went on to the exchange")
+    _check_result("cummax", fscan.cummax(dx, 0), torch.cummax(x, 0), "after", (Shard(0),))
 
 
 CASES: dict[str, Callable[[int, int], None]] = {
@@ -392,6 +414,7 @@ CASES: dict[str, Callable[[int, int], None]] = {
     "moves only carries": _moves_only_carries,
     "swap_cumulative_ops": _swap,
     "refusals": _refusals,
+    "ranks disagree": _ranks_disagree,
 }
 
 

@@ -37,17 +37,18 @@ it (no sharding rule for ``aten.cumsum.out``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from .._checks import normalize_dim
 from .._errors import ScanTypeError, ScanValueError, UnsupportedScanError
+from .._exclusive import recorded
 from .._routing.exclusive import identity
 from .._segmented import check_reset
 from .dtensor import _checked_lengths, _sequence_mesh_dim, _wrap, any_dtensor
 
-__all__ = ["is_dtensor", "on_dtensor"]
+__all__ = ["is_dtensor", "on_dtensor", "refuse_dtensor_reset"]
 
 _EXTREMA = {torch.cummax: torch.return_types.cummax, torch.cummin: torch.return_types.cummin}
 _COMBINES: dict[Any, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -157,6 +158,15 @@ def _local_reset(api: str, reset: Any, input: Any, dim: int) -> torch.Tensor:
     return reset.to_local()
 
 
+def refuse_dtensor_reset(api: str) -> NoReturn:
+    """Raise the error for a DTensor ``reset`` next to a plain ``input``."""
+    raise ScanTypeError(
+        f"{api}: `reset` is a DTensor while `input` is a torch.Tensor; make `input` a "
+        "DTensor on `reset`'s mesh (e.g. distribute_tensor(input, mesh, placements)), or "
+        "pass the mask as a tensor (`reset.full_tensor()`)."
+    )
+
+
 def _reset_placements(reset: Any, input: Any, dim: int) -> tuple:
     """The placements a ``reset`` mask (1-D, or with ``input``'s dimensions) needs so that
     each rank's local mask fits its local piece of ``input``."""
@@ -204,7 +214,13 @@ class _Piece:
             gathered, anchor = exchange(carry, agreement.group)
             prefix = self._prefix(gathered, mask is not None)
         if prefix is not None and n:
-            fixed = self._combine([p.unsqueeze(dim) for p in prefix], outs)
+            before = [p.unsqueeze(dim) for p in prefix]
+            if mask is None and not self.extremum and not recorded(outs):
+                # into the drop-in's fresh result: no second buffer of the shard's size
+                _COMBINES[self.op](before[0], outs[0], out=outs[0])
+                fixed = outs
+            else:
+                fixed = self._combine(before, outs)
             if mask is None:
                 outs = fixed
             else:
