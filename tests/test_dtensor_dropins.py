@@ -315,6 +315,11 @@ def _placements(rank: int, world: int) -> None:
         got = fscan.cumsum(dy, 1, reverse=True)
         want = loop("cumsum", y, 1, reverse=True)
         _check_result("cumsum", got, want, "2-D mesh dp x cp", (Shard(0), Shard(1)), 1e-9)
+        reset = torch.arange(7) % 3 == 1
+        dreset = distribute_tensor(reset, mesh2, [Replicate(), Shard(0)])
+        got = fscan.cummin(dy, 1, reset=dreset, exclusive=True)
+        want = loop("cummin", y, 1, reset=reset, exclusive=True)
+        _check_result("cummin", got, want, "2-D mesh reset", (Shard(0), Shard(1)), 1e-9)
 
 
 def _moves_only_carries(rank: int, world: int) -> None:
@@ -369,6 +374,8 @@ def _refusals(rank: int, world: int) -> None:
         (lambda: fscan.cumsum(dx, 0, reset=flags), fscan.ScanTypeError, "distribute_tensor"),
         (lambda: fscan.cummax(dx, 0, reset=replicated), fscan.ScanValueError, "Shard(dim=0)"),
         (lambda: fscan.cumsum(dx, 0, reset=short), fscan.ScanValueError, "length 5"),
+        (lambda: fscan.cumsum(dx, 0, reset=flags[None]), fscan.ScanValueError, "(1, 6)"),
+        (lambda: fscan.cumsum(dx, 0, reset=[True] * 6), fscan.ScanTypeError, "bool tensor"),
         (lambda: fscan.cumsum(dx, 2), fscan.ScanIndexError, "dim"),
         (lambda: fscan.logcumsumexp(waves, 0), fscan.ScanTypeError, "complex"),
         (lambda: fscan.cumsum(torch.ones(6), 0, reset=replicated), fscan.ScanTypeError, "`input`"),

@@ -134,21 +134,20 @@ def _local_reset(api: str, reset: Any, input: Any, dim: int) -> torch.Tensor:
     """``reset`` checked against ``input`` (global shapes, then placements); its local mask."""
     from torch.distributed.tensor import DTensor
 
+    # The global shapes, checked as for a plain tensor (meta tensors: no data moves).
+    meta = torch.empty(input.shape if input.ndim else (1,), device="meta")
+    if isinstance(reset, torch.Tensor):
+        check_reset(
+            api, torch.empty(reset.shape, dtype=reset.dtype, device="meta"), meta, [meta], dim
+        )
+    else:
+        check_reset(api, reset, meta, [meta], dim)  # raises: not a tensor
     expected = _reset_placements(reset, input, dim)
     if not isinstance(reset, DTensor):
-        fix = (
-            f"distribute_tensor(reset, mesh, {list(expected)})"
-            if isinstance(reset, torch.Tensor)
-            else "a bool DTensor"
-        )
         raise ScanTypeError(
-            f"{api}: `reset` is a {type(reset).__name__} while `input` is a DTensor; "
-            f"make it a DTensor placed like `input`: {fix}."
+            f"{api}: `reset` is a torch.Tensor while `input` is a DTensor; make it a DTensor "
+            f"placed like `input`: distribute_tensor(reset, mesh, {list(expected)})."
         )
-    # The global shapes, checked as for a plain tensor (meta tensors: no data moves).
-    shape = input.shape if input.ndim else (1,)
-    meta = torch.empty(shape, device="meta")
-    check_reset(api, torch.empty(reset.shape, dtype=reset.dtype, device="meta"), meta, [meta], dim)
     if reset.device_mesh != input.device_mesh or reset.placements != expected:
         raise ScanValueError(
             f"{api}: `reset` has placements {reset.placements}, expected {expected} on "
@@ -172,12 +171,11 @@ def _reset_placements(reset: Any, input: Any, dim: int) -> tuple:
     each rank's local mask fits its local piece of ``input``."""
     from torch.distributed.tensor import Replicate, Shard
 
-    ndim = reset.ndim if isinstance(reset, torch.Tensor) else 1
     wanted = []
     for p in input.placements:
         if not isinstance(p, Shard):
             wanted.append(Replicate())
-        elif ndim == 1:
+        elif reset.ndim == 1:
             wanted.append(Shard(0) if p.dim == dim else Replicate())
         else:
             wanted.append(p if reset.shape[p.dim] == input.shape[p.dim] else Replicate())
