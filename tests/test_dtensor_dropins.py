@@ -204,9 +204,15 @@ def _ties_and_nans(rank: int, world: int) -> None:
     ):
         dx = distribute_tensor(x, mesh, [Shard(0)])
         for name, reverse in itertools.product(EXTREMA, (False, True)):
-            got = getattr(fscan, name)(dx, 0, reverse=reverse)
+            drop_in = getattr(fscan, name)
+            got = drop_in(dx, 0, reverse=reverse)
             want = _torch_whole(name, x, 0, reverse)
             _check_result(name, got, want, f"{name} {x} reverse={reverse}", (Shard(0),), 0.0)
+            # exclusive: a carry equal to the identity (-inf) keeps its index, not -1
+            got = drop_in(dx, 0, reverse=reverse, exclusive=True)
+            want = drop_in(x, 0, reverse=reverse, exclusive=True)  # one process: the oracle
+            what = f"exclusive {name} {x} reverse={reverse}"
+            _check_result(name, got, want, what, (Shard(0),), 0.0)
 
 
 def _resets(rank: int, world: int) -> None:
