@@ -29,6 +29,7 @@ from ._cpp_ops import (
     OPMATH_SCALAR,
     POW_SPECIAL,
     UNARY,
+    WIDE_FLOAT32,
     Param,
     Program,
     Unsupported,
@@ -314,6 +315,8 @@ class Translator:
                 return f"std::fma({b}, {scale}, {a})"
             scale = cpp_const(converted_constant(alpha, dtype), oc)
             return BINARY[name].format(a=a, b=f"({b} * {scale})")
+        if name in WIDE_FLOAT32 and dtype == F32 and oc == "double":
+            return WIDE_FLOAT32[name].format(a=value(args[0]), b=value(args[1]))
         return BINARY[name].format(a=value(args[0]), b=value(args[1]))
 
     def _pow(self, args: list[Any], dtype: torch.dtype, oc: str) -> str:
