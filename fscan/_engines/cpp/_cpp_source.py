@@ -229,7 +229,8 @@ def _tiled(storage: Sequence[str], positions: Sequence[int], expensive: bool) ->
     leaf's cheap combine (add, mul, max) walked 8 chains interleaved at 0.40-0.55 ns an
     element over (1048576,), tiled at 0.7: the transposes cost more than its scalar
     combine; the affine pair's went from 2.4-4.4 walked to 1.2-2.1 tiled, logaddexp's
-    from 19 (scalar exp and log1p) to TILED_LSE tiled."""
+    (4096, 256) dim 1 from 17 walked (a scalar combine: each step calls expf and log1pf)
+    to 2.9 tiled."""
     floats = not positions and set(storage) == {"float"}
     return floats and (len(storage) >= 2 or expensive)
 
