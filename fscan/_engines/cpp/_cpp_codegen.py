@@ -1,7 +1,9 @@
 """Trace a pointwise ``combine_fn`` to elementwise aten ops and translate it to C++.
 
 ``combine_fn`` on flat leaves is traced once with ``make_fx`` (core ATen
-decompositions) on small example tensors of the leaf dtypes. Every node must be
+decompositions, but for the ops of ``WHOLE``: ``logaddexp`` stays one op, which the
+kernel computes branch-free, in ``csrc/logaddexp.h``) on small example tensors of the
+leaf dtypes. Every node must be
 an elementwise op of the table in :mod:`._cpp_ops`; anything else raises
 :class:`Unsupported`, and the caller runs fscan's torch engine instead. Nodes that do not depend on
 the leaves (they only read tensors ``combine_fn`` closes over, or constants)
