@@ -97,8 +97,7 @@ def _fill(template: str, **holes: str) -> str:
 
 
 def _kernel(template: str, **holes: str) -> str:
-    """A whole kernel: every one starts with the prelude (and the ops it spells out in
-    ``logaddexp.h``) and glibc's vector math."""
+    """A whole kernel: every one starts with the prelude, logaddexp and glibc's vector math."""
     prelude = csrc("prelude.h") + csrc("logaddexp.h")
     return _fill(template, prelude=prelude, mvec=mvec_declarations(), **holes)
 
@@ -225,12 +224,10 @@ def forward_source(
 
 def _tiled(storage: Sequence[str], positions: Sequence[int], expensive: bool) -> bool:
     """Whether the chain path tiles its chains (see tile_chains in csrc/forward.h): float32
-    leaves, none of them positions, and two or more of them or an expensive combine. One
-    leaf's cheap combine (add, mul, max) walked 8 chains interleaved at 0.40-0.55 ns an
-    element over (1048576,), tiled at 0.7: the transposes cost more than its scalar
-    combine; the affine pair's went from 2.4-4.4 walked to 1.2-2.1 tiled, logaddexp's
-    (4096, 256) dim 1 from 17 walked (a scalar combine: each step calls expf and log1pf)
-    to 2.7 tiled (the lane path's loop: 0.9)."""
+    leaves, none of them positions, two or more of them or an expensive combine. Per
+    element over (1048576,), add/mul/max walked 0.40-0.55 ns, tiled 0.7 (the transposes
+    cost more than their scalar combine); the affine pair walked 2.4-4.4, tiled 1.2-2.1;
+    logaddexp over (4096, 256) dim 1 walked 17 (expf and log1pf calls), tiled 2.7."""
     floats = not positions and set(storage) == {"float"}
     return floats and (len(storage) >= 2 or expensive)
 
