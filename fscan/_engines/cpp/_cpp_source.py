@@ -98,8 +98,9 @@ def _fill(template: str, **holes: str) -> str:
 
 
 def _kernel(template: str, **holes: str) -> str:
-    """A whole kernel: every one starts with the prelude and glibc's vector math."""
-    return _fill(template, prelude=csrc("prelude.h"), mvec=mvec_declarations(), **holes)
+    """A whole kernel: every one starts with the prelude, logaddexp and glibc's vector math."""
+    prelude = csrc("prelude.h") + csrc("logaddexp.h")
+    return _fill(template, prelude=prelude, mvec=mvec_declarations(), **holes)
 
 
 def _signature(
@@ -201,7 +202,7 @@ def forward_source(
         combine=_combine_function(compute, program),
         suspect=suspect_check(dtypes, kept),
         tuning=csrc("tuning.h"),
-        tiles=_tiles(read_idx if _tiled(st, positions) else None, kept),
+        tiles=_tiles(read_idx if _tiled(st, positions, program.expensive) else None, kept),
         forward=csrc("forward.h"),
         arguments=", ".join(
             _signature(dtypes, program, [f"{st[k]}* y{k}" for k in kept], positions)
@@ -227,13 +228,14 @@ def suspect_check(dtypes: Sequence[torch.dtype], kept: Sequence[int]) -> str:
     return " || ".join(checks) or "false"
 
 
-def _tiled(storage: Sequence[str], positions: Sequence[int]) -> bool:
+def _tiled(storage: Sequence[str], positions: Sequence[int], expensive: bool) -> bool:
     """Whether the chain path tiles its chains (see tile_chains in csrc/forward.h): float32
-    leaves, none of them positions, and two or more of them. One leaf's combine (add,
-    mul, max) walked 8 chains interleaved at 0.40-0.55 ns an element over (1048576,),
-    tiled at 0.7: the transposes cost more than its scalar combine; the affine pair's
-    went from 2.4-4.4 walked to 1.2-2.1 tiled."""
-    return not positions and set(storage) == {"float"} and len(storage) >= 2
+    leaves, none of them positions, two or more of them or an expensive combine. Per
+    element over (1048576,), add/mul/max walked 0.40-0.55 ns, tiled 0.7 (the transposes
+    cost more than their scalar combine); the affine pair walked 2.4-4.4, tiled 1.2-2.1;
+    logaddexp over (4096, 256) dim 1 walked 17 (expf and log1pf calls), tiled 2.7."""
+    floats = not positions and set(storage) == {"float"}
+    return floats and (len(storage) >= 2 or expensive)
 
 
 def _tiles(read: Sequence[int] | None, kept: Sequence[int]) -> str:
