@@ -356,7 +356,8 @@ def segmented(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset
         )
     if segmented_route(runs_at([x]), [x]) is None:
         combine, spec, leaves, positions = kernel_call(op, x)
-        found = run_segmented(combine, spec, leaves, dim, reverse, reset, positions)
+        threads = 1 if x.shape[dim] == x.numel() else None  # one lane: as _kernel below
+        found = run_segmented(combine, spec, leaves, dim, reverse, reset, positions, threads)
         if found is not None:
             return _EXTREMA[op](found) if op in _EXTREMA else found[0]
     xs: Any = x
