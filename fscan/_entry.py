@@ -27,6 +27,7 @@ from ._knowledge.store import knowledge, reach
 from ._knowledge.validate import validate_combine_fn
 from ._pytree import flatten, unflatten
 from ._routing.scan import scan_flat, scan_traced
+from ._routing.segmented import scan_segmented
 from ._segmented import segmented_scan
 
 __all__ = ["checked_call", "run_scan", "scan_tree"]
@@ -81,8 +82,10 @@ def run_scan(call: ScanCall, out: list[torch.Tensor] | None = None) -> Any:
             leaves = swap_heads(leaves, heads, dim, reverse)
             xs, heads = unflatten(spec, leaves), None
             call = call._replace(xs=xs, leaves=leaves)
-    if reset is not None:  # a scan over (flag, value) pairs: see fscan._segmented
-        return segmented_scan(run_scan, call._replace(initial=None))
+    if reset is not None:  # the segmented kernel, else a scan over (flag, value) pairs
+        call = call._replace(initial=None)
+        served = None if torch.compiler.is_compiling() else scan_segmented(call)
+        return unflatten(spec, served) if served is not None else segmented_scan(run_scan, call)
     if torch.compiler.is_compiling():
         return unflatten(spec, scan_traced(call))
     found = reach(combine_fn)

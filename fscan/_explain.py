@@ -21,9 +21,12 @@ import torch
 
 from ._call import ScanCall
 from ._context import where
+from ._engines.triton import codegen_unavailable
 from ._entry import checked_call
+from ._knowledge.store import reach
 from ._pytree import flatten
 from ._routing.reasons import scan_route
+from ._routing.segmented import segmented_refusal
 from ._scan import associative_scan
 from ._segmented import segmented_scan
 from ._sharded.dtensor import any_dtensor
@@ -92,6 +95,10 @@ def explain(
     if any_dtensor(leaves):
         return Explanation(_API, "distributed", MappingProxyType({}))
     call = checked_call(ScanCall(_API, combine_fn, xs, spec, leaves, dim, reverse, combine_mode))
+    at = where(call.leaves)
+    if reset is not None and (why := segmented_refusal(call._replace(reset=reset), at)) is None:
+        refused = {"triton": codegen_unavailable(call.leaves, reach(combine_fn)) or "a CPU scan"}
+        return Explanation(_API, "cpp", MappingProxyType(refused))
     if reset is not None:  # the pairs (flag, value) are scanned: describe that scan
         seen: list[ScanCall] = []
         capture = lambda pair_call: seen.append(pair_call) or (None, None)
@@ -99,8 +106,11 @@ def explain(
         call = seen[0]
     # A number as initial (or as one of its leaves) is a constant: only tensors can need grad.
     heads = [] if initial is None else [h for h in flatten(initial)[0] if torch.is_tensor(h)]
-    facts = scan_route(call, where(call.leaves), heads)
-    return Explanation(_API, facts.engine, MappingProxyType(facts.refused), facts.grad)
+    facts = scan_route(call, at, heads)
+    refused = dict(facts.refused)
+    if reset is not None and facts.engine != "cpp":
+        refused["cpp"] = f"the segmented kernel: {why}"
+    return Explanation(_API, facts.engine, MappingProxyType(refused), facts.grad)
 
 
 def explain_arguments(args: tuple, kwargs: dict) -> inspect.BoundArguments:

@@ -36,6 +36,7 @@ from ._exclusive import check_exclusive
 from ._route_log import logs_route
 from ._routing.cumulative import cumulative, native_first, native_first_into
 from ._routing.exclusive import exclusive_cumulative
+from ._sharded.dtensor_ops import is_dtensor, on_dtensor, refuse_dtensor_reset
 
 __all__ = ["cummax", "cummin", "cumprod", "cumsum", "logcumsumexp"]
 
@@ -86,6 +87,8 @@ def cumsum(
         >>> fscan.cumsum(torch.ones(5), 0, reset=torch.tensor([0, 0, 1, 0, 1]) > 0)
         tensor([1., 2., 1., 2., 1.])
     """
+    if type(input) is not torch.Tensor and is_dtensor(input):  # see fscan._sharded.dtensor_ops
+        return on_dtensor(torch.cumsum, cumsum, input, dim, dtype, out, reverse, reset, exclusive)
     if dtype is None and reverse is False and reset is None and exclusive is False:
         result = (
             native_first(torch.cumsum, input, dim)
@@ -119,6 +122,8 @@ def cumprod(
         >>> fscan.cumprod(torch.tensor([1.0, 2.0, 3.0]), 0, reverse=True)
         tensor([6., 6., 3.])
     """
+    if type(input) is not torch.Tensor and is_dtensor(input):  # see fscan._sharded.dtensor_ops
+        return on_dtensor(torch.cumprod, cumprod, input, dim, dtype, out, reverse, reset, exclusive)
     if dtype is None and reverse is False and reset is None and exclusive is False:
         result = (
             native_first(torch.cumprod, input, dim)
@@ -155,6 +160,10 @@ def logcumsumexp(
         >>> fscan.logcumsumexp(torch.tensor([0.0, float("-inf"), 0.0]), 0)
         tensor([0.0000, 0.0000, 0.6931])
     """
+    if type(input) is not torch.Tensor and is_dtensor(input):
+        return on_dtensor(
+            torch.logcumsumexp, logcumsumexp, input, dim, None, out, reverse, reset, exclusive
+        )
     if reverse is False and reset is None and exclusive is False:
         result = (
             native_first(torch.logcumsumexp, input, dim)
@@ -280,6 +289,9 @@ def _sum_or_product(
 def _extremum(
     api: str, op: Any, input: Any, dim: Any, out: Any, reverse: Any, reset: Any, exclusive: Any
 ) -> Any:
+    if type(input) is not torch.Tensor and is_dtensor(input):
+        drop_in = cummax if op is torch.cummax else cummin
+        return on_dtensor(op, drop_in, input, dim, None, out, reverse, reset, exclusive)
     if reverse is False and reset is None and exclusive is False:
         result = (
             native_first(op, input, dim) if out is None else native_first_into(op, input, dim, out)
@@ -298,6 +310,8 @@ def _extremum(
 
 def _run(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset: Any, exclusive: bool):
     """The checked call on the drop-ins' router, inclusive or exclusive."""
+    if reset is not None and is_dtensor(reset):
+        refuse_dtensor_reset(api)  # with a plain `input`: DTensor inputs never get here
     if exclusive:
         return exclusive_cumulative(api, op, x, dim, reverse, reset)
     return cumulative(api, op, x, dim, reverse, reset)

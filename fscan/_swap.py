@@ -7,9 +7,11 @@ names and of the in-place ``Tensor.cumsum_`` and ``Tensor.cumprod_`` goes to
 ``fscan.cumsum`` & co. instead, so a model whose code cannot be edited gets
 fscan's paths (``out=`` included: the drop-ins follow torch's ``out=`` rules).
 Every other call passes through untouched, and so does a cumulative call that
-fscan's drop-in does not take as given (a named ``dim``, a Tensor subclass, a
-sparse, nested or quantized input, an in-place call that torch refuses): torch's
-own op runs it and raises its own errors.
+fscan's drop-in does not take as given (a named ``dim``, a Tensor subclass other
+than DTensor, a sparse, nested or quantized input, an in-place call that torch
+refuses): torch's own op runs it and raises its own errors. A DTensor goes to the
+drop-ins, which scan one sharded along the scanned dimension without gathering it
+(:mod:`fscan._sharded.dtensor_ops`).
 
 torch runs a mode's handler with the mode taken off the stack, so the drop-ins'
 own calls to torch (their native path calls ``torch.cumsum``) reach the modes
@@ -25,6 +27,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ._ops import cummax, cummin, cumprod, cumsum, logcumsumexp
+from ._sharded.dtensor_ops import is_dtensor
 
 __all__ = ["swap_cumulative_ops"]
 
@@ -55,7 +58,8 @@ def _bind(args: tuple, kwargs: dict, keywords: frozenset[str]) -> tuple[Any, int
     """``(input, dim, extra keywords)`` of a call with torch's signature
     ``(input, dim, *, keywords...)``, or None where the drop-in cannot take it as
     given: more positional arguments than two, an unknown keyword (``out=`` in
-    place), a ``dim`` that is not an int, an input that is not a plain dense tensor."""
+    place), a ``dim`` that is not an int, an input that is not a plain dense tensor
+    or a DTensor."""
     if len(args) == 2 and not kwargs:  # the common spelling, bound without copies
         (input, dim), extra = args, {}
     else:
@@ -70,7 +74,8 @@ def _bind(args: tuple, kwargs: dict, keywords: frozenset[str]) -> tuple[Any, int
         input, dim = bound
         if not keywords.issuperset(extra):
             return None
-    if type(dim) is not int or type(input) not in _PLAIN_TENSORS or not _dense(input):
+    taken = type(input) in _PLAIN_TENSORS or is_dtensor(input)  # DTensors: scanned across ranks
+    if type(dim) is not int or not taken or not _dense(input):
         return None
     return input, dim, extra
 

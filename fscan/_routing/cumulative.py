@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from .._call import SCAN_API, ScanCall
+from .._context import where as runs_at  # not `where`: the combines below name torch.where
 from .._engines.blocked import LOGSUMEXP, PRODUCT, SUM, Op, accumulate, extremum_scan
 from .._engines.cpp.cpu_kernel import (
     KERNEL_MIN_NUMEL,
@@ -67,6 +68,7 @@ from .._pytree import flatten, unflatten
 from .._route_log import ran
 from .._segmented import check_reset, segmented_scan
 from .scan import scan_flat, scan_traced
+from .segmented import run_segmented, segmented_route
 
 __all__ = [
     "cumulative",
@@ -352,6 +354,12 @@ def segmented(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset
             f"{api}: `reset=` takes float inputs, got {x.dtype}: the imaginary part of a "
             "complex log depends on torch's order of combination."
         )
+    if segmented_route(runs_at([x]), [x]) is None:
+        combine, spec, leaves, positions = kernel_call(op, x)
+        threads = 1 if x.shape[dim] == x.numel() else None  # one lane: as _kernel below
+        found = run_segmented(combine, spec, leaves, dim, reverse, reset, positions, threads)
+        if found is not None:
+            return _EXTREMA[op](found) if op in _EXTREMA else found[0]
     xs: Any = x
     if op in _EXTREMA:
         n = x.shape[dim]

@@ -1,7 +1,9 @@
 """Trace a pointwise ``combine_fn`` to elementwise aten ops and translate it to C++.
 
 ``combine_fn`` on flat leaves is traced once with ``make_fx`` (core ATen
-decompositions) on small example tensors of the leaf dtypes. Every node must be
+decompositions, but for the ops of ``WHOLE``: ``logaddexp`` stays one op, which the
+kernel computes branch-free, in ``csrc/logaddexp.h``) on small example tensors of the
+leaf dtypes. Every node must be
 an elementwise op of the table in :mod:`._cpp_ops`; anything else raises
 :class:`Unsupported`, and the caller runs fscan's torch engine instead. Nodes that do not depend on
 the leaves (they only read tensors ``combine_fn`` closes over, or constants)
@@ -46,6 +48,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -57,9 +60,11 @@ from optree import PyTreeSpec
 from ._cpp_ops import (
     COMPUTING_OPS,
     DTYPES,
+    WHOLE,
     Program,
     Unsupported,
     fill_value,
+    op_name,
     rounds,
 )
 from ._cpp_translator import Translator
@@ -105,13 +110,20 @@ def _make_fx(
     """``fn`` traced to core ATen ops on ``examples``. ``vjp``: ``fn`` computes a VJP with
     ``torch.func``; it is functionalized (no views or in-place updates left) and traced in
     the caller's grad mode, a forward without grad."""
-    from torch._decomp import core_aten_decompositions
     from torch.fx.experimental.proxy_tensor import make_fx
 
     if vjp:
         fn = torch.func.functionalize(fn, remove="mutations_and_views")
     with _trace_lock, contextlib.nullcontext() if vjp else torch.no_grad():
-        return make_fx(fn, decomposition_table=core_aten_decompositions())(*examples)
+        return make_fx(fn, decomposition_table=_decompositions())(*examples)
+
+
+@functools.cache
+def _decompositions() -> dict[Any, Callable[..., Any]]:
+    """Core ATen's decompositions, but for the ops the kernel computes whole (``WHOLE``)."""
+    from torch._decomp import core_aten_decompositions
+
+    return {op: fn for op, fn in core_aten_decompositions().items() if op_name(op) not in WHOLE}
 
 
 def translate_combine(what: TraceInput) -> Program:

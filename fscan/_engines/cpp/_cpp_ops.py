@@ -82,7 +82,7 @@ _EXACT = frozenset(
 EXPENSIVE = frozenset(
     {"exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "tanh", "sin", "cos", "tan"}
     | {"erf", "erfc", "sinh", "cosh", "asin", "acos", "atan", "asinh", "acosh", "atanh"}
-    | {"lgamma", "pow", "atan2", "sigmoid", "sqrt", "rsqrt"}
+    | {"lgamma", "pow", "atan2", "sigmoid", "sqrt", "rsqrt", "logaddexp"}
 )
 BINARY = {
     "add": "({a} + {b})",
@@ -94,11 +94,18 @@ BINARY = {
     "fmax": "fscan_fmax({a}, {b})",
     "fmin": "fscan_fmin({a}, {b})",
     "atan2": "std::atan2({a}, {b})",
+    "logaddexp": "fscan_logaddexp({a}, {b})",
     "pow": "std::pow({a}, {b})",
     "bitwise_and": "({a} & {b})",
     "bitwise_or": "({a} | {b})",
     "bitwise_xor": "({a} ^ {b})",
 }
+# Ops traced whole, not decomposed into core ATen ops: the kernel has a vectorisable
+# form of each (csrc/logaddexp.h); logaddexp's decomposition (isinf, selects, exp,
+# log1p) kept GCC from vectorising any loop it sat in.
+WHOLE = frozenset({"logaddexp"})
+# float32 held in double (a running value): the spelling that keeps the math in float.
+WIDE_FLOAT32 = {"logaddexp": "fscan_logaddexp_f32({a}, {b})"}
 LOGICAL = {"logical_and": "&&", "logical_or": "||", "logical_xor": "!="}
 COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 UNARY = {

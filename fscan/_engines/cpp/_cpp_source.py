@@ -60,6 +60,7 @@ from ._cpp_structs import (
     param_ctype,
     param_dtype,
 )
+from ._cpp_tiles import tile_structs, tiled
 
 __all__ = [
     "backward_argtypes",
@@ -72,6 +73,7 @@ __all__ = [
     "reduce_source",
     "step_argtypes",
     "step_source",
+    "suspect_check",
 ]
 
 
@@ -97,8 +99,9 @@ def _fill(template: str, **holes: str) -> str:
 
 
 def _kernel(template: str, **holes: str) -> str:
-    """A whole kernel: every one starts with the prelude and glibc's vector math."""
-    return _fill(template, prelude=csrc("prelude.h"), mvec=mvec_declarations(), **holes)
+    """A whole kernel: every one starts with the prelude, logaddexp and glibc's vector math."""
+    prelude = csrc("prelude.h") + csrc("logaddexp.h")
+    return _fill(template, prelude=prelude, mvec=mvec_declarations(), **holes)
 
 
 def _signature(
@@ -190,13 +193,6 @@ def forward_source(
     R = range(len(dtypes))
     st = [STORAGE[d] for d in dtypes]
     kept = [k for k in R if k not in dropped]
-    # See suspect() in csrc/forward.cpp.in: only kept float outputs are checked.
-    checks = [
-        f"(std::isnan(o.v{k}) && !std::isnan(l.v{k}) && !std::isnan(r.v{k})) || "
-        f"(std::isinf(o.v{k}) && std::isfinite(l.v{k}) && std::isfinite(r.v{k}))"
-        for k in kept
-        if dtypes[k].is_floating_point
-    ]
     read_idx = [k for k in R if k not in positions]
     read = [f"x{k}" for k in read_idx]
     written = [f"y{k}" for k in kept]
@@ -205,9 +201,9 @@ def forward_source(
         "forward.cpp.in",
         structs=leaf_structs(dtypes, compute, program, positions, dropped),
         combine=_combine_function(compute, program),
-        suspect=" || ".join(checks) or "false",
+        suspect=suspect_check(dtypes, kept),
         tuning=csrc("tuning.h"),
-        tiles=_tiles(read_idx if _tiled(st, positions) else None, kept),
+        tiles=tile_structs(read_idx if tiled(st, positions, program.expensive) else None, kept),
         forward=csrc("forward.h"),
         arguments=", ".join(
             _signature(dtypes, program, [f"{st[k]}* y{k}" for k in kept], positions)
@@ -221,67 +217,16 @@ def forward_source(
     )
 
 
-def _tiled(storage: Sequence[str], positions: Sequence[int]) -> bool:
-    """Whether the chain path tiles its chains (see tile_chains in csrc/forward.h): float32
-    leaves, none of them positions, and two or more of them. One leaf's combine (add,
-    mul, max) walked 8 chains interleaved at 0.40-0.55 ns an element over (1048576,),
-    tiled at 0.7: the transposes cost more than its scalar combine; the affine pair's
-    went from 2.4-4.4 walked to 1.2-2.1 tiled."""
-    return not positions and set(storage) == {"float"} and len(storage) >= 2
-
-
-def _tiles(read: Sequence[int] | None, kept: Sequence[int]) -> str:
-    """The chain path's tiles (see tile_chains in csrc/forward.h): ``InTile``/``OutTile``,
-    TB steps of TW chains of each read/kept leaf, transposed in and out by ``tile_in``/
-    ``tile_out`` (float32 leaves, no position leaves: ``read`` is None otherwise, and
-    ``TILED`` false, with stubs)."""
-    if read is None:
-        return "\n".join(
-            [
-                "static constexpr bool TILED = false;",
-                "struct InTile {}; struct OutTile {};",
-                "static FSCAN_INLINE bool tileable(const In, const Out) { return false; }",
-                "static FSCAN_INLINE void tile_in(const In*, const int64_t*, InTile&) {}",
-                "static FSCAN_INLINE void tile_out(const Out*, const int64_t*, const OutTile&) {}",
-                "static FSCAN_INLINE In tile_row(const In x, const InTile&, int64_t) { return x; }",
-                "static FSCAN_INLINE Out tile_row(const Out y, OutTile&, int64_t) { return y; }",
-            ]
-        )
-    tile = lambda name, fields: (
-        f"struct {name} {{ " + " ".join(f"alignas(64) float {f}[TB * TW];" for f in fields) + " };"
-    )
-    xs, ys = [f"x{k}" for k in read], [f"y{k}" for k in kept]
-    units = [f"x.{f}.st == 1" for f in xs] + [f"y.{f}.st == 1" for f in ys]
-    return "\n".join(
-        [
-            "static constexpr bool TILED = FSCAN_TILES;",
-            tile("InTile", xs),
-            tile("OutTile", ys),
-            "static FSCAN_INLINE bool tileable(const In x, const Out y) "
-            "{ (void)x; (void)y; return " + " && ".join(units or ["true"]) + "; }",
-            "static FSCAN_INLINE void tile_in(const In* x, const int64_t* t, InTile& b) { "
-            + " ".join(
-                f"{{ const float* s[TW]; for (int g = 0; g < TW; ++g) s[g] = x[g].{f}.p + t[g]; "
-                f"fscan_tile_in(s, b.{f}); }}"
-                for f in xs
-            )
-            + " }",
-            "static FSCAN_INLINE void tile_out(const Out* y, const int64_t* t, const OutTile& b) "
-            "{ "
-            + " ".join(
-                f"{{ float* d[TW]; for (int g = 0; g < TW; ++g) d[g] = y[g].{f}.p + t[g]; "
-                f"fscan_tile_out(b.{f}, d); }}"
-                for f in ys
-            )
-            + " }",
-            "static FSCAN_INLINE In tile_row(const In x, const InTile& b, int64_t j) { In r = x; "
-            + " ".join(f"r.{f} = Ptr<const float>{{b.{f} + j * TW, 0, 0, 0, 1}};" for f in xs)
-            + " return r; }",
-            "static FSCAN_INLINE Out tile_row(const Out y, OutTile& b, int64_t j) { Out r = y; "
-            + " ".join(f"r.{f} = Ptr<float>{{b.{f} + j * TW, 0, 0, 0, 1}};" for f in ys)
-            + " return r; }",
-        ]
-    )
+def suspect_check(dtypes: Sequence[torch.dtype], kept: Sequence[int]) -> str:
+    """The body of ``suspect(l, r, o)`` (see csrc/forward.cpp.in): a composed carry whose
+    kept float outputs came out NaN from non-NaN operands, or infinite from finite ones."""
+    checks = [
+        f"(std::isnan(o.v{k}) && !std::isnan(l.v{k}) && !std::isnan(r.v{k})) || "
+        f"(std::isinf(o.v{k}) && std::isfinite(l.v{k}) && std::isfinite(r.v{k}))"
+        for k in kept
+        if dtypes[k].is_floating_point
+    ]
+    return " || ".join(checks) or "false"
 
 
 def backward_argtypes(

@@ -1,8 +1,8 @@
 """One pass over a traced ``combine_fn`` graph: the prologue split off, C++ statements out.
 
 :class:`Translator` walks the aten graph that :mod:`._cpp_codegen` traced: nodes
-that do not depend on the leaves form the prologue (:class:`Prologue`, run with
-torch at each call on that call's captured tensors, its results the kernel's
+that do not depend on the leaves form the prologue (:class:`~._cpp_prologue.Prologue`,
+run with torch at each call on that call's captured tensors, its results the kernel's
 params); every other node must be an op of the table in :mod:`._cpp_ops` and
 becomes one C++ statement of the body, a :class:`~._cpp_ops.Program`.
 """
@@ -29,6 +29,7 @@ from ._cpp_ops import (
     OPMATH_SCALAR,
     POW_SPECIAL,
     UNARY,
+    WIDE_FLOAT32,
     Param,
     Program,
     Unsupported,
@@ -45,8 +46,9 @@ from ._cpp_ops import (
     rounding_format,
     value_dtype,
 )
+from ._cpp_prologue import Prologue, classify_constant, release_constants
 
-__all__ = ["Prologue", "Translator"]
+__all__ = ["Translator"]
 
 
 # Ops whose repeated application shrinks a value geometrically (a product of gates).
@@ -105,7 +107,7 @@ class Translator:
             if node.op in ("placeholder", "output"):
                 continue
             if node.op == "get_attr":
-                constants[node] = self._constant(node)
+                constants[node] = classify_constant(self.gm, node, self.captured_ids)
                 static.append(node)
                 continue
             if node.op != "call_function":
@@ -125,7 +127,7 @@ class Translator:
         self.param_nodes = params
         param_specs = tuple(Param(node_dtype(p)) for p in params)
         prologue = Prologue(static, params, constants)
-        self._release_constants(constants)
+        release_constants(self.gm, constants)
         body = "\n".join(self.lines)
         return Program(body, param_specs, prologue, self.wide, self.expensive, self._reads())
 
@@ -141,29 +143,6 @@ class Translator:
         return tuple(
             reads[o] if isinstance(o, torch.fx.Node) else frozenset() for o in output.args[0]
         )
-
-    def _constant(self, node: torch.fx.Node) -> Any:
-        value = getattr(self.gm, node.target)
-        if isinstance(value, torch.Tensor) and id(value) in self.captured_ids:
-            return ("captured", self.captured_ids[id(value)])
-        made_inside = all(op_name(user.target) == "lift_fresh_copy" for user in node.users)
-        if (
-            made_inside
-            and isinstance(value, torch.Tensor)
-            and value.numel() <= 1
-            and value.device.type == "cpu"
-        ):
-            # torch.tensor(...) inside combine_fn, from its code and captured numbers
-            # (which key the kernel): fixed for this key. A tensor reached some other way
-            # (a module attribute, say) may change between calls: not baked in.
-            return ("value", value.detach().clone())
-        raise Unsupported("combine_fn uses a tensor that is neither captured nor a scalar")
-
-    def _release_constants(self, constants: dict[torch.fx.Node, Any]) -> None:
-        # The graph must not keep the user's captured tensors alive once the kernel is cached.
-        for node, kind in constants.items():
-            if kind[0] == "captured":
-                setattr(self.gm, node.target, None)
 
     def _val(self, node: Any) -> Any:
         return node.meta.get("val") if isinstance(node, torch.fx.Node) else node
@@ -314,6 +293,8 @@ class Translator:
                 return f"std::fma({b}, {scale}, {a})"
             scale = cpp_const(converted_constant(alpha, dtype), oc)
             return BINARY[name].format(a=a, b=f"({b} * {scale})")
+        if name in WIDE_FLOAT32 and dtype == F32 and oc == "double":
+            return WIDE_FLOAT32[name].format(a=value(args[0]), b=value(args[1]))
         return BINARY[name].format(a=value(args[0]), b=value(args[1]))
 
     def _pow(self, args: list[Any], dtype: torch.dtype, oc: str) -> str:
@@ -396,35 +377,3 @@ class Translator:
                 self.lines.append(f"o{k} = {value};")
             else:
                 self.lines.append(f"o{k} = {cpp_const(converted_constant(o, dtype), oc)};")
-
-
-class Prologue:
-    """Evaluate the leaf-independent nodes on one call's captured tensors (torch ops)."""
-
-    def __init__(
-        self,
-        static: list[torch.fx.Node],
-        params: list[torch.fx.Node],
-        constants: dict[torch.fx.Node, Any],
-    ) -> None:
-        needed = set(params)
-        for node in reversed(static):  # keep only what the params depend on
-            if node in needed:
-                needed.update(node.all_input_nodes)
-        self.steps = [
-            (node, constants.get(node), node.target, node.args, node.kwargs)
-            for node in static
-            if node in needed
-        ]
-        self.params = params
-
-    def __call__(self, captured: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        env: dict[torch.fx.Node, Any] = {}
-        for node, constant, target, args, kwargs in self.steps:
-            if constant is not None:
-                kind, value = constant
-                env[node] = captured[value] if kind == "captured" else value
-                continue
-            load = lambda a: env[a] if isinstance(a, torch.fx.Node) else a
-            env[node] = target(*torch.fx.node.map_aggregate(args, load), **kwargs)
-        return [env[p] for p in self.params]

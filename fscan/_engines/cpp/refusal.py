@@ -34,10 +34,12 @@ def kernel_refusal(
     positions: tuple[int, ...] = (),
     dropped: tuple[int, ...] = (),
     backward: int = 0,
+    segmented: bool = False,
 ) -> str | None:
     """Why the C++ kernel would not serve a scan like this now, or None if it would (read
     as ``fscan._engines.cpp.cpu_kernel`` decides, without its side effects). ``backward``: 0 the
-    forward kernel, 1 the gradient kernel, 2 that with captured tensors' gradients."""
+    forward kernel, 1 the gradient kernel, 2 that with captured tensors' gradients.
+    ``segmented``: the segmented kernel (``reset=``), built once the forward kernel is."""
     static = kernel_unavailable(leaves)
     if static is not None:
         return static
@@ -56,6 +58,9 @@ def kernel_refusal(
     key = slot_key(aliases, element, positions, dropped, backward > 0, backward > 1)
     entry = None if slots is None else slots.peek(key)
     what = "the gradient kernel" if backward else "the kernel"
+    if segmented and entry is not None and entry.state is State.READY:
+        entry = slots.peek(("segmented", key))
+        what = "the segmented kernel"
     state = State.NEW if entry is None else entry.state
     if state is State.READY:
         return None

@@ -1,0 +1,77 @@
+"""The chain path's tiles in a forward kernel's source (see tile_chains in csrc/forward.h).
+
+Where chains are tiled, TB steps of TW chains of each leaf are transposed in registers
+into a tile and scanned as the lane path scans rows; :func:`tiled` says where (by the
+leaves' storage and the combine's cost), :func:`tile_structs` writes the tile types and
+their transposes for one leaf layout (stubs where chains are walked instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["tile_structs", "tiled"]
+
+
+def tiled(storage: Sequence[str], positions: Sequence[int], expensive: bool) -> bool:
+    """Whether the chain path tiles its chains (see tile_chains in csrc/forward.h): float32
+    leaves, none of them positions, two or more of them or an expensive combine. Per
+    element over (1048576,), add/mul/max walked 0.40-0.55 ns, tiled 0.7 (the transposes
+    cost more than their scalar combine); the affine pair walked 2.4-4.4, tiled 1.2-2.1;
+    logaddexp over (4096, 256) dim 1 walked 17 (expf and log1pf calls), tiled 2.7."""
+    floats = not positions and set(storage) == {"float"}
+    return floats and (len(storage) >= 2 or expensive)
+
+
+def tile_structs(read: Sequence[int] | None, kept: Sequence[int]) -> str:
+    """The chain path's tiles (see tile_chains in csrc/forward.h): ``InTile``/``OutTile``,
+    TB steps of TW chains of each read/kept leaf, transposed in and out by ``tile_in``/
+    ``tile_out`` (float32 leaves, no position leaves: ``read`` is None otherwise, and
+    ``TILED`` false, with stubs)."""
+    if read is None:
+        return "\n".join(
+            [
+                "static constexpr bool TILED = false;",
+                "struct InTile {}; struct OutTile {};",
+                "static FSCAN_INLINE bool tileable(const In, const Out) { return false; }",
+                "static FSCAN_INLINE void tile_in(const In*, const int64_t*, InTile&) {}",
+                "static FSCAN_INLINE void tile_out(const Out*, const int64_t*, const OutTile&) {}",
+                "static FSCAN_INLINE In tile_row(const In x, const InTile&, int64_t) { return x; }",
+                "static FSCAN_INLINE Out tile_row(const Out y, OutTile&, int64_t) { return y; }",
+            ]
+        )
+    tile = lambda name, fields: (
+        f"struct {name} {{ " + " ".join(f"alignas(64) float {f}[TB * TW];" for f in fields) + " };"
+    )
+    xs, ys = [f"x{k}" for k in read], [f"y{k}" for k in kept]
+    units = [f"x.{f}.st == 1" for f in xs] + [f"y.{f}.st == 1" for f in ys]
+    return "\n".join(
+        [
+            "static constexpr bool TILED = FSCAN_TILES;",
+            tile("InTile", xs),
+            tile("OutTile", ys),
+            "static FSCAN_INLINE bool tileable(const In x, const Out y) "
+            "{ (void)x; (void)y; return " + " && ".join(units or ["true"]) + "; }",
+            "static FSCAN_INLINE void tile_in(const In* x, const int64_t* t, InTile& b) { "
+            + " ".join(
+                f"{{ const float* s[TW]; for (int g = 0; g < TW; ++g) s[g] = x[g].{f}.p + t[g]; "
+                f"fscan_tile_in(s, b.{f}); }}"
+                for f in xs
+            )
+            + " }",
+            "static FSCAN_INLINE void tile_out(const Out* y, const int64_t* t, const OutTile& b) "
+            "{ "
+            + " ".join(
+                f"{{ float* d[TW]; for (int g = 0; g < TW; ++g) d[g] = y[g].{f}.p + t[g]; "
+                f"fscan_tile_out(b.{f}, d); }}"
+                for f in ys
+            )
+            + " }",
+            "static FSCAN_INLINE In tile_row(const In x, const InTile& b, int64_t j) { In r = x; "
+            + " ".join(f"r.{f} = Ptr<const float>{{b.{f} + j * TW, 0, 0, 0, 1}};" for f in xs)
+            + " return r; }",
+            "static FSCAN_INLINE Out tile_row(const Out y, OutTile& b, int64_t j) { Out r = y; "
+            + " ".join(f"r.{f} = Ptr<float>{{b.{f} + j * TW, 0, 0, 0, 1}};" for f in ys)
+            + " return r; }",
+        ]
+    )
