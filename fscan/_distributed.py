@@ -15,6 +15,7 @@ from ._entry import checked_call
 from ._errors import ScanTypeError
 from ._pytree import describe, flatten
 from ._sharded.agree import agreeing
+from ._sharded.deterministic import NOT_TRACED, deterministic_recurrence, deterministic_scan
 from ._sharded.layout import Layout
 from ._sharded.scan import sharded_recurrence, sharded_scan
 
@@ -38,6 +39,7 @@ def associative_scan(
     layout: Layout | None = None,
     reset: torch.Tensor | None = None,
     validate: bool | None = None,
+    deterministic: bool = False,
 ) -> Any:
     """This rank's piece of the inclusive scan of a sequence sharded along ``dim``.
 
@@ -73,6 +75,14 @@ def associative_scan(
         reset (bool tensor or None): restart where True, as in ``fscan.associative_scan``
             (this rank's part of the mask); a reset stops the carry from other ranks.
         validate (bool or None): passed to each local ``fscan.associative_scan``.
+        deterministic (bool, default False): values bitwise the same for any number
+            of ranks and any split (``layout``), equal to this call on one rank
+            holding the whole sequence: a combine order fixed by global position
+            (blocks of ``ceil(sqrt(n))`` steps folded left to right, then their
+            totals one by one), in batched calls of a fixed width. Slower (about
+            ``2 sqrt(n)`` sequential ``combine_fn`` calls, three ``all_gather``s);
+            gradients equal up to rounding; not under ``torch.compile``. See the
+            distributed page of the docs.
 
     Returns:
         This rank's piece of the scan, the structure and shapes of ``xs``.
@@ -84,6 +94,25 @@ def associative_scan(
         tensor([ 1.,  3.,  6., 10.])
         >>> dist.destroy_process_group()
     """
+    args = (combine_fn, xs, dim, reverse, combine_mode, group, layout, reset, validate)
+    if deterministic is True and torch.compiler.is_compiling():  # see NOT_TRACED
+        return _scan_eagerly(*args, deterministic)
+    return _scan(*args, deterministic)
+
+
+def _scan(
+    combine_fn: Callable[[Any, Any], Any],
+    xs: Any,
+    dim: int,
+    reverse: bool,
+    combine_mode: str,
+    group: Any,
+    layout: Layout | None,
+    reset: torch.Tensor | None,
+    validate: bool | None,
+    deterministic: bool,
+) -> Any:
+    """The body of :func:`associative_scan`."""
     with agreeing(_API, group) as agreement:  # a rank's error reaches every rank
         leaves, spec = flatten(xs)
         args = (combine_fn, xs, spec, leaves, dim, reverse, combine_mode, validate, reset)
@@ -93,6 +122,8 @@ def associative_scan(
                 f"{_API}: `layout` must be a fscan.distributed.Layout or None, "
                 f"got {describe(layout)}."
             )
+        if _checked_flag(_API, deterministic):
+            return deterministic_scan(call, agreement, layout)
         return sharded_scan(call, agreement, layout)
 
 
@@ -106,6 +137,7 @@ def linear_recurrence(
     reset: torch.Tensor | None = None,
     group: Any = None,
     acc_dtype: torch.dtype | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """This rank's piece of ``h_t = a_t h_{t-1} + b_t`` over a sequence sharded along ``dim``.
 
@@ -129,6 +161,9 @@ def linear_recurrence(
         group: as in :func:`associative_scan`.
         acc_dtype (dtype or None): accumulate in this wider dtype, as in
             ``fscan.linear_recurrence`` (the exchanged maps too).
+        deterministic (bool, default False): as in :func:`associative_scan`: the scan
+            of the ``(a, b)`` pairs (``h -> a2 (a1 h + b1) + b2``) in that fixed
+            order, ``initial`` folded into the first step (``a[0] initial + b[0]``).
 
     Returns:
         Tensor: this rank's piece of ``h``.
@@ -141,5 +176,28 @@ def linear_recurrence(
         >>> dist.destroy_process_group()
     """
     call = RecurrenceCall(_API_LINEAR, a, b, dim, initial, reverse, reset, acc_dtype)
+    if deterministic is True and torch.compiler.is_compiling():  # see NOT_TRACED
+        return _recurrence_eagerly(call, group, deterministic)
+    return _recurrence(call, group, deterministic)
+
+
+def _recurrence(call: RecurrenceCall, group: Any, deterministic: bool) -> torch.Tensor:
+    """The body of :func:`linear_recurrence`."""
     with agreeing(_API_LINEAR, group) as agreement:
+        if _checked_flag(_API_LINEAR, deterministic):
+            return deterministic_recurrence(call, agreement)
         return sharded_recurrence(call, agreement)
+
+
+# Dynamo does not trace these: it calls them (a graph break; fullgraph=True refuses).
+# Eager calls go around them: the wrapper costs milliseconds per call.
+_scan_eagerly = torch.compiler.disable(_scan, reason=NOT_TRACED)
+_recurrence_eagerly = torch.compiler.disable(_recurrence, reason=NOT_TRACED)
+
+
+def _checked_flag(api: str, deterministic: Any) -> bool:
+    if not isinstance(deterministic, bool):
+        raise ScanTypeError(
+            f"{api}: `deterministic` must be a bool, got {describe(deterministic)}."
+        )
+    return deterministic

@@ -226,9 +226,12 @@ def _mask_fact(reset: Any, dim: int) -> str:
     return f"a mask of shape {_shape_along(reset, 0 if reset.ndim == 1 else dim)}"
 
 
-def scan_facts(call: ScanCall, layout: Layout | None) -> tuple[Facts, Callable[[], list[str]]]:
+def scan_facts(
+    call: ScanCall, layout: Layout | None, deterministic: bool = False
+) -> tuple[Facts, Callable[[], list[str]]]:
     """What :func:`~fscan._sharded.scan.sharded_scan`'s exchange depends on (``call``
-    is checked: ``dim`` is non-negative and every leaf has it)."""
+    is checked: ``dim`` is non-negative and every leaf has it); ``deterministic``:
+    the other algorithm, with other exchanges (:mod:`fscan._sharded.deterministic`)."""
     dim, reset = call.dim, call.reset
     facts: Facts = [
         ("function", None, "associative_scan"),
@@ -238,6 +241,7 @@ def scan_facts(call: ScanCall, layout: Layout | None) -> tuple[Facts, Callable[[
         ("`combine_mode`", None, str(call.combine_mode)),
         ("`layout`", None, repr(layout)),
         ("`reset`", None, _mask_fact(reset, dim)),
+        ("`deterministic`", None, str(deterministic)),
     ]
     for i, x in enumerate(call.leaves):
         facts.append(("dtype", i, str(x.dtype)))
@@ -246,9 +250,12 @@ def scan_facts(call: ScanCall, layout: Layout | None) -> tuple[Facts, Callable[[
     return facts, lambda: leaf_paths(call.xs)
 
 
-def recurrence_facts(call: RecurrenceCall) -> tuple[Facts, Callable[[], list[str]]]:
+def recurrence_facts(
+    call: RecurrenceCall, deterministic: bool = False
+) -> tuple[Facts, Callable[[], list[str]]]:
     """What :func:`~fscan._sharded.scan.sharded_recurrence`'s exchange depends on: the
-    arguments as given (checked before the exchange).
+    arguments as given (checked before the exchange), and ``deterministic`` as in
+    :func:`scan_facts`.
 
     A number ``a`` may differ by rank (it is this rank's gate); ``initial``'s values
     are not compared (that would read them on the host)."""
@@ -266,5 +273,6 @@ def recurrence_facts(call: RecurrenceCall) -> tuple[Facts, Callable[[], list[str
         ("`reverse`", None, str(call.reverse)),
         ("`reset`", None, _mask_fact(reset, d)),
         ("`acc_dtype`", None, str(call.acc_dtype)),
+        ("`deterministic`", None, str(deterministic)),
     ]
     return facts, list

@@ -57,7 +57,7 @@ from .exchange import exchange, tie
 from .layout import Layout
 from .traced import masked_prefix
 
-__all__ = ["sharded_recurrence", "sharded_scan"]
+__all__ = ["check_layout", "combine_anchors", "sharded_recurrence", "sharded_scan"]
 
 # The local solves' errors name the local recurrence, as they always have.
 _LOCAL_RECURRENCE_API = "fscan.linear_recurrence"
@@ -119,7 +119,7 @@ def _local_scan(call: ScanCall, piece: list[torch.Tensor]) -> list[torch.Tensor]
     return flatten(run_scan(local))[0]
 
 
-def _check_layout(api: str, layout: Layout, group: Any, n: int) -> tuple[int, ...]:
+def check_layout(api: str, layout: Layout, group: Any, n: int) -> tuple[int, ...]:
     """This rank's piece lengths under ``layout``, checked against the group and ``n``."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if len(layout.order) != world:
@@ -156,7 +156,7 @@ def _scan_pieces(call: ScanCall, pg: Any, layout: Layout | None) -> Any:
     api, spec, leaves, dim, reverse = call.api, call.spec, call.leaves, call.dim, call.reverse
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     layout = layout or Layout.contiguous(world)
-    lengths = _check_layout(api, layout, pg, leaves[0].shape[dim])
+    lengths = check_layout(api, layout, pg, leaves[0].shape[dim])
     starts = [sum(lengths[:p]) for p in range(len(lengths))]
     pieces = [[x.narrow(dim, s, n) for x in leaves] for s, n in zip(starts, lengths)]
     scanned = [_local_scan(call, p) for p in pieces]
@@ -168,7 +168,7 @@ def _scan_pieces(call: ScanCall, pg: Any, layout: Layout | None) -> Any:
     stacked = [torch.stack([t[i] for t in totals]) for i in range(len(leaves))]
     if layout.lengths is None:  # lengths travel with the totals, read on the host
         stacked.append(torch.tensor(lengths, dtype=torch.int64, device=leaves[0].device))
-    gathered, anchor = exchange(stacked, pg, _anchors(call))
+    gathered, anchor = exchange(stacked, pg, combine_anchors(call))
     if layout.lengths is None:
         all_lengths = [tuple(row) for row in gathered.pop().tolist()]
     else:
@@ -195,7 +195,7 @@ def _scan_pieces(call: ScanCall, pg: Any, layout: Layout | None) -> Any:
     return unflatten(spec, tie(anchor, out) if tied else out)
 
 
-def _anchors(call: ScanCall) -> list[torch.Tensor]:
+def combine_anchors(call: ScanCall) -> list[torch.Tensor]:
     """The differentiable tensors ``combine_fn`` closes over: inputs of the gather, so
     that it leads to them on every rank (see the module docstring). None under
     ``torch.compile``: Dynamo cannot read a closure made while tracing (the segmented
@@ -212,7 +212,7 @@ def _fold_traced(call: ScanCall, piece: list[torch.Tensor], pg: Any, layout: Lay
     dim, reverse, rank = call.dim, call.reverse, dist.get_rank(pg)
     totals = [t.unsqueeze(0) for t in _piece_total(piece, dim, reverse)]
     flag = torch.full((1,), bool(piece[0].shape[dim]), dtype=torch.bool, device=piece[0].device)
-    gathered, anchor = exchange([*totals, flag], pg, _anchors(call))
+    gathered, anchor = exchange([*totals, flag], pg, combine_anchors(call))
     nonempty = gathered.pop()[:, 0]
     order = sorted(range(len(layout.order)), key=lambda r: layout.order[r][0])
     order = order[::-1] if reverse else order
