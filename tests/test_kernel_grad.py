@@ -3,6 +3,8 @@ recurrence's one-pass backward on it (fscan/_engines/cpp/_kernel_grad.py)."""
 
 from __future__ import annotations
 
+import math
+
 import optree
 import pytest
 import torch
@@ -151,7 +153,7 @@ def test_dead_cotangent_meets_no_inf():
     ],
     ids=["dim0", "middle", "last", "chain", "per-step", "per-channel"],
 )
-def test_linear_recurrence_backward_is_one_kernel_pass(
+def test_linear_recurrence_backward_against_the_oracle(
     shape, dim, gate, initial, reverse, monkeypatch
 ):
     served = []
@@ -177,7 +179,9 @@ def test_linear_recurrence_backward_is_one_kernel_pass(
         return fscan.linear_recurrence(a, b, dim, initial=h0, reverse=reverse)
 
     assert torch.autograd.gradcheck(f, inputs)
-    assert served and all(found is not None for found in served)
+    # The one pass serves the lane path (8 elements or more after dim); chains walk.
+    lanes = math.prod(shape[dim + 1 :])
+    assert served and all((found is not None) == (lanes >= 8) for found in served)
 
 
 @needs_compiler
