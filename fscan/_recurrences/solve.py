@@ -20,7 +20,7 @@ import torch
 from .._engines.chunked import Algebra, Operands, plain_step, toward_end, toward_start
 from .._entry import scan_tree
 from .._exclusive import Shift, Steps, check_exclusive, exclusive
-from .._routing.recurrence import KERNEL_BAR, Recurrence, compose, route, solve
+from .._routing.recurrence import KERNEL_BAR, Recurrence, compose, kernel_adjoint, route, solve
 from .args import RecurrenceCall, shaped_operands
 from .composed_gates import repair_carries
 
@@ -159,7 +159,9 @@ def adjoint_grads(adjoint: Adjoint) -> Grads:
 def _adjoint_grads_in_place(adjoint: Adjoint) -> Grads:
     """The gradients of ``a``, ``b``, ``initial``, on views and into preallocated memory.
 
-    The adjoint gate at ``t`` is the forward gate one step later in scan order, so
+    Where the gates' gradient is wanted, the router's :func:`kernel_adjoint` first: one
+    pass of the C++ kernel reads ``a``, ``h`` and ``grad_h`` and writes both gradients.
+    Else the adjoint gate at ``t`` is the forward gate one step later in scan order, so
     the adjoint recurrence runs on the views "all but the scan's first step" of
     ``a`` and "all but its last step" of ``grad_h``, with ``lam``'s last step
     (``grad_h``'s) as its initial state: no shifted copies of ``a`` or ``h``.
@@ -174,24 +176,28 @@ def _adjoint_grads_in_place(adjoint: Adjoint) -> Grads:
     def earlier(x: torch.Tensor) -> torch.Tensor:  # every step but the scan's last
         return x.narrow(dim, 1, n - 1) if reverse else x.narrow(dim, 0, n - 1)
 
+    fused = kernel_adjoint(LINEAR, a, h, grad_h, dim, reverse, mask) if needs[0] else None
     a = a.conj()
-    lam = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-    lam.select(dim, last).copy_(grad_h.select(dim, last))
-    if n > 1:
-        gate = a if a.shape[dim] == 1 else later(a)
-        step_mask = None if mask is None else later(mask)
-        end = grad_h.select(dim, last)
-        adjoint = Operands(gate, earlier(grad_h), dim, end, not reverse, step_mask)
-        solve(LINEAR, adjoint, True, earlier(lam))
     grad_a = grad_initial = None
-    if needs[0]:
-        grad_a = torch.empty_like(lam)
-        torch.mul(later(lam), earlier(h).conj(), out=later(grad_a))
-        start = grad_a.select(dim, first)
-        if initial is None:  # h_{-1} = 0
-            start.zero_()
-        else:
-            torch.mul(lam.select(dim, first), initial.conj(), out=start)
+    if fused is not None:
+        lam, grad_a = fused  # grad_a: 0 at the first step, which reads `initial`
+    else:
+        lam = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+        lam.select(dim, last).copy_(grad_h.select(dim, last))
+        if n > 1:
+            gate = a if a.shape[dim] == 1 else later(a)
+            step_mask = None if mask is None else later(mask)
+            end = grad_h.select(dim, last)
+            adjoint = Operands(gate, earlier(grad_h), dim, end, not reverse, step_mask)
+            solve(LINEAR, adjoint, True, earlier(lam))
+        if needs[0]:
+            grad_a = torch.empty_like(lam)
+            torch.mul(later(lam), earlier(h).conj(), out=later(grad_a))
+            if initial is None:  # h_{-1} = 0
+                grad_a.select(dim, first).zero_()
+    if grad_a is not None:
+        if initial is not None:
+            torch.mul(lam.select(dim, first), initial.conj(), out=grad_a.select(dim, first))
         if mask is not None:
             grad_a.masked_fill_(mask, 0)
         grad_a = grad_a.sum_to_size(a.shape)

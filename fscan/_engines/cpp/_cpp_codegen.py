@@ -67,6 +67,7 @@ from ._cpp_ops import (
     op_name,
     rounds,
 )
+from ._cpp_structs import needed
 from ._cpp_translator import Translator
 
 __all__ = [
@@ -75,6 +76,7 @@ __all__ = [
     "Program",
     "TraceInput",
     "Unsupported",
+    "dead_cotangents",
     "translate_combine",
     "translate_param_vjp",
     "translate_vjp",
@@ -156,18 +158,31 @@ def _forward_translator(what: TraceInput) -> tuple[Translator, Program]:
     return translator, translator.program(list(dtypes))
 
 
-def translate_vjp(what: TraceInput) -> tuple[Program, list[int]]:
+def translate_vjp(
+    what: TraceInput, missing: Sequence[int] = ()
+) -> tuple[Program, list[int], list[int]]:
     """The VJP of ``combine_fn`` w.r.t. both operands' float leaves, translated.
 
     Inputs ``l0.., r0..`` (all leaves) and ``c0..`` (cotangents of the float leaves);
-    outputs ``o0..`` (left cotangents) then the right ones. Returns the program and
-    the indices of the float leaves. Compute types as for the forward.
+    outputs ``o0..``: the left cotangents of the float leaves not dead (below), then
+    the right ones of every float leaf. Returns the program, the indices of the float
+    leaves and the dead ones. Compute types as for the forward.
+
+    ``missing``: float leaves whose output has no cotangent (autograd's None: the output
+    is unused). Those of them no other output reads through its left operand
+    (:func:`dead_cotangents`) are *dead*: their running cotangent stays zero along the
+    whole scan, so the VJP is traced without them (their ``c`` is not read, their left
+    cotangent is no output) and the kernel neither reads nor carries them. E.g. the
+    affine pair ``(a1 a2, a2 b1 + b2)`` with only ``b``'s output used: the gate
+    products' cotangent is dead, and ``dL/da2 = c_b b1`` no longer reads them.
     """
     combine_fn, spec, dtypes, element, captured = what
     n = len(dtypes)
     floats = [k for k, d in enumerate(dtypes) if d.is_floating_point]
     if not floats:
         raise Unsupported("no float leaf to differentiate")
+    dead = dead_cotangents(what, floats, missing)
+    live = [k for k in floats if k not in dead]
 
     def flat(*args: torch.Tensor) -> list[torch.Tensor]:
         ls, rs, cs = list(args[:n]), list(args[n : 2 * n]), list(args[2 * n :])
@@ -180,27 +195,77 @@ def translate_vjp(what: TraceInput) -> tuple[Program, list[int]]:
                 combine_fn(optree.tree_unflatten(spec, lft), optree.tree_unflatten(spec, rgt)),
                 none_is_leaf=False,
             )
-            return [out[k] for k in floats]
+            return [out[k] for k in live]
 
         _, pull = torch.func.vjp(f, [ls[k] for k in floats], [rs[k] for k in floats])
-        lbar, rbar = pull(cs)
-        return [*lbar, *rbar]
+        lbar, rbar = pull([c for c, k in zip(cs, floats) if k in live])
+        return [*_live(lbar, floats, dead), *rbar]
 
     examples = _examples(dtypes, element) + _examples(dtypes, element)
     examples += _examples([dtypes[k] for k in floats], element)
-    gm = _make_fx(flat, examples, vjp=True)
+    gm = _vjp_graph(flat, examples, dead)
     names = [f"l{k}" for k in range(n)] + [f"r{k}" for k in range(n)]
     names += [f"c{k}" for k in floats]
-    out_dtypes = [dtypes[k] for k in floats] * 2
+    out_dtypes = [dtypes[k] for k in live] + [dtypes[k] for k in floats]
     wide = rounds(gm) and torch.float32 in dtypes
     # The cotangents of float32 leaves sum in double (the backward kernel's lam): keep
     # what is computed from them in double too.
     wide_c = [f"c{k}" for k in floats if dtypes[k] == torch.float32]
     translator = Translator(gm, names, captured, wide, element, wide_c)
-    return translator.program(out_dtypes), floats
+    return translator.program(out_dtypes), floats, dead
 
 
-def translate_param_vjp(what: TraceInput) -> tuple[Program, list[int], list[int]]:
+def dead_cotangents(what: TraceInput, floats: Sequence[int], missing: Sequence[int]) -> list[int]:
+    """The leaves of ``missing`` (float leaves whose output has no cotangent) whose
+    running cotangent stays zero along the scan: those no output with a cotangent reads
+    through its left operand, step after step (:func:`~._cpp_structs.needed` on the
+    forward's trace, with the other outputs dropped). A leaf some live output reads
+    keeps a cotangent, summed from theirs, and the kernel reads a zero for its own."""
+    if not missing or all(k in missing for k in floats):  # none, or no cotangent at all
+        return []
+    n = len(what.dtypes)
+    forward = translate_combine(what)
+    without = [k for k in range(n) if k in missing or k not in floats]
+    kept = set(needed(forward, n, without))
+    return [k for k in floats if k in missing and k not in kept]
+
+
+def _live(lbar: Sequence[torch.Tensor], floats: Sequence[int], dead: Sequence[int]) -> list:
+    """The left cotangents of the float leaves that are not dead."""
+    return [b for b, k in zip(lbar, floats) if k not in dead]
+
+
+def _vjp_graph(
+    flat: Callable[..., Any], examples: Sequence[torch.Tensor], dead: Sequence[int]
+) -> torch.fx.GraphModule:
+    """``flat`` (a VJP) traced. The zeros ``torch.func`` makes for the cotangent of an
+    input no output reads (``full_like`` of that input) become constants (``full``): the
+    translator's constant outputs. With ``dead`` leaves, the zeros of their left
+    cotangents (which ``flat`` drops) are removed, with the rest of what no output reads."""
+    gm = _make_fx(flat, examples, vjp=True)
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.full_like.default:
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or len(node.args) < 2:
+            continue
+        with graph.inserting_before(node):
+            constant = graph.call_function(
+                torch.ops.aten.full.default, (list(val.shape), node.args[1]), {"dtype": val.dtype}
+            )
+        constant.meta = dict(node.meta)
+        node.replace_all_uses_with(constant)
+        graph.erase_node(node)
+    if dead:
+        graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def translate_param_vjp(
+    what: TraceInput, missing: Sequence[int] = ()
+) -> tuple[Program, list[int], list[int], list[int]]:
     """The VJP of ``combine_fn`` w.r.t. both operands' float leaves *and* its float
     params (what it computes from the tensors it closes over), translated.
 
@@ -208,9 +273,10 @@ def translate_param_vjp(what: TraceInput) -> tuple[Program, list[int], list[int]
     leaf-dependent part becomes a function of the leaves and the params, whose VJP
     is traced on params of a whole element's shape: their cotangents are then
     per element position (the kernel sums them over the steps, the caller over
-    the positions a param broadcasts to). Outputs ``o0..``: left cotangents, right
-    cotangents, then the params' cotangents. Returns the program (with the
-    forward's params and prologue), the float leaves and the float params.
+    the positions a param broadcasts to). Outputs ``o0..``: left cotangents (of the
+    float leaves not dead, as in :func:`translate_vjp`), right cotangents, then the
+    params' cotangents. Returns the program (with the forward's params and prologue),
+    the float leaves, the float params and the dead leaves.
     """
     forward_translator, forward = _forward_translator(what)
     dtypes, element = what.dtypes, what.element
@@ -219,6 +285,8 @@ def translate_param_vjp(what: TraceInput) -> tuple[Program, list[int], list[int]
     pfloats = [j for j, p in enumerate(forward.params) if p.dtype.is_floating_point]
     if not floats or not pfloats:
         raise Unsupported("no float leaf or float captured tensor to differentiate")
+    dead = dead_cotangents(what, floats, missing)
+    live = [k for k in floats if k not in dead]
     run = _leaf_part(forward_translator)
 
     def flat(*args: torch.Tensor) -> list[torch.Tensor]:
@@ -232,27 +300,30 @@ def translate_param_vjp(what: TraceInput) -> tuple[Program, list[int], list[int]
             for j, q in enumerate(pfloats):
                 pv[q] = pf[j]
             out = run(lft + rgt, pv)
-            return [out[k] for k in floats]
+            return [out[k] for k in live]
 
         primals = ([ls[k] for k in floats], [rs[k] for k in floats], [ps[q] for q in pfloats])
         _, pull = torch.func.vjp(f, *primals)
-        lbar, rbar, pbar = pull(cs)
-        return [*lbar, *rbar, *pbar]
+        lbar, rbar, pbar = pull([c for c, k in zip(cs, floats) if k in live])
+        return [*_live(lbar, floats, dead), *rbar, *pbar]
 
     examples = _examples(dtypes, element) + _examples(dtypes, element)
     examples += _examples([p.dtype for p in forward.params], element)
     examples += _examples([dtypes[k] for k in floats], element)
-    gm = _make_fx(flat, examples, vjp=True)
+    gm = _vjp_graph(flat, examples, dead)
     names = [f"l{k}" for k in range(n)] + [f"r{k}" for k in range(n)]
     names += [f"P{j}" for j in range(npar)] + [f"c{k}" for k in floats]
-    out_dtypes = [dtypes[k] for k in floats] * 2 + [forward.params[q].dtype for q in pfloats]
+    out_dtypes = [dtypes[k] for k in live] + [dtypes[k] for k in floats]
+    out_dtypes += [forward.params[q].dtype for q in pfloats]
     wide = rounds(gm) and torch.float32 in dtypes
     wide_c = [f"c{k}" for k in floats if dtypes[k] == torch.float32]
     vjp = Translator(gm, names, (), wide, element, wide_c).program(out_dtypes)
     if vjp.params:  # the VJP reads nothing but its inputs and constants
         raise Unsupported("the VJP of combine_fn reads tensors of its own")
-    program = Program(vjp.body, forward.params, forward.prologue, vjp.wide, vjp.expensive)
-    return program, floats, pfloats
+    program = Program(
+        vjp.body, forward.params, forward.prologue, vjp.wide, vjp.expensive, vjp.reads
+    )
+    return program, floats, pfloats, dead
 
 
 def _leaf_part(translator: Translator) -> Callable[[list[Any], list[Any]], list[Any]]:

@@ -234,14 +234,17 @@ def backward_argtypes(
     floats: Sequence[int],
     program: Program,
     pfloats: Sequence[int] = (),
+    dead: Sequence[int] = (),
 ) -> list[str]:
-    """C types of the backward kernel's arguments: x.., y.., g.., xbar.., pbar.., p.., sizes."""
+    """C types of the backward kernel's arguments: x.., y.., g.. (of the float leaves not
+    ``dead``), xbar.., pbar.., p.., sizes."""
     st = [STORAGE[d] for d in dtypes]
+    read = [k for k in floats if k not in dead]
     types = [f"const {c}*" for c in st] * 2
-    types += [f"const {st[k]}*" for k in floats] + [f"{st[k]}*" for k in floats]
+    types += [f"const {st[k]}*" for k in read] + [f"{st[k]}*" for k in floats]
     types += ["double*"] * len(pfloats)
     types += [f"const {param_ctype(p.dtype)}*" for p in program.params]
-    return types + ["int64_t"] * (5 + 1 + len(STRIDES) * (2 * len(dtypes) + len(floats)))
+    return types + ["int64_t"] * (5 + 1 + len(STRIDES) * (2 * len(dtypes) + len(read)))
 
 
 def backward_source(
@@ -249,6 +252,7 @@ def backward_source(
     floats: Sequence[int],
     program: Program,
     pfloats: Sequence[int] = (),
+    dead: Sequence[int] = (),
 ) -> str:
     """The backward kernel: one reverse pass per lane through the traced VJP of combine.
 
@@ -264,6 +268,9 @@ def backward_source(
     params, from :func:`translate_param_vjp`), the VJP's cotangents of those params
     are summed over the steps per element position, in double, into ``pbar``
     (one element each); each position is one lane, summed by one thread.
+    ``dead``: float leaves whose cotangent is zero along the whole scan (see
+    :func:`~._cpp_codegen.translate_vjp`, whose program leaves their left cotangents
+    out): no ``g`` is passed for them, and their ``lam`` is the constant 0.
     """
     compute = [compute_ctype(d, program.wide) for d in dtypes]
     F = list(floats)
@@ -273,26 +280,31 @@ def backward_source(
     # lam sums cotangents along the whole scan: float32 leaves keep it in double.
     lam_types = ["double" if dtypes[k] == torch.float32 else compute[k] for k in F]
     nf = len(F)
+    live = [j for j, k in enumerate(F) if k not in dead]
+    nl = len(live)
     args = [f"const {c}* x{k}" for k, c in enumerate(st)]
     args += [f"const {c}* y{k}" for k, c in enumerate(st)]
-    args += [f"const {st[k]}* g{j}" for j, k in enumerate(F)]
+    args += [f"const {st[F[j]]}* g{j}" for j in live]
     args += [f"{st[k]}* b{j}" for j, k in enumerate(F)]
     args += [f"double* q{q}" for q in range(len(pfloats))]
     args += _param_args(program)
-    strided = [f"x{k}" for k in R] + [f"y{k}" for k in R] + [f"g{j}" for j in J]
+    strided = [f"x{k}" for k in R] + [f"y{k}" for k in R] + [f"g{j}" for j in live]
     structs = [
         leaf_structs(dtypes, compute, program),
-        *backward_structs(dtypes, lam_types, F, pfloats),
+        *backward_structs(dtypes, lam_types, F, pfloats, dead),
     ]
+    # The program's outputs: the live left cotangents, the right ones, the params' sums.
+    results = [f"{lam_types[j]}& o{i} = lb.v{j};" for i, j in enumerate(live)]
+    results += [f"lb.v{j} = 0;" for j in J if j not in live]
+    results += [f"{lam_types[j]}& o{nl + j} = rb.v{j};" for j in J]
+    results += [f"double& o{nl + nf + q} = pb.v{q};" for q in range(len(pfloats))]
     return _kernel(
         "backward.cpp.in",
         structs="\n".join(structs),
         operands=_lines([f"const {compute[k]} l{k} = l.v{k};" for k in R])
         + _lines([f"const {compute[k]} r{k} = r.v{k};" for k in R])
         + _lines([f"const {lam_types[j]} c{k} = c.v{j};" for j, k in enumerate(F)]),
-        results=_lines([f"{lam_types[j]}& o{j} = lb.v{j};" for j in J])
-        + _lines([f"{lam_types[j]}& o{nf + j} = rb.v{j};" for j in J])
-        + _lines([f"double& o{2 * nf + q} = pb.v{q};" for q in range(len(pfloats))]),
+        results=_lines(results),
         body=_lines(program.body.splitlines()),
         tuning=csrc("tuning.h"),
         backward=csrc("backward.h"),
@@ -300,7 +312,7 @@ def backward_source(
         strides=_stride_params(strided),
         x=_strided_init([f"x{k}" for k in R]),
         y=_strided_init([f"y{k}" for k in R]),
-        g=_strided_init([f"g{j}" for j in J]),
+        g=_strided_init([f"g{j}" for j in live]),
         b=_dense_init([f"b{j}" for j in J]),
         q=", ".join(f"q{q}" for q in range(len(pfloats))),
         params=_param_names(program),

@@ -326,31 +326,39 @@ def backward_structs(
     lam_types: Sequence[str],
     floats: Sequence[int],
     pfloats: Sequence[int],
+    dead: Sequence[int] = (),
 ) -> list[str]:
     """The backward kernel's structs beyond the forward's: ``Lam`` (the cotangents of the
     leaves ``floats``, in ``lam_types``), ``Grad``/``Bar`` (the cotangents read and the
     gradients written), ``LamBuf``/``LamStore``, the params' sums ``PLam``/``PBar``
-    (``pfloats``) and the ``lam_*`` helpers ``csrc/backward.h`` uses."""
+    (``pfloats``) and the ``lam_*`` helpers ``csrc/backward.h`` uses. The ``dead``
+    leaves' cotangents (see :func:`~._cpp_codegen.translate_vjp`) are the constant 0:
+    no ``Grad`` member, never stored or loaded, ``lam_dead`` true."""
     F = list(floats)
     st = [STORAGE[d] for d in dtypes]
     J = range(len(F))
+    gone = [j for j, k in enumerate(F) if k in dead]
+    read = [j for j in J if j not in gone]
+
+    def g_load(access: str) -> str:
+        return " ".join(
+            f"v.v{j} = 0;"
+            if j in gone
+            else f"v.v{j} = {_load(dtypes[k], access.format(g=f'g.g{j}'), lam_types[j])};"
+            for j, k in enumerate(F)
+        )
+
     return [
         "struct Lam { " + " ".join(f"{lam_types[j]} v{j};" for j in J) + " };",
-        *_strided("Grad", [(f"g{j}", f"const {st[k]}") for j, k in enumerate(F)]),
-        *_gathered("Grad", [(f"g{j}", f"const {st[k]}") for j, k in enumerate(F)]),
+        *_strided("Grad", [(f"g{j}", f"const {st[F[j]]}") for j in read]),
+        *_gathered("Grad", [(f"g{j}", f"const {st[F[j]]}") for j in read]),
         *_strided("Bar", [(f"b{j}", st[k]) for j, k in enumerate(F)]),
         "struct LamBuf { " + " ".join(f"{lam_types[j]}* v{j};" for j in J) + " };",
-        "static FSCAN_INLINE Lam load_g_i(const Grad g, int64_t i) { Lam v; "
-        + " ".join(
-            f"v.v{j} = {_load(dtypes[k], f'lane<true>(g.g{j}, i)', lam_types[j])};"
-            for j, k in enumerate(F)
-        )
+        "static FSCAN_INLINE Lam load_g_i(const Grad g, int64_t i) { (void)g; (void)i; Lam v; "
+        + g_load("lane<true>({g}, i)")
         + " return v; }",
-        "static FSCAN_INLINE Lam load_g_t(const Grad g, int64_t t) { Lam v; "
-        + " ".join(
-            f"v.v{j} = {_load(dtypes[k], f'step(g.g{j}, t)', lam_types[j])};"
-            for j, k in enumerate(F)
-        )
+        "static FSCAN_INLINE Lam load_g_t(const Grad g, int64_t t) { (void)g; (void)t; Lam v; "
+        + g_load("step({g}, t)")
         + " return v; }",
         "static FSCAN_INLINE void store_bar_i(const Bar b, int64_t i, const Lam& v) { "
         + " ".join(
@@ -360,7 +368,15 @@ def backward_structs(
         "static FSCAN_INLINE void store_bar_t(const Bar b, int64_t t, const Lam& v) { "
         + " ".join(f"step(b.b{j}, t) = {_store(dtypes[k], f'v.v{j}')};" for j, k in enumerate(F))
         + " }",
-        *_buffer_access("get_lam", "put_lam", "Lam", "LamBuf", len(F)),
+        "static FSCAN_INLINE Lam get_lam(const LamBuf b, int64_t i) { (void)b; (void)i; Lam v; "
+        + " ".join(f"v.v{j} = 0;" if j in gone else f"v.v{j} = b.v{j}[i];" for j in J)
+        + " return v; }",
+        "static FSCAN_INLINE void put_lam(const LamBuf b, int64_t i, const Lam& v) { (void)b; (void)i; (void)v; "
+        + " ".join(f"b.v{j}[i] = v.v{j};" for j in read)
+        + " }",
+        "static FSCAN_INLINE constexpr bool lam_dead(int u) { (void)u; return false"
+        + "".join(f" || u == {j}" for j in gone)
+        + "; }",
         "static FSCAN_INLINE Lam lam_add(const Lam& a, const Lam& b) { Lam v; "
         + " ".join(f"v.v{j} = a.v{j} + b.v{j};" for j in J)
         + " return v; }",

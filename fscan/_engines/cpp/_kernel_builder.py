@@ -43,15 +43,15 @@ def _translate(entry: Entry, call: BuildCall) -> bool:
     On an op, dtype or structure the translator lacks: FAILED, one debug log."""
     try:
         if entry.param_grads:
-            program, floats, pfloats = translate_param_vjp(call.trace_input())
-            entry.source = backward_source(call.dtypes, floats, program, pfloats)
-            entry.argtypes = tuple(backward_argtypes(call.dtypes, floats, program, pfloats))
-            entry.floats, entry.pfloats = tuple(floats), tuple(pfloats)
+            program, floats, pfloats, dead = translate_param_vjp(call.trace_input(), call.dropped)
+            entry.source = backward_source(call.dtypes, floats, program, pfloats, dead)
+            entry.argtypes = tuple(backward_argtypes(call.dtypes, floats, program, pfloats, dead))
+            entry.floats, entry.pfloats, entry.dead = tuple(floats), tuple(pfloats), tuple(dead)
         elif entry.backward:
-            program, floats = translate_vjp(call.trace_input())
-            entry.source = backward_source(call.dtypes, floats, program)
-            entry.argtypes = tuple(backward_argtypes(call.dtypes, floats, program))
-            entry.floats = tuple(floats)
+            program, floats, dead = translate_vjp(call.trace_input(), call.dropped)
+            entry.source = backward_source(call.dtypes, floats, program, (), dead)
+            entry.argtypes = tuple(backward_argtypes(call.dtypes, floats, program, (), dead))
+            entry.floats, entry.dead = tuple(floats), tuple(dead)
         else:
             program = translate_combine(call.trace_input())
             entry.source = forward_source(call.dtypes, program, call.positions, call.dropped)

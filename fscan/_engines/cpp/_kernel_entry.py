@@ -58,6 +58,7 @@ class Entry:
     calls: int = 0
     floats: tuple[int, ...] = ()  # backward: the leaves it differentiates
     pfloats: tuple[int, ...] = ()  # backward with param_grads: the params it differentiates
+    dead: tuple[int, ...] = ()  # backward: leaves whose cotangent it neither reads nor carries
     source: str | None = None  # traced and translated in the calling thread...
     argtypes: tuple[str, ...] = ()  # ...compiled in the background
     kernel: Callable[..., None] | None = None
@@ -100,7 +101,9 @@ class BuildCall(NamedTuple):
     element: tuple[int, ...]  # the shape of one element: the leaves' without the scan dim
     captured: tuple[torch.Tensor, ...]
     positions: tuple[int, ...] = ()  # leaves that are not read: their position along dim
-    dropped: tuple[int, ...] = ()  # leaves whose outputs are not stored (the caller drops them)
+    # Leaves whose outputs are not stored (the caller drops them); of a backward kernel,
+    # the outputs without a cotangent (autograd's None), see translate_vjp's ``missing``.
+    dropped: tuple[int, ...] = ()
 
     def trace_input(self) -> TraceInput:
         """What the translation traces (made per build, not per call)."""

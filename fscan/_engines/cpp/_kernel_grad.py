@@ -5,15 +5,24 @@
 plain tensors, the backward kernel (:func:`run_backward`), which also sums the
 cotangents of captured tensors that require grad; elsewhere (``create_graph=True``,
 a transform, params that do not fit) fscan's adjoint scan runs.
+
+Outputs autograd hands no cotangent (None: unused, as the gate products of a linear
+RNN written as the affine pair) select a backward kernel built without them (the
+slot's ``dropped``): their running cotangents, where no other output feeds them,
+are the constant 0, neither read nor carried (``Entry.dead``), so what only they need
+(the gate products, for the pair) is not read either. :func:`kernel_vjp` runs such
+a kernel for callers with an autograd Function of their own: the linear recurrence's
+backward is the pair's with only ``h``'s cotangent, one pass.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from optree import PyTreeSpec
 
 from ..._call import ScanCall
 from ..._combine import FlatCombine
@@ -36,7 +45,7 @@ from ._kernel_layout import element_shape, strided_view
 from ._kernel_registry import ready_entry, serving_lookup
 from ._kernel_run import kernel_params, run_kernel
 
-__all__ = ["KernelScan", "kernel_grad_scan", "run_backward"]
+__all__ = ["KernelScan", "kernel_grad_scan", "kernel_vjp", "run_backward"]
 
 
 def kernel_grad_scan(
@@ -86,16 +95,29 @@ def kernel_grad_scan(
         if forward is None or backward is None:
             return None
     plan = ScanPlan(combine, len(leaves), dim, reverse)
-    info = _GradInfo(forward, backward, plan, captured, needing)
+    slots = _Slots(holder, aliases, combine_fn, spec, element)
+    info = _GradInfo(forward, backward, plan, captured, needing, slots)
     return list(KernelScan.apply(info, *leaves, *needing))
+
+
+class _Slots(NamedTuple):
+    """Where the kernels of a call's key live: for the backward kernel without the
+    cotangents autograd leaves out, looked up (or built) in the backward."""
+
+    holder: Knowledge
+    aliases: Hashable
+    combine_fn: Callable[[Any, Any], Any]
+    spec: PyTreeSpec
+    element: tuple[int, ...]
 
 
 class _GradInfo(NamedTuple):  # made on every call: a NamedTuple is ~1 us cheaper
     forward: Entry
-    backward: Entry
+    backward: Entry  # the backward kernel with every cotangent
     plan: ScanPlan
     captured: tuple[torch.Tensor, ...]  # every captured tensor, distinct, in walk order
     needing: tuple[torch.Tensor, ...]  # those that require grad: inputs of KernelScan
+    slots: _Slots | None = None  # None: only ``backward`` serves (missing cotangents: zeros)
 
 
 class KernelScan(torch.autograd.Function):
@@ -142,27 +164,76 @@ def run_backward(
     info: _GradInfo, call: Backward
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None:
     """The cotangents of the leaves and of ``info.needing`` by the backward kernel, or
-    None where its params do not fit."""
-    entry, plan = info.backward, info.plan
-    xs, ys, grads = call.xs, call.ys, call.grads
+    None where its params do not fit. Outputs without a cotangent are run by the kernel
+    built without them where it is ready (else counted, built or queued, as any kernel,
+    and ``info.backward`` reads zeros for them)."""
+    entry = info.backward
+    missing = tuple([k for k in entry.floats if call.grads[k] is None])
+    if missing and info.slots is not None:
+        param_grads = bool(info.needing)
+        entry = _entry_without(info.slots, missing, call.xs, info.captured, param_grads) or entry
+    found = _run(
+        entry, call.xs, call.ys, call.grads, info.plan.dim, info.plan.reverse, info.captured
+    )
+    if found is None:
+        return None
+    xbar, pbars = found
+    if not info.needing:
+        return xbar, []
+    return xbar, _captured_grads(entry, info, pbars, element_shape(call.xs, info.plan.dim))
+
+
+def _entry_without(
+    slots: _Slots,
+    missing: tuple[int, ...],
+    xs: Sequence[torch.Tensor],
+    captured: tuple[torch.Tensor, ...],
+    param_grads: bool,
+) -> Entry | None:
+    """The READY backward kernel without the cotangents of ``missing``, else None after
+    counting the call (and, per the mode, building it or queueing its build)."""
+    holder, aliases, combine_fn, spec, element = slots
+    key = slot_key(aliases, element, (), missing, True, param_grads)
+    entry = kernel_slots(holder).get(key)
+    if is_ready(entry):
+        return entry
+    dtypes = tuple([x.dtype for x in xs])
+    build = BuildCall(combine_fn, spec, dtypes, element, captured, (), missing)
+    return ready_entry(
+        holder, aliases, build, xs[0].numel(), backward=True, param_grads=param_grads
+    )
+
+
+def _run(
+    entry: Entry,
+    xs: Sequence[torch.Tensor],
+    ys: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    dim: int,
+    reverse: bool,
+    captured: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor]] | None:
+    """The backward kernel ``entry`` on the saved leaves and outputs: the leaves'
+    cotangents and the params' per-position sums, or None where its params do not fit."""
     assert entry.program is not None and entry.kernel is not None
     shape = xs[0].shape
-    dim = plan.dim % len(shape)
+    dim = dim % len(shape)
     outer, steps, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
     element = shape[:dim] + shape[dim + 1 :]
-    params = kernel_params(entry.program, info.captured, element)
+    params = kernel_params(entry.program, captured, element)
     if params is None:
         return None
-    floats = entry.floats
+    floats, dead = entry.floats, entry.dead
     # Cotangents are read through their strides (the cotangent of ``y.sum()`` is an
-    # expanded scalar: stride 0, no copy); a missing one is a zero of stride 0. A
-    # negative-bit view (a cotangent made from `.conj().imag`) is negated into memory:
-    # the kernel reads memory, not the lazy negation.
+    # expanded scalar: stride 0, no copy); a missing one the kernel reads (not dead) is
+    # a zero of stride 0. A negative-bit view (a cotangent made from `.conj().imag`) is
+    # negated into memory: the kernel reads memory, not the lazy negation.
     gs = [
         torch.zeros((), dtype=xs[k].dtype).expand(shape)
         if grads[k] is None
         else grads[k].resolve_neg()
         for k in floats
+        if k not in dead
     ]
     bars = [torch.empty(shape, dtype=xs[k].dtype) for k in floats]
     # Per element position, summed over the steps (zero where no step combines).
@@ -170,14 +241,76 @@ def run_backward(
     if outer * steps * inner:
         args, nb, strides = strided_view([*xs, *ys, *gs], dim)
         entry.kernel(
-            *args, *bars, *pbars, *params, outer, steps, inner, int(plan.reverse),
+            *args, *bars, *pbars, *params, outer, steps, inner, int(reverse),
             torch.get_num_threads(), nb, *strides,
         )  # fmt: skip
     xbar: list[torch.Tensor | None] = [None] * len(xs)
     for k, bar in zip(floats, bars):
         xbar[k] = bar
-    capbar = _captured_grads(entry, info, pbars, element) if info.needing else []
-    return xbar, capbar
+    return xbar, pbars
+
+
+def kernel_vjp(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    xs: Sequence[torch.Tensor | None],
+    ys: Sequence[torch.Tensor | None],
+    grads: Sequence[torch.Tensor | None],
+    dim: int,
+    reverse: bool,
+) -> list[torch.Tensor | None] | None:
+    """The cotangents of the leaves ``xs`` of the scan ``ys = scan(combine_fn, xs)`` along
+    ``dim`` for the cotangents ``grads`` of its outputs (None: zero), by the backward kernel
+    built without the None ones; or None where no READY kernel serves (the call is
+    counted and the kernel built or queued per ``fscan.config.cpu_kernel``, as any).
+
+    For callers with an autograd Function of their own (the linear recurrence's keeps
+    neither ``b`` nor the gate products): an entry of ``xs`` or ``ys`` may be None where
+    that kernel does not read it (the kernel gets another operand of the same shape and
+    dtype in its place); None is returned where it would. No gradients of captured
+    tensors. The leaves' dtypes and shapes must be those of a scan the kernel serves.
+
+    Example:
+        >>> import fscan, optree
+        >>> x = torch.ones(4)
+        >>> with fscan.config.override(cpu_kernel="off"):
+        ...     kernel_vjp(torch.add, optree.tree_structure(0), [x], [x], [x], 0, False)
+    """
+    present = [t for t in (*xs, *ys) if t is not None]
+    if not present or all(g is None for g in grads):
+        return None
+    stand_in = present[0].detach()
+    leaves = [stand_in if x is None else x.detach() for x in xs]
+    outs = [stand_in if y is None else y.detach() for y in ys]
+    if any(t.dtype != u.dtype or t.shape != u.shape for t, u in zip(outs, leaves)):
+        return None
+    lookup = serving_lookup(combine_fn, spec, leaves, None, None, gradients=True)
+    if lookup is None:
+        return None
+    holder, aliases, captured = lookup
+    element = element_shape(leaves, dim)
+    missing = tuple([k for k, g in enumerate(grads) if g is None])
+    entry = _entry_without(
+        _Slots(holder, aliases, combine_fn, spec, element), missing, leaves, captured, False
+    )
+    if entry is None or not _reads_present(entry, xs, ys):
+        return None
+    found = _run(entry, leaves, outs, grads, dim, reverse, captured)
+    return None if found is None else found[0]
+
+
+def _reads_present(
+    entry: Entry, xs: Sequence[torch.Tensor | None], ys: Sequence[torch.Tensor | None]
+) -> bool:
+    """Whether the VJP of ``entry`` reads no leaf given as None: neither ``r{k}`` (``xs``)
+    nor ``l{k}`` (``ys``, the left operand being the output one step before)."""
+    assert entry.program is not None
+    absent = {f"r{k}" for k, x in enumerate(xs) if x is None}
+    absent |= {f"l{k}" for k, y in enumerate(ys) if y is None}
+    reads = entry.program.reads
+    if not absent:
+        return True
+    return bool(reads) and not any(absent & names for names in reads)
 
 
 def _captured_grads(

@@ -71,7 +71,7 @@ from ._kernel_entry import (
 from ._kernel_entry import Entry as Entry
 from ._kernel_entry import State as State
 from ._kernel_entry import log_once as log_once
-from ._kernel_grad import KernelScan, kernel_grad_scan
+from ._kernel_grad import KernelScan, kernel_grad_scan, kernel_vjp
 from ._kernel_layout import (
     Counters,
     check_disjoint,
@@ -111,6 +111,7 @@ __all__ = [
     "kernel_possible",
     "kernel_ready",
     "kernel_scan",
+    "kernel_vjp",
     "precompile",
     "prepare_run",
     "reads_in_place",

@@ -3,6 +3,9 @@
 // fscan.engine._cpp_source places this after the generated part it is written against
 // (the forward's structs, Lam, Grad, Bar, LamBuf, LamStore, PLam, PBar, NF, vjp and the
 // lam_* helpers) and before the generated entry point, which calls backward().
+// A dead cotangent (lam_dead(u): an output without one that no output with one reads,
+// see fscan's translate_vjp) is the constant 0 in Lam: never loaded or stored, and the
+// transfer maps below skip its unit column (computed, it would only meet a zero carry).
 
 // Lanes [i0, i0 + w) of outer index o, steps [a, z) backwards in scan order: the
 // cotangent entering the chunk's top step is g's plus in[i] (what the chunk above passes
@@ -65,7 +68,7 @@ static void lane_transfer(const In x, const In y, const Grad g, const Par p, con
   const Grad gtop = GATHER ? gather(row(gc, pos(z - 1, T, rev)), rows.g, w, false) : row(gc, pos(z - 1, T, rev));
   for (int64_t i = 0; i < w; ++i) {
     put_lam(lam, i, load_g_i(gtop, i));
-    for (int u = 0; u < NF; ++u) put_lam(lam, (1 + u) * w + i, lam_unit(u));
+    for (int u = 0; u < NF; ++u) if (!lam_dead(u)) put_lam(lam, (1 + u) * w + i, lam_unit(u));
   }
   for (int64_t s = z - 1; s >= a; --s) {
     const int64_t tc = pos(s, T, rev), tp = pos(s - 1, T, rev);
@@ -79,6 +82,7 @@ static void lane_transfer(const In x, const In y, const Grad g, const Par p, con
       vjp(l, v, get_lam(lam, i), p, e0 + i, lb, rb, pb);
       put_lam(lam, i, s > a ? lam_add(load_g_i(gr, i), lb) : lb);
       for (int u = 0; u < NF; ++u) {
+        if (lam_dead(u)) continue;
         vjp(l, v, get_lam(lam, (1 + u) * w + i), p, e0 + i, lb, rb, pb);
         put_lam(lam, (1 + u) * w + i, lb);
       }
@@ -86,7 +90,7 @@ static void lane_transfer(const In x, const In y, const Grad g, const Par p, con
   }
   for (int64_t i = 0; i < w; ++i) {
     out[i] = get_lam(lam, i);
-    for (int u = 0; u < NF; ++u) M[i * NF + u] = get_lam(lam, (1 + u) * w + i);
+    for (int u = 0; u < NF; ++u) if (!lam_dead(u)) M[i * NF + u] = get_lam(lam, (1 + u) * w + i);
   }
 }
 
@@ -117,7 +121,7 @@ static FSCAN_INLINE void transfer(const Par p, const Chunk* k, int64_t T, bool r
     const Vals l = load_t(k[c].y, tp, tp), v = load_t(k[c].x, tc, tc);
     Lam lb, rb; PLam pb;
     vjp(l, v, lam[c], p, k[c].e, lb, rb, pb);
-    for (int u = 0; u < NF; ++u) { Lam ub, urb; PLam upb; vjp(l, v, U[c][u], p, k[c].e, ub, urb, upb); U[c][u] = ub; }
+    for (int u = 0; u < NF; ++u) if (!lam_dead(u)) { Lam ub, urb; PLam upb; vjp(l, v, U[c][u], p, k[c].e, ub, urb, upb); U[c][u] = ub; }
     if (s > k[c].a) lam[c] = lam_add(load_g_t(k[c].g, tp), lb); else out[c] = lb;
   };
   for (int64_t r = 0; r < common; ++r) {
@@ -126,7 +130,7 @@ static FSCAN_INLINE void transfer(const Par p, const Chunk* k, int64_t T, bool r
   }
   for (int c = 0; c < NG; ++c) {
     for (int64_t r = common; r < n[c]; ++r) one(c, r);
-    for (int u = 0; u < NF; ++u) M[c * NF + u] = U[c][u];
+    for (int u = 0; u < NF; ++u) if (!lam_dead(u)) M[c * NF + u] = U[c][u];
   }
 }
 
@@ -213,7 +217,7 @@ static void chain_bwd(const In x, const In y, const Grad g, const Bar b, const P
           const int64_t item = lane * C + c;
           ins[item] = carry;
           Lam next = outs[item];
-          for (int u = 0; u < NF; ++u) next = lam_axpy(next, M[item * NF + u], carry, u);
+          for (int u = 0; u < NF; ++u) if (!lam_dead(u)) next = lam_axpy(next, M[item * NF + u], carry, u);
           if (c > 0 && lam_suspect(outs[item], carry, next)) next = walk_down(p, describe(item), T, rev, carry);
           carry = next;
         }
@@ -285,7 +289,7 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const PB
           const int64_t slot = (col * C + c) * W + i;
           ins[slot] = carry;
           Lam next = outs[slot];
-          for (int u = 0; u < NF; ++u) next = lam_axpy(next, M[slot * NF + u], carry, u);
+          for (int u = 0; u < NF; ++u) if (!lam_dead(u)) next = lam_axpy(next, M[slot * NF + u], carry, u);
           if (lam_suspect(outs[slot], carry, next)) {
             const Chunk k{at(x, S, o, 0, i0 + i), at(y, S, o, 0, i0 + i), at(g, S, o, 0, i0 + i),
                           at(b, S, o, 0, i0 + i), o * inner + i0 + i, c * L, std::min(T, (c + 1) * L)};
