@@ -36,7 +36,7 @@ def pinned(kernel, parallel):
     dtype rules kept (torch's op serves complex cummax, integer logcumsumexp, ...)."""
 
     def route(op, x, dim, reverse):
-        kernel_bar, parallel_bar = router._dtype_refusals(op, x.dtype)
+        kernel_bar, parallel_bar = router.dtype_refusals(op, x.dtype)
         return kernel and kernel_bar is None, parallel and x.ndim > 0 and parallel_bar is None
 
     return route

@@ -34,7 +34,7 @@ def path(request, monkeypatch):
     wins = request.param == "parallel"
 
     def route(op, x, dim, reverse):
-        _, parallel_bar = router._dtype_refusals(op, x.dtype)
+        _, parallel_bar = router.dtype_refusals(op, x.dtype)
         return False, wins and x.ndim > 0 and parallel_bar is None
 
     monkeypatch.setattr(router, "route", route)
