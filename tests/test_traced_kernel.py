@@ -135,6 +135,23 @@ def test_gradients_run_the_kernel_forward_and_backward(op, dim, reverse):
     assert_trees_close(got, (oracle(xs), gradients(oracle, xs, g)))
 
 
+def test_inductor_emits_the_ops_without_autograd_wrappers():
+    """After AOTAutograd, the forward and backward graphs call the twin ops that have no
+    custom_op autograd wrapper (its Python costs ~15 µs a call)."""
+    from torch._inductor.utils import run_and_get_code
+
+    x = torch.randn(17, 4, dtype=F64, requires_grad=True)
+    fn = compiled_scan(add)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _, codes = run_and_get_code(lambda: fn(x).sum().backward())
+    code = "\n".join(codes)
+    assert "fscan.kernel_scan_run.default" in code
+    assert "fscan.kernel_scan_backward_run.default" in code
+    assert "kernel_scan_hop.default(" not in code  # (named in comments, never called)
+    assert "kernel_scan_hop_backward.default(" not in code
+    assert_trees_close(x.grad, torch.arange(17.0, 0, -1, dtype=F64)[:, None].expand(17, 4))
+
+
 def test_gradcheck_through_the_compiled_kernel():
     fn = compiled_scan(linear_recurrence, dim=1, reverse=True)
     a = (torch.rand(3, 9, dtype=F64) + 0.5).requires_grad_()
