@@ -24,6 +24,8 @@ from .._route_log import ran
 from .._segmented import check_reset, segmented_scan
 from .cumulative_table import EXTREMA, FLOATS, NATIVE_BELOW, SUMS, route, torch_serves
 from .cumulative_table import dtype_refusals as dtype_refusals
+from .repeat import remember_cumulative
+from .repeat import repeat_cumulative as repeat_cumulative
 from .scan import scan_flat, scan_traced
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "native_first",
     "native_first_into",
     "path",
+    "repeat_cumulative",
     "route",
     "segmented",
 ]
@@ -44,25 +47,38 @@ _ONE_LEAF = flatten(torch.zeros(()))[1]
 _PAIR = flatten((torch.zeros(()), torch.zeros(())))[1]
 
 
-def native_first(op: Any, x: Any, dim: Any) -> Any:
-    """torch's ``op(x, dim)`` for a forward call with unchecked arguments where the table
-    certainly picks it (also where it picks the kernel but none can run: mode ``"off"``,
-    no compiler, :func:`kernel_possible`), else None: the checks and :func:`cumulative`
-    cost a few µs on top of torch's op (about 3 here, against ~30 for the checks and the
-    full route, whose code is cold in the cache after the op before). While
-    ``torch.compile`` traces, None: the checked path raises fscan's errors."""
+def native_first(op: Any, x: Any, dim: Any, reverse: bool = False) -> Any:
+    """torch's ``op(x, dim)`` for a call with unchecked arguments where the table certainly
+    picks it (also where it picks the kernel but none can run: mode ``"off"``, no compiler,
+    :func:`~fscan._engines.cpp.cpu_kernel.kernel_possible`), else None: the checks and
+    :func:`cumulative` cost a few µs on top of torch's op (about 3 here, against ~30 for
+    the checks and the full route, whose code is cold in the cache after the op before).
+    ``reverse`` (True or False: the caller passes nothing else) reads the table's reversed
+    cells and runs :func:`native`'s flip, op, flip. While ``torch.compile`` traces, None:
+    the checked path raises fscan's errors."""
     if type(dim) is not int or not isinstance(x, torch.Tensor) or _is_compiling():
         return None
     try:
         # The table's first row, read before the call into it: most calls end here, and
         # the call would add ~3% to them.
-        if x.numel() < NATIVE_BELOW or torch_serves(op, x, dim):
-            return op(x, dim)
+        if x.numel() < NATIVE_BELOW or torch_serves(op, x, dim, reverse):
+            return _flipped(op, x, dim) if reverse else op(x, dim)
         return None
     except (IndexError, RuntimeError, NotImplementedError):
         # dim out of range, or a tensor torch's op cannot take (sparse, nested, quantized):
         # the checked path says so in fscan's words
         return None
+
+
+def _flipped(op: Any, x: torch.Tensor, dim: int) -> Any:
+    """:func:`native` reversed, on unchecked ``x`` (torch promotes integers itself)."""
+    if x.ndim == 0:
+        return op(x, dim)
+    out = op(x.flip(dim), dim)
+    if op not in EXTREMA:
+        return out.flip(dim)
+    values, indices = out
+    return EXTREMA[op]((values.flip(dim), (x.shape[dim] - 1 - indices).flip(dim)))
 
 
 def native_first_into(op: Any, x: Any, dim: Any, out: Any) -> Any:
@@ -208,12 +224,16 @@ def _kernel(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, out: An
     busy), where torch's serial walk does not wait."""
     combine, spec, leaves, positions = kernel_call(op, x)
     threads = 1 if x.shape[dim] == x.numel() else None
-    out = kernel_scan(
+    found = kernel_scan(
         api, combine, spec, leaves, dim, reverse, positions=positions, threads=threads, out=out
     )
-    if out is None:
+    if found is None:
         return None
-    return EXTREMA[op](out) if op in EXTREMA else out[0]
+    if op in EXTREMA:
+        return EXTREMA[op](found)
+    if out is None:  # an identical call repeats this run (fscan._routing.repeat)
+        remember_cumulative(op, combine, x, dim, reverse, threads)
+    return found[0]
 
 
 # ---- the ops as the engines scan them ---------------------------------------------

@@ -219,10 +219,10 @@ def dtype_refusals(op: Any, dtype: torch.dtype) -> tuple[str | None, str | None]
     return None, None
 
 
-def torch_serves(op: Any, x: torch.Tensor, dim: int) -> bool:
-    """Whether the table picks torch's op for a forward call on ``x`` (also where it picks
-    the kernel but none can run)."""
-    cells = _cells(op, x, dim, False)
+def torch_serves(op: Any, x: torch.Tensor, dim: int, reverse: bool = False) -> bool:
+    """Whether the table picks torch's op for a call on ``x`` outside tracing (also where
+    it picks the kernel but none can run)."""
+    cells = _cells(op, x, dim, reverse)
     if cells is not _NATIVE:  # the common answer needs no more reads
         kernel, parallel = cells
         if parallel or (kernel and kernel_possible()):
