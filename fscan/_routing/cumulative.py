@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .._call import SCAN_API, ScanCall
+from .._context import where as runs_at  # not `where`: the combines below name torch.where
 from .._engines.blocked import LOGSUMEXP, PRODUCT, SUM, Op, accumulate, extremum_scan
 from .._engines.cpp.cpu_kernel import kernel_ready, kernel_scan
 from .._errors import ScanTypeError
@@ -27,6 +28,7 @@ from .cumulative_table import dtype_refusals as dtype_refusals
 from .repeat import remember_cumulative
 from .repeat import repeat_cumulative as repeat_cumulative
 from .scan import scan_flat, scan_traced
+from .segmented import run_segmented, segmented_route
 
 __all__ = [
     "cumulative",
@@ -171,6 +173,11 @@ def segmented(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset
             f"{api}: `reset=` takes float inputs, got {x.dtype}: the imaginary part of a "
             "complex log depends on torch's order of combination."
         )
+    if segmented_route(runs_at([x]), [x]) is None:
+        combine, spec, leaves, positions = kernel_call(op, x)
+        found = run_segmented(combine, spec, leaves, dim, reverse, reset, positions)
+        if found is not None:
+            return EXTREMA[op](found) if op in EXTREMA else found[0]
     xs: Any = x
     if op in EXTREMA:
         n = x.shape[dim]

@@ -22,6 +22,7 @@ import fscan
 
 from . import autograd, bars, core, extras, gpu, kernel, linear, ops, overhead
 from . import distributed as distributed_bench
+from ._allocator import pin_allocator
 from ._rows import render, run_rows, to_json
 from ._timing import Progress, warm_up_seconds
 
@@ -87,7 +88,8 @@ def _tables(quick: bool, json_path: str | None) -> list[tuple[str, Callable[[], 
 def _run(tables: list[tuple[str, Callable[[], str]]], mode: str) -> None:
     print(
         f"fscan.config.cpu_kernel={mode!r} for this run: kernels are built before they are "
-        f"timed; {torch.get_num_threads()} threads unless a table says otherwise",
+        f"timed; {torch.get_num_threads()} threads unless a table says otherwise; "
+        f"{pin_allocator()}",
         flush=True,
     )
     progress = Progress("fscan.bench", len(tables))

@@ -24,6 +24,7 @@ from torch.utils.benchmark import Compare, Measurement
 
 import fscan
 
+from ._allocator import pin_allocator
 from ._timing import Progress, Table, engine_of, interleaved, warm_up
 
 __all__ = ["Result", "Row", "compare", "render", "run_rows", "to_json"]
@@ -73,6 +74,7 @@ class Result:
 def run_rows(rows: Sequence[Row], budget_s: float, title: str = "rows") -> list[Result]:
     """Build, name and time ``rows`` (module doc); prints the build line."""
     mode = "off" if fscan.config.cpu_kernel == "off" else "eager"
+    print(f"{title}: {pin_allocator()}", flush=True)
     with fscan.config.override(cpu_kernel=mode):
         start = time.perf_counter()
         progress = Progress(f"{title}: building kernels", len(rows))

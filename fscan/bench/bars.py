@@ -173,6 +173,31 @@ def drop_in_rows(quick: bool) -> Iterator[Row]:
                 yield Row(group, f"{label}, limit", run, "copy", _copy_of(x), 1, 3.0)
 
 
+def variant_rows(quick: bool) -> Iterator[Row]:
+    """Issue 22's bar: exclusive and segmented drop-ins no slower than the inclusive op."""
+    group = "exclusive / segmented drop-ins vs inclusive, 1 thread, float32"
+    workloads = [((2**20,), 0), ((4096, 256), 0)] if quick else [*_VARIANT_WORKLOADS]
+    for shape, dim in workloads:
+        x = _data("add", shape)
+        n = shape[dim]
+        # A segment start about every 97 steps, the same along every other dim.
+        reset = torch.arange(n) % 97 == 13
+        for name in ["cumsum", "cummax"] if quick else OPS:
+            op = getattr(fscan, name)
+            for reverse in (False, True):
+                inclusive = functools.partial(op, x, dim, reverse=reverse)
+                where = f"{name} {shape} dim {dim}{', reverse' * reverse}"
+                variants = {
+                    "exclusive": functools.partial(op, x, dim, reverse=reverse, exclusive=True),
+                    "reset": functools.partial(op, x, dim, reverse=reverse, reset=reset),
+                }
+                for variant, run in variants.items():
+                    yield Row(group, f"{where}, {variant}", run, "inclusive", inclusive, 1, 1.05)
+
+
+_VARIANT_WORKLOADS = [((2**20,), 0), ((4096, 256), 0), ((4096, 256), 1), ((1024, 8, 64), 1)]
+
+
 def _grad_node(run: Callable[[], Any]) -> Callable[[], str]:
     """The autograd node the output of ``run()`` hangs on: which backward runs."""
 
@@ -294,7 +319,8 @@ def bar_rows(quick: bool = False) -> list[Row]:
     rows = [*kernel_rows(quick, 1)]
     if not quick:
         rows += kernel_rows(quick, 2)
-    rows += [*small_rows(), *drop_in_rows(quick), *backward_rows(quick), *reduce_rows()]
+    rows += [*small_rows(), *drop_in_rows(quick), *variant_rows(quick)]
+    rows += [*backward_rows(quick), *reduce_rows()]
     if not quick:
         rows += compile_rows()
     return rows

@@ -72,6 +72,7 @@ __all__ = [
     "reduce_source",
     "step_argtypes",
     "step_source",
+    "suspect_check",
 ]
 
 
@@ -190,13 +191,6 @@ def forward_source(
     R = range(len(dtypes))
     st = [STORAGE[d] for d in dtypes]
     kept = [k for k in R if k not in dropped]
-    # See suspect() in csrc/forward.cpp.in: only kept float outputs are checked.
-    checks = [
-        f"(std::isnan(o.v{k}) && !std::isnan(l.v{k}) && !std::isnan(r.v{k})) || "
-        f"(std::isinf(o.v{k}) && std::isfinite(l.v{k}) && std::isfinite(r.v{k}))"
-        for k in kept
-        if dtypes[k].is_floating_point
-    ]
     read_idx = [k for k in R if k not in positions]
     read = [f"x{k}" for k in read_idx]
     written = [f"y{k}" for k in kept]
@@ -205,7 +199,7 @@ def forward_source(
         "forward.cpp.in",
         structs=leaf_structs(dtypes, compute, program, positions, dropped),
         combine=_combine_function(compute, program),
-        suspect=" || ".join(checks) or "false",
+        suspect=suspect_check(dtypes, kept),
         tuning=csrc("tuning.h"),
         tiles=_tiles(read_idx if _tiled(st, positions) else None, kept),
         forward=csrc("forward.h"),
@@ -219,6 +213,18 @@ def forward_source(
         params=_param_names(program),
         head_init="".join(heads) + (f"h{read_idx[0]} != 0" if read_idx else "false"),
     )
+
+
+def suspect_check(dtypes: Sequence[torch.dtype], kept: Sequence[int]) -> str:
+    """The body of ``suspect(l, r, o)`` (see csrc/forward.cpp.in): a composed carry whose
+    kept float outputs came out NaN from non-NaN operands, or infinite from finite ones."""
+    checks = [
+        f"(std::isnan(o.v{k}) && !std::isnan(l.v{k}) && !std::isnan(r.v{k})) || "
+        f"(std::isinf(o.v{k}) && std::isfinite(l.v{k}) && std::isfinite(r.v{k}))"
+        for k in kept
+        if dtypes[k].is_floating_point
+    ]
+    return " || ".join(checks) or "false"
 
 
 def _tiled(storage: Sequence[str], positions: Sequence[int]) -> bool:

@@ -1,0 +1,169 @@
+"""The generated segmented kernel: a ``reset=`` scan in one pass, the flags read in place.
+
+:func:`kernel_segmented` serves a segmented scan (``reset=``) on CPU where the scan
+kernel would serve the scan without flags (the same lookup, refusals and build policy:
+the forward entry of the same key is built, or counted towards its build, first). Its
+source is that entry's translation around ``csrc/segmented.h`` (no second trace),
+compiled as the forward is and kept beside it in the knowledge entry's kernel slots.
+The flags are one more strided input: a 1-D mask expanded along the other dims costs a
+byte a step, not a byte an element. It is a forward kernel only: callers use it where
+no gradient is wanted (the (flag, value) pairs' scan has the backward). Until it is
+ready, or where it cannot serve, None: the caller scans the pairs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from optree import PyTreeSpec
+
+from ..._config import config
+from ..._knowledge.store import Knowledge
+from ..._memory import advise_huge_pages
+from ._cpp_ops import STORAGE, Program, compute_ctype
+from ._cpp_source import (
+    _combine_function,
+    _kernel,
+    _param_names,
+    _signature,
+    _stride_params,
+    _strided_init,
+    csrc,
+    forward_argtypes,
+    leaf_structs,
+    suspect_check,
+)
+from ._kernel_builder import build_source
+from ._kernel_entry import BuildCall, Entry, State, is_ready, kernel_slots, log_once, slot_key
+from ._kernel_layout import element_shape, strided_view
+from ._kernel_registry import ready_entry, serving_lookup
+from ._kernel_run import kernel_params
+
+__all__ = ["kernel_segmented", "segmented_argtypes", "segmented_source"]
+
+
+def segmented_argtypes(
+    dtypes: Sequence[torch.dtype], program: Program, positions: Sequence[int]
+) -> list[str]:
+    """C types of the segmented kernel's arguments: the forward's (no heads), then the
+    flags and their four strides."""
+    forward = forward_argtypes(dtypes, program, positions)
+    n_read = len(dtypes) - len(set(positions))
+    return [*forward[: len(forward) - n_read], "const uint8_t*", *["int64_t"] * 4]
+
+
+def segmented_source(
+    dtypes: Sequence[torch.dtype], program: Program, positions: Sequence[int]
+) -> str:
+    """The complete segmented kernel: ``kernel(x.., y.., p.., outer, T, inner, rev,
+    threads, nb, strides.., r, r strides..)``, the forward's arguments (every output
+    kept, no carry-in) and the flags ``r`` (uint8, read through their strides)."""
+    compute = [compute_ctype(d, program.wide) for d in dtypes]
+    st = [STORAGE[d] for d in dtypes]
+    every = range(len(dtypes))
+    read = [f"x{k}" for k in every if k not in positions]
+    written = [f"y{k}" for k in every]
+    return _kernel(
+        "segmented.cpp.in",
+        structs=leaf_structs(dtypes, compute, program, positions, ()),
+        combine=_combine_function(compute, program),
+        suspect=suspect_check(dtypes, list(every)),
+        tuning=csrc("tuning.h"),
+        segmented=csrc("segmented.h"),
+        pick="".join(f"  o.v{k} = f ? a.v{k} : b.v{k};\n" for k in every),
+        arguments=", ".join(
+            _signature(dtypes, program, [f"{st[k]}* {y}" for k, y in enumerate(written)], positions)
+        ),
+        strides=_stride_params(read + written),
+        x=_strided_init(read),
+        y=_strided_init(written),
+        params=_param_names(program),
+    )
+
+
+def kernel_segmented(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    reverse: bool,
+    flags: torch.Tensor,
+    positions: tuple[int, ...] = (),
+    threads: int | None = None,
+) -> list[torch.Tensor] | None:
+    """The scan of ``leaves`` along ``dim`` restarting where ``flags`` (bool, the leaves'
+    shape: an expanded mask is read in place) is True, by the segmented kernel, into
+    fresh contiguous outputs; or None (module doc). ``positions``: as for
+    :func:`~.cpu_kernel.kernel_scan`. ``threads``: at most this many."""
+    if config.cpu_kernel == "off":
+        return None
+    lookup = serving_lookup(combine_fn, spec, leaves, None, None, gradients=False)
+    if lookup is None:
+        return None
+    holder, aliases, captured = lookup
+    element = element_shape(leaves, dim)
+    key = ("segmented", slot_key(aliases, element, positions, (), False, False))
+    kernel = kernel_slots(holder).get(key)
+    if not is_ready(kernel):
+        kernel = _ready(
+            holder, aliases, key, combine_fn, spec, leaves, element, captured, positions
+        )
+        if kernel is None:
+            return None
+    assert kernel.program is not None and kernel.kernel is not None
+    params = kernel_params(kernel.program, captured, element) if kernel.program.params else []
+    if params is None:  # captured tensors that do not broadcast: the caller decides
+        return None
+    shape = leaves[0].shape
+    dim = dim % len(shape)
+    outer, steps, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
+    ys = [advise_huge_pages(torch.empty(shape, dtype=x.dtype)) for x in leaves]
+    if outer * steps * inner == 0:
+        return ys
+    read = [x for k, x in enumerate(leaves) if k not in positions]
+    views, nb, strides = strided_view([*read, flags.view(torch.uint8)], dim)
+    dense = [nb * steps * inner, steps * inner, inner, 1] * len(ys)
+    threads = torch.get_num_threads() if threads is None else min(threads, torch.get_num_threads())
+    kernel.kernel(
+        *views[:-1], *ys, *params, outer, steps, inner, int(reverse), threads,
+        nb, *strides[:-4], *dense, views[-1], *strides[-4:],
+    )  # fmt: skip
+    return ys
+
+
+def _ready(
+    holder: Knowledge,
+    aliases: Any,
+    key: Any,
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: Sequence[torch.Tensor],
+    element: tuple[int, ...],
+    captured: tuple[torch.Tensor, ...],
+    positions: tuple[int, ...],
+) -> Entry | None:
+    """The READY segmented entry, or None after building the forward entry (per the
+    mode) and, once it is ready, writing this source from its translation and compiling
+    it (now for ``"eager"``, else queued)."""
+    dtypes = tuple([x.dtype for x in leaves])
+    call = BuildCall(combine_fn, spec, dtypes, element, captured, positions, ())
+    forward = ready_entry(holder, aliases, call, leaves[0].numel(), backward=False)
+    if forward is None or forward.program is None:
+        return None
+    program = forward.program
+    entry = kernel_slots(holder).get_or_compute(
+        key,
+        lambda: Entry(
+            source=segmented_source(dtypes, program, positions),
+            argtypes=tuple(segmented_argtypes(dtypes, program, positions)),
+            program=program,
+        ),
+    )
+    build_source(entry, eager=config.cpu_kernel == "eager")
+    if entry.state is State.FAILED:
+        log_once(f"the segmented kernel failed to build: {entry.reason}")
+        return None
+    return entry if entry.state is State.READY else None

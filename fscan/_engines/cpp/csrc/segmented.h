@@ -1,0 +1,282 @@
+// The segmented forward scan (reset=): lane by lane, y[t] = x[t] where the lane's flag at
+// t is set, else combine(y[t - 1], x[t]), in one pass over the data. The flags are one
+// more strided input R (uint8, the mask expanded to the leaves' shape: a 1-D mask is
+// a row of flags shared by every lane, R.sa = R.sb = R.si = 0). Scanning (flag, value)
+// pairs through the forward kernel instead cost 7-40x the scan without flags (a second
+// leaf of another width, the flag written out, selects around the combine).
+// fscan.engine._kernel_segmented places this after the forward's generated part (Vals,
+// In, Out, Par, Buf, Store, InRow, OutRow, LANE_BLOCK, load_*/store_*/get*/put*,
+// combine, suspect) and before the generated entry point, which calls segmented().
+
+using Flags = Ptr<const uint8_t>;
+// How a row's flags are read: ROW, one flag for the whole row (a 1-D mask); UNIT, a
+// flag per lane, lanes adjacent; LANES, a flag per lane, strided.
+enum { ROW = 0, UNIT = 1, LANES = 2 };
+
+// Steps [s0, s1) (in scan order) of lanes [i0, i0 + w) of outer index o, as lane_run in
+// forward.h, restarting where flagged. carry (or nullptr) holds the inclusive result
+// before s0. !WRITE: a chunk total in acc, and seen[i] set where lane i restarts in the
+// chunk (its total then owes nothing to the chunks before).
+template <bool WRITE, bool GATHER, int MODE>
+static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, const Geo& S,
+                         int64_t o, int64_t i0, int64_t w, int64_t s0, int64_t s1, bool rev,
+                         const Buf* carry, const Buf acc, uint8_t* seen, const InRow& rows,
+                         const OutRow& orows) {
+  const In xc = at(x, S, o, 0, i0);
+  const Out yc = at(y, S, o, 0, i0);
+  const Flags rc = shift(R, o, S.nb, 0, i0);
+  const int64_t e0 = o * S.inner + i0, T = S.T, dt = rev ? -1 : 1;
+  if (!WRITE) std::memset(seen, 0, (size_t)w);
+  In xs = row(xc, rev ? T - 1 - s0 : s0);
+  Out ys = row(yc, rev ? T - 1 - s0 : s0);
+  for (int64_t s = s0; s < s1; ++s) {
+    const int64_t t = rev ? T - 1 - s : s;
+    if (s > s0) { xs = row(xs, dt); ys = row(ys, dt); }
+    const In xr = GATHER ? gather(xs, rows, w, rev) : xs;
+    const Out yr = GATHER ? buffered(ys, orows) : ys;
+    const Flags rr = row(rc, t);
+    const bool first = s == s0 && carry == nullptr;
+    if (MODE == ROW && (first || rr.p[0])) {  // the whole row restarts: a copy
+      fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
+        const Vals v = load_i(xr, i, t);
+        put_as<!WRITE>(acc, i, v);
+        if (WRITE) store_i(yr, i, v);
+      });
+      if (!WRITE && rr.p[0]) std::memset(seen, 1, (size_t)w);
+    } else if (MODE == ROW || !first) {
+      const Buf left = s == s0 ? *carry : acc;
+      fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
+        const Vals u = load_i(xr, i, t);
+        const Vals c = combine<false>(get_as<!WRITE>(left, i), u, p, e0 + i);
+        // A flagged lane takes its element: the combine's result (of anything, NaN
+        // included) is dropped, as torch.where drops it on the (flag, value) pairs.
+        // pick selects field by field: `flag ? u : c` on the structs went through
+        // memory (a select of addresses), 20 ns an element on the chain path.
+        const Vals v = MODE != ROW ? pick(lane<MODE == UNIT>(rr, i) != 0, u, c) : c;
+        put_as<!WRITE>(acc, i, v);
+        if (WRITE) store_i(yr, i, v);
+      });
+    } else {  // the chunk's first row, no carry: its elements, flagged or not
+      fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
+        const Vals v = load_i(xr, i, t);
+        put_as<!WRITE>(acc, i, v);
+        if (WRITE) store_i(yr, i, v);
+      });
+    }
+    if (MODE != ROW && !WRITE) {
+      for (int64_t i = 0; i < w; ++i) seen[i] |= lane<MODE == UNIT>(rr, i);
+    }
+    if (WRITE && GATHER) scatter(ys, orows, w, rev);
+  }
+}
+
+template <bool WRITE, int MODE>
+static FSCAN_INLINE void seg_lanes(bool dense, const In x, const Out y, const Par p, const Flags R,
+                                   const Geo& S, int64_t o, int64_t i0, int64_t w, int64_t s0,
+                                   int64_t s1, bool rev, const Buf* carry, const Buf acc,
+                                   uint8_t* seen, const InRow& rows, const OutRow& orows) {
+  if (dense) seg_lane_run<WRITE, false, MODE>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows);
+  else seg_lane_run<WRITE, true, MODE>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows);
+}
+
+// lane_path (forward.h) with flags: columns of W lanes; where there are fewer columns
+// than threads, each column's steps split into C chunks, whose totals are composed in
+// scan order, except where a chunk restarts a lane (its total is then the carry on).
+template <int MODE>
+static void seg_lane_path(const In x, const Out y, const Par p, const Flags R, const Geo& S,
+                          bool rev, int nt) {
+  const int64_t outer = S.outer, T = S.T, inner = S.inner;
+  int64_t W = std::min<int64_t>(inner, TILE);
+  while (outer * ((inner + W - 1) / W) < nt && W > 16) W = (W / 2 + 15) / 16 * 16;
+  const int64_t ntiles = (inner + W - 1) / W, ncols = outer * ntiles;
+  int64_t C = 1;  // chunks per column
+  if (ncols < nt) C = std::min<int64_t>((nt + ncols - 1) / ncols * 2, std::max<int64_t>(1, T / MIN_CHUNK));
+  const int64_t L = (T + C - 1) / C;
+  C = (T + L - 1) / L;
+  Store tot(C > 1 ? ncols * (C - 1) * W : 0);
+  std::vector<uint8_t> seen(C > 1 ? ncols * (C - 1) * W : 0);
+  const Buf tb = tot.buf();
+#pragma omp parallel num_threads(nt)
+  {
+    Store scratch(W);
+    const Buf acc = scratch.buf();
+    const bool dense = unit(x) && unit(y);
+    const InRow rows(dense ? 0 : W);
+    const OutRow orows(dense ? 0 : W);
+    if (C > 1) {
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < ncols * (C - 1); ++k) {
+        const int64_t col = k / (C - 1), c = k % (C - 1);
+        const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
+        seg_lanes<false, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W), seen.data() + k * W, rows, orows);
+      }
+#pragma omp for schedule(static)
+      for (int64_t col = 0; col < ncols; ++col) {
+        const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
+        for (int64_t c = 1; c < C - 1; ++c) {
+          const int64_t k = col * (C - 1) + c;
+          const Buf prev = offset(tb, (k - 1) * W), cur = offset(tb, k * W);
+          bool walk = false;
+          for (int64_t i = 0; i < w; ++i) {
+            if (seen[k * W + i]) continue;
+            const Vals l = get_all(prev, i), r = get_all(cur, i), v = combine(l, r, p, o * inner + i0 + i);
+            walk |= suspect(l, r, v);
+            put_all(cur, i, v);
+          }
+          // Composing is not what the steps give (see suspect): walk the chunk.
+          if (walk) seg_lanes<false, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, (c + 1) * L, rev, &prev, cur, seen.data() + k * W, rows, orows);
+        }
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < ncols * C; ++k) {
+      const int64_t col = k / C, c = k % C;
+      const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
+      const Buf carry = c > 0 ? offset(tb, (col * (C - 1) + c - 1) * W) : tb;
+      const int64_t s1 = std::min(T, (c + 1) * L);
+      seg_lanes<true, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, nullptr, rows, orows);
+    }
+  }
+}
+
+// Chains walked one step at a time, NG side by side (their combines overlap: one chain
+// waits on each combine's latency). Chain g is steps [s0[g], s1[g]) of lane lane[g]
+// (o * inner + i); carry[g] (or nullptr) its inclusive carry-in. !WRITE: the totals
+// into last[g], and seen[g] whether the chain restarts in its steps.
+template <int NG, bool WRITE>
+static void seg_chains(const In x, const Out y, const Par p, const Flags R, const Geo& S,
+                       bool rev, const int64_t* lane, const int64_t* s0, const int64_t* s1,
+                       const Vals* const* carry, Vals* last, uint8_t* seen) {
+  In xc[NG];
+  Out yc[NG];
+  Flags rc[NG];
+  Vals acc[NG];
+  bool restarted[NG];
+  int64_t common = s1[0] - s0[0];
+  for (int g = 0; g < NG; ++g) {
+    const int64_t o = lane[g] / S.inner, i = lane[g] % S.inner;
+    xc[g] = at(x, S, o, 0, i);
+    yc[g] = at(y, S, o, 0, i);
+    rc[g] = shift(R, o, S.nb, 0, i);
+    restarted[g] = false;
+    common = std::min(common, s1[g] - s0[g]);
+  }
+  // The first step of each chain apart: in the loop, acc stays in registers (a select
+  // between *carry and acc there kept it in memory, a store and a load every step).
+  for (int g = 0; g < NG; ++g) {
+    if (s1[g] <= s0[g]) continue;
+    const int64_t t = rev ? S.T - 1 - s0[g] : s0[g];
+    const Vals u = load_t(xc[g], t, t);
+    const bool flag = step(rc[g], t) != 0;
+    acc[g] = carry[g] == nullptr ? u : pick(flag, u, combine(*carry[g], u, p, lane[g]));
+    restarted[g] = flag;
+    if (WRITE) store_t(yc[g], t, acc[g]);
+  }
+  auto walk = [&](int g, int64_t s) {
+    const int64_t t = rev ? S.T - 1 - s : s;
+    const Vals u = load_t(xc[g], t, t);
+    const bool flag = step(rc[g], t) != 0;
+    acc[g] = pick(flag, u, combine(acc[g], u, p, lane[g]));
+    restarted[g] |= flag;
+    if (WRITE) store_t(yc[g], t, acc[g]);
+  };
+  for (int64_t k = 1; k < common; ++k) {
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; ++g) walk(g, s0[g] + k);
+  }
+  for (int g = 0; g < NG; ++g) {
+    for (int64_t k = std::max<int64_t>(common, 1); k < s1[g] - s0[g]; ++k) walk(g, s0[g] + k);
+    if (!WRITE) { last[g] = acc[g]; seen[g] = restarted[g]; }
+  }
+}
+
+// Tasks [k0, k1) of a pass over chains (task k: lane k / C, chunk k % C of L steps): G at
+// a time side by side, the rest one by one. WRITE: every chunk, carries from tot; else
+// the chunks but each lane's last, totals into tot and seen.
+template <bool WRITE>
+static void seg_chain_tasks(const In x, const Out y, const Par p, const Flags R, const Geo& S,
+                            bool rev, int64_t C, int64_t L, int64_t k0, int64_t k1, Vals* tot,
+                            uint8_t* seen) {
+  const int64_t per = WRITE ? C : C - 1;  // tasks per lane
+  int64_t lane[G], s0[G], s1[G];
+  const Vals* carry[G];
+  int64_t k = k0;
+  auto task = [&](int g, int64_t kk) {
+    const int64_t c = kk % per;
+    lane[g] = kk / per;
+    s0[g] = c * L;
+    s1[g] = std::min(S.T, (c + 1) * L);
+    carry[g] = WRITE && c > 0 ? &tot[lane[g] * (C - 1) + c - 1] : nullptr;
+  };
+  for (; k + G <= k1; k += G) {
+    for (int g = 0; g < G; ++g) task(g, k + g);
+    seg_chains<G, WRITE>(x, y, p, R, S, rev, lane, s0, s1, carry, WRITE ? nullptr : tot + k, WRITE ? nullptr : seen + k);
+  }
+  for (; k < k1; ++k) {
+    task(0, k);
+    seg_chains<1, WRITE>(x, y, p, R, S, rev, lane, s0, s1, carry, WRITE ? nullptr : tot + k, WRITE ? nullptr : seen + k);
+  }
+}
+
+// The chain path: lanes walked along their steps (laid out along T, or too few for vector
+// loops). Where lanes are fewer than G per thread, each is split into chunks (reduce, then
+// scan: the chunks' totals composed in order, except where a chunk restarts the lane).
+static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, const Geo& S,
+                           bool rev, int nt) {
+  const int64_t T = S.T, lanes = S.outer * S.inner;
+  int64_t C = 1;
+  if (lanes < (int64_t)G * nt) C = std::min<int64_t>((G * nt + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
+  const int64_t L = (T + C - 1) / C;
+  C = (T + L - 1) / L;
+  std::vector<Vals> tot(C > 1 ? lanes * (C - 1) : 0);
+  std::vector<uint8_t> seen(tot.size());
+  // Tasks split among threads in whole groups of G.
+  auto split = [&](int64_t n, int th, int nth, int64_t& k0, int64_t& k1) {
+    const int64_t groups = (n + G - 1) / G, per = (groups + nth - 1) / nth;
+    k0 = std::min(n, th * per * G);
+    k1 = std::min(n, (th + 1) * per * G);
+  };
+#pragma omp parallel num_threads(nt)
+  {
+    const int th = omp_get_thread_num(), nth = omp_get_num_threads();
+    int64_t k0, k1;
+    if (C > 1) {
+      split(lanes * (C - 1), th, nth, k0, k1);
+      seg_chain_tasks<false>(x, y, p, R, S, rev, C, L, k0, k1, tot.data(), seen.data());
+#pragma omp barrier
+#pragma omp for schedule(static)
+      for (int64_t lane = 0; lane < lanes; ++lane) {
+        for (int64_t c = 1; c < C - 1; ++c) {
+          const int64_t k = lane * (C - 1) + c;
+          if (seen[k]) continue;
+          const Vals l = tot[k - 1], r = tot[k], v = combine(l, r, p, lane);
+          if (!suspect(l, r, v)) {
+            tot[k] = v;
+            continue;
+          }
+          // Composing is not what the steps give (see suspect): walk the chunk.
+          int64_t ln[1] = {lane}, a[1] = {c * L}, z[1] = {(c + 1) * L};
+          const Vals* from[1] = {&tot[k - 1]};
+          uint8_t again[1];
+          seg_chains<1, false>(x, y, p, R, S, rev, ln, a, z, from, &tot[k], again);
+        }
+      }
+    }
+    split(lanes * C, th, nth, k0, k1);
+    seg_chain_tasks<true>(x, y, p, R, S, rev, C, L, k0, k1, tot.data(), nullptr);
+  }
+}
+
+static void segmented(const In x, const Out y, const Par p, const Flags R, const Geo& S, bool rev,
+                      int threads) {
+  if (S.T <= 0 || S.outer <= 0 || S.inner <= 0) return;
+  const int64_t total = S.outer * S.T * S.inner;
+  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, total / PER_THREAD));
+  if (S.inner >= VEC_MIN && !along(x) && !along(y)) {
+    if (R.sa == 0 && R.sb == 0 && R.si == 0) seg_lane_path<ROW>(x, y, p, R, S, rev, nt);
+    else if (R.si == 1) seg_lane_path<UNIT>(x, y, p, R, S, rev, nt);
+    else seg_lane_path<LANES>(x, y, p, R, S, rev, nt);
+  } else {
+    seg_chain_path(x, y, p, R, S, rev, nt);
+  }
+}

@@ -1,0 +1,73 @@
+"""Huge-page advice for large fresh outputs (fscan._memory) and the kernel's use of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fscan
+from fscan import _memory
+
+HUGE = 2 << 20
+
+
+@pytest.fixture
+def advised(monkeypatch):
+    calls: list[tuple[int, int, int]] = []
+
+    def record(addr, length, advice):
+        calls.append((addr, length, advice))
+        return 0
+
+    monkeypatch.setattr(_memory, "_madvise", record)
+    return calls
+
+
+def test_advice_covers_the_aligned_interior_only(advised):
+    out = torch.empty(5 * HUGE + 4096, dtype=torch.uint8)
+    assert _memory.advise_huge_pages(out) is out
+    ((addr, length, advice),) = advised
+    start = out.untyped_storage().data_ptr()
+    end = start + out.untyped_storage().nbytes()
+    assert advice == 14  # MADV_HUGEPAGE
+    assert addr % HUGE == 0 and length % HUGE == 0 and length > 0
+    assert start <= addr and addr + length <= end  # never a page of a neighbour
+    assert addr - start < HUGE and end - (addr + length) < HUGE  # the whole interior
+
+
+def test_small_outputs_are_not_advised(advised):
+    _memory.advise_huge_pages(torch.empty(_memory.HUGE_MIN_BYTES - 1, dtype=torch.uint8))
+    _memory.advise_huge_pages(torch.empty(16, 16))
+    assert advised == []
+
+
+def test_advice_changes_no_value(monkeypatch):
+    # The real system call (a no-op where THP is off): the tensor keeps its memory.
+    out = torch.empty(_memory.HUGE_MIN_BYTES // 4)
+    ptr = out.data_ptr()
+    _memory.advise_huge_pages(out).fill_(3.0)
+    assert out.data_ptr() == ptr and bool((out == 3.0).all())
+
+
+def test_large_kernel_outputs_are_advised_and_exact(advised):
+    x = torch.randn(_memory.HUGE_MIN_BYTES // 4 // 64, 64, dtype=torch.float32)
+    pair = (torch.rand_like(x) * 0.5 + 0.5, x)
+
+    def affine(p, q):
+        return (p[0] * q[0], q[0] * p[1] + q[1])
+
+    with fscan.config.override(cpu_kernel="eager"):
+        fscan.associative_scan(affine, pair, 0)  # the first call checks combine_fn on the tree
+        advised.clear()
+        ys = fscan.associative_scan(affine, pair, 0)
+        small = fscan.associative_scan(torch.add, x[:8], 0)
+    outs = {y.untyped_storage().data_ptr() for y in ys}
+    assert {a & ~(HUGE - 1) for a, _, _ in advised} >= {(p + HUGE - 1) & ~(HUGE - 1) for p in outs}
+    assert small.untyped_storage().data_ptr() not in {a for a, _, _ in advised}
+    a, b = pair[0].double(), pair[1].double()
+    h = torch.zeros(64, dtype=torch.float64)
+    expect = torch.empty_like(b)
+    for t in range(b.shape[0]):
+        h = a[t] * h + b[t]
+        expect[t] = h
+    torch.testing.assert_close(ys[1].double(), expect, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,172 @@
+"""The segmented C++ kernel (``reset=`` in one pass: fscan/_engines/cpp/csrc/segmented.h)
+against a sequential float64 oracle, on each of its paths: the lane path with a flag per
+row (1-D masks), a flag per lane (dense or strided masks), split into chunks for threads;
+the chain path (lanes along T, or too few), interleaved and split into chunks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import fscan
+from fscan._engines.cpp._kernel_segmented import kernel_segmented
+from fscan._routing.cumulative import kernel_call
+
+OPS = {"cumsum": torch.cumsum, "cumprod": torch.cumprod, "cummax": torch.cummax}
+
+
+def oracle(name, x, dim, reset, reverse):
+    """A walk along ``dim`` in float64 (indices for cummax: later ties win, as torch)."""
+    x = x.movedim(dim, 0).double()
+    flags = reset.expand(x.movedim(0, dim).shape).movedim(dim, 0) if reset.ndim > 1 else reset
+    n = x.shape[0]
+    values, indices = torch.empty_like(x), torch.zeros(x.shape, dtype=torch.int64)
+    order = range(n - 1, -1, -1) if reverse else range(n)
+    acc = idx = None
+    for step, t in enumerate(order):
+        restart = flags[t] if flags.ndim > 1 else flags[t].expand(x.shape[1:])
+        if step == 0:
+            acc, idx = x[t].clone(), torch.full(x.shape[1:], t)
+        elif name == "cumsum":
+            acc = torch.where(restart, x[t], acc + x[t])
+        elif name == "cumprod":
+            acc = torch.where(restart, x[t], acc * x[t])
+        else:
+            take = restart | (x[t] >= acc) | torch.isnan(x[t])
+            acc, idx = torch.where(take, x[t], acc), torch.where(take, t, idx)
+        values[t], indices[t] = acc, idx
+    return values.movedim(0, dim), indices.movedim(0, dim)
+
+
+def run(name, x, dim, reset, reverse, threads=None):
+    combine, spec, leaves, positions = kernel_call(OPS[name], x)
+    if reset.ndim == 1:
+        reset = reset.reshape([-1 if d == dim else 1 for d in range(x.ndim)])
+    with fscan.config.override(cpu_kernel="eager"):
+        got = kernel_segmented(
+            combine, spec, leaves, dim, reverse, reset.expand(x.shape), positions, threads
+        )
+    assert got is not None
+    return got
+
+
+def check(name, x, dim, reset, reverse, threads=None):
+    got = run(name, x, dim, reset, reverse, threads)
+    values, indices = oracle(name, x, dim, reset, reverse)
+    assert got[0].is_contiguous() and got[0].shape == x.shape
+    tol = {"rtol": 1e-5, "atol": 1e-5} if x.dtype == torch.float32 else {}
+    torch.testing.assert_close(got[0].double(), values, equal_nan=True, **tol)
+    if name == "cummax":
+        torch.testing.assert_close(got[1], indices)
+
+
+def mask(shape, p=0.1, seed=1):
+    return torch.rand(shape, generator=torch.Generator().manual_seed(seed)) < p
+
+
+# (shape, dim): the lane path with many columns; a middle dim; few columns (chunks for
+# threads); the chain path over the last dim (many lanes, interleaved) and 1-D (chunks).
+LAYOUTS = [((300, 40), 0), ((20, 33, 24), 1), ((6000, 16), 0), ((40, 301), 1), ((9001,), 0)]
+
+
+@pytest.mark.parametrize("name", list(OPS))
+@pytest.mark.parametrize("shape,dim", LAYOUTS)
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("flags", ["row", "element"])
+def test_matches_the_walk(name, shape, dim, reverse, flags):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    if name == "cumprod":
+        x = x * 0.1 + 1.0
+    reset = mask(shape[dim]) if flags == "row" else mask(shape)
+    if flags == "row":
+        reset[0] = reset[5:8] = True  # the first step, and consecutive resets
+    check(name, x, dim, reset, reverse)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("shape,dim", [((6000, 16), 0), ((9001,), 0), ((3, 5000), 1)])
+@pytest.mark.parametrize("flags", ["row", "element", "none", "sparse"])
+def test_chunks_for_threads(threads, shape, dim, flags):
+    """Chunk totals compose in order except across a chunk that restarts a lane: flags in
+    some chunks only, none at all, and every lane of a chunk."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    n = shape[dim]
+    if flags == "row":
+        reset = mask(n, 0.3)
+    elif flags == "element":
+        reset = mask(shape, 0.001)
+    elif flags == "none":
+        reset = torch.zeros(n, dtype=torch.bool)
+    else:  # one restart in the middle of the scan only
+        reset = torch.zeros(n, dtype=torch.bool)
+        reset[n // 2 + 1] = True
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for reverse in (False, True):
+            check("cumsum", x, dim, reset, reverse, threads)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16])
+def test_dtypes(dtype):
+    x = (torch.randn(500, 24) * 4).to(dtype)
+    for name in ("cumsum", "cummax"):
+        reset = mask(500)
+        got = run(name, x, 0, reset, False)
+        values, indices = oracle(name, x, 0, reset, False)
+        assert got[0].dtype == dtype
+        if name == "cummax" and dtype != torch.bfloat16:  # bfloat16 ties from rounding
+            torch.testing.assert_close(got[1], indices)
+        torch.testing.assert_close(got[0], values.to(dtype), atol=0.1, rtol=0.02)
+
+
+def test_strided_inputs_and_masks():
+    base = torch.randn(64, 80, dtype=torch.float64)
+    for x, dim in [(base.t(), 0), (base[:, ::2], 0), (base[::3], 1)]:
+        for reset in (mask(x.shape[dim]), mask(x.shape).t().contiguous().t()):
+            check("cumsum", x, dim, reset, False)
+            check("cummax", x, dim, reset, True)
+
+
+def test_nan_and_inf_before_a_reset_do_not_reach_the_next_segment():
+    x = torch.tensor([1.0, float("nan"), 2.0, float("inf"), 3.0, 4.0], dtype=torch.float64)
+    reset = torch.tensor([False, False, True, False, True, False])
+    got = run("cumsum", x, 0, reset, False)[0]
+    assert torch.equal(got[2:3], torch.tensor([2.0], dtype=torch.float64))
+    assert torch.equal(got[4:], torch.tensor([3.0, 7.0], dtype=torch.float64))
+    got = run("cumprod", x.expand(20, 6).t(), 0, reset, False)[0]  # the lane path
+    assert torch.equal(got[4:, 0], torch.tensor([3.0, 12.0], dtype=torch.float64))
+
+
+def test_the_drop_ins_take_it_and_log_it(caplog):
+    x, reset = torch.randn(300, 40), mask(300)
+    with fscan.config.override(cpu_kernel="eager"), caplog.at_level("DEBUG", logger="fscan"):
+        fscan.cumsum(x, 0, reset=reset)  # builds
+        caplog.clear()
+        got = fscan.cummin(x, 0, reset=reset, reverse=True)
+    engines = [
+        r.fscan_engine for r in caplog.records if getattr(r, "fscan_api", "") == "fscan.cummin"
+    ]
+    assert engines == ["cpp"]
+    values, _ = oracle("cummax", -x, 0, reset, True)
+    torch.testing.assert_close(got.values.double(), -values)
+
+
+def test_gradients_take_the_pairs_scan(caplog):
+    x = torch.randn(300, 40, dtype=torch.float64, requires_grad=True)
+    reset = mask(300)
+    with fscan.config.override(cpu_kernel="eager"), caplog.at_level(logging.DEBUG, logger="fscan"):
+        out = fscan.cumsum(x, 0, reset=reset)
+    assert out.grad_fn is not None
+    segments = torch.cumsum(reset.long(), 0)
+    grad = torch.autograd.grad(out.sum(), x)[0]
+    # d(sum of a segment's running sums)/dx[t] = the steps left in t's segment from t.
+    n = 300
+    left = torch.tensor(
+        [int(((segments == segments[t]) & (torch.arange(n) >= t)).sum()) for t in range(n)]
+    )
+    torch.testing.assert_close(grad, left[:, None].double().expand(n, 40))
