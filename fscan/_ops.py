@@ -8,8 +8,8 @@ casts first), shapes (0-d inputs, empty dimensions), ``(values, indices)``
 structs with torch's tie-breaking and NaN rules, and the same precision
 (accumulation in float64 for float32, in float32 for half types).
 
-Each op checks its arguments (a forward call that torch's op serves is handed to
-it first, unchecked, and torch's errors send it back to the checks) and makes one
+Each op checks its arguments (a call that torch's op serves, forward or reversed, is
+handed to it first, unchecked, and torch's errors send it back to the checks) and makes one
 call into :mod:`fscan._routing.cumulative`, which picks the engine: torch's own
 op, the generated C++ kernel or fscan's blocked parallel scan (its docstring has
 the table; ``path`` says which a call takes).
@@ -34,7 +34,12 @@ from ._checks import check_dense, normalize_dim, refuse_reverse
 from ._errors import OutArgumentError, ScanTypeError
 from ._exclusive import check_exclusive
 from ._route_log import logs_route
-from ._routing.cumulative import cumulative, native_first, native_first_into
+from ._routing.cumulative import (
+    cumulative,
+    native_first,
+    native_first_into,
+    repeat_cumulative,
+)
 from ._routing.exclusive import exclusive_cumulative
 from ._sharded.dtensor_ops import is_dtensor, on_dtensor, refuse_dtensor_reset
 
@@ -89,12 +94,8 @@ def cumsum(
     """
     if type(input) is not torch.Tensor and is_dtensor(input):  # see fscan._sharded.dtensor_ops
         return on_dtensor(torch.cumsum, cumsum, input, dim, dtype, out, reverse, reset, exclusive)
-    if dtype is None and reverse is False and reset is None and exclusive is False:
-        result = (
-            native_first(torch.cumsum, input, dim)
-            if out is None
-            else native_first_into(torch.cumsum, input, dim, out)
-        )
+    if dtype is None and reset is None and exclusive is False:
+        result = _unchecked(torch.cumsum, input, dim, out, reverse)
         if result is not None:
             return result  # torch promotes integers and bool to int64 itself
     args = (input, dim, dtype, out, reverse, reset, exclusive)
@@ -124,12 +125,8 @@ def cumprod(
     """
     if type(input) is not torch.Tensor and is_dtensor(input):  # see fscan._sharded.dtensor_ops
         return on_dtensor(torch.cumprod, cumprod, input, dim, dtype, out, reverse, reset, exclusive)
-    if dtype is None and reverse is False and reset is None and exclusive is False:
-        result = (
-            native_first(torch.cumprod, input, dim)
-            if out is None
-            else native_first_into(torch.cumprod, input, dim, out)
-        )
+    if dtype is None and reset is None and exclusive is False:
+        result = _unchecked(torch.cumprod, input, dim, out, reverse)
         if result is not None:
             return result
     args = (input, dim, dtype, out, reverse, reset, exclusive)
@@ -164,12 +161,8 @@ def logcumsumexp(
         return on_dtensor(
             torch.logcumsumexp, logcumsumexp, input, dim, None, out, reverse, reset, exclusive
         )
-    if reverse is False and reset is None and exclusive is False:
-        result = (
-            native_first(torch.logcumsumexp, input, dim)
-            if out is None
-            else native_first_into(torch.logcumsumexp, input, dim, out)
-        )
+    if reset is None and exclusive is False:
+        result = _unchecked(torch.logcumsumexp, input, dim, out, reverse)
         if result is not None:
             return result
     if out is not None:
@@ -237,6 +230,21 @@ def cummin(
 # ---- shared pieces -----------------------------------------------------------
 
 
+def _unchecked(op: Any, input: Any, dim: Any, out: Any, reverse: Any) -> Any:
+    """The call on the unchecked arguments where it can skip the checks, else None (the
+    checked path): torch's ``op`` where the drop-ins' route table certainly picks it
+    (forward or reversed; ``out=`` forward only), or the kernel run of an identical call
+    (the router's repeat route; cumsum, cumprod and logcumsumexp)."""
+    if out is None:
+        if reverse is False or reverse is True:  # else fscan's error, from the checks
+            found = native_first(op, input, dim, reverse)
+            if found is None and op not in _OUT_TYPES:  # cummax/cummin: never stored
+                found = repeat_cumulative(op, input, dim, reverse)
+            return found
+        return None
+    return native_first_into(op, input, dim, out) if reverse is False else None
+
+
 def _prepare(
     api: str,
     input: Any,
@@ -292,10 +300,8 @@ def _extremum(
     if type(input) is not torch.Tensor and is_dtensor(input):
         drop_in = cummax if op is torch.cummax else cummin
         return on_dtensor(op, drop_in, input, dim, None, out, reverse, reset, exclusive)
-    if reverse is False and reset is None and exclusive is False:
-        result = (
-            native_first(op, input, dim) if out is None else native_first_into(op, input, dim, out)
-        )
+    if reset is None and exclusive is False:
+        result = _unchecked(op, input, dim, out, reverse)
         if result is not None:
             return result
     if out is not None:

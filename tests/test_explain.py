@@ -119,10 +119,12 @@ def test_inner_calls_join_the_outer_record(records):
 
 def test_routes_of_the_drop_ins_and_recurrences(records):
     fscan.cumsum(x8, 0)
+    fscan.cummax(x8, 0, reverse=True)  # torch's op before the checks, reversed
     fscan.linear_recurrence(0.5, torch.ones(0), 0)
-    native, empty = records()
-    assert native.fscan_engine == "native"
-    assert "fewer than" in native.fscan_refused["cpp"]
+    native, reversed_native, empty = records()
+    for record in (native, reversed_native):
+        assert record.fscan_engine == "native"
+        assert "fewer than" in record.fscan_refused["cpp"]
     assert empty.fscan_engine == "empty"
 
 

@@ -234,6 +234,25 @@ def test_gate_must_broadcast():
         fscan.linear_recurrence(torch.ones(4), torch.ones(5, 3), 0)
 
 
+def test_broadcasts_to_agrees_with_torch():
+    """The check's own comparison of int sizes says what torch.broadcast_shapes says, on
+    every pair of shapes of up to 3 dims of sizes 0-3 (sizes 0 and 1 included)."""
+    import itertools
+
+    from fscan._recurrences.args import broadcasts_to
+
+    def torchs(shape, target):
+        try:
+            return torch.broadcast_shapes(shape, target) == target
+        except RuntimeError:
+            return False
+
+    sizes = (0, 1, 2, 3)
+    shapes = [torch.Size(p) for n in range(4) for p in itertools.product(sizes, repeat=n)]
+    for shape, target in itertools.product(shapes, shapes):
+        assert broadcasts_to(shape, target) == torchs(shape, target), (shape, target)
+
+
 def test_initial_must_fit_one_step():
     with raises(
         fscan.ScanValueError,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import re
 import threading
 
 import numpy as np
@@ -36,7 +38,7 @@ def pinned(kernel, parallel):
     dtype rules kept (torch's op serves complex cummax, integer logcumsumexp, ...)."""
 
     def route(op, x, dim, reverse):
-        kernel_bar, parallel_bar = router._dtype_refusals(op, x.dtype)
+        kernel_bar, parallel_bar = router.dtype_refusals(op, x.dtype)
         return kernel and kernel_bar is None, parallel and x.ndim > 0 and parallel_bar is None
 
     return route
@@ -49,7 +51,7 @@ def force(monkeypatch):
     def pin(path):
         wins = path == "parallel"
         monkeypatch.setattr(router, "route", pinned(False, wins))
-        monkeypatch.setattr(_ops, "native_first", lambda op, x, dim: None)  # route decides
+        monkeypatch.setattr(_ops, "native_first", lambda *args: None)  # route decides
 
     return pin
 
@@ -324,14 +326,15 @@ def test_routing_table(op, layout, shape, dim, reverse, route, kernel_possible):
     assert x.is_contiguous() == (layout == "contiguous")
     assert router.route(op, x, dim, reverse) == route
     assert router.route(op, x, dim, reverse)[0] == route[0]
-    forward = router.route(op, x, dim, False)  # the fast path's case: forward calls only
     for possible, mode in ((True, "on"), (False, "off"), (False, "on")):
         kernel_possible(possible, mode)
-        fast = router.native_first(op, x, dim)
-        native = not forward[1] and (not forward[0] or not possible)
-        assert (fast is not None) == native, (possible, mode)
-        if fast is not None and x.numel() < 2**22:
-            assert_same(fast, op(x, dim))
+        for backwards in (False, True):  # the fast path reads the cells of its direction
+            kernel, parallel = router.route(op, x, dim, backwards)
+            fast = router.native_first(op, x, dim, backwards)
+            native = not parallel and (not kernel or not possible)
+            assert (fast is not None) == native, (possible, mode, backwards)
+            if fast is not None and x.numel() < 2**22:
+                assert_same(fast, reference(op.__name__, x, dim, backwards))
     if not route[0]:
         assert router.path(op, x, dim, reverse) == ("blocked" if route[1] else "native")
 
@@ -357,25 +360,33 @@ def test_fast_path_only_where_the_table_says_native(name, dtype, possible, kerne
     ]
     for x in layouts:
         for dim in range(-x.ndim, x.ndim):
-            for grad in (False, True) if dtype.is_floating_point else (False,):
+            for grad, reverse in itertools.product(
+                (False, True) if dtype.is_floating_point else (False,), (False, True)
+            ):
                 x = x.detach().requires_grad_(grad)
-                fast = router.native_first(op, x, dim)
+                fast = router.native_first(op, x, dim, reverse)
                 if fast is None:
                     continue
-                kernel, parallel = router.route(op, x, dim % x.ndim, False)
+                kernel, parallel = router.route(op, x, dim % x.ndim, reverse)
                 assert not parallel and (not kernel or not possible)
-                assert_same(fast, getattr(fscan, name)(x, dim))
+                assert_same(fast, getattr(fscan, name)(x, dim, reverse=reverse))
                 with torch.no_grad():
-                    assert_same(fast, op(x, dim))
+                    assert_same(fast, reference(name, x, dim, reverse))
 
 
 def test_fast_path_leaves_checks_and_tracing_to_the_checked_path(monkeypatch):
     x = torch.ones(8)
-    assert router.native_first(torch.cumsum, x, 1) is None  # out of range: fscan's error
-    assert router.native_first(torch.cumsum, x, True) is None  # a bool is no dim
-    assert router.native_first(torch.cumsum, [1.0], 0) is None
+    for reverse in (False, True):
+        assert router.native_first(torch.cumsum, x, 1, reverse) is None  # fscan's error
+        assert router.native_first(torch.cumsum, x, True, reverse) is None  # a bool: no dim
+        assert router.native_first(torch.cumsum, [1.0], 0, reverse) is None
+    with pytest.raises(fscan.ScanIndexError, match=re.escape("fscan.cumsum: `dim` 1 is out")):
+        fscan.cumsum(x, 1, reverse=True)
+    with pytest.raises(fscan.ScanTypeError, match="`reverse` must be a bool"):
+        fscan.cummax(x, 0, reverse=1)  # 1 == True, but no bool: the checks refuse it
     monkeypatch.setattr(router, "_is_compiling", lambda: True)
     assert router.native_first(torch.cumsum, x, 0) is None
+    assert router.native_first(torch.cumsum, x, 0, True) is None
 
 
 def kernel_or_skip(op, x, dim, reverse=False):
@@ -462,7 +473,7 @@ def test_property_random_shapes(shape, data, name, path, reverse, seed):
     with pytest.MonkeyPatch.context() as patch:
         wins = path == "parallel"
         patch.setattr(router, "route", pinned(False, wins))
-        patch.setattr(_ops, "native_first", lambda op, x, dim: None)
+        patch.setattr(_ops, "native_first", lambda *args: None)
         assert_same(*run_both(name, x, dim, reverse))
 
 

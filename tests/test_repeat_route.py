@@ -242,3 +242,108 @@ def test_the_log_names_the_engine(served, caplog):
     [record] = [r for r in caplog.records if hasattr(r, "fscan_engine")]
     assert record.fscan_engine == "cpp" == before.engine
     assert record.fscan_refused == dict(before.refused)
+
+
+# ---- the drop-ins' kernel path ------------------------------------------------------
+
+DROP_INS = {  # name: (the float64 reference of one call, positive inputs?)
+    "cumsum": (lambda x, dim: torch.cumsum(x, dim), False),
+    "cumprod": (lambda x, dim: torch.cumprod(x, dim), True),
+    "logcumsumexp": (lambda x, dim: torch.logcumsumexp(x, dim), False),
+}
+
+
+def drop_in_input(name, shape, dtype=torch.float32):
+    x = torch.randn(shape, dtype=dtype)
+    return x.abs() * 0.5 + 0.75 if DROP_INS[name][1] else x  # products that stay finite
+
+
+def drop_in_reference(name, x, dim, reverse):
+    flip = lambda t: t.flip(dim) if reverse else t
+    return flip(DROP_INS[name][0](flip(x.double()), dim))
+
+
+def drop_in(name, x, dim, reverse=False, **kw):
+    return getattr(fscan, name)(x, dim, reverse=reverse, **kw)
+
+
+@pytest.mark.parametrize("name", sorted(DROP_INS))
+@pytest.mark.parametrize(
+    ("shape", "dim", "reverse"),
+    [((256, 128), 0, False), ((4, 256, 32), -2, True), ((2**15,), 0, True)],
+    ids=["lanes", "middle-reversed", "one-lane-reversed"],
+)
+def test_a_repeated_drop_in_is_served_and_right(served, name, shape, dim, reverse):
+    """A drop-in the route table sends to the kernel, called again with the same input
+    kind, runs the stored kernel run (before the checks), with the reference's values."""
+    x = drop_in_input(name, shape)
+    before = x.clone()
+    for _ in range(2):
+        drop_in(name, x, dim, reverse)
+    served.clear()
+    out = drop_in(name, x, dim, reverse)
+    # The table keeps logcumsumexp over one lane on torch's op (a tie): nothing to repeat.
+    assert len(served) == (0 if name == "logcumsumexp" and x.ndim == 1 else 1)
+    close(out, drop_in_reference(name, x, dim, reverse))
+    assert torch.equal(x, before) and out.data_ptr() != x.data_ptr()
+    if x.ndim == 1 and served:  # one lane: the kernel's one thread, as on the full path
+        assert served[0].threads == 1
+
+
+# Each changes one thing the drop-in's route depends on: no stored run serves it.
+DROP_IN_VARIANTS = {
+    "dtype": lambda x: (x.double(), 0, False, {}),
+    "shape": lambda x: (torch.randn(256, 136), 0, False, {}),
+    "dim": lambda x: (x, 1, False, {}),
+    "reverse": lambda x: (x, 0, True, {}),
+    "layout": lambda x: (torch.randn(128, 256).t(), 0, False, {}),
+    "requires_grad": lambda x: (x.clone().requires_grad_(), 0, False, {}),
+    "dtype=": lambda x: (x, 0, False, {"dtype": torch.float32}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(DROP_IN_VARIANTS))
+def test_a_changed_drop_in_is_not_repeated(served, variant):
+    x = torch.randn(256, 128)
+    for _ in range(2):
+        fscan.cumsum(x, 0)
+    y, dim, reverse, kw = DROP_IN_VARIANTS[variant](x)
+    served.clear()
+    out = fscan.cumsum(y, dim, reverse=reverse, **kw)
+    assert served == []
+    close(out, drop_in_reference("cumsum", y.detach(), dim, reverse))
+
+
+def test_a_drop_in_repeats_only_its_own_op_mode_and_grad_mode(served):
+    x = drop_in_input("cumprod", (256, 128))
+    for _ in range(2):
+        fscan.cumsum(x, 0)
+    served.clear()
+    close(fscan.cumprod(x, 0), drop_in_reference("cumprod", x, 0, False))  # another op
+    assert served == []
+    with fscan.config.override(cpu_kernel="off"):
+        close(fscan.cumsum(x, 0), drop_in_reference("cumsum", x, 0, False))
+    assert served == []
+    with torch.no_grad():  # grad mode is in the key: a run stored with it on misses
+        fscan.cumsum(x, 0)
+    assert served == []
+    out = torch.empty_like(x)
+    assert fscan.cumsum(x, 0, out=out) is out  # out= takes the checked path
+    assert served == []
+    fscan.cummax(x, 0)  # an index leaf: never stored
+    fscan.cummax(x, 0)
+    assert served == []
+    fscan.cumsum(x, 0)
+    assert len(served) == 1
+
+
+def test_a_repeated_drop_in_logs_the_kernel(served, caplog):
+    x = torch.randn(256, 128)
+    for _ in range(2):
+        fscan.logcumsumexp(x, 0)
+    caplog.set_level(logging.DEBUG, logger="fscan")
+    served.clear()
+    fscan.logcumsumexp(x, 0)
+    assert len(served) == 1
+    [record] = [r for r in caplog.records if hasattr(r, "fscan_engine")]
+    assert record.fscan_engine == "cpp" and record.fscan_refused == {}

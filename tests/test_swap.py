@@ -64,11 +64,11 @@ def parallel_path(monkeypatch):
     fscan's torch engine: the swap is under test, not a C++ build (seconds each)."""
 
     def route(op, x, dim, reverse):  # the blocked scan wherever its dtype rules allow it
-        _, blocked_bar = cumulative_router._dtype_refusals(op, x.dtype)
+        _, blocked_bar = cumulative_router.dtype_refusals(op, x.dtype)
         return False, x.ndim > 0 and blocked_bar is None
 
     monkeypatch.setattr(cumulative_router, "route", route)
-    monkeypatch.setattr(_ops, "native_first", lambda op, x, dim: None)
+    monkeypatch.setattr(_ops, "native_first", lambda *args: None)
     with fscan.config.override(cpu_kernel="off"):
         yield
 

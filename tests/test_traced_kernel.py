@@ -13,7 +13,7 @@ from helpers import add, assert_trees_close, linear_recurrence, maximum, sequent
 
 import fscan
 from fscan._engines import traced as _traced
-from fscan._engines.cpp import traced_kernel
+from fscan._engines.cpp import traced_kernel, traced_kernel_grad
 
 F64 = torch.float64
 
@@ -39,19 +39,25 @@ def compiled_scan(op, dim=0, reverse=False, **options):
 
 
 def kernel_calls(fn, *args):
-    """``fn(*args)`` and how many times the kernel op ran in it."""
+    """``fn(*args)`` and how many times the kernel's ops ran in it (forward and backward)."""
     calls = []
-    original = traced_kernel._combine_of
+    forward, backward = traced_kernel._scan_on_kernel, traced_kernel_grad._by_kernel
 
-    def spy(graph, tensors, numbers):
-        calls.append(graph)
-        return original(graph, tensors, numbers)
+    def spy_forward(*args):
+        calls.append("forward")
+        return forward(*args)
 
-    traced_kernel._combine_of = spy
+    def spy_backward(*args):
+        calls.append("backward")
+        return backward(*args)
+
+    traced_kernel._scan_on_kernel = spy_forward
+    traced_kernel_grad._by_kernel = spy_backward
     try:
         return fn(*args), len(calls)
     finally:
-        traced_kernel._combine_of = original
+        traced_kernel._scan_on_kernel = forward
+        traced_kernel_grad._by_kernel = backward
 
 
 def test_the_route():
@@ -129,6 +135,23 @@ def test_gradients_run_the_kernel_forward_and_backward(op, dim, reverse):
     assert_trees_close(got, (oracle(xs), gradients(oracle, xs, g)))
 
 
+def test_inductor_emits_the_ops_without_autograd_wrappers():
+    """After AOTAutograd, the forward and backward graphs call the twin ops that have no
+    custom_op autograd wrapper (its Python costs ~15 µs a call)."""
+    from torch._inductor.utils import run_and_get_code
+
+    x = torch.randn(17, 4, dtype=F64, requires_grad=True)
+    fn = compiled_scan(add)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _, codes = run_and_get_code(lambda: fn(x).sum().backward())
+    code = "\n".join(codes)
+    assert "fscan.kernel_scan_run.default" in code
+    assert "fscan.kernel_scan_backward_run.default" in code
+    assert "kernel_scan_hop.default(" not in code  # (named in comments, never called)
+    assert "kernel_scan_hop_backward.default(" not in code
+    assert_trees_close(x.grad, torch.arange(17.0, 0, -1, dtype=F64)[:, None].expand(17, 4))
+
+
 def test_gradcheck_through_the_compiled_kernel():
     fn = compiled_scan(linear_recurrence, dim=1, reverse=True)
     a = (torch.rand(3, 9, dtype=F64) + 0.5).requires_grad_()
@@ -176,6 +199,115 @@ def test_a_closed_over_tensor_is_an_input():
         assert_trees_close(got, sequential_scan(op, x, 0, False, "pointwise"))
         w.mul_(1.5)  # new values of the closed-over tensor, the same graph
         assert_trees_close(fn(x), sequential_scan(op, x, 0, False, "pointwise"))
+
+
+def lookups(fn, *args):
+    """``fn(*args)`` and how many of the kernel op's calls in it looked their kernel up
+    (built the combine and walked it) instead of running the one an identical call ran."""
+    calls = []
+    original = traced_kernel.combine_of
+
+    def spy(*args):
+        calls.append(args)
+        return original(*args)
+
+    traced_kernel.combine_of = spy
+    try:
+        return fn(*args), len(calls)
+    finally:
+        traced_kernel.combine_of = original
+
+
+def graph_key_of(compile_and_run):
+    """The key of the one combine graph the kernel op runs in ``compile_and_run()``."""
+    keys, original = set(), traced_kernel._scan_on_kernel
+
+    def spy(key, *args):
+        keys.add(key)
+        return original(key, *args)
+
+    traced_kernel._scan_on_kernel = spy
+    try:
+        compile_and_run()
+    finally:
+        traced_kernel._scan_on_kernel = original
+    (key,) = keys
+    return key
+
+
+def test_an_identical_call_runs_the_kernel_it_ran_before():
+    """The compiled op runs the kernel an identical call ran (no lookup), reading the
+    lifted tensor's values anew on each call."""
+    w = torch.tensor([0.9, 1.1, 1.05], dtype=F64)
+    op = lambda x, y: x * y * w
+    x = torch.rand(9, 3, dtype=F64) + 0.5
+    fn = compiled_scan(op)
+    with torch.no_grad():
+        fn(x)
+        for _ in range(2):
+            got, looked_up = lookups(fn, x)
+            assert looked_up == 0
+            assert_trees_close(got, sequential_scan(op, x, 0, False, "pointwise"))
+            w.mul_(1.5)
+        fscan.clear_caches()
+        assert lookups(fn, x)[1] == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "dtype",
+        "element shape",
+        "length",
+        "tensor dtype",
+        "tensor requires grad",
+        "aliasing",
+        "number",
+        "grad mode",
+        "kernel off",
+        "transposed",
+    ],
+)
+def test_a_call_that_differs_looks_its_kernel_up(change):
+    """Each thing the lookup read, changed, sends the call to the lookup again (the op
+    called directly, with its graph's key; a compiled graph passes the same arguments).
+    Only the length is not part of the key: the kernel takes any."""
+    w, v = torch.rand(3, dtype=F64) + 0.5, torch.rand(3, dtype=F64) + 0.5
+    op = lambda x, y: x * y * w * v
+    x = torch.rand(9, 3, dtype=F64) + 0.5
+    with torch.no_grad():
+        key = graph_key_of(lambda: compiled_scan(op)(x))
+    run = lambda x, tensors, numbers=(): traced_kernel.RUN(key, [x], tensors, list(numbers))
+    x, tensors, numbers, grad, mode = x, [w, v], (), False, "eager"
+    with torch.no_grad():
+        run(x, tensors)
+        assert lookups(run, x, tensors)[1] == 0
+    if change == "dtype":
+        x = x.float()
+    elif change == "element shape":
+        x, tensors = torch.rand(9, 1, dtype=F64), [w[:1], v[:1]]
+    elif change == "length":
+        x = torch.rand(20, 3, dtype=F64)
+    elif change == "tensor dtype":
+        tensors = [w.float(), v]
+    elif change == "tensor requires grad":
+        tensors, grad = [w.clone().requires_grad_(), v], True
+    elif change == "aliasing":
+        tensors = [w, w]
+    elif change == "number":
+        numbers = (3,)
+    elif change == "grad mode":
+        grad = True
+    elif change == "kernel off":
+        mode = "off"
+    elif change == "transposed":
+        x = torch.rand(3, 9, dtype=F64).t()
+    with torch.set_grad_enabled(grad), fscan.config.override(cpu_kernel=mode):
+        (got,), looked_up = lookups(run, x, tensors, numbers)
+    assert looked_up == (0 if change in ("length", "transposed") else 1)
+    w_now, v_now = (t.detach() for t in tensors)
+    want = sequential_scan(lambda a, b: a * b * w_now * v_now, x, 0, False, "pointwise")
+    assert_trees_close(got, want.to(x.dtype))  # a graph's result has its leaves' dtype
 
 
 def compile_twice(numbers):

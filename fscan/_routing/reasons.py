@@ -22,7 +22,7 @@ from .._engines.cpp.cpu_kernel import KERNEL_MIN_NUMEL
 from .._engines.cpp.refusal import kernel_refusal, kernel_unavailable
 from .._engines.triton import codegen_unavailable
 from .._knowledge.store import Knowledge, known, reach
-from .cumulative import _dtype_refusals, route
+from .cumulative_table import dtype_refusals, route
 
 __all__ = ["RouteFacts", "cumulative_refusals", "scan_route"]
 
@@ -119,7 +119,7 @@ def cumulative_refusals(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> di
     if not x.is_cpu or x.ndim == 0:
         return {"cpp": "torch's op serves tensors off the CPU and 0-d ones"}
     kernel, parallel = route(op, x, dim, reverse)
-    kernel_bar, parallel_bar = _dtype_refusals(op, x.dtype)
+    kernel_bar, parallel_bar = dtype_refusals(op, x.dtype)
     why = {}
     if not kernel:
         if x.numel() < KERNEL_MIN_NUMEL:

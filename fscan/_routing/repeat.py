@@ -30,6 +30,16 @@ None or False. It is stored only once the checks ``validate`` asks for ran for t
 key (the purity probe, and for ``validate=None`` the once-per-key associativity
 check), and never where ``validate`` asks for checks on every call. The store is
 bounded and cleared by ``fscan.clear_caches()``.
+
+The drop-ins' kernel path (``fscan.cumsum``, ``cumprod``, ``logcumsumexp``: one leaf,
+no index leaf) is served the same way: :func:`remember_cumulative` stores the run the
+drop-ins' router (:mod:`fscan._routing.cumulative`) just made on the kernel, under the
+op (its combine is fscan's own, capturing nothing) and :func:`call_parts` of its input
+(which holds all the route table reads: dtype, shape, a contiguous layout, ``dim``,
+``reverse``, requires_grad and grad mode; the kernel's thread cap follows from the
+shape), and :func:`repeat_cumulative` answers an identical call with it before the
+drop-in's checks. Only calls the router ran without ``dtype=``, ``out=``, ``reset=``
+or ``exclusive=`` and without promoting the input (a float input) are stored.
 """
 
 from __future__ import annotations
@@ -47,11 +57,18 @@ from .._config import config
 from .._context import under_dispatch_mode, under_transform
 from .._engines.cpp.cpu_kernel import PreparedRun, prepare_run, run_prepared
 from .._knowledge.reach_keys import unbound
-from .._knowledge.store import Knowledge, Reach, on_clear, reach
+from .._knowledge.store import Knowledge, Reach, knowledge, on_clear, reach
 from .._pytree import LEAF, flatten, unflatten
 from .._route_log import ran
 
-__all__ = ["call_parts", "remember", "repeat_scan", "repeats"]
+__all__ = [
+    "call_parts",
+    "remember",
+    "remember_cumulative",
+    "repeat_cumulative",
+    "repeat_scan",
+    "repeats",
+]
 
 # Keys of calls served on the kernel (each a few shapes of a few combine_fns, typically).
 repeats: BoundedCache[PreparedRun] = BoundedCache(maxsize=256)
@@ -117,6 +134,49 @@ def remember(call: ScanCall, found: Reach, entry: Knowledge) -> None:
         run = prepare_run(entry, found.aliases if found.tensors else (), leaves, dim, reverse)
         if run is not None:
             repeats.put(key, run)
+
+
+def repeat_cumulative(op: Any, x: Any, dim: Any, reverse: Any) -> torch.Tensor | None:
+    """The drop-in of torch's ``op`` on ``x`` by the kernel run an identical call made
+    (module doc), or None: the drop-in's checked path then runs."""
+    if type(x) is not torch.Tensor:
+        return None
+    parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)
+    if parts is None:
+        return None
+    run = repeats.get((_CUMULATIVE, op, *parts))
+    if run is None:
+        return None
+    out = run_prepared(run, [x], ())
+    if out is None:  # no params to broadcast: never; the full path would say why
+        return None
+    ran("cpp")
+    return out[0]
+
+
+def remember_cumulative(
+    op: Any,
+    combine: Callable[[Any, Any], Any],
+    x: torch.Tensor,
+    dim: int,
+    reverse: bool,
+    threads: int | None,
+) -> None:
+    """Store the kernel run the drop-ins' router just made for ``op`` (scanning with
+    ``combine``, fscan's own) on ``x`` (a checked call, ``dim`` non-negative, on
+    ``threads`` threads at most) for :func:`repeat_cumulative`."""
+    parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)
+    if parts is None:
+        return
+    key = (_CUMULATIVE, op, *parts)
+    if key not in repeats:  # the lookup the kernel's run made, once per key
+        holder = knowledge(_reach(combine), LEAF, "pointwise", [x])
+        run = prepare_run(holder, (), [x], dim, reverse, threads)
+        if run is not None:
+            repeats.put(key, run)
+
+
+_CUMULATIVE = "cumulative"  # the drop-ins' keys: (this, torch's op, *call_parts)
 
 
 def call_parts(

@@ -19,6 +19,18 @@ runs the scan that whoever installed the lowering handed :func:`install_lowering
 for that case (:mod:`fscan._engines.traced` hands it the tree engine): the same
 results, and the choice of that engine is not made here.
 
+Compiled code calls the op with the same key, lifted tensors and numbers on every call.
+The kernel that served a call is remembered (:func:`_scan_on_kernel`) under all that
+its lookup read: the key, the numbers, each lifted tensor's type, dtype, device, ndim,
+requires_grad and which places share one, each leaf's dtype, element shape and
+requires_grad, grad mode and ``fscan.config.cpu_kernel``. A call identical in those
+runs it again without rebuilding the combine and walking it (about 20 µs of a (64,)
+call); the leaves' and the context's refusals (:func:`leaf_refusal`) are asked on
+every call. After AOTAutograd the graph Inductor lowers needs no autograd rule, so the
+lowering emits ``fscan::kernel_scan_run``, the same scan on an op without one: a
+``custom_op``'s Python autograd wrapper costs ~15 µs a call even where no gradient is
+wanted.
+
 The registry lives in this process. torch's scan op is not cacheable, so
 Inductor's and AOTAutograd's on-disk graph caches bypass every graph holding
 one (``test_the_scan_op_is_not_cacheable`` checks this torch still says so):
@@ -41,11 +53,17 @@ from torch._higher_order_ops.associative_scan import associative_scan_op
 from ..._cache import BoundedCache
 from ..._combine import FlatCombine
 from ..._config import config
+from ..._knowledge.store import on_clear
 from ._cpp_build import compiler_problem
+from ._kernel_entry import Entry, is_ready, slot_key
+from ._kernel_layout import element_shape
+from ._kernel_registry import leaf_refusal, lookup_kernels
+from ._kernel_run import run_kernel
 from .cpu_kernel import kernel_scan, precompile
 
 __all__ = [
     "OP",
+    "RUN",
     "DeclinedScan",
     "combine_of",
     "install_lowering",
@@ -94,6 +112,21 @@ def _kernel_scan_hop(
     key: str, xs: list[torch.Tensor], tensors: list[torch.Tensor], numbers: list[int]
 ) -> list[torch.Tensor]:
     """Inclusive scan of ``xs`` along dimension 0 by the combine graph ``key`` names."""
+    return _scan_on_kernel(key, xs, tensors, numbers)
+
+
+def _scan_on_kernel(
+    key: str, xs: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], numbers: Sequence[int]
+) -> list[torch.Tensor]:
+    """The scan of both ops: by the kernel that served an identical call (module doc), else
+    by the kernel looked up for ``key``'s combine, else by the installer's scan."""
+    served_key = _served_key(key, xs, tensors, numbers)
+    served = None if served_key is None else _served.get(served_key)
+    if served is not None:
+        captured = [tensors[i] for i in served.captured]
+        out = run_kernel(served.entry, xs, 0, False, captured)
+        if out is not None:  # params that do not broadcast: the full path says why
+            return out  # type: ignore[return-value]  # no leaf dropped: all tensors
     combine = combine_of(key, tensors, numbers)
     spec = optree.tree_structure(list(xs))
     # Contiguous, as the fake implementation promises Inductor, whatever the inputs' layout.
@@ -105,7 +138,63 @@ def _kernel_scan_hop(
     if out is None:  # the kernel declines: the scan the installer handed in
         assert _declined is not None  # the op is only in graphs install_lowering lowered
         return _declined(listed(combine), xs)
+    if served_key is not None:
+        _remember(served_key, combine, spec, xs, tensors)
     return ys
+
+
+class _Served(NamedTuple):
+    """The READY forward kernel that served a call, and where its captured tensors (in
+    the kernel's order) are among the call's lifted ``tensors``."""
+
+    entry: Entry
+    captured: tuple[int, ...]
+
+
+# Calls the kernel served, by _served_key (a few combines of a few element shapes each).
+_served: BoundedCache[_Served] = BoundedCache(maxsize=256)
+on_clear(_served.clear)
+
+
+def _served_key(
+    key: str, xs: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], numbers: Sequence[int]
+) -> tuple[Any, ...] | None:
+    """What the kernel lookup of a call reads (module doc), or None where the kernel may
+    not serve it (the full path then says why)."""
+    mode = config._cpu_kernel
+    if mode == "off" or not xs or leaf_refusal(xs) is not None:
+        return None
+    places: dict[int, int] = {}
+    lifted = []
+    for t in tensors:
+        lifted.append((places.setdefault(id(t), len(places)), type(t), t.dtype, t.device))
+        lifted.append((t.ndim, t.requires_grad))
+    leaves = [(x.dtype, x.shape[1:], x.requires_grad) for x in xs]
+    return (key, tuple(numbers), *lifted, *leaves, torch.is_grad_enabled(), mode)
+
+
+def _remember(
+    served_key: tuple[Any, ...],
+    combine: Callable[..., list],
+    spec: Any,
+    xs: Sequence[torch.Tensor],
+    tensors: Sequence[torch.Tensor],
+) -> None:
+    """Store the READY kernel that just served ``served_key``'s call (found by the lookup
+    that chose it), unless one of its captured tensors is not a lifted one."""
+    lookup = lookup_kernels(combine, spec, xs, None, None)
+    if lookup is None:
+        return
+    holder, aliases, captured = lookup
+    slots = holder.kernels.get("cpp")
+    entry = (
+        None
+        if slots is None
+        else slots.peek(slot_key(aliases, element_shape(xs, 0), (), (), False, False))
+    )
+    where = {id(t): i for i, t in enumerate(tensors)}
+    if is_ready(entry) and all(id(t) in where for t in captured):
+        _served.put(served_key, _Served(entry, tuple([where[id(t)] for t in captured])))
 
 
 def combine_of(
@@ -135,6 +224,33 @@ def _(
 
 
 OP = torch.ops.fscan.kernel_scan_hop.default
+
+# The same scan without an autograd rule, for the graphs Inductor lowers (module doc):
+# the autograd key then takes the dispatcher's C++ fallback instead of a Python wrapper.
+_LIBRARY = torch.library.Library("fscan", "FRAGMENT")
+_LIBRARY.define(
+    "kernel_scan_run(str key, Tensor[] xs, Tensor[] tensors, SymInt[] numbers) -> Tensor[]",
+    tags=(torch.Tag.flexible_layout,),
+)
+
+
+def _kernel_scan_run(
+    key: str, xs: list[torch.Tensor], tensors: list[torch.Tensor], numbers: list[int]
+) -> list[torch.Tensor]:
+    return _scan_on_kernel(key, xs, tensors, numbers)
+
+
+_LIBRARY.impl("kernel_scan_run", _kernel_scan_run, "CPU")
+
+
+@torch.library.register_fake("fscan::kernel_scan_run", lib=_LIBRARY)
+def _(
+    key: str, xs: list[torch.Tensor], tensors: list[torch.Tensor], numbers: list[int]
+) -> list[torch.Tensor]:
+    return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
+
+
+RUN = torch.ops.fscan.kernel_scan_run.default
 
 
 def _combine_of(
@@ -174,6 +290,8 @@ def install_lowering(declined: DeclinedScan) -> bool:
         if not getattr(current, "_fscan_cpu", False):
             lowered = _with_cpu_lowering(current)
             lowered._fscan_cpu = True  # type: ignore[attr-defined]
+            # The op the autograd rule emits (traced_kernel_grad) runs as RUN once lowered.
+            lowering.lowerings[OP] = _lower_op
             lowering.lowerings[associative_scan_op] = lowered
     return True
 
@@ -193,7 +311,14 @@ def _lower_on_cpu(combine_fn: Any, xs: Sequence[Any], additional_inputs: Sequenc
 
     gm = combine_fn.graph_module
     key, tensors, numbers = registered(gm, len(xs), additional_inputs, _is_ir_tensor)
-    return fallback_handler(OP, add_to_fallback_set=False)(key, list(xs), tensors, numbers)
+    return fallback_handler(RUN, add_to_fallback_set=False)(key, list(xs), tensors, numbers)
+
+
+def _lower_op(key: str, xs: Sequence[Any], tensors: Sequence[Any], numbers: Sequence[Any]) -> Any:
+    """``fscan::kernel_scan_hop`` in a graph Inductor lowers: the same call of RUN."""
+    from torch._inductor.lowering import fallback_handler
+
+    return fallback_handler(RUN, add_to_fallback_set=False)(key, list(xs), tensors, numbers)
 
 
 def registered(

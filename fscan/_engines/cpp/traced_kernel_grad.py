@@ -55,6 +55,19 @@ def _kernel_scan_hop_backward(
 ) -> list[torch.Tensor]:
     """The cotangents of ``xs``, then of ``tensors`` (zeros where ``needs`` says none is
     wanted), for the scan ``fscan::kernel_scan_hop`` ran with the same arguments."""
+    return _cotangents(key, xs, ys, grads, tensors, numbers, needs)
+
+
+def _cotangents(
+    key: str,
+    xs: Sequence[torch.Tensor],
+    ys: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    tensors: Sequence[torch.Tensor],
+    numbers: Sequence[int],
+    needs: Sequence[bool],
+) -> list[torch.Tensor]:
+    """The body of both backward ops (module doc)."""
     # The lifted tensors that want a gradient, marked so (the kernel's param sums and the
     # adjoint find them as the combine's captured tensors that require grad).
     marked = [t.detach().requires_grad_(need) for t, need in zip(tensors, needs)]
@@ -91,7 +104,7 @@ def _contiguous(bar: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 
 @_kernel_scan_hop_backward.register_fake
-def _(
+def _fake_backward(
     key: str,
     xs: list[torch.Tensor],
     ys: list[torch.Tensor],
@@ -123,6 +136,44 @@ def _by_kernel(
     if entry is None:
         return None
     return run_backward(_GradInfo(entry, entry, call.plan, captured, needing), call)
+
+
+BACKWARD = torch.ops.fscan.kernel_scan_hop_backward.default
+
+# The same backward without a custom_op's Python autograd wrapper (~15 µs a call), for the
+# backward graphs Inductor lowers, which no autograd runs through (as traced_kernel's RUN).
+_LIBRARY = torch.library.Library("fscan", "FRAGMENT")
+_LIBRARY.define(
+    "kernel_scan_backward_run(str key, Tensor[] xs, Tensor[] ys, Tensor[] grads, "
+    "Tensor[] tensors, SymInt[] numbers, bool[] needs) -> Tensor[]",
+    tags=(torch.Tag.flexible_layout,),
+)
+
+
+def _kernel_scan_backward_run(
+    key: str,
+    xs: list[torch.Tensor],
+    ys: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    tensors: list[torch.Tensor],
+    numbers: list[int],
+    needs: list[bool],
+) -> list[torch.Tensor]:
+    return _cotangents(key, xs, ys, grads, tensors, numbers, needs)
+
+
+_LIBRARY.impl("kernel_scan_backward_run", _kernel_scan_backward_run, "CPU")
+torch.library.register_fake("fscan::kernel_scan_backward_run", lib=_LIBRARY)(_fake_backward)
+BACKWARD_RUN = torch.ops.fscan.kernel_scan_backward_run.default
+
+
+def _lower_backward(*args: Any) -> Any:
+    """``fscan::kernel_scan_hop_backward`` in a graph Inductor lowers: BACKWARD_RUN."""
+    from torch._inductor.lowering import fallback_handler  # Inductor: only where it lowers
+
+    key, xs, ys, grads, tensors, numbers, needs = args
+    lists = (list(xs), list(ys), list(grads), list(tensors))
+    return fallback_handler(BACKWARD_RUN, add_to_fallback_set=False)(key, *lists, numbers, needs)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> None:
@@ -159,6 +210,10 @@ def install_autograd() -> bool:
         key, tensors, numbers = registered(combine_fn, len(xs), additional_inputs, is_tensor)
         return tuple(OP(key, list(xs), tensors, numbers))
 
+    # Inductor: imported here, as the lowering, only once graphs are traced for it.
+    from torch._inductor import lowering
+
+    lowering.lowerings[BACKWARD] = _lower_backward
     associative_scan_op.py_kernels[DispatchKey.Autograd] = autograd_rule
     associative_scan_op._dispatch_cache.clear()
     _installed = True

@@ -1,0 +1,230 @@
+"""The drop-ins' route table: which engine runs ``fscan.cumsum``, ``cumprod``, ``cummax``,
+``cummin`` and ``logcumsumexp``, for eager, traced, gradient and ``torch.func`` calls.
+
+:func:`route` is the one decision (side-effect free: the ``"fscan"`` log's reasons
+ask it too, through :func:`fscan._routing.reasons.cumulative_refusals`); the drop-ins'
+router (:mod:`fscan._routing.cumulative`) runs each call on the engine it picks, and
+serves the calls it sends to torch's op before any of fscan's checks. Every engine, in
+the order they are tried (``inner``: the elements after ``dim``, ``n`` its length,
+``stride`` its stride):
+
+===========  ======================================================================
+engine       when
+===========  ======================================================================
+``cpp``      the generated C++ kernel (:mod:`fscan._engines.cpp.cpu_kernel`), once
+             compiled for the op and dtype (in the background, from the second large
+             call): on CPU, no gradient wanted, at least 2**15 elements
+             (``KERNEL_MIN_NUMEL``), and ``inner >= 8``, in any layout (the kernel
+             reads views in place through their strides); with ``inner < 8`` (the
+             innermost ``dim``, say) logcumsumexp over several lanes; over one lane,
+             every op but logcumsumexp reversed (torch flips twice) and cumsum/cumprod
+             forward if contiguous from 2**20 elements; over several lanes not
+             contiguous, read in place, reversed (torch copies to flip) or cumsum/
+             cumprod at ``stride >= 4096`` (torch's walk jumps pages). Not for
+             logcumsumexp off float types, cummax/cummin on complex inputs
+``blocked``  fscan's two-level parallel scan (:mod:`fscan._engines.blocked`), where
+             the kernel is not picked or not compiled yet: on CPU, at ``stride >= 64``
+             and ``n >= 32``, at least 2**15 elements: logcumsumexp always, cumsum
+             from ``stride >= 1024`` and a 16 MiB walk (``n * stride`` bytes), the
+             others from a 16 MiB walk; gradients too (autograd through its scans).
+             Its inner scans are handed to it: scans of fscan's own elementwise ops,
+             routed by :mod:`fscan._routing.scan` (the C++ kernel once compiled, the
+             adjoint when gradients are wanted), without checks of the op
+``native``   torch's own op (``reverse=True``: flip, op, flip): every other call; and
+             always while ``torch.compile``/``torch.export`` traces (one graph for
+             every shape and layout, no guards on them, an op the compiler lowers
+             itself), off the CPU, below 2**15 elements, for logcumsumexp off float
+             types, cummax/cummin on complex inputs, and cumsum/cumprod in bool
+===========  ======================================================================
+
+Under a ``torch.func`` transform the table is read as for an eager call; the kernel
+refuses the transform's wrapped tensors (torch's op or the blocked scan then runs).
+Gradients are torch's on ``native`` and autograd's through the scans on ``blocked``;
+they agree (cumprod with zeros included: the scan multiplies, it never divides;
+cummax/cummin gather their values at the indices found, so the whole gradient goes
+to the chosen element, as in torch).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .._engines.cpp.cpu_kernel import KERNEL_MIN_NUMEL, kernel_possible, reads_in_place
+
+__all__ = [
+    "CUMSUM_MIN_STRIDE",
+    "EXTREMA",
+    "FLOATS",
+    "KERNEL_MIN_NUMEL_ONE_LANE",
+    "KERNEL_MIN_STRIDE",
+    "MIN_LENGTH",
+    "MIN_NUMEL",
+    "MIN_STRIDE",
+    "NATIVE_BELOW",
+    "SPAN_BYTES",
+    "SUMS",
+    "dtype_refusals",
+    "route",
+    "torch_serves",
+]
+
+# The parallel-scan rule, measured on CPU (fscan/bench/ops.py and sweeps over shapes,
+# one thread, float32). torch's kernel walks `dim` for one column after another. When
+# `dim` is contiguous that walk streams and nothing beats it. When consecutive steps
+# are >= MIN_STRIDE elements apart, every step lands on a new cache line, and the cost
+# depends on the op and on the span of one column's walk (n * stride bytes):
+# * logcumsumexp costs 20-40 ns per element in torch's strided walk at any span; the
+#   parallel scan ~10 (0.25-0.35x torch at 1-16 MiB spans, on a Xeon and an AMD EPYC).
+# * cumsum, cumprod, cummax and cummin: on a Xeon (2 MiB L2 per core) the parallel
+#   scan won once the span passed L2; on an AMD EPYC (1 MiB L2 per core, 32 MiB L3)
+#   it lost at 1-4 MiB spans (1.1-2.5x torch; (4096, 256) and (8, 1024, 256)) and
+#   won from 16 MiB on (0.33-0.81x at (4096, 1024) and (16384, 1024) dim 0, cummax
+#   and cumprod also at (65536, 64)), except cumsum at strides below 1024 elements
+#   (1.6x at (65536, 64)): its carries are float64. So: spans of SPAN_BYTES.
+# Below MIN_LENGTH steps or MIN_NUMEL elements, the scan's ~0.1-0.3 ms of Python
+# calls are not repaid. Where the C++ kernel is compiled it beats both.
+MIN_STRIDE = 64
+MIN_LENGTH = 32
+MIN_NUMEL = 2**15
+SPAN_BYTES = 16 * 2**20
+CUMSUM_MIN_STRIDE = 1024
+
+
+# The kernel, measured on this repository's 2-core machine (AMD EPYC; sweeps of the kernel
+# against torch's op, and python -m fscan.bench.ops, 1 and 2 threads, float32; December 2026):
+# * below ~2**15 elements (KERNEL_MIN_NUMEL) torch's op (2-30 us) beats its fixed cost.
+# * at a dim with >= 8 contiguous lanes after it, the kernel ran 0.05-0.5x torch (every op,
+#   (4096, 256) dim 0, (8, 1024, 256) dim 1, (16384, 16) dim 0).
+# * over fewer lanes (the innermost dim; the kernel's chained path): cumsum and cumprod
+#   over one lane (1-D) on one kernel thread (see _kernel) 0.67-0.85x torch at (2**20,)
+#   with 1 or 2 torch threads; below, ties that went either way between runs: 0.79-1.10x
+#   at 2**18 and 0.81-1.00x at 2**19, 0.85-1.25x at 2**17, 1.2-1.4x at 2**15. Over
+#   several lanes torch spreads the rows over its threads: the kernel won at 1 thread
+#   ((4096, 256) dim 1 0.6x, (512, 512) 0.82x) but not at 2 ((1024, 1024) dim 1 1.2-1.3x,
+#   (65536, 4) dim 0 2.8-3.3x, (16384, 64) dim 1 a tie): torch's. cummax/cummin 1.5-2.7x
+#   (torch's branchy walk predicts well) except reversed over one lane (0.1-0.7x: torch
+#   flips twice); logcumsumexp 0.4-0.8x over several lanes (compute-bound), but over a
+#   single lane (1-D) the chunked scan does the math twice: 0.8-1.1x, a tie, torch's.
+KERNEL_MIN_NUMEL_ONE_LANE = 2**20  # cumsum/cumprod over one lane: past the ties below
+_KERNEL_INNER = 8  # the kernel's lane path needs this many lanes after dim
+# Not contiguous (the kernel reads strided inputs in place; torch's op walks each lane;
+# 1 thread, float32, December 2026): with >= 8 lanes after dim the kernel ran 0.06-0.8x
+# torch ((256, 4096).t() dim 0, x[:, ::2], x[::2], expanded lanes or steps, a (B, T, C)
+# view of (B, C, T) memory, channels-last over C). Over fewer (the innermost dim),
+# forward, cumsum and cumprod win where torch's walk jumps a page or more per step:
+# 0.3-0.5x at a stride of 4096 elements ((256, 4096).t() dim 1), 0.7-0.9x at 1024, a tie
+# at 256 (0.86-1.15x); they lose at strides 0-2 (1.0-1.7x; 1-D x[::2]: 1.45x).
+# cummax/cummin there: 0.75-1.2x at 4096 (torch's). Reversed, torch copies twice to flip:
+# the kernel ran 0.3-0.8x over several lanes and one, if it reads the view in place
+# (channels-last over W, which it copies first: 1.6x for cumsum).
+KERNEL_MIN_STRIDE = 4096
+_FAR_STRIDE_OPS = (torch.cumsum, torch.cumprod)  # innermost, forward, >= KERNEL_MIN_STRIDE
+# Forward over a single lane (and < _KERNEL_INNER elements after dim), the kernel's
+# minimum size per op; the others stay torch's there (logcumsumexp: a tie).
+_ONE_LANE_KERNEL_FROM = {
+    torch.cumsum: KERNEL_MIN_NUMEL_ONE_LANE,
+    torch.cumprod: KERNEL_MIN_NUMEL_ONE_LANE,
+}
+NATIVE_BELOW = min(MIN_NUMEL, KERNEL_MIN_NUMEL)  # every op is torch's below this size
+_NATIVE = (False, False)  # route's answer for torch's op
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SUMS = (torch.cumsum, torch.cumprod)  # torch's op takes dtype=
+EXTREMA = {torch.cummax: torch.return_types.cummax, torch.cummin: torch.return_types.cummin}
+_is_compiling = torch.compiler.is_compiling  # bound once: Dynamo folds it by identity
+
+
+def route(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, bool]:
+    """Whether the table (module doc) picks the C++ kernel and whether the blocked scan
+    beats torch's ``op`` (e.g. ``torch.cumsum``) for a drop-in on ``x``: ``(kernel,
+    blocked)``. ``dim`` may be negative; one out of range raises ``IndexError``.
+
+    Example:
+        >>> route(torch.cumsum, torch.ones(4096, 256), 0, False)
+        (True, False)
+        >>> route(torch.logcumsumexp, torch.ones(4096, 256), 0, False)
+        (True, True)
+        >>> route(torch.cumsum, torch.ones(4096, 256), 1, False)
+        (False, False)
+    """
+    # First, before any size is read: under torch.compile a read size is a guard.
+    if _is_compiling():
+        return _NATIVE
+    return _cells(op, x, dim, reverse)
+
+
+def _cells(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, bool]:
+    """:func:`route` outside tracing. The tensor's facts are read once, fewest first for
+    the calls torch's op serves: each read costs about 1-3 µs on a cache cold from the op
+    before. (``is_cpu``, not ``device.type``: making a torch.device slowed the op after it
+    by 2-3%.)"""
+    numel = x.numel()
+    if numel < NATIVE_BELOW or not x.is_cpu:
+        return _NATIVE
+    stride, n = x.stride(dim), None
+    if numel < KERNEL_MIN_NUMEL or (x.requires_grad and torch.is_grad_enabled()):
+        kernel = False
+    elif x.is_contiguous():  # `stride` elements after dim
+        if stride >= _KERNEL_INNER:
+            kernel = True  # the lane path
+        elif (n := x.size(dim)) != numel:  # several lanes: torch's threads split them
+            kernel = op is torch.logcumsumexp  # compute-bound: the kernel's math wins
+        else:  # one lane: torch's walk is serial, and reversed it flips (copies) twice
+            large = numel >= _ONE_LANE_KERNEL_FROM.get(op, math.inf)
+            kernel = op is not torch.logcumsumexp and (reverse or large)
+    else:
+        shape = x.shape
+        n = shape[dim]
+        if math.prod(shape[dim:]) >= _KERNEL_INNER * n:  # the lane path, read in place
+            kernel = True
+        elif op is torch.logcumsumexp:  # one lane: a chunked scan, twice the math; a tie
+            kernel = n != numel
+        else:  # torch copies to flip; a far-strided walk lands every step on a new page
+            far = n != numel and stride >= KERNEL_MIN_STRIDE and op in _FAR_STRIDE_OPS
+            kernel = (reverse or far) and reads_in_place(x, dim % x.ndim)  # else a copy: 1.6x
+    parallel = stride >= MIN_STRIDE and _parallel_wins(
+        op, x.size(dim) if n is None else n, stride, numel, x.element_size()
+    )
+    if kernel or parallel:
+        kernel_bar, parallel_bar = dtype_refusals(op, x.dtype)
+        return kernel and kernel_bar is None, parallel and parallel_bar is None
+    return _NATIVE
+
+
+def _parallel_wins(op: Any, n: int, stride: int, numel: int, itemsize: int) -> bool:
+    """The blocked scan's cells of the table (see the comments above ``MIN_STRIDE``)."""
+    if stride < MIN_STRIDE or n < MIN_LENGTH or numel < MIN_NUMEL:
+        return False
+    if op is torch.logcumsumexp:
+        return True
+    if op is torch.cumsum and stride < CUMSUM_MIN_STRIDE:
+        return False
+    return n * stride * itemsize >= SPAN_BYTES
+
+
+def dtype_refusals(op: Any, dtype: torch.dtype) -> tuple[str | None, str | None]:
+    """Why ``dtype`` keeps the kernel and the blocked scan from ``op`` whatever the layout
+    (None where it does not)."""
+    if op is torch.logcumsumexp and dtype not in FLOATS:
+        # complex: the imaginary part of a complex log is defined up to multiples of 2 pi,
+        # and which one torch returns depends on its order of combination
+        why = f"{dtype} runs on torch's op"
+        return why, why
+    if op in EXTREMA and dtype.is_complex:
+        return "complex inputs run on torch's op", "complex inputs run on torch's op"
+    if dtype == torch.bool and op in SUMS:  # dtype=torch.bool asked
+        return None, "torch's op takes this dtype"
+    return None, None
+
+
+def torch_serves(op: Any, x: torch.Tensor, dim: int, reverse: bool = False) -> bool:
+    """Whether the table picks torch's op for a call on ``x`` outside tracing (also where
+    it picks the kernel but none can run)."""
+    cells = _cells(op, x, dim, reverse)
+    if cells is not _NATIVE:  # the common answer needs no more reads
+        kernel, parallel = cells
+        if parallel or (kernel and kernel_possible()):
+            return False
+    return True
