@@ -259,7 +259,7 @@ ROUTES = [
     (torch.cummax, "contiguous", (2**20,), 0, False, (False, False)),  # torch's walk wins
     (torch.cummax, "contiguous", (2**20,), 0, True, (True, False)),  # ... unless it flips twice
     (torch.cummin, "contiguous", (4096, 256), 1, True, (False, False)),  # reversed, lanes
-    (torch.logcumsumexp, "contiguous", (2**15,), 0, True, (False, False)),  # one lane: a tie
+    (torch.logcumsumexp, "contiguous", (2**15,), 0, True, (True, False)),  # one lane: its math
     (torch.logcumsumexp, "contiguous", (4, 8192), 1, False, (True, False)),  # compute-bound
     (torch.logcumsumexp, "contiguous", (4096, 256), 1, False, (True, False)),
     (torch.logcumsumexp, "contiguous", (4096, 256), 0, False, (True, True)),
@@ -290,7 +290,7 @@ ROUTES = [
     (torch.cumsum, "permute(3, 1, 0, 2)", (2, 2, 8, 4096), 3, False, (False, False)),  # copied
     (torch.cumsum, "::2", (2**21,), 0, False, (False, False)),  # one strided lane: torch's
     (torch.cumsum, "::2", (2**21,), 0, True, (True, False)),
-    (torch.logcumsumexp, "::2", (2**21,), 0, True, (False, False)),
+    (torch.logcumsumexp, "::2", (2**21,), 0, True, (True, False)),
     (torch.cummax, "::64", (2**22,), 0, False, (False, True)),  # one lane, a 16 MiB walk
 ]
 

@@ -17,7 +17,7 @@ engine       when
              (``KERNEL_MIN_NUMEL``), and ``inner >= 8``, in any layout (the kernel
              reads views in place through their strides); with ``inner < 8`` (the
              innermost ``dim``, say) logcumsumexp over several lanes; over one lane,
-             every op but logcumsumexp reversed (torch flips twice) and cumsum/cumprod
+             logcumsumexp, every op reversed (torch flips twice) and cumsum/cumprod
              forward if contiguous from 2**20 elements; over several lanes not
              contiguous, read in place, reversed (torch copies to flip) or cumsum/
              cumprod at ``stride >= 4096`` (torch's walk jumps pages). Not for
@@ -106,8 +106,9 @@ CUMSUM_MIN_STRIDE = 1024
 #   ((4096, 256) dim 1 0.6x, (512, 512) 0.82x) but not at 2 ((1024, 1024) dim 1 1.2-1.3x,
 #   (65536, 4) dim 0 2.8-3.3x, (16384, 64) dim 1 a tie): torch's. cummax/cummin 1.5-2.7x
 #   (torch's branchy walk predicts well) except reversed over one lane (0.1-0.7x: torch
-#   flips twice); logcumsumexp 0.4-0.8x over several lanes (compute-bound), but over a
-#   single lane (1-D) the chunked scan does the math twice: 0.8-1.1x, a tie, torch's.
+#   flips twice); logcumsumexp 0.4-0.8x over several lanes (compute-bound), and over a
+#   single lane (1-D), its math vectorised since (tiled chains, computed twice by the
+#   chunked scan): 0.20x at 2**20, 0.33x at 2**16, 0.45x at 2**15, 0.63x at 2**20 x[::2].
 KERNEL_MIN_NUMEL_ONE_LANE = 2**20  # cumsum/cumprod over one lane: past the ties below
 _KERNEL_INNER = 8  # the kernel's lane path needs this many lanes after dim
 # Not contiguous (the kernel reads strided inputs in place; torch's op walks each lane;
@@ -123,10 +124,11 @@ _KERNEL_INNER = 8  # the kernel's lane path needs this many lanes after dim
 KERNEL_MIN_STRIDE = 4096
 _FAR_STRIDE_OPS = (torch.cumsum, torch.cumprod)  # innermost, forward, >= KERNEL_MIN_STRIDE
 # Forward over a single lane (and < _KERNEL_INNER elements after dim), the kernel's
-# minimum size per op; the others stay torch's there (logcumsumexp: a tie).
+# minimum size per op; the others stay torch's there.
 _ONE_LANE_KERNEL_FROM = {
     torch.cumsum: KERNEL_MIN_NUMEL_ONE_LANE,
     torch.cumprod: KERNEL_MIN_NUMEL_ONE_LANE,
+    torch.logcumsumexp: KERNEL_MIN_NUMEL,
 }
 NATIVE_BELOW = min(MIN_NUMEL, KERNEL_MIN_NUMEL)  # every op is torch's below this size
 _NATIVE = (False, False)  # route's answer for torch's op
@@ -173,14 +175,14 @@ def _cells(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, boo
             kernel = op is torch.logcumsumexp  # compute-bound: the kernel's math wins
         else:  # one lane: torch's walk is serial, and reversed it flips (copies) twice
             large = numel >= _ONE_LANE_KERNEL_FROM.get(op, math.inf)
-            kernel = op is not torch.logcumsumexp and (reverse or large)
+            kernel = reverse or large
     else:
         shape = x.shape
         n = shape[dim]
-        if math.prod(shape[dim:]) >= _KERNEL_INNER * n:  # the lane path, read in place
+        # The lane path, read in place; or logcumsumexp, compute-bound: the kernel's
+        # vectorised math wins on any layout.
+        if math.prod(shape[dim:]) >= _KERNEL_INNER * n or op is torch.logcumsumexp:
             kernel = True
-        elif op is torch.logcumsumexp:  # one lane: a chunked scan, twice the math; a tie
-            kernel = n != numel
         else:  # torch copies to flip; a far-strided walk lands every step on a new page
             far = n != numel and stride >= KERNEL_MIN_STRIDE and op in _FAR_STRIDE_OPS
             kernel = (reverse or far) and reads_in_place(x, dim % x.ndim)  # else a copy: 1.6x
