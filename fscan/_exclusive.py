@@ -44,6 +44,7 @@ from ._carry import check_initial
 from ._context import under_transform
 from ._errors import ScanTypeError, ScanValueError, UnsupportedScanError
 from ._knowledge.store import reach
+from ._memory import advise_huge_pages
 from ._pytree import flatten, unflatten
 from ._segmented import check_reset
 
@@ -207,7 +208,8 @@ def _written(
 ) -> list[torch.Tensor]:
     """:func:`exclusive` where nothing records: into the later steps of fresh outputs."""
     dim = shift.dim
-    outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in outputs]
+    # Huge pages where large, as the kernel's own fresh outputs (see fscan._memory).
+    outs = [advise_huge_pages(torch.empty(s, dtype=d, device=device)) for s, d in outputs]
     views = [shift.later(o) for o in outs]
     found = inclusive(Steps(shift, True), views)
     for o, view, f, s in zip(outs, views, found, starts):
