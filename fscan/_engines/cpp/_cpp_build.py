@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._cpp_structs import MVEC
+from ._cpp_mvec import MVEC
 
 __all__ = ["EXTRA_FLAGS", "MANIFEST_SUFFIX", "compiler_problem", "load_kernel"]
 

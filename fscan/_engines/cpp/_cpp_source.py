@@ -51,12 +51,12 @@ from importlib import resources
 import torch
 
 from ..._knowledge.store import on_clear
+from ._cpp_mvec import mvec_declarations
 from ._cpp_ops import STORAGE, Program, compute_ctype
 from ._cpp_structs import (
     STRIDES,
     backward_structs,
     leaf_structs,
-    mvec_declarations,
     param_ctype,
     param_dtype,
 )

@@ -7,14 +7,13 @@ against: ``Vals`` (one element's values), ``In``/``Out`` (strided pointers to th
 leaves, with row buffers for layouts whose inner stride is not 1), ``Heads`` (a
 carry-in), ``Buf``/``Store`` (running values), ``Par`` (the broadcast params) and
 their loads and stores; for the backward, ``Lam`` (cotangents), ``Grad``/``Bar``
-and the params' sums (``PLam``/``PBar``). Also glibc's vector math declarations
-and the C types params are passed in. :mod:`._cpp_source` places these into the
+and the params' sums (``PLam``/``PBar``). Also the C types
+params are passed in. :mod:`._cpp_source` places these into the
 kernels' templates.
 """
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Sequence
 
 import torch
@@ -22,55 +21,13 @@ import torch
 from ._cpp_ops import STORAGE, Program
 
 __all__ = [
-    "MVEC",
     "STRIDES",
     "backward_structs",
     "leaf_structs",
-    "mvec_declarations",
     "needed",
     "param_ctype",
     "param_dtype",
 ]
-
-_GLIBC = platform.libc_ver()
-_GLIBC_VERSION = (
-    tuple(int(p) for p in _GLIBC[1].split(".")[:2])
-    if _GLIBC[0] == "glibc" and _GLIBC[1]
-    else (0, 0)
-)
-MVEC = platform.machine() == "x86_64" and _GLIBC_VERSION >= (2, 22)
-_MVEC_222 = ["exp", "log", "sin", "cos"]
-_MVEC_235 = [
-    "log1p",
-    "expm1",
-    "exp2",
-    "log2",
-    "log10",
-    "tanh",
-    "tan",
-    "sinh",
-    "cosh",
-    "erf",
-    "atan",
-    "asin",
-    "acos",
-]
-
-
-def mvec_declarations() -> str:
-    """glibc's vector math (libmvec) variants: glibc declares them only under -ffast-math."""
-    if not MVEC:
-        return ""
-    names = _MVEC_222 + (_MVEC_235 if _GLIBC_VERSION >= (2, 35) else [])
-    decls = []
-    for n in names:
-        decls.append(f'__attribute__((__simd__("notinbranch"))) double {n}(double) noexcept;')
-        decls.append(f'__attribute__((__simd__("notinbranch"))) float {n}f(float) noexcept;')
-    body = "\n".join(decls)
-    return (
-        "#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__)\n"
-        f'extern "C" {{\n{body}\n}}\n#endif\n'
-    )
 
 
 def _load(dtype: torch.dtype, expr: str, ctype: str) -> str:
