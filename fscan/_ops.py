@@ -16,7 +16,7 @@ the table; ``path`` says which a call takes).
 
 ``out=`` follows torch's rules for the same op: torch's op applies them itself where
 it serves the call, else they are checked before the call and applied after it
-(:func:`_check_out`, :func:`_write_out`): cumsum/cumprod compute in
+(:mod:`fscan._ops_out`): cumsum/cumprod compute in
 ``out``'s dtype (``dtype=``, if given, must equal it), the others want ``out`` in
 the input's dtype and cummax/cummin's indices in int64; no ``out=`` while autograd
 records a tensor that requires grad; an ``out`` of another shape is resized (with
@@ -25,14 +25,14 @@ torch's warning unless it is empty); ``out`` itself is returned.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 
 from ._checks import check_dense, normalize_dim, refuse_reverse
-from ._errors import OutArgumentError, ScanTypeError
+from ._errors import ScanTypeError
 from ._exclusive import check_exclusive
+from ._ops_out import OUT_TYPES, check_extremum_out, check_out, write_out
 from ._route_log import logs_route
 from ._routing.cumulative import (
     cumulative,
@@ -166,10 +166,10 @@ def logcumsumexp(
         if result is not None:
             return result
     if out is not None:
-        _check_out("fscan.logcumsumexp", input, out)
+        check_out("fscan.logcumsumexp", input, out)
     x, dim = _prepare("fscan.logcumsumexp", input, dim, reverse, exclusive)
     result = _run("fscan.logcumsumexp", torch.logcumsumexp, x, dim, reverse, reset, exclusive)
-    return result if out is None else _write_out(result, out)
+    return result if out is None else write_out(result, out)
 
 
 @logs_route("fscan.cummax")
@@ -238,7 +238,7 @@ def _unchecked(op: Any, input: Any, dim: Any, out: Any, reverse: Any) -> Any:
     if out is None:
         if reverse is False or reverse is True:  # else fscan's error, from the checks
             found = native_first(op, input, dim, reverse)
-            if found is None and op not in _OUT_TYPES:  # cummax/cummin: never stored
+            if found is None and op not in OUT_TYPES:  # cummax/cummin: never stored
                 found = repeat_cumulative(op, input, dim, reverse)
             return found
         return None
@@ -288,10 +288,10 @@ def _sum_or_product(
 ) -> torch.Tensor:
     """cumsum or cumprod (``op``) past torch's fast path: checked, routed, written to ``out``."""
     if out is not None:
-        dtype = _check_out(api, input, out, dtype, computes_in_out_dtype=True)
+        dtype = check_out(api, input, out, dtype, computes_in_out_dtype=True)
     x, dim = _prepare(api, input, dim, reverse, exclusive, dtype, promote_integers=True)
     result = _run(api, op, x, dim, reverse, reset, exclusive)
-    return result if out is None else _write_out(result, out, 5)
+    return result if out is None else write_out(result, out, 5)
 
 
 def _extremum(
@@ -305,13 +305,13 @@ def _extremum(
         if result is not None:
             return result
     if out is not None:
-        out = _check_extremum_out(api, input, out)
+        out = check_extremum_out(api, input, out)
     x, dim = _prepare(api, input, dim, reverse, exclusive)
     result = _run(api, op, x, dim, reverse, reset, exclusive)
     if out is None:
         return result
     values, indices = result
-    return _OUT_TYPES[op]((_write_out(values, out[0], 5), _write_out(indices, out[1], 5)))
+    return OUT_TYPES[op]((write_out(values, out[0], 5), write_out(indices, out[1], 5)))
 
 
 def _run(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset: Any, exclusive: bool):
@@ -321,95 +321,3 @@ def _run(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset: Any
     if exclusive:
         return exclusive_cumulative(api, op, x, dim, reverse, reset)
     return cumulative(api, op, x, dim, reverse, reset)
-
-
-# ---- out= as torch has it ------------------------------------------------------------
-
-_OUT_TYPES = {
-    torch.cummax: torch.return_types.cummax_out,
-    torch.cummin: torch.return_types.cummin_out,
-}
-
-
-def _check_out(
-    api: str,
-    input: Any,
-    out: Any,
-    dtype: torch.dtype | None = None,
-    computes_in_out_dtype: bool = False,
-) -> torch.dtype | None:
-    """torch's checks of one ``out`` tensor before the call; the dtype to compute in.
-
-    cumsum and cumprod (``computes_in_out_dtype``) cast ``input`` to ``out``'s dtype,
-    which ``dtype`` (if given) must equal; the other ops want ``out`` in ``input``'s
-    dtype. Every op refuses ``out=`` while autograd records a tensor requiring grad."""
-    if not isinstance(out, torch.Tensor):
-        raise ScanTypeError(f"{api}: `out` must be a torch.Tensor, got {type(out).__name__}.")
-    if computes_in_out_dtype:
-        if dtype is not None and out.dtype != dtype:
-            raise OutArgumentError(
-                f"{api}: expected `out` to have the dtype asked, {dtype}, got {out.dtype}."
-            )
-        dtype = out.dtype
-    elif isinstance(input, torch.Tensor) and out.dtype != input.dtype:
-        raise OutArgumentError(
-            f"{api}: expected `out` in `input`'s dtype {input.dtype}, got {out.dtype}."
-        )
-    _refuse_autograd(api, input, out)
-    return dtype
-
-
-def _check_extremum_out(api: str, input: Any, out: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's checks of cummax/cummin's ``out=(values, indices)``, as a tuple."""
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
-        got = f"{len(out)} items" if isinstance(out, (tuple, list)) else type(out).__name__
-        raise ScanTypeError(
-            f"{api}: `out` must be a tuple of two tensors (values, indices), got {got}."
-        )
-    values, indices = out
-    _check_out(api, input, values)
-    if not isinstance(indices, torch.Tensor):
-        raise ScanTypeError(
-            f"{api}: `out`'s indices must be a torch.Tensor, got {type(indices).__name__}."
-        )
-    if indices.dtype != torch.int64:
-        raise OutArgumentError(
-            f"{api}: expected `out`'s indices in torch.int64, got {indices.dtype}."
-        )
-    _refuse_autograd(api, input, indices)
-    return values, indices
-
-
-def _refuse_autograd(api: str, input: Any, out: torch.Tensor) -> None:
-    if torch.is_grad_enabled() and (
-        out.requires_grad or (isinstance(input, torch.Tensor) and input.requires_grad)
-    ):
-        raise OutArgumentError(
-            f"{api}(): functions with out=... arguments don't support automatic "
-            "differentiation, but one of the arguments requires grad: call it under "
-            "torch.no_grad(), or without `out=`."
-        )
-
-
-def _write_out(result: torch.Tensor, out: torch.Tensor, stacklevel: int = 4) -> torch.Tensor:
-    """``result`` copied into ``out``, resized first where its shape differs, with torch's
-    warning when ``out`` had elements (``resize_output`` in ATen), pointed at the
-    caller ``stacklevel`` frames up; ``out`` returned."""
-    if out.device != result.device:  # copy_ would move the values; torch refuses
-        raise OutArgumentError(
-            f"expected `out` on {result.device}, the input's device, got {out.device}."
-        )
-    if out.shape != result.shape:
-        if out.numel() != 0:
-            warnings.warn(
-                f"An output with one or more elements was resized since it had shape "
-                f"{list(out.shape)}, which does not match the required output shape "
-                f"{list(result.shape)}. This behavior is deprecated, and in a future "
-                "PyTorch release outputs will not be resized unless they have zero "
-                "elements. You can explicitly reuse an out tensor t by resizing it, "
-                "inplace, to zero elements with t.resize_(0).",
-                UserWarning,
-                stacklevel=stacklevel,
-            )
-        out.resize_(result.shape)
-    return out.copy_(result)
