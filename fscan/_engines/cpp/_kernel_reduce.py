@@ -23,10 +23,9 @@ from optree import PyTreeSpec
 from ..._config import config
 from ..._knowledge.store import Knowledge, Reach
 from ._cpp_source import reduce_argtypes, reduce_source
-from ._kernel_builder import build_source
-from ._kernel_entry import BuildCall, Entry, State, is_ready, kernel_slots, log_once, slot_key
+from ._kernel_entry import BuildCall, is_ready, kernel_slots, slot_key
 from ._kernel_layout import element_shape, strided_view
-from ._kernel_registry import ready_entry, serving_lookup
+from ._kernel_registry import ready_derived, serving_lookup
 from ._kernel_run import kernel_params
 
 __all__ = ["kernel_reduce"]
@@ -62,7 +61,14 @@ def kernel_reduce(
     key = ("reduce", slot_key(aliases, element, (), (), False, False))
     reducer = kernel_slots(holder).get(key)
     if not is_ready(reducer):
-        reducer = _ready_reducer(holder, aliases, key, combine_fn, spec, leaves, element, captured)
+        dtypes = tuple([x.dtype for x in leaves])
+        call = BuildCall(combine_fn, spec, dtypes, element, captured)
+        written = lambda program: (
+            reduce_source(dtypes, program),
+            tuple(reduce_argtypes(dtypes, program)),
+        )
+        numel = leaves[0].numel()
+        reducer = ready_derived(holder, aliases, call, numel, key, written, "the reduce kernel")
         if reducer is None:
             return None
     assert reducer.program is not None and reducer.kernel is not None
@@ -79,37 +85,3 @@ def kernel_reduce(
         nb, *strides,
     )  # fmt: skip
     return totals
-
-
-def _ready_reducer(
-    holder: Knowledge,
-    aliases: Any,
-    key: Any,
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    leaves: Sequence[torch.Tensor],
-    element: tuple[int, ...],
-    captured: tuple[torch.Tensor, ...],
-) -> Entry | None:
-    """The READY reduce entry, or None after building the forward entry (per the mode)
-    and, once it is ready, writing the reduce source from its translation and compiling
-    it (now for ``"eager"``, else queued)."""
-    dtypes = tuple([x.dtype for x in leaves])
-    call = BuildCall(combine_fn, spec, dtypes, element, captured)
-    forward = ready_entry(holder, aliases, call, leaves[0].numel(), backward=False)
-    if forward is None or forward.program is None:
-        return None
-    program = forward.program
-    reducer = kernel_slots(holder).get_or_compute(
-        key,
-        lambda: Entry(
-            source=reduce_source(dtypes, program),
-            argtypes=tuple(reduce_argtypes(dtypes, program)),
-            program=program,
-        ),
-    )
-    build_source(reducer, eager=config.cpu_kernel == "eager")
-    if reducer.state is State.FAILED:
-        log_once(f"the reduce kernel failed to build: {reducer.reason}")
-        return None
-    return reducer if reducer.state is State.READY else None

@@ -41,6 +41,7 @@ __all__ = [
     "leaf_refusal",
     "lookup_kernels",
     "precompile",
+    "ready_derived",
     "ready_entry",
     "serving_lookup",
     "unavailable",
@@ -150,6 +151,36 @@ def ready_entry(
             submit(entry, call)
     if entry.state is State.FAILED:
         warn_once(entry)
+        return None
+    return entry if entry.state is State.READY else None
+
+
+def ready_derived(
+    holder: Knowledge,
+    aliases: Hashable,
+    call: BuildCall,
+    numel: int,
+    key: Hashable,
+    written: Callable[[Any], tuple[str, tuple[str, ...]]],
+    what: str,
+) -> Entry | None:
+    """The READY entry of a kernel made from the forward entry's translation (the reduce
+    and segmented kernels), or None: after :func:`ready_entry` of the forward (counted,
+    built or queued) and, once that is ready, ``written(program)`` (its source and
+    argtypes) compiled under ``key`` (now for ``"eager"``, else queued)."""
+    forward = ready_entry(holder, aliases, call, numel, backward=False)
+    if forward is None or forward.program is None:
+        return None
+    program = forward.program
+
+    def new() -> Entry:
+        source, argtypes = written(program)
+        return Entry(source=source, argtypes=argtypes, program=program)
+
+    entry = kernel_slots(holder).get_or_compute(key, new)
+    builder.build_source(entry, eager=config.cpu_kernel == "eager")
+    if entry.state is State.FAILED:
+        log_once(f"{what} failed to build: {entry.reason}")
         return None
     return entry if entry.state is State.READY else None
 

@@ -21,7 +21,6 @@ import torch
 from optree import PyTreeSpec
 
 from ..._config import config
-from ..._knowledge.store import Knowledge
 from ..._memory import advise_huge_pages
 from ._cpp_ops import STORAGE, Program, compute_ctype
 from ._cpp_source import (
@@ -36,10 +35,9 @@ from ._cpp_source import (
     leaf_structs,
     suspect_check,
 )
-from ._kernel_builder import build_source
-from ._kernel_entry import BuildCall, Entry, State, is_ready, kernel_slots, log_once, slot_key
+from ._kernel_entry import BuildCall, is_ready, kernel_slots, slot_key
 from ._kernel_layout import element_shape, strided_view
-from ._kernel_registry import ready_entry, serving_lookup
+from ._kernel_registry import ready_derived, serving_lookup
 from ._kernel_run import kernel_params
 
 __all__ = ["kernel_segmented", "segmented_argtypes", "segmented_source"]
@@ -108,9 +106,14 @@ def kernel_segmented(
     key = ("segmented", slot_key(aliases, element, positions, (), False, False))
     kernel = kernel_slots(holder).get(key)
     if not is_ready(kernel):
-        kernel = _ready(
-            holder, aliases, key, combine_fn, spec, leaves, element, captured, positions
+        dtypes = tuple([x.dtype for x in leaves])
+        call = BuildCall(combine_fn, spec, dtypes, element, captured, positions, ())
+        written = lambda program: (
+            segmented_source(dtypes, program, positions),
+            tuple(segmented_argtypes(dtypes, program, positions)),
         )
+        numel = leaves[0].numel()
+        kernel = ready_derived(holder, aliases, call, numel, key, written, "the segmented kernel")
         if kernel is None:
             return None
     assert kernel.program is not None and kernel.kernel is not None
@@ -132,38 +135,3 @@ def kernel_segmented(
         nb, *strides[:-4], *dense, views[-1], *strides[-4:],
     )  # fmt: skip
     return ys
-
-
-def _ready(
-    holder: Knowledge,
-    aliases: Any,
-    key: Any,
-    combine_fn: Callable[[Any, Any], Any],
-    spec: PyTreeSpec,
-    leaves: Sequence[torch.Tensor],
-    element: tuple[int, ...],
-    captured: tuple[torch.Tensor, ...],
-    positions: tuple[int, ...],
-) -> Entry | None:
-    """The READY segmented entry, or None after building the forward entry (per the
-    mode) and, once it is ready, writing this source from its translation and compiling
-    it (now for ``"eager"``, else queued)."""
-    dtypes = tuple([x.dtype for x in leaves])
-    call = BuildCall(combine_fn, spec, dtypes, element, captured, positions, ())
-    forward = ready_entry(holder, aliases, call, leaves[0].numel(), backward=False)
-    if forward is None or forward.program is None:
-        return None
-    program = forward.program
-    entry = kernel_slots(holder).get_or_compute(
-        key,
-        lambda: Entry(
-            source=segmented_source(dtypes, program, positions),
-            argtypes=tuple(segmented_argtypes(dtypes, program, positions)),
-            program=program,
-        ),
-    )
-    build_source(entry, eager=config.cpu_kernel == "eager")
-    if entry.state is State.FAILED:
-        log_once(f"the segmented kernel failed to build: {entry.reason}")
-        return None
-    return entry if entry.state is State.READY else None
