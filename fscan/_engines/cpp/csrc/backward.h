@@ -251,13 +251,9 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const PB
   // Columns of up to TILE lanes (halved until every thread has one); too few columns for
   // the threads (a narrow inner dim): each column split into C chunks of steps, as the
   // forward splits them, composed through their transfer maps (see the chains above).
-  int64_t W = std::min<int64_t>(inner, TILE);
-  while (W > 16 && outer * ((inner + W - 1) / W) < nt) W = (W / 2 + 15) / 16 * 16;
-  const int64_t ntiles = (inner + W - 1) / W, ncols = outer * ntiles, T = S.T;
-  int64_t C = 1;
-  if (ncols < nt) C = std::min<int64_t>((nt + ncols - 1) / ncols * 2, std::max<int64_t>(1, T / MIN_CHUNK));
-  const int64_t L = (T + C - 1) / C;
-  C = (T + L - 1) / L;
+  const int64_t T = S.T;
+  const Columns K = lane_columns(outer, T, inner, nt, 2);
+  const int64_t W = K.W, ntiles = K.ntiles, ncols = K.ncols, C = K.C, L = K.L;
   const bool dense = unit(x) && unit(y) && unit(g);
   const int64_t slots = C > 1 ? ncols * C * W : 0;  // per (column, chunk, lane)
   std::vector<Lam> outs(slots), ins(slots, lam_zero()), M(slots * NF);

@@ -69,13 +69,8 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
 static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool rev, int nt,
                       const Heads& H) {
   const int64_t outer = S.outer, T = S.T, inner = S.inner;
-  int64_t W = std::min<int64_t>(inner, TILE);
-  while (outer * ((inner + W - 1) / W) < nt && W > 16) W = (W / 2 + 15) / 16 * 16;
-  const int64_t ntiles = (inner + W - 1) / W, ncols = outer * ntiles;
-  int64_t C = 1;  // chunks per column
-  if (ncols < nt) C = std::min<int64_t>((nt + ncols - 1) / ncols * 2, std::max<int64_t>(1, T / MIN_CHUNK));
-  const int64_t L = (T + C - 1) / C;
-  C = (T + L - 1) / L;
+  const Columns K = lane_columns(outer, T, inner, nt, 2);
+  const int64_t W = K.W, ntiles = K.ntiles, ncols = K.ncols, C = K.C, L = K.L;
   // Totals of chunks 0..C-2 of every column, W lanes each, then their inclusive scan.
   Store tot(C > 1 ? ncols * (C - 1) * W : 0);
   const Buf tb = tot.buf();

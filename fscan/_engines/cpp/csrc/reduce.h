@@ -32,13 +32,8 @@ static void lane_total(const In x, const Par p, const Geo& S, int64_t o, int64_t
 
 static void reduce_lanes(const In x, const Out z, const Par p, const Geo& S, bool rev, int nt) {
   const int64_t outer = S.outer, T = S.T, inner = S.inner;
-  int64_t W = std::min<int64_t>(inner, TILE);
-  while (outer * ((inner + W - 1) / W) < nt && W > 16) W = (W / 2 + 15) / 16 * 16;
-  const int64_t ntiles = (inner + W - 1) / W, ncols = outer * ntiles;
-  int64_t C = 1;  // chunks per column
-  if (ncols < nt) C = std::min<int64_t>((nt + ncols - 1) / ncols, std::max<int64_t>(1, T / MIN_CHUNK));
-  const int64_t L = (T + C - 1) / C;
-  C = (T + L - 1) / L;
+  const Columns K = lane_columns(outer, T, inner, nt, 1);
+  const int64_t W = K.W, ntiles = K.ntiles, ncols = K.ncols, C = K.C, L = K.L;
   Store tot(ncols * C * W);  // every chunk's total, W lanes each
   const Buf tb = tot.buf();
   const bool dense = unit(x);

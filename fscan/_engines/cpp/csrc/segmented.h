@@ -86,13 +86,8 @@ template <int MODE>
 static void seg_lane_path(const In x, const Out y, const Par p, const Flags R, const Geo& S,
                           bool rev, int nt) {
   const int64_t outer = S.outer, T = S.T, inner = S.inner;
-  int64_t W = std::min<int64_t>(inner, TILE);
-  while (outer * ((inner + W - 1) / W) < nt && W > 16) W = (W / 2 + 15) / 16 * 16;
-  const int64_t ntiles = (inner + W - 1) / W, ncols = outer * ntiles;
-  int64_t C = 1;  // chunks per column
-  if (ncols < nt) C = std::min<int64_t>((nt + ncols - 1) / ncols * 2, std::max<int64_t>(1, T / MIN_CHUNK));
-  const int64_t L = (T + C - 1) / C;
-  C = (T + L - 1) / L;
+  const Columns K = lane_columns(outer, T, inner, nt, 2);
+  const int64_t W = K.W, ntiles = K.ntiles, ncols = K.ncols, C = K.C, L = K.L;
   Store tot(C > 1 ? ncols * (C - 1) * W : 0);
   std::vector<uint8_t> seen(C > 1 ? ncols * (C - 1) * W : 0);
   const Buf tb = tot.buf();

@@ -7,3 +7,18 @@ static constexpr int G = 8;                   // chains interleaved on the chain
 static constexpr int64_t SKEW = 16;           // steps between interleaved chains, when long
 static constexpr int TW = 16;                 // chains side by side in a tile of the chain path
 static constexpr int64_t TB = 16;             // steps per tile of the chain path
+
+// The lane paths' columns: up to TILE lanes each, narrowed (in multiples of 16) while
+// there are fewer columns than threads; where that still leaves threads idle (a narrow
+// inner dim), each column's T steps split into C chunks of L (per: chunks per idle
+// thread, at least MIN_CHUNK steps each). T > 0.
+struct Columns { int64_t W, ntiles, ncols, C, L; };
+static inline Columns lane_columns(int64_t outer, int64_t T, int64_t inner, int nt, int64_t per) {
+  int64_t W = std::min<int64_t>(inner, TILE);
+  while (W > 16 && outer * ((inner + W - 1) / W) < nt) W = (W / 2 + 15) / 16 * 16;
+  const int64_t ntiles = (inner + W - 1) / W, ncols = outer * ntiles;
+  int64_t C = 1;
+  if (ncols < nt) C = std::min<int64_t>((nt + ncols - 1) / ncols * per, std::max<int64_t>(1, T / MIN_CHUNK));
+  const int64_t L = (T + C - 1) / C;
+  return Columns{W, ntiles, ncols, (T + L - 1) / L, L};
+}
