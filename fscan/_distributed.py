@@ -13,11 +13,14 @@ import torch
 from ._call import RecurrenceCall, ScanCall
 from ._entry import checked_call
 from ._errors import ScanTypeError
+from ._exclusive import check_exclusive
 from ._pytree import describe, flatten
-from ._sharded.agree import agreeing
+from ._recurrences.args import check_recurrence_args, reset_mask
+from ._sharded.agree import agreeing, scan_facts
 from ._sharded.deterministic import NOT_TRACED, deterministic_recurrence, deterministic_scan
 from ._sharded.layout import Layout
-from ._sharded.scan import sharded_recurrence, sharded_scan
+from ._sharded.scan import check_layout, sharded_recurrence, sharded_scan
+from ._sharded.shift import exclusive_recurrence, scan_with_start
 
 __all__ = ["associative_scan", "linear_recurrence"]
 
@@ -40,6 +43,8 @@ def associative_scan(
     reset: torch.Tensor | None = None,
     validate: bool | None = None,
     deterministic: bool = False,
+    initial: Any = None,
+    exclusive: bool = False,
 ) -> Any:
     """This rank's piece of the inclusive scan of a sequence sharded along ``dim``.
 
@@ -83,6 +88,11 @@ def associative_scan(
             ``2 sqrt(n)`` sequential ``combine_fn`` calls, three ``all_gather``s);
             gradients equal up to rounding; not under ``torch.compile``. See the
             distributed page of the docs.
+        initial (pytree or None): a carry-in before the whole sequence (after it, for
+            ``reverse``), the same on every rank, as in ``fscan.associative_scan``.
+        exclusive (bool, default False): the carry into each step, as in
+            ``fscan.associative_scan`` (``initial`` required); the step that moves
+            to the next rank costs one more ``all_gather`` of one element per piece.
 
     Returns:
         This rank's piece of the scan, the structure and shapes of ``xs``.
@@ -96,8 +106,8 @@ def associative_scan(
     """
     args = (combine_fn, xs, dim, reverse, combine_mode, group, layout, reset, validate)
     if deterministic is True and torch.compiler.is_compiling():  # see NOT_TRACED
-        return _scan_eagerly(*args, deterministic)
-    return _scan(*args, deterministic)
+        return _scan_eagerly(*args, deterministic, initial, exclusive)
+    return _scan(*args, deterministic, initial, exclusive)
 
 
 def _scan(
@@ -111,20 +121,33 @@ def _scan(
     reset: torch.Tensor | None,
     validate: bool | None,
     deterministic: bool,
+    initial: Any = None,
+    exclusive: bool = False,
 ) -> Any:
     """The body of :func:`associative_scan`."""
     with agreeing(_API, group) as agreement:  # a rank's error reaches every rank
         leaves, spec = flatten(xs)
         args = (combine_fn, xs, spec, leaves, dim, reverse, combine_mode, validate, reset)
-        call = checked_call(ScanCall(_API, *args))
+        call = checked_call(ScanCall(_API, *args, initial, exclusive))
         if layout is not None and not isinstance(layout, Layout):
             raise ScanTypeError(
                 f"{_API}: `layout` must be a fscan.distributed.Layout or None, "
                 f"got {describe(layout)}."
             )
-        if _checked_flag(_API, deterministic):
-            return deterministic_scan(call, agreement, layout)
-        return sharded_scan(call, agreement, layout)
+        inclusive = deterministic_scan if _checked_flag(_API, deterministic) else sharded_scan
+        if call.initial is None and not call.exclusive:
+            return inclusive(call, agreement, layout)
+        # the step that moves to the next rank: see fscan._sharded.shift
+        agreement.describe = lambda: scan_facts(call, layout, deterministic)
+        n = leaves[0].shape[call.dim]
+        lengths = (n,) if layout is None else check_layout(_API, layout, agreement.group, n)
+        return scan_with_start(
+            call,
+            agreement.group,
+            layout,
+            lengths,
+            lambda inner: inclusive(inner, agreement, layout),
+        )
 
 
 def linear_recurrence(
@@ -138,6 +161,7 @@ def linear_recurrence(
     group: Any = None,
     acc_dtype: torch.dtype | None = None,
     deterministic: bool = False,
+    exclusive: bool = False,
 ) -> torch.Tensor:
     """This rank's piece of ``h_t = a_t h_{t-1} + b_t`` over a sequence sharded along ``dim``.
 
@@ -164,6 +188,10 @@ def linear_recurrence(
         deterministic (bool, default False): as in :func:`associative_scan`: the scan
             of the ``(a, b)`` pairs (``h -> a2 (a1 h + b1) + b2``) in that fixed
             order, ``initial`` folded into the first step (``a[0] initial + b[0]``).
+        exclusive (bool, default False): the state entering each step, as in
+            ``fscan.linear_recurrence`` (``initial``, zero by default, at the first
+            step; zero where ``reset`` is True): the inclusive result moved one step,
+            across ranks with one more ``all_gather`` of one element.
 
     Returns:
         Tensor: this rank's piece of ``h``.
@@ -177,16 +205,27 @@ def linear_recurrence(
     """
     call = RecurrenceCall(_API_LINEAR, a, b, dim, initial, reverse, reset, acc_dtype)
     if deterministic is True and torch.compiler.is_compiling():  # see NOT_TRACED
-        return _recurrence_eagerly(call, group, deterministic)
-    return _recurrence(call, group, deterministic)
+        return _recurrence_eagerly(call, group, deterministic, exclusive)
+    return _recurrence(call, group, deterministic, exclusive)
 
 
-def _recurrence(call: RecurrenceCall, group: Any, deterministic: bool) -> torch.Tensor:
+def _recurrence(
+    call: RecurrenceCall, group: Any, deterministic: bool, exclusive: bool = False
+) -> torch.Tensor:
     """The body of :func:`linear_recurrence`."""
     with agreeing(_API_LINEAR, group) as agreement:
+        check_exclusive(_API_LINEAR, exclusive)
+        agreement.options = [("`exclusive`", None, str(exclusive))]
         if _checked_flag(_API_LINEAR, deterministic):
-            return deterministic_recurrence(call, agreement)
-        return sharded_recurrence(call, agreement)
+            h = deterministic_recurrence(call, agreement)
+        else:
+            h = sharded_recurrence(call, agreement)
+        if not exclusive:
+            return h
+        api, a, b, dim, initial, reverse, reset = call[:7]
+        _, b, initial, dim = check_recurrence_args(api, a, b, dim, initial, reverse, matrix=False)
+        mask = None if reset is None else reset_mask(reset, b, dim, api=api)
+        return exclusive_recurrence(h, dim, reverse, initial, mask, agreement.group)
 
 
 # Dynamo does not trace these: it calls them (a graph break; fullgraph=True refuses).

@@ -86,7 +86,9 @@ def refuse_sharded_exclusive(api: str) -> NoReturn:
     """Raise the error for ``exclusive=True`` on DTensor inputs (sharded across ranks)."""
     raise UnsupportedScanError(
         f"{api}: exclusive=True does not take DTensor inputs (sharded across ranks); "
-        "scan the local tensors, or call it inclusive and shift the result."
+        "pass the local shards (`x.to_local()`) to fscan.distributed.associative_scan "
+        "or fscan.distributed.linear_recurrence with exclusive=True and the mesh "
+        "dimension's group (group=(mesh, mesh_dim))."
     )
 
 

@@ -536,6 +536,69 @@ def _a_rank_raises(rank: int, world: int) -> None:
         raise AssertionError("rank finished a collective its peer never entered")
 
 
+def _start_case(
+    exclusive: bool,
+    *,
+    reverse: bool = False,
+    reset: bool = False,
+    deterministic: bool = False,
+    compiled: bool = False,
+    recurrence: bool = False,
+) -> Callable[[int, int], None]:
+    """``initial=`` / ``exclusive=`` across ranks (the step that moves to the next rank:
+    fscan._sharded.shift): the affine pair's scan, or the linear recurrence, against
+    the same call in one process; the gradient of ``initial`` summed over ranks."""
+
+    def run(rank: int, world: int) -> None:
+        ls = UNEVEN[world]
+        n = sum(ls)
+        flags = torch.zeros(n, dtype=torch.bool)
+        flags[1::4] = True  # resets inside pieces and at piece starts
+        flags = flags if reset else None
+        start = sum(ls[:rank])
+        mine = None if flags is None else flags.narrow(0, start, ls[rank])
+        group = _group(compiled)
+
+        def make():
+            a = torch.rand(n, 3, dtype=torch.float64) + 0.5
+            b = torch.randn(n, 3, dtype=torch.float64)
+            init = [torch.rand(3, dtype=torch.float64) + 0.5, torch.randn(3, dtype=torch.float64)]
+            return [a, b], [0, 0], init[1:] if recurrence else init
+
+        opts = dict(reverse=reverse, exclusive=exclusive)
+        if recurrence:
+            local = lambda p, q: fd.linear_recurrence(
+                p[0],
+                p[1],
+                0,
+                initial=q[0],
+                reset=mine,
+                group=group,
+                deterministic=deterministic,
+                **opts,
+            )
+            whole = lambda x, q: fscan.linear_recurrence(
+                x[0], x[1], 0, initial=q[0], reset=flags, **opts
+            )
+        else:
+            local = lambda p, q: fd.associative_scan(
+                _affine,
+                tuple(p),
+                0,
+                initial=tuple(q),
+                reset=mine,
+                group=group,
+                deterministic=deterministic,
+                **opts,
+            )
+            whole = lambda x, q: fscan.associative_scan(
+                _affine, tuple(x), 0, initial=tuple(q), reset=flags, **opts
+            )
+        check(Case(make, _compile(local) if compiled else local, whole, ls), rank, world)
+
+    return run
+
+
 CASES: dict[str, Callable[[int, int], None]] = {
     "add": _scan_case(torch.add, [(-1, 3)], 0),
     "add reverse static lengths": _scan_case(torch.add, [(2, -1)], 1, reverse=True, static=True),
@@ -566,6 +629,18 @@ CASES: dict[str, Callable[[int, int], None]] = {
     "compile: linear reset initial": _at(
         2, _linear_case(gate="full", reverse=False, initial=True, reset=True, compiled=True)
     ),
+    "exclusive pair": _start_case(True),
+    "exclusive pair reverse reset": _start_case(True, reverse=True, reset=True),
+    "exclusive pair deterministic reset": _start_case(True, reset=True, deterministic=True),
+    "initial pair inclusive reset": _start_case(False, reset=True),
+    "initial pair inclusive reverse deterministic": _start_case(
+        False, reverse=True, deterministic=True
+    ),
+    "exclusive linear reset": _start_case(True, reset=True, recurrence=True),
+    "exclusive linear reverse deterministic": _start_case(
+        True, reverse=True, deterministic=True, recurrence=True
+    ),
+    "compile: exclusive pair reset": _at(3, _start_case(True, reset=True, compiled=True)),
     "torch.func grad, jacrev, vmap": _torch_func,
     "torch.func.jvp": _jvp,
     "dtensor shard": _dtensor_shard,

@@ -60,6 +60,9 @@ class Agreement:
     group: Any
     describe: Callable[[], tuple[Facts, Callable[[], list[str]]]] = _no_facts
     more: Facts = field(default_factory=list)
+    # the door's options that the engine's ``describe`` does not know of (the
+    # recurrences' ``exclusive``: one more exchange)
+    options: Facts = field(default_factory=list)
     agreed: bool = False
 
 
@@ -105,6 +108,8 @@ def agree(call: Agreement, error: Exception | None = None) -> None:
             facts, paths = call.describe()
         except Exception as err:  # whatever this rank cannot describe, it must not hide
             error = err
+    if facts is not None:
+        facts = facts + call.options
     word = 0 if facts is None else _hash64(repr(facts + call.more))
     device = _collective_device(call.group)
     mine = torch.tensor([_READY if error is None else _FAILED, word], device=device)
@@ -242,6 +247,8 @@ def scan_facts(
         ("`layout`", None, repr(layout)),
         ("`reset`", None, _mask_fact(reset, dim)),
         ("`deterministic`", None, str(deterministic)),
+        ("`initial`", None, "None" if call.initial is None else "given"),
+        ("`exclusive`", None, str(call.exclusive)),
     ]
     for i, x in enumerate(call.leaves):
         facts.append(("dtype", i, str(x.dtype)))

@@ -205,7 +205,9 @@ def _unpack(rows: torch.Tensor, slot: _Slot) -> torch.Tensor:
     cols = rows[:, slot.start : slot.stop]
     world = rows.shape[0]
     if slot.as_bytes:
-        raw = cols.contiguous().view(torch.uint8)
+        # a copy: the slice of one rank's row keeps its storage offset, which a view
+        # as another dtype may not accept (one rank: `contiguous()` would not copy)
+        raw = cols.clone(memory_format=torch.contiguous_format).view(torch.uint8)
         count = 1
         for s in slot.shape:
             count *= s

@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 
 from .._call import SCAN_API, RecurrenceCall, ScanCall
-from .._combine import check_combine_output
 from .._entry import run_scan
 from .._errors import ScanValueError
 from .._knowledge.store import reach
@@ -55,6 +54,7 @@ from .._segmented import segmented_scan
 from .agree import Agreement, recurrence_facts, scan_facts
 from .exchange import exchange, tie
 from .layout import Layout
+from .shift import combine_steps
 from .traced import masked_prefix
 
 __all__ = ["check_layout", "combine_anchors", "sharded_recurrence", "sharded_scan"]
@@ -92,24 +92,7 @@ def _fixup(
     call: ScanCall, prefix: list[torch.Tensor], piece: list[torch.Tensor]
 ) -> list[torch.Tensor]:
     """``out[i] = combine_fn(prefix, piece[i])`` along ``dim``, in one batched call."""
-    api, combine_fn, spec, dim = call.api, call.combine_fn, call.spec, call.dim
-    if call.combine_mode == "pointwise":
-        left = [p.unsqueeze(dim).expand_as(x) for p, x in zip(prefix, piece)]
-        out = combine_fn(unflatten(spec, left), unflatten(spec, piece))
-        if torch.compiler.is_compiling():
-            # dynamo rebuilds pytree specs (namespace=''), so they never compare equal;
-            # the local scans before this already checked combine_fn's output.
-            return flatten(out)[0]
-        return check_combine_output(api, out, spec, piece, "pointwise")
-    half = len(piece)
-
-    def one(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        left, right = list(flat[:half]), list(flat[half:])
-        out = combine_fn(unflatten(spec, left), unflatten(spec, right))
-        return tuple(check_combine_output(api, out, spec, right, "generic"))
-
-    in_dims = (None,) * half + (dim,) * half
-    return list(torch.func.vmap(one, in_dims=in_dims, out_dims=dim)(*prefix, *piece))
+    return combine_steps(call, prefix, piece, None)
 
 
 def _local_scan(call: ScanCall, piece: list[torch.Tensor]) -> list[torch.Tensor]:
