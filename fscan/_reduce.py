@@ -29,7 +29,7 @@ from ._checks import check_scan_args
 from ._errors import ScanValueError
 from ._pytree import flatten, unflatten
 from ._route_log import logs_route
-from ._routing.reduce import reduce_flat
+from ._routing.reduce import reduce_flat, repeat_reduce
 
 __all__ = ["associative_reduce"]
 
@@ -82,6 +82,10 @@ def associative_reduce(
         tensor([[1., 5.],
                 [0., 1.]])
     """
+    if initial is None:  # a repeat the kernel served: see fscan._routing.reduce
+        out = repeat_reduce(combine_fn, xs, dim, reverse, combine_mode, validate)
+        if out is not None:
+            return out
     leaves, spec = flatten(xs)
     dim = check_scan_args(_API, combine_fn, xs, leaves, dim, reverse, combine_mode)
     init = None if initial is None else check_initial(_API, initial, xs, leaves, spec, dim)
