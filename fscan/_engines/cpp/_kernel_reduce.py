@@ -125,8 +125,13 @@ def run_reduce(
     params = kernel_params(program, captured, run.element) if program.params else ()
     if params is None:
         return None
-    totals = [torch.empty(run.element, dtype=x.dtype) for x in leaves]
-    run.kernel(*leaves, *totals, *params, *run.sizes, torch.get_num_threads(), *run.layout)
+    threads = torch.get_num_threads()
+    if len(leaves) == 1:  # no lists to build: ~0.5 µs of a 6 µs reduce of 64 elements
+        total = leaves[0].new_empty(run.element)
+        run.kernel(leaves[0], total, *params, *run.sizes, threads, *run.layout)
+        return [total]
+    totals = [x.new_empty(run.element) for x in leaves]
+    run.kernel(*leaves, *totals, *params, *run.sizes, threads, *run.layout)
     return totals
 
 
