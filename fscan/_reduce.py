@@ -8,8 +8,11 @@ swapped, ``g(a, b) = combine_fn(b, a)``, which is associative whenever
 joins last, ``combine_fn(initial, total)`` in both directions: by associativity
 that is the scan with ``initial`` in front (behind for ``reverse``).
 
-Everything runs through ``combine_fn`` on plain torch ops, so autograd and
-``torch.func`` transforms apply unchanged. Under ``torch.compile`` and
+The tree runs ``combine_fn`` on plain torch ops, so autograd and
+``torch.func`` transforms apply unchanged; on CPU, where the scan would run its
+generated kernel and no gradient is wanted, the router (:mod:`fscan._routing.reduce`)
+runs the generated reduce kernel instead, and answers a call identical to one that
+kernel served from its repeat route, before the checks here. Under ``torch.compile`` and
 ``torch.export`` the tree is not traced: its levels and the odd elements set
 aside depend on the length, so the graph would be specialised to it (one
 compile per length with ``dynamic=True``, and an export guard on its parity).
@@ -29,7 +32,7 @@ from ._checks import check_scan_args
 from ._errors import ScanValueError
 from ._pytree import flatten, unflatten
 from ._route_log import logs_route
-from ._routing.reduce import reduce_flat
+from ._routing.reduce import reduce_flat, repeat_reduce
 
 __all__ = ["associative_reduce"]
 
@@ -82,6 +85,10 @@ def associative_reduce(
         tensor([[1., 5.],
                 [0., 1.]])
     """
+    if initial is None:  # a repeat the kernel served: see fscan._routing.reduce
+        out = repeat_reduce(combine_fn, xs, dim, reverse, combine_mode, validate)
+        if out is not None:
+            return out
     leaves, spec = flatten(xs)
     dim = check_scan_args(_API, combine_fn, xs, leaves, dim, reverse, combine_mode)
     init = None if initial is None else check_initial(_API, initial, xs, leaves, spec, dim)

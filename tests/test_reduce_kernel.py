@@ -96,6 +96,30 @@ def test_strided_float32_and_integer_leaves(reverse, engines):
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("shape", "dim"), [((303, 40), 0), ((2, 302, 24), 1), ((3, 40), 0)])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_row_blocks_keep_the_order(shape, dim, reverse, dtype, engines):
+    """The lane path reads rows in blocks where a lane holds one compute value (one leaf,
+    or two float16/bfloat16 leaves computed in float): lengths that leave 0 to 3 rows
+    behind the blocks, combines that do not commute (the right operand; the affine pair
+    with factors of +-1, whose sums stay exact in every dtype here)."""
+    gen = torch.Generator().manual_seed(shape[dim] + dim)
+    x = torch.randn(shape, generator=gen).to(dtype)
+    got = _reduce_twice(lambda left, right: right, x, dim, reverse)
+    assert engines()[-1] == "cpp"
+    assert torch.equal(got, x.select(dim, 0 if reverse else -1))
+    sign = torch.randint(0, 2, shape, generator=gen).to(dtype) * 2 - 1
+    step = torch.randint(-2, 3, shape, generator=gen).to(dtype)
+    want = oracle(affine, (sign, step), dim, reverse)
+    assert want[1].abs().max() <= 128  # exact in bfloat16's 8 bits
+    got = _reduce_twice(affine, (sign, step), dim, reverse)
+    assert engines()[-1] == "cpp"
+    for g, w in zip(got, want):
+        assert g.dtype == dtype and torch.equal(g.double(), w)
+
+
+@needs_compiler
 def test_initial_and_length_one(engines):
     x = torch.randn(1, 20, dtype=torch.float64)
     init = torch.randn(20, dtype=torch.float64)
