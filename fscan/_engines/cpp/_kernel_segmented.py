@@ -53,6 +53,15 @@ def segmented_argtypes(
     return [*forward[: len(forward) - n_read], "const uint8_t*", *["int64_t"] * 4]
 
 
+def chains_tiled(program: Program) -> bool:
+    """Whether the segmented chain path tiles its chains (``SEG_TILED``, see
+    csrc/segmented_chains.h): for an expensive combine, whose math the tiles' vector loops
+    run vectorised. Per element over (1048576,), a restart every 97 steps, 1 thread:
+    logcumsumexp walked 14 ns, tiled 5.5 (the inclusive scan, tiled too: 7.5); cumsum and
+    cumprod walked 0.4, tiled 0.95 (the tiles' scalar gathers cost more than the combine)."""
+    return program.expensive
+
+
 def segmented_source(
     dtypes: Sequence[torch.dtype], program: Program, positions: Sequence[int]
 ) -> str:
@@ -71,6 +80,8 @@ def segmented_source(
         suspect=suspect_check(dtypes, list(every)),
         tuning=csrc("tuning.h"),
         segmented=csrc("segmented.h"),
+        segmented_chains=csrc("segmented_chains.h"),
+        seg_tiled="true" if chains_tiled(program) else "false",
         pick="".join(f"  o.v{k} = f ? a.v{k} : b.v{k};\n" for k in every),
         arguments=", ".join(
             _signature(dtypes, program, [f"{st[k]}* {y}" for k, y in enumerate(written)], positions)
