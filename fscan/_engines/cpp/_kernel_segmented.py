@@ -3,10 +3,11 @@
 :func:`kernel_segmented` serves a segmented scan (``reset=``) on CPU where the scan
 kernel would serve the scan without flags (the same lookup, refusals and build policy:
 the forward entry of the same key is built, or counted towards its build, first). Its
-source is that entry's translation around ``csrc/segmented.h`` (no second trace),
+source is that entry's translation around ``csrc/segmented.h`` and
+``csrc/segmented_chains.h`` (no second trace),
 compiled as the forward is and kept beside it in the knowledge entry's kernel slots.
-The flags are one more strided input: a 1-D mask expanded along the other dims costs a
-byte a step, not a byte an element. It is a forward kernel only: callers use it where
+The flags are one more strided input: a 1-D mask, read with stride 0 along the other
+dims, costs a byte a step, not a byte an element. It is a forward kernel only: callers use it where
 no gradient is wanted (the (flag, value) pairs' scan has the backward). Until it is
 ready, or where it cannot serve, None: the caller scans the pairs.
 """
@@ -103,8 +104,9 @@ def kernel_segmented(
     positions: tuple[int, ...] = (),
     threads: int | None = None,
 ) -> list[torch.Tensor] | None:
-    """The scan of ``leaves`` along ``dim`` restarting where ``flags`` (bool, the leaves'
-    shape: an expanded mask is read in place) is True, by the segmented kernel, into
+    """The scan of ``leaves`` along ``dim`` restarting where ``flags`` (bool: the leaves'
+    shape, an expanded mask read in place; or 1-D, one flag a step shared by every lane)
+    is True, by the segmented kernel, into
     fresh contiguous outputs; or None (module doc). ``positions``: as for
     :func:`~.cpu_kernel.kernel_scan`. ``threads``: at most this many."""
     if config.cpu_kernel == "off":
@@ -138,7 +140,14 @@ def kernel_segmented(
     if outer * steps * inner == 0:
         return ys
     read = [x for k, x in enumerate(leaves) if k not in positions]
-    views, nb, strides = strided_view([*read, flags.view(torch.uint8)], dim)
+    if flags.ndim == 1 and len(shape) > 1:
+        # One flag a step: strides 0 across lanes, which fit any grouping of the leaves'
+        # dims (expanding the mask and laying it out cost 5 us a call, 5% at 2**20).
+        views, nb, strides = strided_view(read, dim)
+        views.append(flags.view(torch.uint8))
+        strides += [0, 0, flags.stride(0), 0]
+    else:
+        views, nb, strides = strided_view([*read, flags.view(torch.uint8)], dim)
     dense = [nb * steps * inner, steps * inner, inner, 1] * len(ys)
     threads = torch.get_num_threads() if threads is None else min(threads, torch.get_num_threads())
     kernel.kernel(
