@@ -1,7 +1,9 @@
 """The segmented C++ kernel (``reset=`` in one pass: fscan/_engines/cpp/csrc/segmented.h)
 against a sequential float64 oracle, on each of its paths: the lane path with a flag per
 row (1-D masks), a flag per lane (dense or strided masks), split into chunks for threads;
-the chain path (lanes along T, or too few), interleaved and split into chunks."""
+the chain path (lanes along T, or too few: csrc/segmented_chains.h), interleaved, tiled
+(logcumsumexp, an expensive combine), and split into chunks whose totals start at their
+last restart."""
 
 from __future__ import annotations
 
@@ -14,7 +16,12 @@ import fscan
 from fscan._engines.cpp._kernel_segmented import kernel_segmented
 from fscan._routing.cumulative import kernel_call
 
-OPS = {"cumsum": torch.cumsum, "cumprod": torch.cumprod, "cummax": torch.cummax}
+OPS = {
+    "cumsum": torch.cumsum,
+    "cumprod": torch.cumprod,
+    "cummax": torch.cummax,
+    "logcumsumexp": torch.logcumsumexp,
+}
 
 
 def oracle(name, x, dim, reset, reverse):
@@ -33,6 +40,8 @@ def oracle(name, x, dim, reset, reverse):
             acc = torch.where(restart, x[t], acc + x[t])
         elif name == "cumprod":
             acc = torch.where(restart, x[t], acc * x[t])
+        elif name == "logcumsumexp":
+            acc = torch.where(restart, x[t], torch.logaddexp(acc, x[t]))
         else:
             take = restart | (x[t] >= acc) | torch.isnan(x[t])
             acc, idx = torch.where(take, x[t], acc), torch.where(take, t, idx)
@@ -111,13 +120,70 @@ def test_chunks_for_threads(threads, shape, dim, flags):
         torch.set_num_threads(previous)
 
 
+# Lengths around the chain path's tiles (16 steps of 16 chains) and groups (8 walked):
+# no whole tile, one, one and a step, several and a remainder.
+CHAIN_LENGTHS = [2, 15, 16, 17, 33, 255, 257]
+
+
+@pytest.mark.parametrize("name", list(OPS))
+@pytest.mark.parametrize("steps", CHAIN_LENGTHS)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_chain_path_lengths(name, steps, reverse):
+    """37 lanes along the last dim: two whole groups of 16 (tiles, for logcumsumexp) or
+    four of 8 (walked), then lanes one by one; flags at the first and last steps, two
+    adjacent ones, and a flag per lane elsewhere."""
+    gen = torch.Generator().manual_seed(steps)
+    x = torch.randn(37, steps, generator=gen, dtype=torch.float64)
+    if name == "cumprod":
+        x = x * 0.1 + 1.0
+    reset = mask((37, steps), 0.05, seed=steps)
+    reset[:, 0] = reset[3, -1] = True
+    reset[5, steps // 2 : steps // 2 + 2] = True
+    check(name, x, 1, reset, reverse)
+
+
+@pytest.mark.parametrize("name", list(OPS))
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("flags", ["edges", "none", "all", "first", "last", "sparse"])
+def test_one_lane_in_chunks(name, threads, flags):
+    """One lane (1-D) split into chunks, 8 or 16 per thread: a chunk's total starts at its
+    last restart, or composes with the chunks before where it has none. "edges": a flag
+    on every step next to a multiple of 16 (the chunks' lengths are multiples of 16, so
+    every chunk starts and ends on one, both ways: 40960 = 16 * 2560)."""
+    n = 40960
+    x = torch.randn(n, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    if name == "cumprod":
+        x = x * 0.001 + 1.0
+    t = torch.arange(n)
+    reset = {
+        "edges": (t % 16 == 0) | (t % 16 == 15),
+        "none": torch.zeros(n, dtype=torch.bool),
+        "all": torch.ones(n, dtype=torch.bool),
+        "first": t == 0,
+        "last": t == n - 1,
+        "sparse": t % 4099 == 7,
+    }[flags]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for reverse in (False, True):
+            check(name, x, 0, reset, reverse, threads)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16])
-def test_dtypes(dtype):
+@pytest.mark.parametrize("dim", [0, 1])
+def test_dtypes_on_both_paths(dtype, dim):
+    """dim 0: the lane path; dim 1 (24 lanes along their steps): the chain path."""
     x = (torch.randn(500, 24) * 4).to(dtype)
-    for name in ("cumsum", "cummax"):
+    if dim == 1:
+        x = x.t().contiguous()
+    names = ["cumsum", "cummax"] + ["logcumsumexp"] * dtype.is_floating_point
+    for name in names:
         reset = mask(500)
-        got = run(name, x, 0, reset, False)
-        values, indices = oracle(name, x, 0, reset, False)
+        got = run(name, x, dim, reset, False)
+        values, indices = oracle(name, x, dim, reset, False)
         assert got[0].dtype == dtype
         if name == "cummax" and dtype != torch.bfloat16:  # bfloat16 ties from rounding
             torch.testing.assert_close(got[1], indices)

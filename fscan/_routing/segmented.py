@@ -67,11 +67,8 @@ def run_segmented(
     shape = leaves[0].shape
     if any(x.shape != shape for x in leaves):
         return None
-    if reset.ndim == 1:  # one flag a step: stride 0 along every other dim
-        reset = reset.reshape([-1 if d == dim else 1 for d in range(len(shape))])
-    found = kernel_segmented(
-        combine_fn, spec, leaves, dim, reverse, reset.expand(shape), positions, threads
-    )
+    flags = reset if reset.ndim == 1 else reset.expand(shape)  # 1-D: one flag a step
+    found = kernel_segmented(combine_fn, spec, leaves, dim, reverse, flags, positions, threads)
     if found is not None:
         ran("cpp")
     return found

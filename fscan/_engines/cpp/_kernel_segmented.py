@@ -3,10 +3,11 @@
 :func:`kernel_segmented` serves a segmented scan (``reset=``) on CPU where the scan
 kernel would serve the scan without flags (the same lookup, refusals and build policy:
 the forward entry of the same key is built, or counted towards its build, first). Its
-source is that entry's translation around ``csrc/segmented.h`` (no second trace),
+source is that entry's translation around ``csrc/segmented.h`` and
+``csrc/segmented_chains.h`` (no second trace),
 compiled as the forward is and kept beside it in the knowledge entry's kernel slots.
-The flags are one more strided input: a 1-D mask expanded along the other dims costs a
-byte a step, not a byte an element. It is a forward kernel only: callers use it where
+The flags are one more strided input: a 1-D mask, read with stride 0 along the other
+dims, costs a byte a step, not a byte an element. It is a forward kernel only: callers use it where
 no gradient is wanted (the (flag, value) pairs' scan has the backward). Until it is
 ready, or where it cannot serve, None: the caller scans the pairs.
 """
@@ -21,7 +22,7 @@ import torch
 from optree import PyTreeSpec
 
 from ..._config import config
-from ..._memory import advise_huge_pages
+from ..._memory import HUGE_MIN_BYTES, advise_huge_pages
 from ._cpp_ops import STORAGE, Program, compute_ctype
 from ._cpp_source import (
     _combine_function,
@@ -53,6 +54,15 @@ def segmented_argtypes(
     return [*forward[: len(forward) - n_read], "const uint8_t*", *["int64_t"] * 4]
 
 
+def chains_tiled(program: Program) -> bool:
+    """Whether the segmented chain path tiles its chains (``SEG_TILED``, see
+    csrc/segmented_chains.h): for an expensive combine, whose math the tiles' vector loops
+    run vectorised. Per element over (1048576,), a restart every 97 steps, 1 thread:
+    logcumsumexp walked 14 ns, tiled 5.5 (the inclusive scan, tiled too: 7.5); cumsum and
+    cumprod walked 0.4, tiled 0.95 (the tiles' scalar gathers cost more than the combine)."""
+    return program.expensive
+
+
 def segmented_source(
     dtypes: Sequence[torch.dtype], program: Program, positions: Sequence[int]
 ) -> str:
@@ -71,6 +81,8 @@ def segmented_source(
         suspect=suspect_check(dtypes, list(every)),
         tuning=csrc("tuning.h"),
         segmented=csrc("segmented.h"),
+        segmented_chains=csrc("segmented_chains.h"),
+        seg_tiled="true" if chains_tiled(program) else "false",
         pick="".join(f"  o.v{k} = f ? a.v{k} : b.v{k};\n" for k in every),
         arguments=", ".join(
             _signature(dtypes, program, [f"{st[k]}* {y}" for k, y in enumerate(written)], positions)
@@ -92,8 +104,9 @@ def kernel_segmented(
     positions: tuple[int, ...] = (),
     threads: int | None = None,
 ) -> list[torch.Tensor] | None:
-    """The scan of ``leaves`` along ``dim`` restarting where ``flags`` (bool, the leaves'
-    shape: an expanded mask is read in place) is True, by the segmented kernel, into
+    """The scan of ``leaves`` along ``dim`` restarting where ``flags`` (bool: the leaves'
+    shape, an expanded mask read in place; or 1-D, one flag a step shared by every lane)
+    is True, by the segmented kernel, into
     fresh contiguous outputs; or None (module doc). ``positions``: as for
     :func:`~.cpu_kernel.kernel_scan`. ``threads``: at most this many."""
     if config.cpu_kernel == "off":
@@ -123,11 +136,30 @@ def kernel_segmented(
     shape = leaves[0].shape
     dim = dim % len(shape)
     outer, steps, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
-    ys = [advise_huge_pages(torch.empty(shape, dtype=x.dtype)) for x in leaves]
+    # As run_kernel's (a few us a call, 5-10% of a 2**20-element scan on the lane path):
+    # empty_like where it gives contiguous memory, huge pages asked only where they may
+    # be granted, and contiguous inputs' strides written down, not laid out.
+    ys = [
+        torch.empty_like(x) if x.is_contiguous() else torch.empty(shape, dtype=x.dtype)
+        for x in leaves
+    ]
     if outer * steps * inner == 0:
         return ys
+    if outer * steps * inner >= HUGE_MIN_BYTES // 16:
+        for y in ys:
+            advise_huge_pages(y)
     read = [x for k, x in enumerate(leaves) if k not in positions]
-    views, nb, strides = strided_view([*read, flags.view(torch.uint8)], dim)
+    if flags.ndim == 1 and len(shape) > 1:
+        # One flag a step: strides 0 across lanes, which fit any grouping of the leaves'
+        # dims (expanding the mask and laying it out cost 5 us a call, 5% at 2**20).
+        if all(x.is_contiguous() for x in read):
+            views, nb, strides = list(read), 1, [steps * inner, 0, inner, 1] * len(read)
+        else:
+            views, nb, strides = strided_view(read, dim)
+        views.append(flags.view(torch.uint8))
+        strides += [0, 0, flags.stride(0), 0]
+    else:
+        views, nb, strides = strided_view([*read, flags.view(torch.uint8)], dim)
     dense = [nb * steps * inner, steps * inner, inner, 1] * len(ys)
     threads = torch.get_num_threads() if threads is None else min(threads, torch.get_num_threads())
     kernel.kernel(

@@ -1,0 +1,264 @@
+// The segmented scan's chain path (lanes laid out along T, or fewer than VEC_MIN side by
+// side): each lane a chain walked along its steps, restarting where flagged, as the
+// forward's chain_path (forward.h) walks it without flags. fscan.engine._kernel_segmented
+// places this after csrc/segmented.h (Flags, pick) and before its segmented().
+// SEG_TILED (generated, per combine and leaf layout): TW chains go side by side, as the
+// lanes of vector loops, TB steps at a time (a tile, gathered into SoA rows, the flags
+// with them); else G chains are walked interleaved. One chain walked alone (the reduce
+// pass over one lane's chunks, the old split) ran 2-3x the forward's chain path; walked
+// chains kept cummax's and logcumsumexp's combines scalar (7 and 36 ns an element).
+
+// Where chain g (steps [s0, s1) of lane `lane`, in scan order) starts: its input, output
+// and flags at step s0, and that step's t; step s0 + k is then k * dt further on.
+struct SegChain { In x; Out y; Flags r; int64_t t0; };
+static FSCAN_INLINE SegChain seg_chain(const In x, const Out y, const Flags R, const Geo& S,
+                                       bool rev, int64_t lane, int64_t s0) {
+  const int64_t o = lane / S.inner, i = lane % S.inner, t0 = rev ? S.T - 1 - s0 : s0;
+  return SegChain{row(at(x, S, o, 0, i), t0), row(at(y, S, o, 0, i), t0),
+                  row(shift(R, o, S.nb, 0, i), t0), t0};
+}
+
+// Chains walked one step at a time, NG side by side (their combines overlap: one chain
+// waits on each combine's latency), writing every output. Chain g is steps [s0[g], s1[g])
+// of lane lane[g] (o * inner + i); carry[g] (or nullptr) its inclusive carry-in.
+template <int NG>
+static void seg_chains(const In x, const Out y, const Par p, const Flags R, const Geo& S,
+                       bool rev, const int64_t* lane, const int64_t* s0, const int64_t* s1,
+                       const Vals* const* carry) {
+  const int64_t dt = rev ? -1 : 1;
+  SegChain c[NG];
+  Vals acc[NG];
+  int64_t common = s1[0] - s0[0];
+  for (int g = 0; g < NG; ++g) {
+    c[g] = seg_chain(x, y, R, S, rev, lane[g], s0[g]);
+    common = std::min(common, s1[g] - s0[g]);
+  }
+  // The first step of each chain apart: in the loop, acc stays in registers (a select
+  // between *carry and acc there kept it in memory, a store and a load every step).
+  for (int g = 0; g < NG; ++g) {
+    if (s1[g] <= s0[g]) continue;
+    const Vals u = load_t(c[g].x, 0, c[g].t0);
+    acc[g] = carry[g] == nullptr ? u : pick(step(c[g].r, 0) != 0, u, combine(*carry[g], u, p, lane[g]));
+    store_t(c[g].y, 0, acc[g]);
+  }
+  auto walk = [&](int g, int64_t k) {
+    const int64_t d = k * dt;
+    const Vals u = load_t(c[g].x, d, c[g].t0 + d);
+    acc[g] = pick(step(c[g].r, d) != 0, u, combine(acc[g], u, p, lane[g]));
+    store_t(c[g].y, d, acc[g]);
+  };
+  for (int64_t k = 1; k < common; ++k) {
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; ++g) walk(g, k);
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int64_t k = std::max<int64_t>(common, 1); k < s1[g] - s0[g]; ++k) walk(g, k);
+}
+
+// The totals of NG chains (as seg_chains) into last[g], and seen[g]: whether the chain
+// restarts in its steps. A chain that restarts owes nothing to the steps before its last
+// flag, so only the steps from there are combined, and none of them with the flags'
+// selects: with restarts every 97 steps, a pass over the flags (from the chain's end
+// back to its last flag) and under 97 steps a chain, where walking every step with the
+// selects cost as much as the scan's second pass.
+template <int NG>
+static void seg_totals(const In x, const Out y, const Par p, const Flags R, const Geo& S, bool rev,
+                       const int64_t* lane, const int64_t* s0, const int64_t* s1,
+                       const Vals* const* carry, Vals* last, uint8_t* seen) {
+  const int64_t dt = rev ? -1 : 1;
+  SegChain c[NG];
+  Vals acc[NG];
+  int64_t from[NG], common = INT64_MAX;
+  for (int g = 0; g < NG; ++g) {
+    c[g] = seg_chain(x, y, R, S, rev, lane[g], s0[g]);
+    int64_t k = s1[g] - s0[g] - 1;  // the last flagged step, or the first
+    while (k > 0 && step(c[g].r, k * dt) == 0) --k;
+    seen[g] = step(c[g].r, k * dt) != 0;
+    from[g] = k;
+    common = std::min(common, s1[g] - s0[g] - k);
+  }
+  for (int g = 0; g < NG; ++g) {
+    const int64_t d = from[g] * dt;
+    const Vals u = load_t(c[g].x, d, c[g].t0 + d);
+    acc[g] = seen[g] || carry[g] == nullptr ? u : combine(*carry[g], u, p, lane[g]);
+  }
+  auto walk = [&](int g, int64_t k) {
+    const int64_t d = (from[g] + k) * dt;
+    acc[g] = combine(acc[g], load_t(c[g].x, d, c[g].t0 + d), p, lane[g]);
+  };
+  for (int64_t k = 1; k < common; ++k) {
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; ++g) walk(g, k);
+  }
+  for (int g = 0; g < NG; ++g) {
+    for (int64_t k = std::max<int64_t>(common, 1); k < s1[g] - s0[g] - from[g]; ++k) walk(g, k);
+    last[g] = acc[g];
+  }
+}
+
+// A tile's scratch: TB steps of TW chains, a row of TW per step (every leaf, in the
+// compute types), their flags, and the TW running values. The flags are 32-bit: bytes
+// made GCC choose 64 lanes a vector for the row loops, more than their TW iterations,
+// and leave them scalar.
+struct SegTile {
+  Store rows{TB * TW};
+  Store acc{TW};
+  alignas(64) int32_t flag[TB * TW];
+};
+
+// TW chains as seg_chains<TW>, tiled: each tile's steps gathered into rows (scalar loads
+// through the strides: any leaf, any layout, positions included), scanned a row at a time
+// by vector loops over the chains (the flag picks the element, as on the lane path), and
+// written back. The steps after the last whole tile, and chains longer than the
+// shortest, are walked on from the tile's values.
+static void seg_tile_chains(const In x, const Out y, const Par p, const Flags R, const Geo& S,
+                            bool rev, const int64_t* lane, const int64_t* s0, const int64_t* s1,
+                            const Vals* const* carry, SegTile& tl) {
+  const int64_t dt = rev ? -1 : 1;
+  SegChain c[TW];
+  int64_t common = s1[0] - s0[0];
+  for (int g = 0; g < TW; ++g) {
+    c[g] = seg_chain(x, y, R, S, rev, lane[g], s0[g]);
+    common = std::min(common, s1[g] - s0[g]);
+  }
+  const Buf rows = tl.rows.buf(), acc = tl.acc.buf();
+  int32_t* const fl = tl.flag;
+  int64_t k0 = 0;  // steps done in every chain
+  for (; k0 + TB <= common; k0 += TB) {
+    for (int g = 0; g < TW; ++g)
+      for (int64_t j = 0; j < TB; ++j) {
+        const int64_t d = (k0 + j) * dt;
+        put_all(rows, j * TW + g, load_t(c[g].x, d, c[g].t0 + d));
+        fl[j * TW + g] = step(c[g].r, d) != 0;
+      }
+    int64_t j = 0;
+    if (k0 == 0) {  // each chain's first step: from its carry, or its element
+      for (int g = 0; g < TW; ++g) {
+        const Vals u = get_all(rows, g);
+        const Vals v = carry[g] == nullptr ? u : pick(fl[g] != 0, u, combine(*carry[g], u, p, lane[g]));
+        put_all(acc, g, v);
+        put_all(rows, g, v);
+      }
+      j = 1;
+    }
+    for (; j < TB; ++j) {
+      const Buf r = offset(rows, j * TW);
+      const int32_t* f = fl + j * TW;
+#pragma GCC unroll 1
+#pragma GCC ivdep
+      for (int g = 0; g < TW; ++g) {
+        const Vals u = get_all(r, g);
+        const Vals v = pick(f[g] != 0, u, combine<false>(get_all(acc, g), u, p, lane[g]));
+        put_all(acc, g, v);
+        put_all(r, g, v);
+      }
+    }
+    for (int g = 0; g < TW; ++g)
+      for (int64_t jj = 0; jj < TB; ++jj) store_t(c[g].y, (k0 + jj) * dt, get_all(rows, jj * TW + g));
+  }
+  for (int g = 0; g < TW; ++g) {  // the rest of each chain, walked
+    const Vals a = get_all(acc, g);
+    const int64_t from = s0[g] + k0;
+    const Vals* in = k0 == 0 ? carry[g] : &a;
+    if (from < s1[g]) seg_chains<1>(x, y, p, R, S, rev, lane + g, &from, s1 + g, &in);
+  }
+}
+
+// Chains per group: TW where tiled, else G.
+static constexpr int SEG_CG = SEG_TILED ? TW : G;
+
+// ng chains written: a whole group tiled, or G at a time interleaved; fewer, one by one.
+static void seg_chain_group(const In x, const Out y, const Par p, const Flags R, const Geo& S,
+                            bool rev, int ng, const int64_t* lane, const int64_t* s0,
+                            const int64_t* s1, const Vals* const* carry, SegTile& tl) {
+  if (ng == SEG_CG && SEG_TILED) {
+    seg_tile_chains(x, y, p, R, S, rev, lane, s0, s1, carry, tl);
+    return;
+  }
+  int g = 0;
+  for (; g + G <= ng; g += G) seg_chains<G>(x, y, p, R, S, rev, lane + g, s0 + g, s1 + g, carry + g);
+  for (; g < ng; ++g) seg_chains<1>(x, y, p, R, S, rev, lane + g, s0 + g, s1 + g, carry + g);
+}
+
+// The totals of ng chains (seg_totals): G at a time, the rest one by one.
+static void seg_total_group(const In x, const Out y, const Par p, const Flags R, const Geo& S,
+                            bool rev, int ng, const int64_t* lane, const int64_t* s0,
+                            const int64_t* s1, const Vals* const* carry, Vals* last,
+                            uint8_t* seen) {
+  int g = 0;
+  for (; g + G <= ng; g += G)
+    seg_totals<G>(x, y, p, R, S, rev, lane + g, s0 + g, s1 + g, carry + g, last + g, seen + g);
+  for (; g < ng; ++g)
+    seg_totals<1>(x, y, p, R, S, rev, lane + g, s0 + g, s1 + g, carry + g, last + g, seen + g);
+}
+
+// The chain path, as chain_path (forward.h): where lanes are fewer than a group per
+// thread, each is split into C chunks (their totals, then the scan: the totals composed
+// in order, except where a chunk restarts the lane: its total is then the carry on).
+static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, const Geo& S,
+                           bool rev, int nt) {
+  const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
+  int64_t C = 1;  // chunks per lane
+  if (lanes < (int64_t)nt * SEG_CG) {
+    C = std::min<int64_t>(((int64_t)nt * SEG_CG + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
+    if (C >= SEG_CG) C = C / SEG_CG * SEG_CG;
+  }
+  int64_t L = (T + C - 1) / C;
+  // Chunks of one lane at power-of-two distances share cache sets: skew them.
+  if (C > 1 && inner == 1) L = (L + 15) / 16 * 16 + 16;
+  C = (T + L - 1) / L;
+  const int64_t items = lanes * C, groups = (items + SEG_CG - 1) / SEG_CG;
+  std::vector<Vals> tot(C > 1 ? items : 0);
+  std::vector<uint8_t> seen(tot.size());
+#pragma omp parallel num_threads(nt)
+  {
+    SegTile tl;
+    int64_t lane[SEG_CG], s0[SEG_CG], s1[SEG_CG];
+    const Vals* carry[SEG_CG];
+    auto describe = [&](int g, int64_t k, bool write) {
+      const int64_t c = k % C;
+      lane[g] = k / C;
+      s0[g] = c * L;
+      s1[g] = std::min(T, (c + 1) * L);
+      carry[g] = write && c > 0 ? &tot[k - 1] : nullptr;
+    };
+    if (C > 1) {  // every chunk's total but each lane's last
+#pragma omp for schedule(static)
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        int64_t ks[SEG_CG];
+        Vals last[SEG_CG];
+        uint8_t restarts[SEG_CG];
+        int ng = 0;
+        for (int64_t k = gi * SEG_CG; k < std::min(items, (gi + 1) * SEG_CG); ++k)
+          if (k % C != C - 1) { ks[ng] = k; describe(ng++, k, false); }
+        seg_total_group(x, y, p, R, S, rev, ng, lane, s0, s1, carry, last, restarts);
+        for (int g = 0; g < ng; ++g) { tot[ks[g]] = last[g]; seen[ks[g]] = restarts[g]; }
+      }
+#pragma omp for schedule(static)
+      for (int64_t ln = 0; ln < lanes; ++ln) {
+        for (int64_t c = 1; c < C - 1; ++c) {
+          const int64_t k = ln * C + c;
+          if (seen[k]) continue;  // restarted in the chunk: its total is the carry on
+          const Vals l = tot[k - 1], r = tot[k], v = combine(l, r, p, ln);
+          if (!suspect(l, r, v)) {
+            tot[k] = v;
+            continue;
+          }
+          // Composing is not what the steps give (see suspect): walk the chunk.
+          describe(0, k, false);
+          carry[0] = &tot[k - 1];
+          Vals walked;
+          uint8_t again;
+          seg_totals<1>(x, y, p, R, S, rev, lane, s0, s1, carry, &walked, &again);
+          tot[k] = walked;
+        }
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int ng = (int)std::min<int64_t>(SEG_CG, items - gi * SEG_CG);
+      for (int g = 0; g < ng; ++g) describe(g, gi * SEG_CG + g, true);
+      seg_chain_group(x, y, p, R, S, rev, ng, lane, s0, s1, carry, tl);
+    }
+  }
+}
