@@ -27,6 +27,7 @@ from .cumulative_table import EXTREMA, FLOATS, NATIVE_BELOW, SUMS, route, torch_
 from .cumulative_table import dtype_refusals as dtype_refusals
 from .repeat import remember_cumulative
 from .repeat import repeat_cumulative as repeat_cumulative
+from .repeat import repeat_exclusive as repeat_exclusive
 from .scan import scan_flat, scan_traced
 from .segmented import run_segmented, segmented_route
 
@@ -35,11 +36,13 @@ __all__ = [
     "dtype_refusals",
     "engine",
     "kernel_call",
+    "kernel_threads",
     "native",
     "native_first",
     "native_first_into",
     "path",
     "repeat_cumulative",
+    "repeat_exclusive",
     "route",
     "segmented",
 ]
@@ -175,7 +178,7 @@ def segmented(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset
         )
     if segmented_route(runs_at([x]), [x]) is None:
         combine, spec, leaves, positions = kernel_call(op, x)
-        threads = 1 if x.shape[dim] == x.numel() else None  # one lane: as _kernel below
+        threads = kernel_threads(x, dim)
         found = run_segmented(combine, spec, leaves, dim, reverse, reset, positions, threads)
         if found is not None:
             return EXTREMA[op](found) if op in EXTREMA else found[0]
@@ -231,7 +234,7 @@ def _kernel(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, out: An
     shared one a descheduled thread cost 10-25x torch's time (2 threads, another process
     busy), where torch's serial walk does not wait."""
     combine, spec, leaves, positions = kernel_call(op, x)
-    threads = 1 if x.shape[dim] == x.numel() else None
+    threads = kernel_threads(x, dim)
     found = kernel_scan(
         api, combine, spec, leaves, dim, reverse, positions=positions, threads=threads, out=out
     )
@@ -294,6 +297,12 @@ def kernel_call(op: Any, x: torch.Tensor) -> tuple[Any, Any, list[torch.Tensor],
         index = torch.zeros((), dtype=torch.int64).expand(x.shape)  # never read
         return combine, _PAIR, [x, index], (1,)
     return combine, _ONE_LEAF, [x], ()
+
+
+def kernel_threads(x: torch.Tensor, dim: int) -> int | None:
+    """The most threads the drop-ins' kernel runs ``x`` on: one over a single lane (see
+    :func:`_kernel`), else None (``torch.get_num_threads()``)."""
+    return 1 if x.shape[dim] == x.numel() else None
 
 
 def _inner_scan(inner: Op, x: torch.Tensor, dim: int, reverse: bool) -> torch.Tensor:

@@ -9,7 +9,8 @@ logcumsumexp, and for cummax (cummin) the lowest (highest) value of the dtype
 (``-inf``/``inf`` for floating types, ``False``/``True`` for bool) with index -1. Where
 nothing is recorded, the kernel and torch's op (forward) write their results in place
 into the output's later steps, so an exclusive drop-in costs what the inclusive one
-does.
+does; a call the kernel served that way is stored for :mod:`fscan._routing.repeat`,
+whose exclusive route repeats it for an identical call before the drop-in's checks.
 
 cummax/cummin's indices are positions in the whole input: reversed, the narrowed input
 starts one step later, so its indices are moved by one.
@@ -23,7 +24,8 @@ import torch
 
 from .._exclusive import Shift, Steps, exclusive
 from .._segmented import check_reset
-from .cumulative import engine, route, segmented
+from .cumulative import engine, kernel_call, kernel_threads, route, segmented
+from .repeat import remember_exclusive
 
 __all__ = ["exclusive_cumulative", "identity"]
 
@@ -68,6 +70,9 @@ def exclusive_cumulative(
         outputs.append((x.shape, torch.int64))
         starts.append(-1)
     out = exclusive(shift, inclusive, outputs, x.device, starts, [x], reset)
+    if cells[0] and reset is None and not extremum:  # the kernel's: an identical call repeats it
+        combine = kernel_call(op, x)[0]
+        remember_exclusive(op, combine, x, dim, reverse, kernel_threads(x, dim), starts[0])
     return _EXTREMA[op](out) if extremum else out[0]
 
 

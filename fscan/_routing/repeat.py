@@ -40,13 +40,25 @@ op (its combine is fscan's own, capturing nothing) and :func:`call_parts` of its
 shape), and :func:`repeat_cumulative` answers an identical call with it before the
 drop-in's checks. Only calls the router ran without ``dtype=``, ``out=``, ``reset=``
 or ``exclusive=`` and without promoting the input (a float input) are stored.
+
+Their exclusive form (``exclusive=True``, no ``dtype=``, ``out=`` or ``reset=``) is
+served the same way, under its own key (the same :func:`call_parts`, marked
+exclusive): :func:`remember_exclusive` stores an :class:`ExclusiveRun`, the kernel run
+of the first ``n - 1`` steps in scan order (the same compiled kernel: its element
+shape is the input's), once the exclusive router (:mod:`fscan._routing.exclusive`)
+served a call on the kernel writing in place (nothing recorded), and
+:func:`repeat_exclusive` repeats it: the kernel reads the narrowed input and writes
+the output's later ``n - 1`` steps in place, and the first step is filled with the
+op's identity, as the router's path does. A checked call whose input was promoted
+or cast is stored under the dtype the kernel scanned, which an identical later call
+in that dtype takes as it is, so the key fits it too.
 """
 
 from __future__ import annotations
 
 import types
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from optree import PyTreeSpec
@@ -58,20 +70,36 @@ from .._context import under_dispatch_mode, under_transform
 from .._engines.cpp.cpu_kernel import PreparedRun, prepare_run, run_prepared
 from .._knowledge.reach_keys import unbound
 from .._knowledge.store import Knowledge, Reach, knowledge, on_clear, reach
+from .._memory import advise_huge_pages
 from .._pytree import LEAF, flatten, unflatten
 from .._route_log import ran
 
 __all__ = [
+    "ExclusiveRun",
     "call_parts",
     "remember",
     "remember_cumulative",
+    "remember_exclusive",
     "repeat_cumulative",
+    "repeat_exclusive",
     "repeat_scan",
     "repeats",
+    "run_exclusive",
 ]
 
+
+class ExclusiveRun(NamedTuple):
+    """An exclusive drop-in's kernel run: ``run`` scans the first ``n - 1`` steps in scan
+    order (its sizes' steps) of a contiguous input along ``dim``, into the output's later
+    ``n - 1`` steps; ``start`` (the op's identity) fills the first step."""
+
+    run: PreparedRun
+    dim: int
+    start: Any
+
+
 # Keys of calls served on the kernel (each a few shapes of a few combine_fns, typically).
-repeats: BoundedCache[PreparedRun] = BoundedCache(maxsize=256)
+repeats: BoundedCache[PreparedRun | ExclusiveRun] = BoundedCache(maxsize=256)
 on_clear(repeats.clear)
 
 _is_compiling = torch.compiler.is_compiling
@@ -177,6 +205,70 @@ def remember_cumulative(
 
 
 _CUMULATIVE = "cumulative"  # the drop-ins' keys: (this, torch's op, *call_parts)
+_EXCLUSIVE = "exclusive"  # their exclusive form's: (this, torch's op, *call_parts)
+
+
+def repeat_exclusive(op: Any, x: Any, dim: Any, reverse: Any) -> torch.Tensor | None:
+    """The exclusive drop-in of torch's ``op`` on ``x`` by the kernel run an identical
+    call made (module doc), or None: the drop-in's checked path then runs."""
+    if type(x) is not torch.Tensor:
+        return None
+    parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)
+    if parts is None:
+        return None
+    found = repeats.get((_EXCLUSIVE, op, *parts))
+    if found is None:
+        return None
+    out = run_exclusive(found, x)
+    ran("cpp")
+    return out
+
+
+def run_exclusive(found: ExclusiveRun, x: torch.Tensor) -> torch.Tensor:
+    """``found`` on ``x`` (of the dtype, shape and layout it was stored for): a fresh output
+    whose later ``n - 1`` steps in scan order the kernel writes, the first the start value."""
+    run, dim, start = found
+    kernel, _, _, sizes, tail, cap = run
+    steps, reverse = sizes[1], sizes[3]
+    y = advise_huge_pages(torch.empty_like(x))
+    threads = torch.get_num_threads() if cap is None else min(cap, torch.get_num_threads())
+    # The first n - 1 steps in scan order, one step later (as fscan._exclusive.Shift): the
+    # kernel reads and writes n - 1 steps from where it is pointed, so only the tensor
+    # that starts one step in is narrowed (a view costs ~1.4 µs).
+    if reverse:
+        kernel(x.narrow(dim, 1, steps), y, *sizes, threads, *tail)
+    else:
+        kernel(x, y.narrow(dim, 1, steps), *sizes, threads, *tail)
+    y.select(dim, steps if reverse else 0).fill_(start)
+    return y
+
+
+def remember_exclusive(
+    op: Any,
+    combine: Callable[[Any, Any], Any],
+    x: torch.Tensor,
+    dim: int,
+    reverse: bool,
+    threads: int | None,
+    start: Any,
+) -> None:
+    """Store, for :func:`repeat_exclusive`, the kernel run the exclusive router just made
+    for ``op`` (scanning with ``combine``, fscan's own, capturing nothing) on the first
+    ``n - 1`` steps of ``x`` (checked, ``dim`` non-negative) in scan order, into an
+    output's later steps, on ``threads`` threads at most, ``start`` at the first step.
+    A kernel not READY (the call ran elsewhere) stores nothing."""
+    parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)
+    if parts is None or x.shape[dim] < 2:
+        return
+    key = (_EXCLUSIVE, op, *parts)
+    if key not in repeats:
+        holder = knowledge(_reach(combine), LEAF, "pointwise", [x])
+        # The run of all n steps: the narrowed views keep x's strides, one step fewer.
+        run = prepare_run(holder, (), [x], dim, reverse, threads)
+        if run is not None and not run.program.params:
+            outer, steps, inner, backwards = run.sizes
+            narrowed = run._replace(sizes=(outer, steps - 1, inner, backwards))
+            repeats.put(key, ExclusiveRun(narrowed, dim, start))
 
 
 def call_parts(
