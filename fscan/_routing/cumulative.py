@@ -137,22 +137,31 @@ def engine(
     reverse: bool,
     out: list | None = None,
     cells: tuple[bool, bool] | None = None,
+    first_index: int = 0,
 ) -> Any:
     """:func:`cumulative` without ``reset=`` on the engine the table picks. An exclusive
     drop-in (:mod:`fscan._routing.exclusive`) passes ``out`` (views, no gradient wanted),
-    which the kernel and torch's op forward write in place, and ``cells``, the table's
-    answer for its whole input (``x`` is one step shorter)."""
+    which the kernel and torch's op forward write in place, ``cells``, the table's
+    answer for its whole input (``x`` is one step shorter), and for cummax/cummin
+    ``first_index``, the position in that input of ``x``'s first step: the indices are
+    positions there (the kernel makes them so; the other engines add it after)."""
     kernel, parallel = route(op, x, dim, reverse) if cells is None else cells
-    if kernel and (found := _kernel(api, op, x, dim, reverse, out)) is not None:
+    if kernel and (found := _kernel(api, op, x, dim, reverse, out, first_index)) is not None:
         ran("cpp")
         return found
     if not parallel:
-        return native(op, x, dim, reverse, out)
-    ran("blocked")
-    if op in EXTREMA:
+        found = native(op, x, dim, reverse, out)
+    else:
+        ran("blocked")
+        if op not in EXTREMA:
+            return accumulate(_ACCUMULATIONS[op], x, dim, reverse, _inner_scan)
         largest = op is torch.cummax
-        return EXTREMA[op](extremum_scan(x, dim, reverse, largest, _inner_scan))
-    return accumulate(_ACCUMULATIONS[op], x, dim, reverse, _inner_scan)
+        found = EXTREMA[op](extremum_scan(x, dim, reverse, largest, _inner_scan))
+    if not first_index or op not in EXTREMA:
+        return found
+    values, indices = found  # in place where written into `out`; else new (autograd may save them)
+    moved = indices.add_(first_index) if out is not None else indices + first_index
+    return EXTREMA[op]((values, moved))
 
 
 def segmented(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset: Any) -> Any:
@@ -224,9 +233,12 @@ def native(op: Any, x: torch.Tensor, dim: int, reverse: bool, out: list | None =
     return EXTREMA[op]((values.flip(dim), (x.shape[dim] - 1 - indices).flip(dim)))
 
 
-def _kernel(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, out: Any = None) -> Any:
+def _kernel(
+    api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, out: Any = None, first: int = 0
+) -> Any:
     """The kernel's scan of ``x`` if it is compiled, else None (the caller checked that
-    it wins); into ``out`` if given (see :func:`engine`).
+    it wins); into ``out`` if given, cummax/cummin's indices from ``first`` (see
+    :func:`engine`).
 
     Over a single lane the kernel runs on one thread: torch's walk there is serial, and
     the kernel alone beats it (0.7-0.85x). Its threads would double that margin on an idle
@@ -236,7 +248,16 @@ def _kernel(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, out: An
     combine, spec, leaves, positions = kernel_call(op, x)
     threads = kernel_threads(x, dim)
     found = kernel_scan(
-        api, combine, spec, leaves, dim, reverse, positions=positions, threads=threads, out=out
+        api,
+        combine,
+        spec,
+        leaves,
+        dim,
+        reverse,
+        positions=positions,
+        threads=threads,
+        out=out,
+        first_position=first,
     )
     if found is None:
         return None

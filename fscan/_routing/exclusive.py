@@ -13,7 +13,8 @@ does; a call the kernel served that way is stored for :mod:`fscan._routing.repea
 whose exclusive route repeats it for an identical call before the drop-in's checks.
 
 cummax/cummin's indices are positions in the whole input: reversed, the narrowed input
-starts one step later, so its indices are moved by one.
+starts one step later, so its indices are moved by one (by the kernel as it writes them,
+a runtime argument of its position leaf; after the scan on the other engines).
 """
 
 from __future__ import annotations
@@ -53,16 +54,14 @@ def exclusive_cumulative(
 
     def inclusive(steps: Steps, outs: list[torch.Tensor] | None) -> list[torch.Tensor]:
         part = steps(x)
-        if reset is not None:
-            found = segmented(api, op, part, dim, reverse, steps.mask(reset))
+        later = int(reverse and steps.narrow)  # where `part` starts in `x`, for the indices
+        if reset is None:
+            found = engine(api, op, part, dim, reverse, outs, cells, later)
         else:
-            found = engine(api, op, part, dim, reverse, outs, cells)
-        if not extremum:
-            return [found]
-        values, indices = found
-        if reverse and steps.narrow:  # positions in `part`, which starts one step later
-            indices = indices.add_(1)
-        return [values, indices]
+            found = segmented(api, op, part, dim, reverse, steps.mask(reset))
+            if extremum and later:
+                found = (found[0], found[1].add_(later))
+        return list(found) if extremum else [found]
 
     outputs = [(x.shape, x.dtype)]
     starts: list[Any] = [identity(op, x.dtype)]

@@ -35,6 +35,7 @@ def run_kernel(
     dropped: tuple[int, ...] = (),
     heads: Sequence[torch.Tensor] | None = None,
     outs: Sequence[torch.Tensor] | None = None,
+    first: int = 0,
 ) -> list[torch.Tensor | None] | None:
     """Run a READY entry's kernel into fresh outputs, or None where its params do not fit;
     on ``threads`` threads at most (default ``torch.get_num_threads()``). ``dropped``: the
@@ -42,6 +43,8 @@ def run_kernel(
     ``heads``: contiguous carry-in elements, one per leaf (see :func:`~.cpu_kernel.kernel_scan`).
     ``outs``: checked ``out=`` memory (see :func:`~.cpu_kernel.kernel_scan`), one per kept output,
     written in place instead of fresh outputs where :func:`~._kernel_layout.strided_layout` fits it.
+    ``first``: the position leaves' value at the first step along ``dim`` (see
+    :func:`~.cpu_kernel.kernel_scan`).
 
     Inputs are read in place through their strides where :func:`~._kernel_layout.strided_view` can
     describe them (no copy); fresh outputs are contiguous, as torch's own scans
@@ -86,7 +89,7 @@ def run_kernel(
         found = strided_layout([*read, *written], dim, fixed=len(written))
         if found is None:  # an out= layout the kernel cannot describe: a dense result
             args = (entry, leaves, dim, reverse, captured, positions, threads, dropped, heads)
-            return _copied_out(run_kernel(*args), ys)
+            return _copied_out(run_kernel(*args, first=first), ys)
         xs, nb, strides = found
         xs = xs[: len(read)]
         counters.wrote(len(written))
@@ -95,6 +98,8 @@ def run_kernel(
         at = _NO_HEADS[len(read)] if len(read) < len(_NO_HEADS) else (0,) * len(read)
     else:  # the tensors stay alive in `heads` while the kernel reads them
         at = tuple([h.data_ptr() for k, h in enumerate(heads) if k not in positions])
+    if positions:  # their first position: the kernel's last argument
+        at = (*at, first)
     kernel(*xs, *written, *params, outer, steps, inner, int(reverse), threads, nb, *strides, *at)
     return ys
 
