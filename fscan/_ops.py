@@ -235,14 +235,14 @@ def _unchecked(op: Any, input: Any, dim: Any, out: Any, reverse: Any, exclusive:
     """The call on the unchecked arguments where it can skip the checks, else None (the
     checked path): torch's ``op`` where the drop-ins' route table certainly picks it
     (forward or reversed; ``out=`` forward only), or the kernel run of an identical call
-    (the router's repeat route; cumsum, cumprod and logcumsumexp, inclusive or exclusive)."""
+    (the router's repeat route, inclusive or exclusive)."""
     if exclusive is not False:  # True: an identical call's kernel run, or the checks
         plain = exclusive is True and out is None and (reverse is False or reverse is True)
-        return repeat_exclusive(op, input, dim, reverse) if plain and op not in OUT_TYPES else None
+        return repeat_exclusive(op, input, dim, reverse) if plain else None
     if out is None:
         if reverse is False or reverse is True:  # else fscan's error, from the checks
             found = native_first(op, input, dim, reverse)
-            if found is None and op not in OUT_TYPES:  # cummax/cummin: never stored
+            if found is None:
                 found = repeat_cumulative(op, input, dim, reverse)
             return found
         return None

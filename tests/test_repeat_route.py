@@ -332,8 +332,7 @@ def test_a_drop_in_repeats_only_its_own_op_mode_and_grad_mode(served):
     out = torch.empty_like(x)
     assert fscan.cumsum(x, 0, out=out) is out  # out= takes the checked path
     assert served == []
-    fscan.cummax(x, 0)  # an index leaf: never stored
-    fscan.cummax(x, 0)
+    fscan.cummax(x, 0)  # another op: its own key, stored by its first call
     assert served == []
     fscan.cumsum(x, 0)
     assert len(served) == 1
@@ -355,6 +354,7 @@ def test_a_repeated_drop_in_logs_the_kernel(served, caplog):
 
 IDENTITY = {"cumsum": 0.0, "cumprod": 1.0, "logcumsumexp": -math.inf}
 STEP = {"cumsum": torch.add, "cumprod": torch.mul, "logcumsumexp": torch.logaddexp}
+EXTREMA = {"cummax": (-math.inf, torch.ge), "cummin": (math.inf, torch.le)}
 
 
 @pytest.fixture
@@ -381,6 +381,35 @@ def exclusive_reference(name, x, dim, reverse):
         out[t] = carry
         carry = STEP[name](carry, xs[t])
     return torch.stack(out).movedim(0, dim)
+
+
+def extremum_reference(name, x, dim, reverse, exclusive):
+    """cummax/cummin step by step in float64: (values, indices), positions in ``x``, the
+    later element in scan order winning ties; exclusive: the carry into each step."""
+    start, better = EXTREMA[name]
+    xs = x.double().movedim(dim, 0)
+    n = xs.shape[0]
+    best = torch.full(xs.shape[1:], start, dtype=torch.float64)
+    at = torch.full(xs.shape[1:], -1, dtype=torch.int64)
+    values, indices = [None] * n, [None] * n
+    for t in range(n - 1, -1, -1) if reverse else range(n):
+        if exclusive:
+            values[t], indices[t] = best, at
+        take = better(xs[t], best)
+        best, at = torch.where(take, xs[t], best), torch.where(take, t, at)
+        if not exclusive:
+            values[t], indices[t] = best, at
+    return torch.stack(values).movedim(0, dim), torch.stack(indices).movedim(0, dim)
+
+
+def extremum_input(shape):
+    """Distinct values: ties cannot hide an index off by one."""
+    return torch.randperm(math.prod(shape)).reshape(shape).float()
+
+
+def assert_extremum(out, want):
+    torch.testing.assert_close(out.values, want[0].float(), rtol=0, atol=0)
+    assert torch.equal(out.indices, want[1])
 
 
 def exclusive(name, x, dim, reverse=False, **kw):
@@ -595,3 +624,57 @@ def test_a_repeated_exclusive_drop_in_logs_the_kernel(served_exclusive, caplog):
     assert len(served_exclusive) == 1
     [record] = [r for r in caplog.records if hasattr(r, "fscan_engine")]
     assert record.fscan_engine == "cpp"
+
+
+EXTREMUM_CASES = [
+    ((256, 128), 0, False),
+    ((256, 128), 0, True),
+    ((4, 256, 32), 1, False),
+    ((4, 256, 32), -2, True),
+    ((2**15,), 0, True),
+]
+EXTREMUM_IDS = ["lanes", "lanes-reversed", "middle", "middle-reversed", "one-lane-reversed"]
+
+
+@pytest.mark.parametrize("name", sorted(EXTREMA))
+@pytest.mark.parametrize("is_exclusive", [False, True], ids=["inclusive", "exclusive"])
+@pytest.mark.parametrize(("shape", "dim", "reverse"), EXTREMUM_CASES, ids=EXTREMUM_IDS)
+def test_a_repeated_extremum_is_served_and_right(
+    served, served_exclusive, name, is_exclusive, shape, dim, reverse
+):
+    """cummax/cummin on the kernel, called again alike, run the stored run (the kernel
+    makes the index leaf): values and indices as the reference's, indices positions in
+    the whole input (reversed and exclusive: the run starts its positions at 1)."""
+    x = extremum_input(shape)
+    before = x.clone()
+    call = lambda: getattr(fscan, name)(x, dim, reverse=reverse, exclusive=is_exclusive)
+    call(), call()
+    served.clear(), served_exclusive.clear()
+    out = call()
+    assert isinstance(out, getattr(torch.return_types, name))
+    assert (len(served), len(served_exclusive)) == ((0, 1) if is_exclusive else (1, 0))
+    assert_extremum(out, extremum_reference(name, x, dim, reverse, is_exclusive))
+    assert torch.equal(x, before) and out.values.data_ptr() != x.data_ptr()
+    assert out.indices.dtype == torch.int64 and out.indices.is_contiguous()
+
+
+def test_an_extremum_run_serves_only_its_own_op_direction_and_mode(served, served_exclusive):
+    x = extremum_input((256, 128))
+    for _ in range(2):
+        fscan.cummax(x, 0, reverse=True, exclusive=True)
+    served_exclusive.clear()
+    assert_extremum(
+        fscan.cummin(x, 0, reverse=True, exclusive=True),
+        extremum_reference("cummin", x, 0, True, True),
+    )
+    assert_extremum(
+        fscan.cummax(x, 0, exclusive=True), extremum_reference("cummax", x, 0, False, True)
+    )
+    assert_extremum(
+        fscan.cummax(x, 0, reverse=True), extremum_reference("cummax", x, 0, True, False)
+    )
+    assert served_exclusive == [] and served == []
+    values, indices = torch.empty_like(x), torch.empty(x.shape, dtype=torch.int64)
+    out = fscan.cummax(x, 0, out=(values, indices))
+    assert out.values is values and served == []
+    assert_extremum(out, extremum_reference("cummax", x, 0, False, False))

@@ -245,7 +245,8 @@ def _kernel(
     machine, but each of its reduce-then-scan steps waits for every thread, and on a
     shared one a descheduled thread cost 10-25x torch's time (2 threads, another process
     busy), where torch's serial walk does not wait."""
-    combine, spec, leaves, positions = kernel_call(op, x)
+    call = kernel_call(op, x)
+    combine, spec, leaves, positions = call
     threads = kernel_threads(x, dim)
     found = kernel_scan(
         api,
@@ -261,11 +262,9 @@ def _kernel(
     )
     if found is None:
         return None
-    if op in EXTREMA:
-        return EXTREMA[op](found)
     if out is None:  # an identical call repeats this run (fscan._routing.repeat)
-        remember_cumulative(op, combine, x, dim, reverse, threads)
-    return found[0]
+        remember_cumulative(op, call, dim, reverse, threads)
+    return EXTREMA[op](found) if op in EXTREMA else found[0]
 
 
 # ---- the ops as the engines scan them ---------------------------------------------

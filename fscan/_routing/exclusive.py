@@ -69,9 +69,8 @@ def exclusive_cumulative(
         outputs.append((x.shape, torch.int64))
         starts.append(-1)
     out = exclusive(shift, inclusive, outputs, x.device, starts, [x], reset)
-    if cells[0] and reset is None and not extremum:  # the kernel's: an identical call repeats it
-        combine = kernel_call(op, x)[0]
-        remember_exclusive(op, combine, x, dim, reverse, kernel_threads(x, dim), starts[0])
+    if cells[0] and reset is None:  # the kernel's: an identical call repeats it
+        remember_exclusive(op, kernel_call(op, x), dim, reverse, kernel_threads(x, dim), starts)
     return _EXTREMA[op](out) if extremum else out[0]
 
 

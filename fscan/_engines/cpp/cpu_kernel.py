@@ -96,7 +96,14 @@ from ._kernel_registry import (
 )
 from ._kernel_registry import captured_occurrences as captured_occurrences
 from ._kernel_registry import leaf_refusal as leaf_refusal
-from ._kernel_run import PreparedRun, kernel_params, prepare_run, run_kernel, run_prepared
+from ._kernel_run import (
+    PreparedRun,
+    fresh_outputs,
+    kernel_params,
+    prepare_run,
+    run_kernel,
+    run_prepared,
+)
 
 __all__ = [
     "KERNEL_MIN_NUMEL",
@@ -106,6 +113,7 @@ __all__ = [
     "KernelScan",
     "PreparedRun",
     "counters",
+    "fresh_outputs",
     "kernel_entries",
     "kernel_grad_scan",
     "kernel_possible",
