@@ -39,6 +39,7 @@ from ._routing.cumulative import (
     native_first,
     native_first_into,
     repeat_cumulative,
+    repeat_exclusive,
 )
 from ._routing.exclusive import exclusive_cumulative
 from ._sharded.dtensor_ops import is_dtensor, on_dtensor, refuse_dtensor_reset
@@ -94,8 +95,8 @@ def cumsum(
     """
     if type(input) is not torch.Tensor and is_dtensor(input):  # see fscan._sharded.dtensor_ops
         return on_dtensor(torch.cumsum, cumsum, input, dim, dtype, out, reverse, reset, exclusive)
-    if dtype is None and reset is None and exclusive is False:
-        result = _unchecked(torch.cumsum, input, dim, out, reverse)
+    if dtype is None and reset is None:
+        result = _unchecked(torch.cumsum, input, dim, out, reverse, exclusive)
         if result is not None:
             return result  # torch promotes integers and bool to int64 itself
     args = (input, dim, dtype, out, reverse, reset, exclusive)
@@ -125,8 +126,8 @@ def cumprod(
     """
     if type(input) is not torch.Tensor and is_dtensor(input):  # see fscan._sharded.dtensor_ops
         return on_dtensor(torch.cumprod, cumprod, input, dim, dtype, out, reverse, reset, exclusive)
-    if dtype is None and reset is None and exclusive is False:
-        result = _unchecked(torch.cumprod, input, dim, out, reverse)
+    if dtype is None and reset is None:
+        result = _unchecked(torch.cumprod, input, dim, out, reverse, exclusive)
         if result is not None:
             return result
     args = (input, dim, dtype, out, reverse, reset, exclusive)
@@ -161,8 +162,8 @@ def logcumsumexp(
         return on_dtensor(
             torch.logcumsumexp, logcumsumexp, input, dim, None, out, reverse, reset, exclusive
         )
-    if reset is None and exclusive is False:
-        result = _unchecked(torch.logcumsumexp, input, dim, out, reverse)
+    if reset is None:
+        result = _unchecked(torch.logcumsumexp, input, dim, out, reverse, exclusive)
         if result is not None:
             return result
     if out is not None:
@@ -230,15 +231,18 @@ def cummin(
 # ---- shared pieces -----------------------------------------------------------
 
 
-def _unchecked(op: Any, input: Any, dim: Any, out: Any, reverse: Any) -> Any:
+def _unchecked(op: Any, input: Any, dim: Any, out: Any, reverse: Any, exclusive: Any) -> Any:
     """The call on the unchecked arguments where it can skip the checks, else None (the
     checked path): torch's ``op`` where the drop-ins' route table certainly picks it
     (forward or reversed; ``out=`` forward only), or the kernel run of an identical call
-    (the router's repeat route; cumsum, cumprod and logcumsumexp)."""
+    (the router's repeat route, inclusive or exclusive)."""
+    if exclusive is not False:  # True: an identical call's kernel run, or the checks
+        plain = exclusive is True and out is None and (reverse is False or reverse is True)
+        return repeat_exclusive(op, input, dim, reverse) if plain else None
     if out is None:
         if reverse is False or reverse is True:  # else fscan's error, from the checks
             found = native_first(op, input, dim, reverse)
-            if found is None and op not in OUT_TYPES:  # cummax/cummin: never stored
+            if found is None:
                 found = repeat_cumulative(op, input, dim, reverse)
             return found
         return None
@@ -300,8 +304,8 @@ def _extremum(
     if type(input) is not torch.Tensor and is_dtensor(input):
         drop_in = cummax if op is torch.cummax else cummin
         return on_dtensor(op, drop_in, input, dim, None, out, reverse, reset, exclusive)
-    if reset is None and exclusive is False:
-        result = _unchecked(op, input, dim, out, reverse)
+    if reset is None:
+        result = _unchecked(op, input, dim, out, reverse, exclusive)
         if result is not None:
             return result
     if out is not None:

@@ -7,13 +7,16 @@ log names the engine as for any route."""
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fscan
 from fscan._engines.cpp._cpp_build import compiler_problem
 from fscan._routing import repeat
+from fscan._routing.cumulative import path
 
 pytestmark = pytest.mark.skipif(
     compiler_problem() is not None, reason=f"no C++ kernel here: {compiler_problem()}"
@@ -329,8 +332,7 @@ def test_a_drop_in_repeats_only_its_own_op_mode_and_grad_mode(served):
     out = torch.empty_like(x)
     assert fscan.cumsum(x, 0, out=out) is out  # out= takes the checked path
     assert served == []
-    fscan.cummax(x, 0)  # an index leaf: never stored
-    fscan.cummax(x, 0)
+    fscan.cummax(x, 0)  # another op: its own key, stored by its first call
     assert served == []
     fscan.cumsum(x, 0)
     assert len(served) == 1
@@ -346,3 +348,333 @@ def test_a_repeated_drop_in_logs_the_kernel(served, caplog):
     assert len(served) == 1
     [record] = [r for r in caplog.records if hasattr(r, "fscan_engine")]
     assert record.fscan_engine == "cpp" and record.fscan_refused == {}
+
+
+# ---- the exclusive drop-ins' kernel path ----------------------------------------------
+
+IDENTITY = {"cumsum": 0.0, "cumprod": 1.0, "logcumsumexp": -math.inf}
+STEP = {"cumsum": torch.add, "cumprod": torch.mul, "logcumsumexp": torch.logaddexp}
+EXTREMA = {"cummax": (-math.inf, torch.ge), "cummin": (math.inf, torch.le)}
+
+
+@pytest.fixture
+def served_exclusive(monkeypatch):
+    """The exclusive runs the repeat shortcut served, as they happen."""
+    runs: list[object] = []
+    run_exclusive = repeat.run_exclusive
+
+    def counted(found, x):
+        runs.append(found)
+        return run_exclusive(found, x)
+
+    monkeypatch.setattr(repeat, "run_exclusive", counted)
+    return runs
+
+
+def exclusive_reference(name, x, dim, reverse):
+    """The exclusive drop-in step by step in float64: the carry into each step."""
+    xs = x.double().movedim(dim, 0)
+    n = xs.shape[0]
+    carry = torch.full(xs.shape[1:], IDENTITY[name], dtype=torch.float64)
+    out = [None] * n
+    for t in range(n - 1, -1, -1) if reverse else range(n):
+        out[t] = carry
+        carry = STEP[name](carry, xs[t])
+    return torch.stack(out).movedim(0, dim)
+
+
+def extremum_reference(name, x, dim, reverse, exclusive):
+    """cummax/cummin step by step in float64: (values, indices), positions in ``x``, the
+    later element in scan order winning ties; exclusive: the carry into each step."""
+    start, better = EXTREMA[name]
+    xs = x.double().movedim(dim, 0)
+    n = xs.shape[0]
+    best = torch.full(xs.shape[1:], start, dtype=torch.float64)
+    at = torch.full(xs.shape[1:], -1, dtype=torch.int64)
+    values, indices = [None] * n, [None] * n
+    for t in range(n - 1, -1, -1) if reverse else range(n):
+        if exclusive:
+            values[t], indices[t] = best, at
+        take = better(xs[t], best)
+        best, at = torch.where(take, xs[t], best), torch.where(take, t, at)
+        if not exclusive:
+            values[t], indices[t] = best, at
+    return torch.stack(values).movedim(0, dim), torch.stack(indices).movedim(0, dim)
+
+
+def extremum_input(shape):
+    """Distinct values: ties cannot hide an index off by one."""
+    return torch.randperm(math.prod(shape)).reshape(shape).float()
+
+
+def assert_extremum(out, want):
+    torch.testing.assert_close(out.values, want[0].float(), rtol=0, atol=0)
+    assert torch.equal(out.indices, want[1])
+
+
+def exclusive(name, x, dim, reverse=False, **kw):
+    return getattr(fscan, name)(x, dim, reverse=reverse, exclusive=True, **kw)
+
+
+def served_twice(name, x, dim, reverse=False):
+    """Two exclusive calls: the first runs the checked path and stores the kernel's run."""
+    for _ in range(2):
+        exclusive(name, x, dim, reverse)
+
+
+@pytest.mark.parametrize("name", sorted(DROP_INS))
+@pytest.mark.parametrize(
+    ("shape", "dim", "reverse"),
+    [
+        ((256, 128), 0, False),
+        ((256, 128), 0, True),
+        ((4, 256, 32), -2, False),
+        ((4, 256, 32), 1, True),
+        ((2**15,), 0, False),
+        ((2**15,), 0, True),
+    ],
+    ids=["lanes", "lanes-reversed", "middle", "middle-reversed", "one-lane", "one-lane-reversed"],
+)
+def test_a_repeated_exclusive_drop_in_is_served_and_right(
+    served_exclusive, name, shape, dim, reverse
+):
+    """An exclusive drop-in the route table sends to the kernel, called again with the same
+    input kind, runs the stored run before the checks: the reference's values (the
+    identity at the first step in scan order), a fresh output, the input untouched."""
+    x = drop_in_input(name, shape)
+    before = x.clone()
+    served_twice(name, x, dim, reverse)
+    served_exclusive.clear()
+    out = exclusive(name, x, dim, reverse)
+    # cumsum/cumprod forward over one lane of 2**15: torch's op (the table's), never stored
+    on_kernel = path(getattr(torch, name), x, dim % x.ndim, reverse) == "cpp"
+    assert on_kernel == (x.ndim > 1 or reverse or name == "logcumsumexp")
+    assert len(served_exclusive) == on_kernel
+    close(out, exclusive_reference(name, x, dim, reverse))
+    assert torch.equal(x, before) and out.is_contiguous()
+    assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    if x.ndim == 1 and on_kernel:  # one lane: the kernel's one thread, as on the full path
+        assert served_exclusive[0].run.threads == 1
+
+
+# Each changes one thing the exclusive drop-in's route depends on: no stored run serves it.
+EXCLUSIVE_VARIANTS = {
+    "dtype": lambda x: (x.double(), 0, False, {}),
+    "shape": lambda x: (torch.randn(256, 136), 0, False, {}),
+    "steps": lambda x: (torch.randn(257, 128), 0, False, {}),
+    "dim": lambda x: (x, 1, False, {}),
+    "reverse": lambda x: (x, 0, True, {}),
+    "strides": lambda x: (torch.randn(128, 256).t(), 0, False, {}),
+    "requires_grad": lambda x: (x.clone().requires_grad_(), 0, False, {}),
+    "dtype=": lambda x: (x, 0, False, {"dtype": torch.float32}),
+    "out=": lambda x: (x, 0, False, {"out": torch.empty_like(x)}),
+    "reset=": lambda x: (x, 0, False, {"reset": torch.arange(256) % 5 == 0}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(EXCLUSIVE_VARIANTS))
+def test_a_changed_exclusive_drop_in_is_not_repeated(served_exclusive, variant):
+    x = torch.randn(256, 128)
+    served_twice("cumsum", x, 0)
+    assert served_exclusive  # the key is stored: only the change misses it
+    y, dim, reverse, kw = EXCLUSIVE_VARIANTS[variant](x)
+    served_exclusive.clear()
+    out = exclusive("cumsum", y, dim, reverse, **kw)
+    assert served_exclusive == []
+    want = exclusive_reference("cumsum", y.detach(), dim, reverse)
+    if "reset" in kw:
+        want = _segmented_exclusive_sum(y, kw["reset"])
+    close(out.detach(), want)
+    if "out" in kw:
+        assert out is kw["out"]
+
+
+def test_a_contiguous_view_fits_an_exclusive_key(served_exclusive):
+    """A contiguous view with a storage offset has the layout the key holds: it is served,
+    read from its own first element, and the tensor it views is left alone."""
+    x = torch.randn(256, 128)
+    served_twice("cumsum", x, 0, reverse=True)
+    base = torch.randn(257, 128)
+    before = base.clone()
+    served_exclusive.clear()
+    out = exclusive("cumsum", base[1:], 0, reverse=True)
+    assert len(served_exclusive) == 1
+    close(out, exclusive_reference("cumsum", base[1:], 0, True))
+    assert torch.equal(base, before)
+
+
+def _segmented_exclusive_sum(x, reset):
+    """The exclusive sum along dim 0 restarting at 0 where ``reset`` is True."""
+    carry = torch.zeros(x.shape[1:], dtype=torch.float64)
+    out = []
+    for t in range(x.shape[0]):
+        if reset[t]:
+            carry = torch.zeros_like(carry)
+        out.append(carry)
+        carry = carry + x[t].double()
+    return torch.stack(out)
+
+
+def test_an_exclusive_drop_in_repeats_only_its_own_op_mode_and_grad_mode(served_exclusive):
+    x = drop_in_input("cumprod", (256, 128))
+    served_twice("cumsum", x, 0)
+    served_exclusive.clear()
+    close(exclusive("cumprod", x, 0), exclusive_reference("cumprod", x, 0, False))
+    assert served_exclusive == []  # another op
+    close(fscan.cumsum(x, 0), drop_in_reference("cumsum", x, 0, False))  # inclusive
+    close(fscan.cumsum(x, 0), drop_in_reference("cumsum", x, 0, False))
+    assert served_exclusive == []
+    with fscan.config.override(cpu_kernel="off"):
+        close(exclusive("cumsum", x, 0), exclusive_reference("cumsum", x, 0, False))
+    assert served_exclusive == []
+    with torch.no_grad():  # grad mode is in the key: a run stored with it on misses
+        exclusive("cumsum", x, 0)
+    assert served_exclusive == []
+    exclusive("cumsum", x, 0)
+    assert len(served_exclusive) == 1
+
+
+def test_an_inclusive_run_never_answers_an_exclusive_call(served, served_exclusive):
+    x = torch.randn(256, 128)
+    for _ in range(2):
+        fscan.cumsum(x, 0)
+    served.clear()
+    close(exclusive("cumsum", x, 0), exclusive_reference("cumsum", x, 0, False))
+    assert served == [] and served_exclusive == []
+    served_twice("cumsum", x, 0, reverse=True)
+    served_exclusive.clear()
+    close(fscan.cumsum(x, 0, reverse=True), drop_in_reference("cumsum", x, 0, True))
+    assert served_exclusive == []
+
+
+def test_exclusive_repeats_take_no_gradient_transform_or_dispatch_mode(served_exclusive):
+    """Calls a stored run's key would match but whose full path records, is batched or is
+    watched take the full path, with the reference's values (and gradients)."""
+    x = torch.randn(256, 128)
+    served_twice("cumsum", x, 0)
+    served_exclusive.clear()
+    leaf = x.clone().requires_grad_()
+    out = exclusive("cumsum", leaf, 0)
+    (grad,) = torch.autograd.grad(out.sum(), leaf)
+    close(grad, torch.arange(255, -1, -1, dtype=torch.float64)[:, None].expand(256, 128))
+    batched = torch.func.vmap(lambda row: exclusive("cumsum", row, 0), in_dims=1, out_dims=1)(x)
+    close(batched, exclusive_reference("cumsum", x, 0, False))
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as seen:
+        close(exclusive("cumsum", x, 0), exclusive_reference("cumsum", x, 0, False))
+    assert seen.ops > 0
+    assert served_exclusive == []
+
+
+def test_exclusive_repeats_under_torch_compile_take_the_traced_path(served_exclusive):
+    x = torch.randn(256, 128)
+    served_twice("cumsum", x, 0)
+    served_exclusive.clear()
+    compiled = torch.compile(lambda t: exclusive("cumsum", t, 0), backend="eager", fullgraph=True)
+    close(compiled(x), exclusive_reference("cumsum", x, 0, False))
+    assert served_exclusive == []
+
+
+def test_exclusive_repeats_in_inference_mode_match_the_full_path(served_exclusive):
+    """Grad mode is off in inference mode: a run stored under no_grad serves it, with the
+    full path's values and inference flag; an inference tensor outside it is read as is."""
+    x = torch.randn(256, 128)
+    with torch.no_grad():
+        served_twice("cumsum", x, 0)
+    with torch.inference_mode():
+        served_exclusive.clear()
+        out = exclusive("cumsum", x, 0)
+        assert len(served_exclusive) == 1
+        with fscan.config.override(cpu_kernel="off"):
+            full = exclusive("cumsum", x, 0)
+        frozen = torch.randn(256, 128)
+    assert out.is_inference() == full.is_inference()
+    close(out, exclusive_reference("cumsum", x, 0, False))
+    with torch.no_grad():
+        served_exclusive.clear()
+        out = exclusive("cumsum", frozen, 0)
+    assert len(served_exclusive) == 1 and not out.is_inference()
+    close(out, exclusive_reference("cumsum", frozen, 0, False))
+
+
+def test_exclusive_repeats_are_forgotten_with_the_caches(served_exclusive):
+    x = torch.randn(256, 128)
+    served_twice("logcumsumexp", x, 0, reverse=True)
+    fscan.clear_caches()
+    served_exclusive.clear()
+    exclusive("logcumsumexp", x, 0, reverse=True)
+    assert served_exclusive == []
+
+
+def test_a_repeated_exclusive_drop_in_logs_the_kernel(served_exclusive, caplog):
+    x = torch.randn(256, 128)
+    served_twice("cumsum", x, 0)
+    caplog.set_level(logging.DEBUG, logger="fscan")
+    served_exclusive.clear()
+    exclusive("cumsum", x, 0)
+    assert len(served_exclusive) == 1
+    [record] = [r for r in caplog.records if hasattr(r, "fscan_engine")]
+    assert record.fscan_engine == "cpp"
+
+
+EXTREMUM_CASES = [
+    ((256, 128), 0, False),
+    ((256, 128), 0, True),
+    ((4, 256, 32), 1, False),
+    ((4, 256, 32), -2, True),
+    ((2**15,), 0, True),
+]
+EXTREMUM_IDS = ["lanes", "lanes-reversed", "middle", "middle-reversed", "one-lane-reversed"]
+
+
+@pytest.mark.parametrize("name", sorted(EXTREMA))
+@pytest.mark.parametrize("is_exclusive", [False, True], ids=["inclusive", "exclusive"])
+@pytest.mark.parametrize(("shape", "dim", "reverse"), EXTREMUM_CASES, ids=EXTREMUM_IDS)
+def test_a_repeated_extremum_is_served_and_right(
+    served, served_exclusive, name, is_exclusive, shape, dim, reverse
+):
+    """cummax/cummin on the kernel, called again alike, run the stored run (the kernel
+    makes the index leaf): values and indices as the reference's, indices positions in
+    the whole input (reversed and exclusive: the run starts its positions at 1)."""
+    x = extremum_input(shape)
+    before = x.clone()
+    call = lambda: getattr(fscan, name)(x, dim, reverse=reverse, exclusive=is_exclusive)
+    call(), call()
+    served.clear(), served_exclusive.clear()
+    out = call()
+    assert isinstance(out, getattr(torch.return_types, name))
+    assert (len(served), len(served_exclusive)) == ((0, 1) if is_exclusive else (1, 0))
+    assert_extremum(out, extremum_reference(name, x, dim, reverse, is_exclusive))
+    assert torch.equal(x, before) and out.values.data_ptr() != x.data_ptr()
+    assert out.indices.dtype == torch.int64 and out.indices.is_contiguous()
+
+
+def test_an_extremum_run_serves_only_its_own_op_direction_and_mode(served, served_exclusive):
+    x = extremum_input((256, 128))
+    for _ in range(2):
+        fscan.cummax(x, 0, reverse=True, exclusive=True)
+    served_exclusive.clear()
+    assert_extremum(
+        fscan.cummin(x, 0, reverse=True, exclusive=True),
+        extremum_reference("cummin", x, 0, True, True),
+    )
+    assert_extremum(
+        fscan.cummax(x, 0, exclusive=True), extremum_reference("cummax", x, 0, False, True)
+    )
+    assert_extremum(
+        fscan.cummax(x, 0, reverse=True), extremum_reference("cummax", x, 0, True, False)
+    )
+    assert served_exclusive == [] and served == []
+    values, indices = torch.empty_like(x), torch.empty(x.shape, dtype=torch.int64)
+    out = fscan.cummax(x, 0, out=(values, indices))
+    assert out.values is values and served == []
+    assert_extremum(out, extremum_reference("cummax", x, 0, False, False))

@@ -27,6 +27,7 @@ from .cumulative_table import EXTREMA, FLOATS, NATIVE_BELOW, SUMS, route, torch_
 from .cumulative_table import dtype_refusals as dtype_refusals
 from .repeat import remember_cumulative
 from .repeat import repeat_cumulative as repeat_cumulative
+from .repeat import repeat_exclusive as repeat_exclusive
 from .scan import scan_flat, scan_traced
 from .segmented import run_segmented, segmented_route
 
@@ -35,11 +36,13 @@ __all__ = [
     "dtype_refusals",
     "engine",
     "kernel_call",
+    "kernel_threads",
     "native",
     "native_first",
     "native_first_into",
     "path",
     "repeat_cumulative",
+    "repeat_exclusive",
     "route",
     "segmented",
 ]
@@ -134,22 +137,31 @@ def engine(
     reverse: bool,
     out: list | None = None,
     cells: tuple[bool, bool] | None = None,
+    first_index: int = 0,
 ) -> Any:
     """:func:`cumulative` without ``reset=`` on the engine the table picks. An exclusive
     drop-in (:mod:`fscan._routing.exclusive`) passes ``out`` (views, no gradient wanted),
-    which the kernel and torch's op forward write in place, and ``cells``, the table's
-    answer for its whole input (``x`` is one step shorter)."""
+    which the kernel and torch's op forward write in place, ``cells``, the table's
+    answer for its whole input (``x`` is one step shorter), and for cummax/cummin
+    ``first_index``, the position in that input of ``x``'s first step: the indices are
+    positions there (the kernel makes them so; the other engines add it after)."""
     kernel, parallel = route(op, x, dim, reverse) if cells is None else cells
-    if kernel and (found := _kernel(api, op, x, dim, reverse, out)) is not None:
+    if kernel and (found := _kernel(api, op, x, dim, reverse, out, first_index)) is not None:
         ran("cpp")
         return found
     if not parallel:
-        return native(op, x, dim, reverse, out)
-    ran("blocked")
-    if op in EXTREMA:
+        found = native(op, x, dim, reverse, out)
+    else:
+        ran("blocked")
+        if op not in EXTREMA:
+            return accumulate(_ACCUMULATIONS[op], x, dim, reverse, _inner_scan)
         largest = op is torch.cummax
-        return EXTREMA[op](extremum_scan(x, dim, reverse, largest, _inner_scan))
-    return accumulate(_ACCUMULATIONS[op], x, dim, reverse, _inner_scan)
+        found = EXTREMA[op](extremum_scan(x, dim, reverse, largest, _inner_scan))
+    if not first_index or op not in EXTREMA:
+        return found
+    values, indices = found  # in place where written into `out`; else new (autograd may save them)
+    moved = indices.add_(first_index) if out is not None else indices + first_index
+    return EXTREMA[op]((values, moved))
 
 
 def segmented(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset: Any) -> Any:
@@ -175,7 +187,7 @@ def segmented(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset
         )
     if segmented_route(runs_at([x]), [x]) is None:
         combine, spec, leaves, positions = kernel_call(op, x)
-        threads = 1 if x.shape[dim] == x.numel() else None  # one lane: as _kernel below
+        threads = kernel_threads(x, dim)
         found = run_segmented(combine, spec, leaves, dim, reverse, reset, positions, threads)
         if found is not None:
             return EXTREMA[op](found) if op in EXTREMA else found[0]
@@ -221,27 +233,38 @@ def native(op: Any, x: torch.Tensor, dim: int, reverse: bool, out: list | None =
     return EXTREMA[op]((values.flip(dim), (x.shape[dim] - 1 - indices).flip(dim)))
 
 
-def _kernel(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, out: Any = None) -> Any:
+def _kernel(
+    api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, out: Any = None, first: int = 0
+) -> Any:
     """The kernel's scan of ``x`` if it is compiled, else None (the caller checked that
-    it wins); into ``out`` if given (see :func:`engine`).
+    it wins); into ``out`` if given, cummax/cummin's indices from ``first`` (see
+    :func:`engine`).
 
     Over a single lane the kernel runs on one thread: torch's walk there is serial, and
     the kernel alone beats it (0.7-0.85x). Its threads would double that margin on an idle
     machine, but each of its reduce-then-scan steps waits for every thread, and on a
     shared one a descheduled thread cost 10-25x torch's time (2 threads, another process
     busy), where torch's serial walk does not wait."""
-    combine, spec, leaves, positions = kernel_call(op, x)
-    threads = 1 if x.shape[dim] == x.numel() else None
+    call = kernel_call(op, x)
+    combine, spec, leaves, positions = call
+    threads = kernel_threads(x, dim)
     found = kernel_scan(
-        api, combine, spec, leaves, dim, reverse, positions=positions, threads=threads, out=out
+        api,
+        combine,
+        spec,
+        leaves,
+        dim,
+        reverse,
+        positions=positions,
+        threads=threads,
+        out=out,
+        first_position=first,
     )
     if found is None:
         return None
-    if op in EXTREMA:
-        return EXTREMA[op](found)
     if out is None:  # an identical call repeats this run (fscan._routing.repeat)
-        remember_cumulative(op, combine, x, dim, reverse, threads)
-    return found[0]
+        remember_cumulative(op, call, dim, reverse, threads)
+    return EXTREMA[op](found) if op in EXTREMA else found[0]
 
 
 # ---- the ops as the engines scan them ---------------------------------------------
@@ -294,6 +317,12 @@ def kernel_call(op: Any, x: torch.Tensor) -> tuple[Any, Any, list[torch.Tensor],
         index = torch.zeros((), dtype=torch.int64).expand(x.shape)  # never read
         return combine, _PAIR, [x, index], (1,)
     return combine, _ONE_LEAF, [x], ()
+
+
+def kernel_threads(x: torch.Tensor, dim: int) -> int | None:
+    """The most threads the drop-ins' kernel runs ``x`` on: one over a single lane (see
+    :func:`_kernel`), else None (``torch.get_num_threads()``)."""
+    return 1 if x.shape[dim] == x.numel() else None
 
 
 def _inner_scan(inner: Op, x: torch.Tensor, dim: int, reverse: bool) -> torch.Tensor:

@@ -9,10 +9,12 @@ logcumsumexp, and for cummax (cummin) the lowest (highest) value of the dtype
 (``-inf``/``inf`` for floating types, ``False``/``True`` for bool) with index -1. Where
 nothing is recorded, the kernel and torch's op (forward) write their results in place
 into the output's later steps, so an exclusive drop-in costs what the inclusive one
-does.
+does; a call the kernel served that way is stored for :mod:`fscan._routing.repeat`,
+whose exclusive route repeats it for an identical call before the drop-in's checks.
 
 cummax/cummin's indices are positions in the whole input: reversed, the narrowed input
-starts one step later, so its indices are moved by one.
+starts one step later, so its indices are moved by one (by the kernel as it writes them,
+a runtime argument of its position leaf; after the scan on the other engines).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 
 from .._exclusive import Shift, Steps, exclusive
 from .._segmented import check_reset
-from .cumulative import engine, route, segmented
+from .cumulative import engine, kernel_call, kernel_threads, route, segmented
+from .repeat import remember_exclusive
 
 __all__ = ["exclusive_cumulative", "identity"]
 
@@ -51,16 +54,14 @@ def exclusive_cumulative(
 
     def inclusive(steps: Steps, outs: list[torch.Tensor] | None) -> list[torch.Tensor]:
         part = steps(x)
-        if reset is not None:
-            found = segmented(api, op, part, dim, reverse, steps.mask(reset))
+        later = int(reverse and steps.narrow)  # where `part` starts in `x`, for the indices
+        if reset is None:
+            found = engine(api, op, part, dim, reverse, outs, cells, later)
         else:
-            found = engine(api, op, part, dim, reverse, outs, cells)
-        if not extremum:
-            return [found]
-        values, indices = found
-        if reverse and steps.narrow:  # positions in `part`, which starts one step later
-            indices = indices.add_(1)
-        return [values, indices]
+            found = segmented(api, op, part, dim, reverse, steps.mask(reset))
+            if extremum and later:
+                found = (found[0], found[1].add_(later))
+        return list(found) if extremum else [found]
 
     outputs = [(x.shape, x.dtype)]
     starts: list[Any] = [identity(op, x.dtype)]
@@ -68,6 +69,8 @@ def exclusive_cumulative(
         outputs.append((x.shape, torch.int64))
         starts.append(-1)
     out = exclusive(shift, inclusive, outputs, x.device, starts, [x], reset)
+    if cells[0] and reset is None:  # the kernel's: an identical call repeats it
+        remember_exclusive(op, kernel_call(op, x), dim, reverse, kernel_threads(x, dim), starts)
     return _EXTREMA[op](out) if extremum else out[0]
 
 

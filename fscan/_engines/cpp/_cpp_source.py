@@ -158,15 +158,19 @@ def forward_argtypes(
     program: Program,
     positions: Sequence[int] = (),
     dropped: Sequence[int] = (),
+    tail: bool = True,
 ) -> list[str]:
-    """C types of the forward kernel's arguments (for the Python binding)."""
+    """C types of the forward kernel's arguments (for the Python binding); without
+    ``tail``, those up to the strides (no heads, no first position: the part other
+    kernels built from the forward's translation share)."""
     st = [STORAGE[d] for d in dtypes]
     types = [f"const {c}*" for k, c in enumerate(st) if k not in positions]
     types += [f"{c}*" for k, c in enumerate(st) if k not in dropped]
     types += [f"const {param_ctype(p.dtype)}*" for p in program.params]
     n_read = len(dtypes) - len(set(positions))
     n_kept = len(dtypes) - len(set(dropped))
-    return types + ["int64_t"] * (5 + 1 + len(STRIDES) * (n_read + n_kept) + n_read)
+    n_tail = n_read + bool(positions) if tail else 0  # heads, then pos0 with position leaves
+    return types + ["int64_t"] * (5 + 1 + len(STRIDES) * (n_read + n_kept) + n_tail)
 
 
 def forward_source(
@@ -177,13 +181,16 @@ def forward_source(
 ) -> str:
     """The complete forward kernel:
     ``kernel(x.., y.., p.., outer, T, inner, rev, threads, nb, x strides.., y strides..,
-    heads..)``.
+    heads.. [, pos0])``.
 
     The inputs ``x`` are read and the outputs ``y`` written through their strides
     (``sa, sb, st, si`` each, of the ``(outer // nb, nb, T, inner)`` view: see Ptr;
     outputs must not overlap each other or the inputs: the caller checks). The
     leaves in ``positions`` have no input ``x``: each element's value is its index
-    along the scan dim (as for the indices of ``cummax``). The leaves in ``dropped``
+    along the scan dim (as for the indices of ``cummax``) plus ``pos0``, the last
+    argument of a kernel with position leaves (a view that starts ``pos0`` steps into a
+    larger input gets positions in that input: a runtime argument, so one compiled
+    kernel serves every start). The leaves in ``dropped``
     have no output ``y``: they are computed (the kept ones may depend on them) but
     never stored. ``heads``: per input, the address of one element (contiguous, in the
     leaf's dtype) that replaces the scan's first element in scan order (the last for
@@ -209,8 +216,8 @@ def forward_source(
             _signature(dtypes, program, [f"{st[k]}* y{k}" for k in kept], positions)
         ),
         strides=_stride_params(read + written),
-        heads="".join(f", int64_t h{k}" for k in read_idx),
-        x=_strided_init(read),
+        heads="".join(f", int64_t h{k}" for k in read_idx) + ", int64_t pos0" * bool(positions),
+        x=_strided_init(read) + ", pos0" * bool(positions),
         y=_strided_init(written),
         params=_param_names(program),
         head_init="".join(heads) + (f"h{read_idx[0]} != 0" if read_idx else "false"),

@@ -44,12 +44,12 @@ def _store(dtype: torch.dtype, expr: str) -> str:
     return f"static_cast<{STORAGE[dtype]}>({expr})"
 
 
-def _strided(name: str, fields: Sequence[tuple[str, str]]) -> list[str]:
-    """A struct ``name`` of strided pointers (``fields``: member name, pointee C type) and
-    its placement helpers: ``at`` (a lane at a step), ``row`` (step t from a lane's
-    start), ``unit`` (every inner stride is 1) and ``along`` (some member is laid out
-    along T: its T stride, nonzero, is below its inner stride)."""
-    members = " ".join(f"Ptr<{c}> {f};" for f, c in fields)
+def _strided(name: str, fields: Sequence[tuple[str, str]], extra: str = "") -> list[str]:
+    """A struct ``name`` of strided pointers (``fields``: member name, pointee C type; then
+    the members ``extra`` declares) and its placement helpers: ``at`` (a lane at a step),
+    ``row`` (step t from a lane's start), ``unit`` (every inner stride is 1) and ``along``
+    (some member is laid out along T: its T stride, nonzero, is below its inner stride)."""
+    members = " ".join(f"Ptr<{c}> {f};" for f, c in fields) + extra
     each = lambda expr: " ".join(f"r.{f} = {expr.format(f=f)};" for f, _ in fields)
     return [
         f"struct {name} {{ {members} }};",
@@ -141,7 +141,9 @@ def leaf_structs(
     dropped: Sequence[int] = (),
 ) -> str:
     """Vals/In/Out/Buf/Par and their accessors for leaves of ``dtypes``; the leaves in
-    ``positions`` are not read: loads give them the position ``t`` along the scan dim;
+    ``positions`` are not read: loads give them the position ``t`` along the scan dim
+    plus ``In::pos0`` (0 unless the forward kernel's entry sets it: the position of the
+    first step of a view that starts later in a larger input);
     those in ``dropped`` are not stored: ``Out`` has no pointer for them (outputs the
     caller does not keep cost no memory traffic), and those of them no kept output
     needs (see :func:`needed`) are not kept in the running buffers either (``get``
@@ -162,7 +164,7 @@ def leaf_structs(
 
     def loads(ref: str) -> str:
         return " ".join(
-            f"v.v{k} = static_cast<{compute[k]}>(t);"
+            f"v.v{k} = static_cast<{compute[k]}>(t + x.pos0);"
             if k in positions
             else f"v.v{k} = {_load(dtypes[k], ref.format(f=f'x.x{k}'), compute[k])};"
             for k in R
@@ -171,7 +173,11 @@ def leaf_structs(
     lines = [
         f"static constexpr int64_t LANE_BLOCK = {max(16, 64 // narrowest)};",
         "struct Vals { " + " ".join(f"{bt[k]} v{k};" for k in R) + " };",
-        *_strided("In", [(f"x{k}", f"const {st[k]}") for k in read]),
+        *_strided(
+            "In",
+            [(f"x{k}", f"const {st[k]}") for k in read],
+            " int64_t pos0 = 0;" * bool(positions),
+        ),
         *_gathered("In", [(f"x{k}", f"const {st[k]}") for k in read]),
         *_strided("Out", [(f"y{k}", st[k]) for k in kept]),
         *_scattered("Out", [(f"y{k}", st[k]) for k in kept]),

@@ -21,7 +21,14 @@ from ._cpp_source import param_dtype
 from ._kernel_entry import Entry, is_ready, slot_key
 from ._kernel_layout import counters, strided_layout, strided_view
 
-__all__ = ["PreparedRun", "kernel_params", "prepare_run", "run_kernel", "run_prepared"]
+__all__ = [
+    "PreparedRun",
+    "fresh_outputs",
+    "kernel_params",
+    "prepare_run",
+    "run_kernel",
+    "run_prepared",
+]
 
 
 def run_kernel(
@@ -35,6 +42,7 @@ def run_kernel(
     dropped: tuple[int, ...] = (),
     heads: Sequence[torch.Tensor] | None = None,
     outs: Sequence[torch.Tensor] | None = None,
+    first: int = 0,
 ) -> list[torch.Tensor | None] | None:
     """Run a READY entry's kernel into fresh outputs, or None where its params do not fit;
     on ``threads`` threads at most (default ``torch.get_num_threads()``). ``dropped``: the
@@ -42,6 +50,8 @@ def run_kernel(
     ``heads``: contiguous carry-in elements, one per leaf (see :func:`~.cpu_kernel.kernel_scan`).
     ``outs``: checked ``out=`` memory (see :func:`~.cpu_kernel.kernel_scan`), one per kept output,
     written in place instead of fresh outputs where :func:`~._kernel_layout.strided_layout` fits it.
+    ``first``: the position leaves' value at the first step along ``dim`` (see
+    :func:`~.cpu_kernel.kernel_scan`).
 
     Inputs are read in place through their strides where :func:`~._kernel_layout.strided_view` can
     describe them (no copy); fresh outputs are contiguous, as torch's own scans
@@ -86,7 +96,7 @@ def run_kernel(
         found = strided_layout([*read, *written], dim, fixed=len(written))
         if found is None:  # an out= layout the kernel cannot describe: a dense result
             args = (entry, leaves, dim, reverse, captured, positions, threads, dropped, heads)
-            return _copied_out(run_kernel(*args), ys)
+            return _copied_out(run_kernel(*args, first=first), ys)
         xs, nb, strides = found
         xs = xs[: len(read)]
         counters.wrote(len(written))
@@ -95,6 +105,8 @@ def run_kernel(
         at = _NO_HEADS[len(read)] if len(read) < len(_NO_HEADS) else (0,) * len(read)
     else:  # the tensors stay alive in `heads` while the kernel reads them
         at = tuple([h.data_ptr() for k, h in enumerate(heads) if k not in positions])
+    if positions:  # their first position: the kernel's last argument
+        at = (*at, first)
     kernel(*xs, *written, *params, outer, steps, inner, int(reverse), threads, nb, *strides, *at)
     return ys
 
@@ -116,15 +128,16 @@ _NO_HEADS = [(0,) * n for n in range(9)]  # null carry-in addresses (made once: 
 
 class PreparedRun(NamedTuple):
     """A READY forward kernel with the arguments :func:`run_kernel` would work out for
-    contiguous leaves of one shape, ``dim`` and ``reverse`` (no ``positions``, ``keep``,
-    ``head`` or ``out``): what the router's repeat route calls (:func:`run_prepared`)."""
+    contiguous leaves of one shape, ``dim`` and ``reverse`` (no ``keep``, ``head`` or
+    ``out``): what the router's repeat route calls (:func:`run_prepared`)."""
 
     kernel: Callable[..., None]
     program: Program
     element: tuple[int, ...]  # the leaves' shape without dim: what the params broadcast to
     sizes: tuple[int, ...]  # outer, steps, inner, reverse
-    tail: tuple[int, ...]  # blocks, input and output strides, null carry-in addresses
+    tail: tuple[int, ...]  # blocks, strides, null carry-in addresses (, the first position)
     threads: int | None = None  # at most this many (None: torch.get_num_threads())
+    positions: tuple[int, ...] = ()  # position leaves: not read, their outputs int64
 
 
 def prepare_run(
@@ -134,53 +147,67 @@ def prepare_run(
     dim: int,
     reverse: bool,
     threads: int | None = None,
+    positions: tuple[int, ...] = (),
+    first_position: int = 0,
 ) -> PreparedRun | None:
-    """The :class:`PreparedRun` of the READY forward kernel in ``holder`` for contiguous,
-    non-empty ``leaves`` of one shape scanned along ``dim`` (non-negative), on ``threads``
-    threads at most (as :func:`run_kernel`'s), else None."""
+    """The :class:`PreparedRun` of the READY forward kernel in ``holder`` for non-empty
+    ``leaves`` of one shape scanned along ``dim`` (non-negative), those not in
+    ``positions`` contiguous (see :func:`~.cpu_kernel.kernel_scan` for ``positions`` and
+    ``first_position``), on ``threads`` threads at most (as :func:`run_kernel`'s), else None."""
     shape = leaves[0].shape
     element = tuple(shape[:dim] + shape[dim + 1 :])
     entry = holder.kernels.get("cpp")
-    entry = None if entry is None else entry.peek(slot_key(aliases, element, (), (), False, False))
-    if not is_ready(entry) or not all(x.is_contiguous() and x.shape == shape for x in leaves):
+    slot = slot_key(aliases, element, positions, (), False, False)
+    entry = None if entry is None else entry.peek(slot)
+    read = [x for k, x in enumerate(leaves) if k not in positions]
+    if not is_ready(entry) or not all(x.is_contiguous() and x.shape == shape for x in read):
         return None
     assert entry.program is not None and entry.kernel is not None
     outer, steps, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
     if outer * steps * inner == 0:
         return None
-    n = len(leaves)
+    n, n_read = len(leaves), len(read)
     # As run_kernel passes them for contiguous inputs into fresh outputs: one block.
-    strides = _contiguous_strides(steps, inner, n) + _dense_strides(1, steps, inner, n)
-    tail = (1, *strides, *(0,) * n)
-    return PreparedRun(
-        entry.kernel, entry.program, element, (outer, steps, inner, int(reverse)), tail, threads
-    )
+    strides = _contiguous_strides(steps, inner, n_read) + _dense_strides(1, steps, inner, n)
+    tail = (1, *strides, *(0,) * n_read, *(first_position,) * bool(positions))
+    sizes = (outer, steps, inner, int(reverse))
+    return PreparedRun(entry.kernel, entry.program, element, sizes, tail, threads, positions)
 
 
 def run_prepared(
     run: PreparedRun, leaves: Sequence[torch.Tensor], captured: Sequence[torch.Tensor]
 ) -> list[torch.Tensor] | None:
     """:func:`run_kernel` of a :class:`PreparedRun` on leaves of the shape, layout and dtypes
-    it was prepared for, on ``torch.get_num_threads()`` threads (at most ``run.threads``);
-    None where the captured
-    tensors do not broadcast to one element (the caller's full route then decides)."""
+    it was prepared for (those read: none for ``run.positions``, whose outputs are int64),
+    on ``torch.get_num_threads()`` threads (at most ``run.threads``); None where the
+    captured tensors do not broadcast to one element (the caller's full route then decides)."""
     params = kernel_params(run.program, captured, run.element) if run.program.params else ()
     if params is None:
         return None
     threads = torch.get_num_threads()
     if run.threads is not None:
         threads = min(run.threads, threads)
-    if len(leaves) == 1:  # no lists to build: ~0.3 µs of a 5 µs scan of 64 elements
+    if len(leaves) == 1 and not run.positions:  # no lists to build: ~0.3 µs of a 5 µs scan of 64
         y = torch.empty_like(leaves[0])
         if y.numel() >= _HUGE_GATE:
             advise_huge_pages(y)
         run.kernel(leaves[0], y, *params, *run.sizes, threads, *run.tail)
         return [y]
-    ys = [torch.empty_like(x) for x in leaves]
+    ys = fresh_outputs(leaves, run.positions)
     if ys[0].numel() >= _HUGE_GATE:
         _advise(ys)
     run.kernel(*leaves, *ys, *params, *run.sizes, threads, *run.tail)
     return ys
+
+
+def fresh_outputs(leaves: Sequence[torch.Tensor], positions: tuple[int, ...]) -> list[torch.Tensor]:
+    """New outputs like the leaves read, with int64 ones (of their shape) at ``positions``."""
+    if not positions:
+        return [torch.empty_like(x) for x in leaves]
+    read, like = iter(leaves), leaves[0]
+    index = lambda: torch.empty_like(like, dtype=torch.int64)
+    n = len(leaves) + len(positions)
+    return [index() if k in positions else torch.empty_like(next(read)) for k in range(n)]
 
 
 def _copied_out(

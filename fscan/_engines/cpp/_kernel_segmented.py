@@ -49,9 +49,8 @@ def segmented_argtypes(
 ) -> list[str]:
     """C types of the segmented kernel's arguments: the forward's (no heads), then the
     flags and their four strides."""
-    forward = forward_argtypes(dtypes, program, positions)
-    n_read = len(dtypes) - len(set(positions))
-    return [*forward[: len(forward) - n_read], "const uint8_t*", *["int64_t"] * 4]
+    forward = forward_argtypes(dtypes, program, positions, tail=False)
+    return [*forward, "const uint8_t*", *["int64_t"] * 4]
 
 
 def chains_tiled(program: Program) -> bool:

@@ -96,7 +96,14 @@ from ._kernel_registry import (
 )
 from ._kernel_registry import captured_occurrences as captured_occurrences
 from ._kernel_registry import leaf_refusal as leaf_refusal
-from ._kernel_run import PreparedRun, kernel_params, prepare_run, run_kernel, run_prepared
+from ._kernel_run import (
+    PreparedRun,
+    fresh_outputs,
+    kernel_params,
+    prepare_run,
+    run_kernel,
+    run_prepared,
+)
 
 __all__ = [
     "KERNEL_MIN_NUMEL",
@@ -106,6 +113,7 @@ __all__ = [
     "KernelScan",
     "PreparedRun",
     "counters",
+    "fresh_outputs",
     "kernel_entries",
     "kernel_grad_scan",
     "kernel_possible",
@@ -145,6 +153,7 @@ def kernel_scan(
     keep: Sequence[bool] | None = None,
     head: Sequence[torch.Tensor] | None = None,
     out: Sequence[torch.Tensor] | None = None,
+    first_position: int = 0,
 ) -> list[torch.Tensor | None] | None:
     """The scan of ``leaves`` along ``dim`` by the compiled kernel, or None (module doc).
 
@@ -153,6 +162,9 @@ def kernel_scan(
     ``positions``: leaves whose values are not read but are each element's index along
     ``dim`` (int64; pass any tensor of the right shape and dtype, e.g. an expanded
     scalar): the kernel makes them on the fly, as ``cummax`` needs for its indices.
+    ``first_position``: their value at the first step along ``dim`` (index order), 0 by
+    default: the leaves of a view that starts that many steps into a larger input get
+    positions in that input (a runtime argument: the same kernel serves).
     ``threads``: at most this many threads (default ``torch.get_num_threads()``).
     ``keep``: which outputs the caller keeps, one bool per leaf (default all); the
     others are None, neither allocated nor written (their values are still computed
@@ -199,7 +211,17 @@ def kernel_scan(
     if outs is not None and captured:
         check_disjoint(outs, [(f"captured tensor {i}", t) for i, t in enumerate(captured)])
     return run_kernel(
-        kernel, leaves, dim, reverse, captured, positions, threads, dropped, heads, outs
+        kernel,
+        leaves,
+        dim,
+        reverse,
+        captured,
+        positions,
+        threads,
+        dropped,
+        heads,
+        outs,
+        first_position,
     )
 
 
