@@ -5,7 +5,8 @@ held in a register across a tile's 16 steps.
 Lengths sit around the tile's edges (15, 16, 17, 32, 33 steps: a tile, a tail, none) and
 the chunk edges of a 1-D scan (chunks of at least 2048 steps), in both directions, on 1
 and 2 threads; single leaves (add, mul, max with NaN and inf, a non-commutative pick of
-the last nonzero), the affine pair, and layouts other than float32 that walk instead.
+the last nonzero), the affine pair, logaddexp (two vectors of chains per tile), and
+layouts other than float32 that walk instead.
 """
 
 from __future__ import annotations
@@ -47,12 +48,16 @@ def affine(x, y):
     return (x[0] * y[0], y[0] * x[1] + y[1])
 
 
+def lse(a, b):  # expensive: two vectors of chains per tile (tile_ways)
+    return torch.logaddexp(a, b)
+
+
 def _data(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=gen)
     if name == "mul":
         x = torch.exp(x * 0.05)
-    if name == "max" and x.numel() > 40:
+    if name in ("max", "lse") and x.numel() > 40:
         x.view(-1)[7] = float("nan")
         x.view(-1)[29] = float("inf")
         x.view(-1)[-3] = float("-inf")
@@ -65,7 +70,14 @@ def _data(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int):
     return x.to(dtype)
 
 
-COMBINES = {"add": add, "mul": mul, "max": cmax, "last_nonzero": last_nonzero, "affine": affine}
+COMBINES = {
+    "add": add,
+    "mul": mul,
+    "max": cmax,
+    "last_nonzero": last_nonzero,
+    "affine": affine,
+    "lse": lse,
+}
 
 
 def _check(name: str, xs, dim: int, reverse: bool, threads: int) -> None:
@@ -97,7 +109,7 @@ def _check(name: str, xs, dim: int, reverse: bool, threads: int) -> None:
 @pytest.mark.parametrize("steps", [1, 15, 16, 17, 32, 33, 100])
 @pytest.mark.parametrize("name", sorted(COMBINES))
 def test_last_dim_chains_in_tiles_match_the_oracle(name, steps, reverse, threads):
-    # 37 chains: two whole groups of 16 and a group of 5, walked one by one.
+    # 37 chains: whole groups of 16 (of 32 for lse) and the rest walked one by one.
     xs = _data(name, (37, steps), torch.float32, seed=steps)
     _check(name, xs, 1, reverse, threads)
 

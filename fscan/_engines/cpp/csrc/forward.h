@@ -168,11 +168,16 @@ static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const 
 
 // TW chains side by side, as the lanes of vector loops (float32 leaves, steps dense,
 // AVX-512: TILED and tileable): TB steps of each chain are transposed in registers
-// into a tile (InTile: a row per step), the rows are scanned as the lane path scans
-// rows, and the outputs transposed back out. Walking chains one element at a time kept
-// the combine scalar: the affine pair over (4096, 256) dim 1 ran 4.6 ns an element
-// walked (9 reversed), 2.0 tiled (add: 0.46 -> 0.36; reversed 0.61 -> 0.36). The steps
-// after the last whole tile, and chains longer than the shortest, are walked.
+// into a tile (InTile: WAYS blocks of TV chains, a row of each per step), the steps are
+// scanned (tile_scan), and the outputs transposed back out. Walking chains one element
+// at a time kept the combine scalar: the affine pair over (4096, 256) dim 1 ran 4.6 ns
+// an element walked (9 reversed), 1.1 tiled; add 0.42 -> 0.29. The steps after the last
+// whole tile, and chains longer than the shortest, are walked.
+// Where the time goes (add, (4096, 256) dim 1, 1 thread; a copy 0.065 ns an element):
+// 0.24 in all; without the transposes 0.10 (the scan, its double accumulation included),
+// without the scan 0.14 (the transposes: 128 shuffles per 256 elements, and the tile's
+// stores and loads). So a chain scan of float32 stays near 4x a copy on this machine,
+// where the lane path, needing no transpose, runs at 1.1-1.5x.
 struct Tiles {
   InTile in;
   OutTile out;
@@ -180,8 +185,9 @@ struct Tiles {
 };
 
 // Steps [K0, TB) (in scan order; UP: ascending rows) of a tile's TW chains, each chain's
-// running value held in a register across them: the loop over chains is the vector loop,
-// the steps unrolled inside it. (The running values stored to acc after every row, and
+// running value held in a register across them: the loop over TV chains is the vector
+// loop, the steps unrolled inside it, the WAYS blocks interleaved in each step (an
+// expensive combine's latency is hidden behind the other block's: see tile_ways). (The running values stored to acc after every row, and
 // loaded back for the next, waited on the store for each row: 0.45 ns an element for add
 // over (4096, 256) dim 1.) Flushed (see fscan_flush_f32) at the tile's last step only:
 // at every step the flush cost the affine pair 10-17% over (4096, 256) dim 1; never, a
@@ -194,16 +200,20 @@ template <bool WRITE, bool UP, int64_t K0>
 __attribute__((noinline, optimize("no-tree-pre")))
 static void tile_scan(const In x, const Out y, const Par p, const int64_t* elem, const Buf acc, Tiles& tl) {
 #pragma GCC ivdep
-  for (int g = 0; g < TW; ++g) {
-    Vals a = get_all(acc, g);
+  for (int g = 0; g < TV; ++g) {
+    Vals a[WAYS];
+    for (int w = 0; w < WAYS; ++w) a[w] = get_all(acc, w * TV + g);
 #pragma GCC unroll 16
     for (int64_t k = K0; k < TB; ++k) {
       const int64_t j = UP ? k : TB - 1 - k;
-      const Vals v = load_i(tile_row(x, tl.in, j), g, 0);
-      a = k == TB - 1 ? combine<true>(a, v, p, elem[g]) : combine<false>(a, v, p, elem[g]);
-      if (WRITE) store_i(tile_row(y, tl.out, j), g, a);
+      for (int w = 0; w < WAYS; ++w) {
+        const Vals v = load_i(tile_row(x, tl.in, w * TB + j), g, 0);
+        const int64_t e = elem[w * TV + g];
+        a[w] = k == TB - 1 ? combine<true>(a[w], v, p, e) : combine<false>(a[w], v, p, e);
+        if (WRITE) store_i(tile_row(y, tl.out, w * TB + j), g, a[w]);
+      }
     }
-    put_all(acc, g, a);
+    for (int w = 0; w < WAYS; ++w) put_all(acc, w * TV + g, a[w]);
   }
 }
 
@@ -220,13 +230,11 @@ static void tile_chains(const In* xb, const Out* yb, const Par p, const int64_t*
     for (int g = 0; g < TW; ++g) lo[g] = UP ? t0[g] + s0 : t0[g] - s0 - (TB - 1);
     tile_in(xb, lo, tl.in);
     if (s0 == 0) {  // the first step: from the carry-in, if any
-      const int64_t j = UP ? 0 : TB - 1;
-      const In xr = tile_row(xb[0], tl.in, j);
-      const Out yr = tile_row(yb[0], tl.out, j);
       for (int g = 0; g < TW; ++g) {
-        const Vals v = load_i(xr, g, 0);
+        const int64_t j = g / TV * TB + (UP ? 0 : TB - 1);
+        const Vals v = load_i(tile_row(xb[0], tl.in, j), g % TV, 0);
         put_all(acc, g, has[g] ? combine(carry[g], v, p, elem[g]) : v);
-        if (WRITE) store_i(yr, g, get_all(acc, g));
+        if (WRITE) store_i(tile_row(yb[0], tl.out, j), g % TV, get_all(acc, g));
       }
       tile_scan<WRITE, UP, 1>(xb[0], yb[0], p, elem, acc, tl);
     } else {
