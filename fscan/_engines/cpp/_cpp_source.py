@@ -30,11 +30,12 @@ compiled kernel serves every shape and layout.
   untaken branch per row and input).
 * Chain path (``inner < 8``: 1-D, or a scan over the last dim; or inputs laid
   out along T, such as a transpose, whose T stride is below their inner
-  stride): each lane is a chain. Two or more float32 leaves whose steps are dense
-  (AVX-512) go 16 chains side by side, as the lanes of vector loops: 16 steps of each are
-  transposed into a tile in registers, scanned a row at a time, and transposed back
-  (``tile_chains``). Other leaves: 8 chains run interleaved (instruction-level
-  parallelism), each walking its steps (long ones 16 steps apart, off one cache set).
+  stride): each lane is a chain. float32 leaves whose steps are dense (AVX-512)
+  go 16 chains side by side (32 for an expensive combine), as the lanes of vector
+  loops: 16 steps of each are transposed into a tile in registers, scanned with each
+  chain's running value in a register, and transposed back (``tile_chains``). Other
+  leaves: 8 chains run interleaved (instruction-level parallelism), each walking its
+  steps (long ones 16 steps apart, off one cache set).
 * Either path splits T into chunks when there are too few columns or chains
   for the threads (and, on the chain path, for the 8-way interleave):
   reduce-then-scan (chunk totals, a short scan of the totals, then each chunk
@@ -210,7 +211,7 @@ def forward_source(
         combine=_combine_function(compute, program),
         suspect=suspect_check(dtypes, kept),
         tuning=csrc("tuning.h"),
-        tiles=tile_structs(read_idx if tiled(st, positions, program.expensive) else None, kept),
+        tiles=tile_structs(read_idx if tiled(st, positions) else None, kept, program.expensive),
         forward=csrc("forward.h"),
         arguments=", ".join(
             _signature(dtypes, program, [f"{st[k]}* y{k}" for k in kept], positions)

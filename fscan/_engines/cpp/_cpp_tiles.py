@@ -2,8 +2,9 @@
 
 Where chains are tiled, TB steps of TW chains of each leaf are transposed in registers
 into a tile and scanned as the lane path scans rows; :func:`tiled` says where (by the
-leaves' storage and the combine's cost), :func:`tile_structs` writes the tile types and
-their transposes for one leaf layout (stubs where chains are walked instead).
+leaves' storage), :func:`tile_structs` writes the tile types and their transposes for one
+leaf layout (stubs where chains are walked instead), and how many vectors of TV chains a
+tile holds (by the combine's cost).
 """
 
 from __future__ import annotations
@@ -13,24 +14,35 @@ from collections.abc import Sequence
 __all__ = ["tile_structs", "tiled"]
 
 
-def tiled(storage: Sequence[str], positions: Sequence[int], expensive: bool) -> bool:
+def tiled(storage: Sequence[str], positions: Sequence[int]) -> bool:
     """Whether the chain path tiles its chains (see tile_chains in csrc/forward.h): float32
-    leaves, none of them positions, two or more of them or an expensive combine. Per
-    element over (1048576,), add/mul/max walked 0.40-0.55 ns, tiled 0.7 (the transposes
-    cost more than their scalar combine); the affine pair walked 2.4-4.4, tiled 1.2-2.1;
-    logaddexp over (4096, 256) dim 1 walked 17 (expf and log1pf calls), tiled 2.7."""
-    floats = not positions and set(storage) == {"float"}
-    return floats and (len(storage) >= 2 or expensive)
+    leaves, none of them positions. Per element over (4096, 256) dim 1, 1 thread: add, mul
+    and max walked 8 chains interleaved in 0.38-0.47 ns, tiled 0.25-0.30 (once each
+    chain's running value stayed in a register across a tile's steps); the affine pair
+    walked 4.6, tiled 1.0; logaddexp walked 17 (expf and log1pf calls), tiled 1.8."""
+    return not positions and set(storage) == {"float"}
 
 
-def tile_structs(read: Sequence[int] | None, kept: Sequence[int]) -> str:
+def tile_ways(expensive: bool) -> int:
+    """Vectors of TV chains per tile (``WAYS``), scanned interleaved: 2 for an expensive
+    combine, whose steps' latency a lone vector of chains waits on (logaddexp over (4096,
+    256) dim 1: 2.6 ns an element with one, 1.8 with two), else 1 (add and max ran 1.5x
+    slower with two: 32 chains a power of two apart share the L1 sets of their lines)."""
+    return 2 if expensive else 1
+
+
+def tile_structs(read: Sequence[int] | None, kept: Sequence[int], expensive: bool = False) -> str:
     """The chain path's tiles (see tile_chains in csrc/forward.h): ``InTile``/``OutTile``,
-    TB steps of TW chains of each read/kept leaf, transposed in and out by ``tile_in``/
-    ``tile_out`` (float32 leaves, no position leaves: ``read`` is None otherwise, and
-    ``TILED`` false, with stubs)."""
+    TB steps of TW chains of each read/kept leaf (``WAYS`` blocks of TV chains, each its
+    TB rows, see :func:`tile_ways`), transposed in and out by ``tile_in``/``tile_out``
+    (float32 leaves, no position leaves: ``read`` is None otherwise, and ``TILED`` false,
+    with stubs)."""
+    ways = tile_ways(expensive) if read is not None else 1
+    shape = [f"static constexpr int WAYS = {ways};", "static constexpr int TW = TV * WAYS;"]
     if read is None:
         return "\n".join(
             [
+                *shape,
                 "static constexpr bool TILED = false;",
                 "struct InTile {}; struct OutTile {};",
                 "static FSCAN_INLINE bool tileable(const In, const Out) { return false; }",
@@ -47,6 +59,7 @@ def tile_structs(read: Sequence[int] | None, kept: Sequence[int]) -> str:
     units = [f"x.{f}.st == 1" for f in xs] + [f"y.{f}.st == 1" for f in ys]
     return "\n".join(
         [
+            *shape,
             "static constexpr bool TILED = FSCAN_TILES;",
             tile("InTile", xs),
             tile("OutTile", ys),
@@ -54,24 +67,26 @@ def tile_structs(read: Sequence[int] | None, kept: Sequence[int]) -> str:
             "{ (void)x; (void)y; return " + " && ".join(units or ["true"]) + "; }",
             "static FSCAN_INLINE void tile_in(const In* x, const int64_t* t, InTile& b) { "
             + " ".join(
-                f"{{ const float* s[TW]; for (int g = 0; g < TW; ++g) s[g] = x[g].{f}.p + t[g]; "
-                f"fscan_tile_in(s, b.{f}); }}"
+                f"for (int h = 0; h < TW; h += TV) {{ const float* s[TV]; "
+                f"for (int g = 0; g < TV; ++g) s[g] = x[h + g].{f}.p + t[h + g]; "
+                f"fscan_tile_in(s, b.{f} + h * TB); }}"
                 for f in xs
             )
             + " }",
             "static FSCAN_INLINE void tile_out(const Out* y, const int64_t* t, const OutTile& b) "
             "{ "
             + " ".join(
-                f"{{ float* d[TW]; for (int g = 0; g < TW; ++g) d[g] = y[g].{f}.p + t[g]; "
-                f"fscan_tile_out(b.{f}, d); }}"
+                f"for (int h = 0; h < TW; h += TV) {{ float* d[TV]; "
+                f"for (int g = 0; g < TV; ++g) d[g] = y[h + g].{f}.p + t[h + g]; "
+                f"fscan_tile_out(b.{f} + h * TB, d); }}"
                 for f in ys
             )
             + " }",
             "static FSCAN_INLINE In tile_row(const In x, const InTile& b, int64_t j) { In r = x; "
-            + " ".join(f"r.{f} = Ptr<const float>{{b.{f} + j * TW, 0, 0, 0, 1}};" for f in xs)
+            + " ".join(f"r.{f} = Ptr<const float>{{b.{f} + j * TV, 0, 0, 0, 1}};" for f in xs)
             + " return r; }",
             "static FSCAN_INLINE Out tile_row(const Out y, OutTile& b, int64_t j) { Out r = y; "
-            + " ".join(f"r.{f} = Ptr<float>{{b.{f} + j * TW, 0, 0, 0, 1}};" for f in ys)
+            + " ".join(f"r.{f} = Ptr<float>{{b.{f} + j * TV, 0, 0, 0, 1}};" for f in ys)
             + " return r; }",
         ]
     )

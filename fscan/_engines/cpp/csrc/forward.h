@@ -168,55 +168,90 @@ static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const 
 
 // TW chains side by side, as the lanes of vector loops (float32 leaves, steps dense,
 // AVX-512: TILED and tileable): TB steps of each chain are transposed in registers
-// into a tile (InTile: a row per step), the rows are scanned as the lane path scans
-// rows, and the outputs transposed back out. Walking chains one element at a time kept
-// the combine scalar: the affine pair over (4096, 256) dim 1 ran 4.6 ns an element
-// walked (9 reversed), 2.0 tiled (add: 0.46 -> 0.36; reversed 0.61 -> 0.36). The steps
-// after the last whole tile, and chains longer than the shortest, are walked.
+// into a tile (InTile: WAYS blocks of TV chains, a row of each per step), the steps are
+// scanned (tile_scan), and the outputs transposed back out. Walking chains one element
+// at a time kept the combine scalar: the affine pair over (4096, 256) dim 1 ran 4.6 ns
+// an element walked (9 reversed), 1.1 tiled; add 0.42 -> 0.29. The steps after the last
+// whole tile, and chains longer than the shortest, are walked.
+// Where the time goes (add, (4096, 256) dim 1, 1 thread; a copy 0.065 ns an element):
+// 0.24 in all; without the transposes 0.10 (the scan, its double accumulation included),
+// without the scan 0.14 (the transposes: 128 shuffles per 256 elements, and the tile's
+// stores and loads). So a chain scan of float32 stays near 4x a copy on this machine,
+// where the lane path, needing no transpose, runs at 1.1-1.5x.
 struct Tiles {
   InTile in;
   OutTile out;
   Store acc{TW};
 };
 
-template <bool WRITE>
+// Steps [K0, TB) (in scan order; UP: ascending rows) of a tile's TW chains, each chain's
+// running value held in a register across them: the loop over TV chains is the vector
+// loop, the steps unrolled inside it, the WAYS blocks interleaved in each step (an
+// expensive combine's latency is hidden behind the other block's: see tile_ways). (The running values stored to acc after every row, and
+// loaded back for the next, waited on the store for each row: 0.45 ns an element for add
+// over (4096, 256) dim 1.) Flushed (see fscan_flush_f32) at the tile's last step only:
+// at every step the flush cost the affine pair 10-17% over (4096, 256) dim 1; never, a
+// product sunk into double's subnormals stayed there and cost 25% over (1048576,).
+// A function of its own without GCC's partial redundancy elimination: in the unrolled
+// steps, PRE carried a NaN check of one step's result into the next (torch.maximum's
+// `a != a`) as a select of booleans, which GCC 12 cannot vectorise; the loop then ran
+// scalar, 1.05 ns an element for max over (4096, 256) dim 1 (0.31 vectorised).
+#if defined(__GNUC__) && !defined(__clang__)
+#define FSCAN_TILE_SCAN __attribute__((noinline, optimize("no-tree-pre")))
+#else
+#define FSCAN_TILE_SCAN __attribute__((noinline))  // GCC's optimize attribute: GCC only
+#endif
+template <bool WRITE, bool UP, int64_t K0>
+FSCAN_TILE_SCAN static void tile_scan(const In x, const Out y, const Par p, const int64_t* elem, const Buf acc, Tiles& tl) {
+#pragma GCC ivdep
+  for (int g = 0; g < TV; ++g) {
+    Vals a[WAYS];
+    for (int w = 0; w < WAYS; ++w) a[w] = get_all(acc, w * TV + g);
+#pragma GCC unroll 16
+    for (int64_t k = K0; k < TB; ++k) {
+      const int64_t j = UP ? k : TB - 1 - k;
+      for (int w = 0; w < WAYS; ++w) {
+        const Vals v = load_i(tile_row(x, tl.in, w * TB + j), g, 0);
+        const int64_t e = elem[w * TV + g];
+        a[w] = k == TB - 1 ? combine<true>(a[w], v, p, e) : combine<false>(a[w], v, p, e);
+        if (WRITE) store_i(tile_row(y, tl.out, w * TB + j), g, a[w]);
+      }
+    }
+    for (int w = 0; w < WAYS; ++w) put_all(acc, w * TV + g, a[w]);
+  }
+}
+
+template <bool WRITE, bool UP>
 static void tile_chains(const In* xb, const Out* yb, const Par p, const int64_t* t0,
-                        const int64_t* len, const int64_t* elem, int64_t tstep,
-                        const Vals* carry, const bool* has, Vals* last, const In* hb,
-                        const bool* head, Tiles& tl) {
+                        const int64_t* len, const int64_t* elem, const Vals* carry,
+                        const bool* has, Vals* last, const In* hb, const bool* head, Tiles& tl) {
   const Buf acc = tl.acc.buf();
   int64_t common = len[0];
   for (int g = 1; g < TW; ++g) common = std::min(common, len[g]);
   int64_t s0 = 0;
   for (; s0 + TB <= common; s0 += TB) {
     int64_t lo[TW];  // each chain's step at the tile's lowest address
-    for (int g = 0; g < TW; ++g) lo[g] = tstep > 0 ? t0[g] + s0 : t0[g] - s0 - (TB - 1);
+    for (int g = 0; g < TW; ++g) lo[g] = UP ? t0[g] + s0 : t0[g] - s0 - (TB - 1);
     tile_in(xb, lo, tl.in);
-    for (int64_t k = 0; k < TB; ++k) {
-      const int64_t j = tstep > 0 ? k : TB - 1 - k;
-      const In xr = tile_row(xb[0], tl.in, j);
-      const Out yr = tile_row(yb[0], tl.out, j);
-      if (s0 == 0 && k == 0) {
-        for (int g = 0; g < TW; ++g) {
-          const Vals v = load_i(xr, g, 0);
-          put_all(acc, g, has[g] ? combine(carry[g], v, p, elem[g]) : v);
-        }
-      } else {
-        // Not unrolled: GCC's straight-line vectoriser left half the lanes scalar.
-#pragma GCC unroll 1
-#pragma GCC ivdep
-        for (int g = 0; g < TW; ++g) put_all(acc, g, combine(get_all(acc, g), load_i(xr, g, 0), p, elem[g]));
+    if (s0 == 0) {  // the first step: from the carry-in, if any
+      for (int g = 0; g < TW; ++g) {
+        const int64_t j = g / TV * TB + (UP ? 0 : TB - 1);
+        const Vals v = load_i(tile_row(xb[0], tl.in, j), g % TV, 0);
+        put_all(acc, g, has[g] ? combine(carry[g], v, p, elem[g]) : v);
+        if (WRITE) store_i(tile_row(yb[0], tl.out, j), g % TV, get_all(acc, g));
       }
-      if (WRITE) {
-#pragma GCC unroll 1
-#pragma GCC ivdep
-        for (int g = 0; g < TW; ++g) store_i(yr, g, get_all(acc, g));
-      }
+      tile_scan<WRITE, UP, 1>(xb[0], yb[0], p, elem, acc, tl);
+    } else {
+      tile_scan<WRITE, UP, 0>(xb[0], yb[0], p, elem, acc, tl);
     }
     if (WRITE) tile_out(yb, lo, tl.out);
   }
+  // The steps after the last whole tile (all of them where the shortest chain is shorter
+  // than a tile) are walked, a chain at a time: interleaving G of them here ran slower
+  // (add over (4096, 5) dim 1: 2.4 ns an element, one by one 1.7; the affine pair 9.6, 2.8).
+  const int64_t tstep = UP ? 1 : -1;
   for (int g = 0; g < TW; ++g) {
-    if (s0 == 0) {  // shorter than a tile: walked from the start
+    if (s0 == 0) {
       chains<1, WRITE>(xb + g, yb + g, p, t0 + g, len + g, elem + g, tstep, carry + g, has + g, last + g, hb + g, head + g);
       continue;
     }
@@ -240,7 +275,8 @@ static void chain_group(const In* xb, const Out* yb, const Par p, int ng, const 
     bool heads = false;
     for (int g = 0; g < ng; ++g) heads |= head[g];
     if (TILED && !heads && tileable(xb[0], yb[0])) {
-      tile_chains<WRITE>(xb, yb, p, t0, len, elem, tstep, carry, has, last, hb, head, tl);
+      if (tstep > 0) tile_chains<WRITE, true>(xb, yb, p, t0, len, elem, carry, has, last, hb, head, tl);
+      else tile_chains<WRITE, false>(xb, yb, p, t0, len, elem, carry, has, last, hb, head, tl);
       return;
     }
     for (int h = 0; h < ng; h += G)
@@ -267,17 +303,30 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
   C = (T + L - 1) / L;
   const int64_t tstep = rev ? -1 : 1;
   const int64_t items = lanes * C, groups = (items + CG - 1) / CG;
-  auto describe = [&](int64_t k, In& xb, Out& yb, int64_t& t0, int64_t& len, int64_t& elem,
+  // Item k: chunk c of lane (o, i), k = lane * C + c. A pass steps from one item to the
+  // next by increments (a division or two per chain, which GCC keeps even where C or
+  // inner is 1, cost 18% on 64-step chains).
+  struct Item { int64_t lane, c, o, i; };
+  auto item = [&](int64_t k) {
+    const int64_t lane = k / C, o = lane / inner;
+    return Item{lane, k - lane * C, o, lane - o * inner};
+  };
+  auto next = [&](Item& it) {
+    if (++it.c < C) return;
+    it.c = 0;
+    ++it.lane;
+    if (++it.i == inner) { it.i = 0; ++it.o; }
+  };
+  auto describe = [&](const Item& it, In& xb, Out& yb, int64_t& t0, int64_t& len, int64_t& elem,
                       In& hb, bool& head) {
-    const int64_t lane = k / C, c = k % C, o = lane / inner, i = lane % inner;
-    const int64_t s = c * L;
+    const int64_t s = it.c * L;
     t0 = rev ? T - 1 - s : s;
-    xb = at(x, S, o, 0, i);
-    yb = at(y, S, o, 0, i);
+    xb = at(x, S, it.o, 0, it.i);
+    yb = at(y, S, it.o, 0, it.i);
     len = std::min(T, s + L) - s;
-    elem = lane;
-    head = H.any && c == 0;  // the scan's first step: from the carry-in's head element
-    if (head) hb = head_at(x, H, lane);
+    elem = it.lane;
+    head = H.any && it.c == 0;  // the scan's first step: from the carry-in's head element
+    if (head) hb = head_at(x, H, it.lane);
   };
   std::vector<Vals> tot(C > 1 ? items : 0);
 #pragma omp parallel num_threads(nt)
@@ -292,7 +341,8 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
 #pragma omp for schedule(static)
       for (int64_t gi = 0; gi < groups; ++gi) {
         const int ng = (int)std::min<int64_t>(CG, items - gi * CG);
-        for (int g = 0; g < ng; ++g) { describe(gi * CG + g, xb[g], yb[g], t0[g], len[g], elem[g], hb[g], head[g]); has[g] = false; }
+        Item it = item(gi * CG);
+        for (int g = 0; g < ng; ++g, next(it)) { describe(it, xb[g], yb[g], t0[g], len[g], elem[g], hb[g], head[g]); has[g] = false; }
         chain_group<false>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, tot.data() + gi * CG, hb, head, tl);
       }
 #pragma omp for schedule(static)
@@ -305,7 +355,7 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
             continue;
           }
           // Composing the chunk is not what its steps give (see suspect): walk them.
-          describe(k, xb[0], yb[0], t0[0], len[0], elem[0], hb[0], head[0]);
+          describe(item(k), xb[0], yb[0], t0[0], len[0], elem[0], hb[0], head[0]);
           has[0] = true;
           carry[0] = tot[k - 1];
           chain_group<false>(xb, yb, p, 1, t0, len, elem, tstep, carry, has, &tot[k], hb, head, tl);
@@ -314,11 +364,11 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
 #pragma omp for schedule(static)
     for (int64_t gi = 0; gi < groups; ++gi) {
       const int ng = (int)std::min<int64_t>(CG, items - gi * CG);
-      for (int g = 0; g < ng; ++g) {
-        const int64_t k = gi * CG + g;
-        describe(k, xb[g], yb[g], t0[g], len[g], elem[g], hb[g], head[g]);
-        has[g] = k % C != 0;
-        if (has[g]) carry[g] = tot[k - 1];
+      Item it = item(gi * CG);
+      for (int g = 0; g < ng; ++g, next(it)) {
+        describe(it, xb[g], yb[g], t0[g], len[g], elem[g], hb[g], head[g]);
+        has[g] = it.c != 0;
+        if (has[g]) carry[g] = tot[gi * CG + g - 1];
       }
       chain_group<true>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, nullptr, hb, head, tl);
     }

@@ -1,0 +1,140 @@
+"""The chain path's tiles (csrc/forward.h: tile_chains, tile_scan) against a sequential
+float64 oracle: float32 leaves scanned 16 chains side by side, each chain's running value
+held in a register across a tile's 16 steps.
+
+Lengths sit around the tile's edges (15, 16, 17, 32, 33 steps: a tile, a tail, none) and
+the chunk edges of a 1-D scan (chunks of at least 2048 steps), in both directions, on 1
+and 2 threads; single leaves (add, mul, max with NaN and inf, a non-commutative pick of
+the last nonzero), the affine pair, logaddexp (two vectors of chains per tile), and
+layouts other than float32 that walk instead.
+"""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+from helpers import sequential_scan
+
+import fscan
+from fscan._engines.cpp._cpp_build import compiler_problem
+from fscan._engines.cpp.cpu_kernel import kernel_scan
+
+pytestmark = [
+    pytest.mark.skipif(
+        compiler_problem() is not None, reason=f"no C++ kernel here: {compiler_problem()}"
+    ),
+    pytest.mark.filterwarnings("ignore::fscan.NotAssociativeWarning"),
+]
+
+
+def add(a, b):
+    return a + b
+
+
+def mul(a, b):
+    return a * b
+
+
+def cmax(a, b):
+    return torch.maximum(a, b)
+
+
+def last_nonzero(a, b):  # associative, not commutative
+    return torch.where(b != 0, b, a)
+
+
+def affine(x, y):
+    return (x[0] * y[0], y[0] * x[1] + y[1])
+
+
+def lse(a, b):  # expensive: two vectors of chains per tile (tile_ways)
+    return torch.logaddexp(a, b)
+
+
+def _data(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen)
+    if name == "mul":
+        x = torch.exp(x * 0.05)
+    if name in ("max", "lse") and x.numel() > 40:
+        x.view(-1)[7] = float("nan")
+        x.view(-1)[29] = float("inf")
+        x.view(-1)[-3] = float("-inf")
+    if name == "last_nonzero":
+        x = torch.where(torch.rand(shape, generator=gen) < 0.6, 0.0, x)
+    if name == "affine":
+        return (torch.rand(shape, generator=gen).to(dtype) * 0.5 + 0.5, x.to(dtype))
+    if dtype == torch.int64:
+        return (x * 4).round().to(dtype)
+    return x.to(dtype)
+
+
+COMBINES = {
+    "add": add,
+    "mul": mul,
+    "max": cmax,
+    "last_nonzero": last_nonzero,
+    "affine": affine,
+    "lse": lse,
+}
+
+
+def _check(name: str, xs, dim: int, reverse: bool, threads: int) -> None:
+    fn = COMBINES[name]
+    leaves, spec = optree.tree_flatten(xs)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):
+            out = kernel_scan("test", fn, spec, leaves, dim, reverse)
+    finally:
+        torch.set_num_threads(previous)
+    assert out is not None, f"the kernel did not serve {name}"
+    wide = optree.tree_map(lambda x: x.double() if x.is_floating_point() else x, xs)
+    ref = optree.tree_leaves(sequential_scan(fn, wide, dim, reverse))
+    for o, r, x in zip(out, ref, leaves):
+        assert o.dtype == x.dtype and o.shape == x.shape
+        if not o.is_floating_point():
+            assert torch.equal(o, r)
+            continue
+        tol = {torch.bfloat16: 1e-2}.get(o.dtype, 1e-5)
+        torch.testing.assert_close(
+            o.double(), r.to(o.dtype).double(), rtol=tol, atol=tol, equal_nan=True
+        )
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("steps", [1, 15, 16, 17, 32, 33, 100])
+@pytest.mark.parametrize("name", sorted(COMBINES))
+def test_last_dim_chains_in_tiles_match_the_oracle(name, steps, reverse, threads):
+    # 37 chains: whole groups of 16 (of 32 for lse) and the rest walked one by one.
+    xs = _data(name, (37, steps), torch.float32, seed=steps)
+    _check(name, xs, 1, reverse, threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("length", [2047, 2048 * 16 - 1, 2048 * 16 + 17, 70001])
+@pytest.mark.parametrize("name", sorted(COMBINES))
+def test_one_dim_chunks_in_tiles_match_the_oracle(name, length, reverse, threads):
+    # One lane split into chunks, scanned as the chains of a tile (totals, then carries).
+    xs = _data(name, (length,), torch.float32, seed=length)
+    _check(name, xs, 0, reverse, threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.bfloat16])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("name", ["add", "max", "last_nonzero"])
+def test_other_dtypes_walk_and_match_the_oracle(name, dtype, reverse):
+    for shape, dim in [((37, 33), 1), ((5000,), 0)]:
+        xs = _data(name, shape, dtype, seed=3)
+        _check(name, xs, dim, reverse, 1)
+
+
+def test_transposed_float32_input_reads_its_chains_in_place():
+    # A transpose lays each lane out along its steps: the chain path, tiled, no copy.
+    x = torch.randn(40, 300)
+    _check("last_nonzero", x.t(), 0, False, 1)
+    _check("affine", (torch.rand(40, 300).t() * 0.5 + 0.5, x.t()), 0, True, 1)
