@@ -599,6 +599,24 @@ def _start_case(
     return run
 
 
+def _compiled_without_grad(rank: int, world: int) -> None:
+    """A compiled call that records no gradient (inputs without requires_grad, and under
+    no_grad): the exchange is the bare functional collective (Dynamo called the
+    autograd Function with its context in place of the buffer)."""
+    ls = UNEVEN[world]
+    n = sum(ls)
+    torch.manual_seed(0)
+    x = torch.rand(n, 3, dtype=torch.float64)
+    mine = x.narrow(0, sum(ls[:rank]), ls[rank])
+    group = _group(True)
+    scan = _compile(lambda p: fd.associative_scan(torch.add, p, 0, group=group))
+    _close(scan(mine), x.cumsum(0).narrow(0, sum(ls[:rank]), ls[rank]), "value")
+    with torch.no_grad():
+        _close(
+            scan(mine.requires_grad_()), x.cumsum(0).narrow(0, sum(ls[:rank]), ls[rank]), "no_grad"
+        )
+
+
 CASES: dict[str, Callable[[int, int], None]] = {
     "add": _scan_case(torch.add, [(-1, 3)], 0),
     "add reverse static lengths": _scan_case(torch.add, [(2, -1)], 1, reverse=True, static=True),
@@ -641,6 +659,7 @@ CASES: dict[str, Callable[[int, int], None]] = {
         True, reverse=True, deterministic=True, recurrence=True
     ),
     "compile: exclusive pair reset": _at(3, _start_case(True, reset=True, compiled=True)),
+    "compile: no gradient recorded": _at(2, _compiled_without_grad),
     "torch.func grad, jacrev, vmap": _torch_func,
     "torch.func.jvp": _jvp,
     "dtensor shard": _dtensor_shard,

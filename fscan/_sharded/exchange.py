@@ -21,6 +21,11 @@ __all__ = ["exchange", "exchange_bytes", "tie"]
 _C10D = torch.ops._c10d_functional
 
 
+def _gathered(flat: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
+    """The ranks' ``flat`` buffers one after the other: the functional ``all_gather``."""
+    return _C10D.wait_tensor(_C10D.all_gather_into_tensor(flat.contiguous(), world, group_name))
+
+
 class _AllGather(torch.autograd.Function):
     """``flat`` (k,) from every rank -> (W * k,); backward: :class:`_ReduceScatter`.
 
@@ -38,8 +43,7 @@ class _AllGather(torch.autograd.Function):
     def forward(
         flat: torch.Tensor, group_name: str, world: int, *anchors: torch.Tensor
     ) -> torch.Tensor:
-        out = _C10D.all_gather_into_tensor(flat.contiguous(), world, group_name)
-        return _C10D.wait_tensor(out)
+        return _gathered(flat, group_name, world)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
@@ -239,9 +243,15 @@ def exchange(
             ("a backward exchange (grad mode, requires_grad)", None, str(needs_grad)),
         ]
         agree(state)
-    live = [a for a in anchors if a.requires_grad] if needs_grad else []
-    gather = _AllGather if torch.compiler.is_compiling() else _AllGatherJvp
-    gathered = gather.apply(flat, group.group_name, world, *live)
+    if torch.compiler.is_compiling() and not needs_grad:
+        # the functional collective alone: Dynamo calls a setup_context Function that
+        # no input requires grad of with its context as the first input (`flat` came
+        # in as the Function: "'Function' object has no attribute 'contiguous'")
+        gathered = _gathered(flat, group.group_name, world)
+    else:
+        live = [a for a in anchors if a.requires_grad] if needs_grad else []
+        gather = _AllGather if torch.compiler.is_compiling() else _AllGatherJvp
+        gathered = gather.apply(flat, group.group_name, world, *live)
     rows = gathered.view(world, flat.numel())
     return [_unpack(rows, slot) for slot in slots], gathered
 
