@@ -55,17 +55,14 @@ op's identity (and index -1), as the router's path does. A checked call whose in
 or cast is stored under the dtype the kernel scanned, which an identical later call
 in that dtype takes as it is, so the key fits it too.
 
-Their segmented form (``reset=``, inclusive, no ``dtype=`` or ``out=``) is served the
-same way: :func:`remember_segmented` stores a
-:class:`~fscan._engines.cpp._kernel_segmented.PreparedSegmentedRun` once the drop-in's
-own call ran on the segmented kernel (:func:`fscan._routing.cumulative.segmented`), under
-the inclusive key, marked segmented, plus the mask's shape and strides: with the input's
-shape they fix the mask's check, the kernel's flag mode (one flag a step, or one an
-element read through the expanded mask's strides) and where it reads the flags; the
-mask must be a plain dense bool CPU tensor (any other goes to the checks, which say
-why). :func:`repeat_segmented` runs it on the new input and mask, whose values the
-kernel reads on every call. (The exclusive ``reset=`` path runs the segmented kernel on
-the first ``n - 1`` steps into new memory, then shifts: it is not repeated.)
+Their segmented form (``reset=``, inclusive, no ``dtype=`` or ``out=``) likewise:
+:func:`remember_segmented` stores the segmented kernel's prepared run
+(:class:`~fscan._engines.cpp._kernel_segmented.PreparedSegmentedRun`) once the drop-in's
+own call ran on it, under the inclusive key plus the mask's shape and strides (with the
+input's shape they fix the mask's check, the kernel's flag mode and where it reads the
+flags; only a plain dense bool CPU mask); :func:`repeat_segmented` runs it on the new
+input and mask, whose values are read on every call. (The exclusive ``reset=`` path
+scans into new memory, then shifts: not repeated.)
 """
 
 from __future__ import annotations
