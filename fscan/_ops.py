@@ -40,6 +40,7 @@ from ._routing.cumulative import (
     native_first_into,
     repeat_cumulative,
     repeat_exclusive,
+    repeat_segmented,
 )
 from ._routing.exclusive import exclusive_cumulative
 from ._sharded.dtensor_ops import is_dtensor, on_dtensor, refuse_dtensor_reset
@@ -95,8 +96,8 @@ def cumsum(
     """
     if type(input) is not torch.Tensor and is_dtensor(input):  # see fscan._sharded.dtensor_ops
         return on_dtensor(torch.cumsum, cumsum, input, dim, dtype, out, reverse, reset, exclusive)
-    if dtype is None and reset is None:
-        result = _unchecked(torch.cumsum, input, dim, out, reverse, exclusive)
+    if dtype is None:
+        result = _unchecked(torch.cumsum, input, dim, out, reverse, exclusive, reset)
         if result is not None:
             return result  # torch promotes integers and bool to int64 itself
     args = (input, dim, dtype, out, reverse, reset, exclusive)
@@ -126,8 +127,8 @@ def cumprod(
     """
     if type(input) is not torch.Tensor and is_dtensor(input):  # see fscan._sharded.dtensor_ops
         return on_dtensor(torch.cumprod, cumprod, input, dim, dtype, out, reverse, reset, exclusive)
-    if dtype is None and reset is None:
-        result = _unchecked(torch.cumprod, input, dim, out, reverse, exclusive)
+    if dtype is None:
+        result = _unchecked(torch.cumprod, input, dim, out, reverse, exclusive, reset)
         if result is not None:
             return result
     args = (input, dim, dtype, out, reverse, reset, exclusive)
@@ -162,10 +163,9 @@ def logcumsumexp(
         return on_dtensor(
             torch.logcumsumexp, logcumsumexp, input, dim, None, out, reverse, reset, exclusive
         )
-    if reset is None:
-        result = _unchecked(torch.logcumsumexp, input, dim, out, reverse, exclusive)
-        if result is not None:
-            return result
+    result = _unchecked(torch.logcumsumexp, input, dim, out, reverse, exclusive, reset)
+    if result is not None:
+        return result
     if out is not None:
         check_out("fscan.logcumsumexp", input, out)
     x, dim = _prepare("fscan.logcumsumexp", input, dim, reverse, exclusive)
@@ -231,11 +231,16 @@ def cummin(
 # ---- shared pieces -----------------------------------------------------------
 
 
-def _unchecked(op: Any, input: Any, dim: Any, out: Any, reverse: Any, exclusive: Any) -> Any:
+def _unchecked(
+    op: Any, input: Any, dim: Any, out: Any, reverse: Any, exclusive: Any, reset: Any = None
+) -> Any:
     """The call on the unchecked arguments where it can skip the checks, else None (the
     checked path): torch's ``op`` where the drop-ins' route table certainly picks it
     (forward or reversed; ``out=`` forward only), or the kernel run of an identical call
-    (the router's repeat route, inclusive or exclusive)."""
+    (the router's repeat route: inclusive, exclusive, or inclusive with ``reset=``)."""
+    if reset is not None:  # torch's op has no reset=: an identical call's segmented run
+        plain = exclusive is False and out is None and (reverse is False or reverse is True)
+        return repeat_segmented(op, input, dim, reverse, reset) if plain else None
     if exclusive is not False:  # True: an identical call's kernel run, or the checks
         plain = exclusive is True and out is None and (reverse is False or reverse is True)
         return repeat_exclusive(op, input, dim, reverse) if plain else None
@@ -304,10 +309,9 @@ def _extremum(
     if type(input) is not torch.Tensor and is_dtensor(input):
         drop_in = cummax if op is torch.cummax else cummin
         return on_dtensor(op, drop_in, input, dim, None, out, reverse, reset, exclusive)
-    if reset is None:
-        result = _unchecked(op, input, dim, out, reverse, exclusive)
-        if result is not None:
-            return result
+    result = _unchecked(op, input, dim, out, reverse, exclusive, reset)
+    if result is not None:
+        return result
     if out is not None:
         out = check_extremum_out(api, input, out)
     x, dim = _prepare(api, input, dim, reverse, exclusive)

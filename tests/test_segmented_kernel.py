@@ -13,7 +13,11 @@ import pytest
 import torch
 
 import fscan
-from fscan._engines.cpp._kernel_segmented import kernel_segmented
+from fscan._engines.cpp._kernel_segmented import (
+    kernel_segmented,
+    prepare_segmented,
+    run_segmented_prepared,
+)
 from fscan._routing.cumulative import kernel_call
 
 OPS = {
@@ -284,3 +288,50 @@ def test_associative_scan_with_gradients_takes_the_pairs():
         assert report.engine != "cpp" and "gradients" in report.refused["cpp"]
         scan = lambda a, b: fscan.associative_scan(_affine, (a, b), 0, reset=reset)[1]
         assert torch.autograd.gradcheck(scan, (a, b))
+
+
+# ---- the prepared run the repeat route reruns ---------------------------------------
+
+
+def _prepared_masks(shape, dim):
+    n = shape[dim]
+    lanes = [1] * len(shape)
+    lanes[dim] = n
+    full = torch.rand(shape) < 0.1
+    return {
+        "1-D": torch.rand(n) < 0.1,
+        "full": full,
+        "broadcast": torch.rand(lanes) < 0.1,
+        "full, transposed": (torch.rand(tuple(reversed(shape))) < 0.1).permute(
+            *reversed(range(len(shape)))
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.parametrize("kind", ["1-D", "full", "broadcast", "full, transposed"])
+@pytest.mark.parametrize(("shape", "dim", "reverse"), [((96, 40), 0, True), ((6, 96, 5), 1, False)])
+def test_a_prepared_run_matches_the_kernel_call(name, kind, shape, dim, reverse):
+    """prepare_segmented's run, on a new mask of the same shape and strides, gives what
+    kernel_segmented gives for it (bitwise: the same kernel on the same layout), or is
+    None where the layout copies the mask (the stored strides would not describe the
+    next mask's memory)."""
+    x = torch.randn(shape)
+    first, second = _prepared_masks(shape, dim)[kind], _prepared_masks(shape, dim)[kind]
+    combine, spec, leaves, positions = kernel_call(OPS[name], x)
+    flags = lambda r: r if r.ndim == 1 else r.expand(shape)
+    with fscan.config.override(cpu_kernel="eager"):
+        assert kernel_segmented(combine, spec, leaves, dim, reverse, flags(first), positions)
+        prepared = prepare_segmented(combine, spec, leaves, dim, reverse, first, positions)
+        if prepared is None:  # only a mask the layout copies
+            assert kind == "full, transposed"
+            return
+        got = run_segmented_prepared(prepared, x, second)
+        want = kernel_segmented(combine, spec, leaves, dim, reverse, flags(second), positions)
+    assert want is not None and len(got) == len(want)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w) and g.is_contiguous()
+    values, indices = oracle(name, x, dim, second, reverse)
+    torch.testing.assert_close(got[0], values.float(), rtol=1e-5, atol=1e-5)
+    if name == "cummax":
+        assert torch.equal(got[1], indices)

@@ -25,9 +25,10 @@ from .._route_log import ran
 from .._segmented import check_reset, segmented_scan
 from .cumulative_table import EXTREMA, FLOATS, NATIVE_BELOW, SUMS, route, torch_serves
 from .cumulative_table import dtype_refusals as dtype_refusals
-from .repeat import remember_cumulative
+from .repeat import remember_cumulative, remember_segmented
 from .repeat import repeat_cumulative as repeat_cumulative
 from .repeat import repeat_exclusive as repeat_exclusive
+from .repeat import repeat_segmented as repeat_segmented
 from .scan import scan_flat, scan_traced
 from .segmented import run_segmented, segmented_route
 
@@ -43,6 +44,7 @@ __all__ = [
     "path",
     "repeat_cumulative",
     "repeat_exclusive",
+    "repeat_segmented",
     "route",
     "segmented",
 ]
@@ -125,7 +127,7 @@ def cumulative(
         tensor([6, 5, 3])
     """
     if reset is not None:
-        return segmented(api, op, x, dim, reverse, reset)
+        return segmented(api, op, x, dim, reverse, reset, remember=True)
     return engine(api, op, x, dim, reverse)
 
 
@@ -164,12 +166,22 @@ def engine(
     return EXTREMA[op]((values, moved))
 
 
-def segmented(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset: Any) -> Any:
+def segmented(
+    api: str,
+    op: Any,
+    x: torch.Tensor,
+    dim: int,
+    reverse: bool,
+    reset: Any,
+    remember: bool = False,
+) -> Any:
     """``op`` restarted wherever the bool mask ``reset`` is True (``out[i] = x[i]``
     there): fscan's segmented scan (:mod:`fscan._segmented`) of the op's combine, on the
     engine :mod:`fscan._routing.scan` picks and notes. cummax/cummin scan (value,
     position) pairs, so their indices are positions in the whole ``x``. The mask is
-    checked here first, so that its errors name ``api``.
+    checked here first, so that its errors name ``api``. ``remember``: the call is the
+    drop-in's own (not an exclusive one's part): a run on the segmented kernel is stored
+    for an identical call (:func:`~fscan._routing.repeat.repeat_segmented`).
 
     Example:
         >>> reset = torch.tensor([False, False, True, False])
@@ -190,6 +202,9 @@ def segmented(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset
         threads = kernel_threads(x, dim)
         found = run_segmented(combine, spec, leaves, dim, reverse, reset, positions, threads)
         if found is not None:
+            if remember:
+                call = (combine, spec, leaves, positions)
+                remember_segmented(op, call, dim, reverse, threads, reset)
             return EXTREMA[op](found) if op in EXTREMA else found[0]
     xs: Any = x
     if op in EXTREMA:

@@ -54,6 +54,15 @@ positions in the whole input by the kernel), and the first step is filled with t
 op's identity (and index -1), as the router's path does. A checked call whose input was promoted
 or cast is stored under the dtype the kernel scanned, which an identical later call
 in that dtype takes as it is, so the key fits it too.
+
+Their segmented form (``reset=``, inclusive, no ``dtype=`` or ``out=``) likewise:
+:func:`remember_segmented` stores the segmented kernel's prepared run
+(:class:`~fscan._engines.cpp._kernel_segmented.PreparedSegmentedRun`) once the drop-in's
+own call ran on it, under the inclusive key plus the mask's shape and strides (with the
+input's shape they fix the mask's check, the kernel's flag mode and where it reads the
+flags; only a plain dense bool CPU mask); :func:`repeat_segmented` runs it on the new
+input and mask, whose values are read on every call. (The exclusive ``reset=`` path
+scans into new memory, then shifts: not repeated.)
 """
 
 from __future__ import annotations
@@ -69,6 +78,11 @@ from .._cache import BoundedCache
 from .._call import ScanCall
 from .._config import config
 from .._context import under_dispatch_mode, under_transform
+from .._engines.cpp._kernel_segmented import (
+    PreparedSegmentedRun,
+    prepare_segmented,
+    run_segmented_prepared,
+)
 from .._engines.cpp.cpu_kernel import PreparedRun, fresh_outputs, prepare_run, run_prepared
 from .._knowledge.reach_keys import unbound
 from .._knowledge.store import Knowledge, Reach, knowledge, on_clear, reach
@@ -83,9 +97,11 @@ __all__ = [
     "remember",
     "remember_cumulative",
     "remember_exclusive",
+    "remember_segmented",
     "repeat_cumulative",
     "repeat_exclusive",
     "repeat_scan",
+    "repeat_segmented",
     "repeats",
     "run_exclusive",
 ]
@@ -103,7 +119,7 @@ class ExclusiveRun(NamedTuple):
 
 
 # Keys of calls served on the kernel (each a few shapes of a few combine_fns, typically).
-repeats: BoundedCache[PreparedRun | ExclusiveRun] = BoundedCache(maxsize=256)
+repeats: BoundedCache[PreparedRun | ExclusiveRun | PreparedSegmentedRun] = BoundedCache(maxsize=256)
 on_clear(repeats.clear)
 
 _is_compiling = torch.compiler.is_compiling
@@ -283,6 +299,66 @@ def remember_exclusive(
             outer, n, inner, backwards = run.sizes
             narrowed = run._replace(sizes=(outer, n - 1, inner, backwards))
             repeats.put(key, ExclusiveRun(narrowed, dim, tuple(starts)))
+
+
+def repeat_segmented(op: Any, x: Any, dim: Any, reverse: Any, reset: Any) -> Any:
+    """The drop-in of torch's ``op`` on ``x`` restarted where ``reset`` is True, by the
+    segmented kernel run an identical call made (module doc), or None: the drop-in's
+    checked path then runs. The mask's values are read on every call."""
+    if type(x) is not torch.Tensor or type(reset) is not torch.Tensor:
+        return None
+    parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)  # first: not traced
+    mask = None if parts is None else _mask_kind(reset)
+    if mask is None:
+        return None
+    run = repeats.get((_SEGMENTED, op, *parts, *mask))
+    if run is None:
+        return None
+    out = run_segmented_prepared(run, x, reset)
+    ran("cpp")
+    return EXTREMA[op]((out[0], out[1])) if run.positions else out[0]
+
+
+def remember_segmented(
+    op: Any,
+    call: KernelCall,
+    dim: int,
+    reverse: bool,
+    threads: int | None,
+    reset: torch.Tensor,
+) -> None:
+    """Store the segmented kernel run the drop-ins' router just made for ``op`` (``call``
+    as for :func:`remember_cumulative`; ``reset`` the checked mask) for
+    :func:`repeat_segmented`."""
+    combine, spec, leaves, positions = call
+    parts = call_parts(LEAF, leaves[:1], dim, reverse, "pointwise", False)
+    mask = None if parts is None else _mask_kind(reset)
+    if mask is None:
+        return
+    key = (_SEGMENTED, op, *parts, *mask)
+    if key not in repeats:
+        run = prepare_segmented(combine, spec, leaves, dim, reverse, reset, positions, threads)
+        if run is not None:
+            repeats.put(key, run)
+
+
+_SEGMENTED = "segmented"  # the reset= drop-ins': (this, torch's op, *call_parts, mask kind)
+
+
+def _mask_kind(reset: torch.Tensor) -> tuple[Hashable, ...] | None:
+    """The key's part for a ``reset=`` mask: its shape and strides (the kernel's flag mode,
+    one flag a step or one an element, and where it reads them), or None where the
+    checked path must see it (not a plain dense bool CPU tensor)."""
+    if (
+        reset.dtype is not torch.bool
+        or not reset.is_cpu
+        or reset.layout is not _STRIDED
+        or reset.is_nested
+        or _is_wrapped(reset)
+        or _is_batched(reset)
+    ):
+        return None
+    return reset.shape, reset.stride()
 
 
 def call_parts(

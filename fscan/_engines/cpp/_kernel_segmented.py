@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from optree import PyTreeSpec
@@ -39,9 +39,16 @@ from ._cpp_source import (
 from ._kernel_entry import BuildCall, is_ready, kernel_slots, slot_key
 from ._kernel_layout import element_shape, strided_view
 from ._kernel_registry import ready_derived, serving_lookup
-from ._kernel_run import kernel_params
+from ._kernel_run import fresh_outputs, kernel_params
 
-__all__ = ["kernel_segmented", "segmented_argtypes", "segmented_source"]
+__all__ = [
+    "PreparedSegmentedRun",
+    "kernel_segmented",
+    "prepare_segmented",
+    "run_segmented_prepared",
+    "segmented_argtypes",
+    "segmented_source",
+]
 
 
 def segmented_argtypes(
@@ -108,6 +115,118 @@ def kernel_segmented(
     is True, by the segmented kernel, into
     fresh contiguous outputs; or None (module doc). ``positions``: as for
     :func:`~.cpu_kernel.kernel_scan`. ``threads``: at most this many."""
+    found = _ready_kernel(combine_fn, spec, leaves, dim, positions)
+    if found is None:
+        return None
+    kernel, params = found
+    shape = leaves[0].shape
+    dim = dim % len(shape)
+    outer, steps, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
+    # As run_kernel's (a few us a call, 5-10% of a 2**20-element scan on the lane path):
+    # empty_like where it gives contiguous memory, huge pages asked only where they may
+    # be granted, and contiguous inputs' strides written down, not laid out.
+    ys = [
+        torch.empty_like(x) if x.is_contiguous() else torch.empty(shape, dtype=x.dtype)
+        for x in leaves
+    ]
+    if outer * steps * inner == 0:
+        return ys
+    if outer * steps * inner >= HUGE_MIN_BYTES // 16:
+        for y in ys:
+            advise_huge_pages(y)
+    read = [x for k, x in enumerate(leaves) if k not in positions]
+    views, nb, strides = _read_layout(read, flags, shape, dim)
+    dense = [nb * steps * inner, steps * inner, inner, 1] * len(ys)
+    threads = torch.get_num_threads() if threads is None else min(threads, torch.get_num_threads())
+    kernel(
+        *views[:-1], *ys, *params, outer, steps, inner, int(reverse), threads,
+        nb, *strides[:-4], *dense, views[-1], *strides[-4:],
+    )  # fmt: skip
+    return ys
+
+
+class PreparedSegmentedRun(NamedTuple):
+    """A READY segmented kernel, capturing nothing, with the arguments
+    :func:`kernel_segmented` works out for one contiguous input leaf (and any position
+    leaves) of one shape, ``dim``, ``reverse`` and a mask of one shape and strides: what
+    the router's repeat route calls (:func:`run_segmented_prepared`)."""
+
+    kernel: Callable[..., None]
+    sizes: tuple[int, ...]  # outer, steps, inner, reverse
+    tail: tuple[int, ...]  # nb, the input's strides, the outputs'
+    flag_strides: tuple[int, ...]  # the mask's four, as the kernel reads it
+    threads: int | None  # at most this many (None: torch.get_num_threads())
+    positions: tuple[int, ...]  # position leaves: not read, their outputs int64
+
+
+def prepare_segmented(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    reverse: bool,
+    reset: torch.Tensor,
+    positions: tuple[int, ...] = (),
+    threads: int | None = None,
+) -> PreparedSegmentedRun | None:
+    """The :class:`PreparedSegmentedRun` of the call :func:`kernel_segmented` just served
+    (``dim`` non-negative; ``reset`` the checked mask, 1-D or expanded here as the caller
+    expanded it), else None: a combine with parameters, a kernel not READY, an input not
+    contiguous, an empty one, or a mask the layout would copy (its strides then say
+    nothing of the next mask's memory)."""
+    read = [x for k, x in enumerate(leaves) if k not in positions]
+    shape = leaves[0].shape
+    if len(read) != 1 or not read[0].is_contiguous() or read[0].numel() == 0:
+        return None
+    if any(x.shape != shape for x in leaves):
+        return None
+    found = _ready_kernel(combine_fn, spec, leaves, dim, positions)
+    if found is None or found[1]:
+        return None
+    outer, steps, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
+    flags = reset if reset.ndim == 1 else reset.expand(shape)
+    views, nb, strides = _read_layout(read, flags, shape, dim)
+    if views[-1].data_ptr() != flags.data_ptr():  # the mask copied
+        return None
+    dense = (nb * steps * inner, steps * inner, inner, 1) * len(leaves)
+    return PreparedSegmentedRun(
+        found[0],
+        (outer, steps, inner, int(reverse)),
+        (nb, *strides[:-4], *dense),
+        tuple(strides[-4:]),
+        threads,
+        positions,
+    )
+
+
+def run_segmented_prepared(
+    run: PreparedSegmentedRun, x: torch.Tensor, reset: torch.Tensor
+) -> list[torch.Tensor]:
+    """``run`` on ``x`` and the mask ``reset`` (of the dtype, shape and layout, and the
+    mask's shape and strides, it was prepared for; a full mask unexpanded: the kernel
+    reads it through the stored strides): fresh outputs, the position leaves' int64."""
+    ys = fresh_outputs([x], run.positions)
+    if x.numel() >= HUGE_MIN_BYTES // 16:
+        for y in ys:
+            advise_huge_pages(y)
+    threads = torch.get_num_threads()
+    if run.threads is not None:
+        threads = min(run.threads, threads)
+    # The bool mask as it is: the binding takes any tensor's address (bool is a byte, 0 or
+    # 1), and the uint8 view the checked path makes cost ~0.5 us of a ~6 us call.
+    run.kernel(x, *ys, *run.sizes, threads, *run.tail, reset, *run.flag_strides)
+    return ys
+
+
+def _ready_kernel(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    positions: tuple[int, ...],
+) -> tuple[Callable[..., None], list[torch.Tensor]] | None:
+    """The READY segmented kernel of this call and its parameters, or None: not ready yet
+    (its build is counted or started), refused, or captured tensors that do not broadcast."""
     if config.cpu_kernel == "off":
         return None
     lookup = serving_lookup(combine_fn, spec, leaves, None, None, gradients=False)
@@ -132,37 +251,22 @@ def kernel_segmented(
     params = kernel_params(kernel.program, captured, element) if kernel.program.params else []
     if params is None:  # captured tensors that do not broadcast: the caller decides
         return None
-    shape = leaves[0].shape
-    dim = dim % len(shape)
-    outer, steps, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
-    # As run_kernel's (a few us a call, 5-10% of a 2**20-element scan on the lane path):
-    # empty_like where it gives contiguous memory, huge pages asked only where they may
-    # be granted, and contiguous inputs' strides written down, not laid out.
-    ys = [
-        torch.empty_like(x) if x.is_contiguous() else torch.empty(shape, dtype=x.dtype)
-        for x in leaves
-    ]
-    if outer * steps * inner == 0:
-        return ys
-    if outer * steps * inner >= HUGE_MIN_BYTES // 16:
-        for y in ys:
-            advise_huge_pages(y)
-    read = [x for k, x in enumerate(leaves) if k not in positions]
+    return kernel.kernel, params
+
+
+def _read_layout(
+    read: Sequence[torch.Tensor], flags: torch.Tensor, shape: torch.Size, dim: int
+) -> tuple[list[torch.Tensor], int, list[int]]:
+    """The leaves read (of ``shape``, ``dim`` non-negative) and the flags (as uint8, last)
+    as the kernel reads them, ``nb`` and their strides (:func:`~._kernel_layout.strided_view`)."""
     if flags.ndim == 1 and len(shape) > 1:
         # One flag a step: strides 0 across lanes, which fit any grouping of the leaves'
         # dims (expanding the mask and laying it out cost 5 us a call, 5% at 2**20).
         if all(x.is_contiguous() for x in read):
+            steps, inner = shape[dim], math.prod(shape[dim + 1 :])
             views, nb, strides = list(read), 1, [steps * inner, 0, inner, 1] * len(read)
         else:
             views, nb, strides = strided_view(read, dim)
         views.append(flags.view(torch.uint8))
-        strides += [0, 0, flags.stride(0), 0]
-    else:
-        views, nb, strides = strided_view([*read, flags.view(torch.uint8)], dim)
-    dense = [nb * steps * inner, steps * inner, inner, 1] * len(ys)
-    threads = torch.get_num_threads() if threads is None else min(threads, torch.get_num_threads())
-    kernel.kernel(
-        *views[:-1], *ys, *params, outer, steps, inner, int(reverse), threads,
-        nb, *strides[:-4], *dense, views[-1], *strides[-4:],
-    )  # fmt: skip
-    return ys
+        return views, nb, [*strides, 0, 0, flags.stride(0), 0]
+    return strided_view([*read, flags.view(torch.uint8)], dim)
