@@ -203,3 +203,22 @@ def test_the_log_says_why_the_kernel_was_passed_over(engines):
     assert off == ("blocked", {"cpp": "fscan.config.cpu_kernel is 'off'"})
     assert one_step == ("blocked", {"cpp": "fewer than 2 steps: the loop is faster"})
     assert served == ("cpp", {})
+
+
+def test_strided_inputs_and_mask_no_grad_mode_and_complex(engines):
+    """Transposed ``b``, gates and mask are read through their strides; tensors that
+    require grad under ``torch.no_grad()`` run the kernel; complex stays on the walk."""
+    gen = torch.Generator().manual_seed(6)
+    b = torch.randn(5, 60, generator=gen).t().requires_grad_()
+    a = torch.rand(5, 60, generator=gen).t()
+    reset = (torch.rand(5, 60, generator=gen) < 0.1).t()
+    with fscan.config.override(cpu_kernel="eager"), torch.no_grad():
+        h = fscan.linear_recurrence(a, b, 0, reset=reset)
+        assert engines()[-1] == ("cpp", {})
+        assert h.data_ptr() != b.data_ptr() and not h.requires_grad
+        torch.testing.assert_close(h.double(), loop(a, b.detach(), 0, reset))
+        z = torch.randn(60, 5, dtype=torch.complex64, generator=gen)
+        fscan.linear_recurrence(a, z, 0, reset=reset)
+    engine, refused = engines()[-1]
+    assert engine == "blocked"
+    assert refused["cpp"] == "dtype torch.complex64: the kernel takes floating point"
