@@ -214,7 +214,10 @@ def reset_refused(kind: Recurrence, ops: Operands, at: Where) -> str | None:
     """Why the ``inplace`` route does not offer this ``reset=`` call to the segmented
     kernel, or None where it does (the kernel may still decline: not built yet). Reads
     nothing but its arguments and fscan's config: the ``"fscan"`` log's reasons ask it too.
-    The bar against the loop is the plain kernel's (:data:`KERNEL_BAR`)."""
+    The bar against the loop is the plain kernel's (:data:`KERNEL_BAR`); with a mask
+    (a reset every ~3 steps), kernel over loop: 2 steps 1.06x, 4 steps 0.89x, 16
+    steps 0.44x at 256 elements a step; with ``initial`` 0.85x at (8, 256), 0.6x at
+    (16, 1024); 0.88x at (4, 4096) (float32, 1 thread, December 2026)."""
     bar = kind.kernel
     if bar is None:
         return "no kernel serves this recurrence"
