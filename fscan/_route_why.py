@@ -14,22 +14,24 @@ from typing import Any
 
 import torch
 
-from ._context import under_transform
+from ._context import under_transform, where
 from ._engines.chunked import Operands
 from ._engines.cpp.refusal import kernel_refusal
 from ._explain import Explanation, explain, explain_arguments
 from ._linear import linear_recurrence
 from ._pytree import flatten
+from ._recurrences.args import RecurrenceCall, shaped_operands
 from ._recurrences.solve import LINEAR
 from ._reduce import associative_reduce
 from ._route_log import Route, register
 from ._routing.cumulative import kernel_call
 from ._routing.reasons import cumulative_refusals
-from ._routing.recurrence import PAIR_SPEC, compose, kernel_refused
+from ._routing.recurrence import PAIR_SPEC, compose, kernel_refused, reset_refused
 
 __all__: list[str] = []  # registers its functions on import; nothing to call
 
 _NOT_READY = "it did not serve this call (not ready when it ran, or it could not take its inputs)"
+_LINEAR_API = "fscan.linear_recurrence"
 _SCAN_ORDER = ("triton", "cpp", "tree")  # the scan's engines, fastest first
 
 
@@ -93,7 +95,21 @@ def _linear(noted: str | None, args: tuple, kwargs: dict, route: Route) -> tuple
     engine = noted or "blocked"
     if engine == "cpp":
         return engine, {}
+    if bound["reset"] is not None:
+        return engine, {"cpp": _reset_kernel(bound)}
     return engine, {"cpp": _linear_kernel(a, b, dim % b.ndim, bound)}
+
+
+def _reset_kernel(bound: dict) -> str:
+    # The operands as the router got them (checked, shaped, widened to acc_dtype).
+    names = ("a", "b", "dim", "initial", "reverse", "reset", "acc_dtype")
+    ops = shaped_operands(RecurrenceCall(_LINEAR_API, *(bound[k] for k in names)))[0]
+    refused = reset_refused(LINEAR, ops, where([ops.b]))
+    if refused is not None:  # the router's own reason
+        return refused
+    leaves = [ops.a.expand(ops.b.shape), ops.b]
+    found = kernel_refusal(compose, PAIR_SPEC, leaves, ops.dim, segmented=True)
+    return found or _NOT_READY
 
 
 def _linear_kernel(a: Any, b: torch.Tensor, dim: int, bound: dict) -> str:

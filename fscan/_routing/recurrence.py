@@ -20,7 +20,9 @@ route          when, and what runs
                recurrence's autograd Function, whose forward and backward (one
                more recurrence, the other way) are :func:`solve` in place
 ``inplace``    eager, no gradient wanted: :func:`solve` writing into
-               preallocated memory
+               preallocated memory; with ``reset=``, first the segmented C++
+               kernel (:func:`reset_solve`) where :func:`reset_refused` finds no
+               reason against it and it is built
 =============  ===================================================================
 
 :func:`solve` then picks the engine of each walk (the forward, the backward's
@@ -74,11 +76,12 @@ import optree
 import torch
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-from .._context import where
+from .._context import Where, where
 from .._engines.chunked import Algebra, Operands, chunk_size, chunked_solve, sequential
 from .._engines.cpp.cpu_kernel import kernel_scan, kernel_vjp
 from .._engines.matrix_tree import MatrixMaps, matrix_scan, matrix_walk
 from .._route_log import ran
+from .segmented import run_segmented, segmented_route
 
 __all__ = [
     "ADJOINT_MIN_LANES",
@@ -91,6 +94,8 @@ __all__ = [
     "kernel_refused",
     "kernel_solve",
     "pick_route",
+    "reset_refused",
+    "reset_solve",
     "route",
     "route_matrix",
     "solve",
@@ -159,6 +164,10 @@ def route(kind: Recurrence, ops: Operands, out: torch.Tensor | None = None) -> t
     the others return new memory."""
     chosen = pick_route(ops)
     if chosen == "inplace":
+        if ops.mask is not None and reset_refused(kind, ops, where([ops.b])) is None:
+            h = reset_solve(ops)
+            if h is not None:
+                return h  # new memory: an exclusive recurrence's caller copies it into `out`
         return solve(kind, ops, fast=True, out=out)
     if chosen == "autograd":
         return kind.with_grad(*ops)
@@ -171,7 +180,7 @@ def route(kind: Recurrence, ops: Operands, out: torch.Tensor | None = None) -> t
     return h if ops.initial is None else h + ops.initial.unsqueeze(ops.dim) * 0
 
 
-_RESET = "reset= runs on the chunked walk"
+_RESET = "reset= in a walk of a gradient or a transform: the chunked walk"
 _TRANSFORM = "a torch.func transform is active: the torch engine runs"
 _DTYPES = "the gates and inputs differ in dtype"
 _INITIAL = "initial requires grad: the chunked walk carries it"
@@ -199,6 +208,55 @@ def kernel_refused(
     if initial is not None and initial.requires_grad and torch.is_grad_enabled():
         return _INITIAL  # the walk's ops carry it
     return _loop_faster(bar, b.shape[ops.dim], b.numel(), initial is not None, into)
+
+
+def reset_refused(kind: Recurrence, ops: Operands, at: Where) -> str | None:
+    """Why the ``inplace`` route does not offer this ``reset=`` call to the segmented
+    kernel, or None where it does (the kernel may still decline: not built yet). Reads
+    nothing but its arguments and fscan's config: the ``"fscan"`` log's reasons ask it too.
+    The bar against the loop is the plain kernel's (:data:`KERNEL_BAR`); with a mask
+    (a reset every ~3 steps), kernel over loop: 2 steps 1.06x, 4 steps 0.89x, 16
+    steps 0.44x at 256 elements a step; with ``initial`` 0.85x at (8, 256), 0.6x at
+    (16, 1024); 0.88x at (4, 4096) (float32, 1 thread, December 2026)."""
+    bar = kind.kernel
+    if bar is None:
+        return "no kernel serves this recurrence"
+    a, b, initial = ops.a, ops.b, ops.initial
+    given = [t for t in (a, b, initial) if t is not None]
+    if at.tracing or at.transform:
+        return "traced or under a torch.func transform: the route's torch ops run"
+    if at.grad and any(t.requires_grad for t in given):
+        return "gradients wanted: the recurrence's autograd Function runs the chunked walk"
+    why = segmented_route(at, given)  # the segmented kernel's own limits
+    if why is not None:
+        return why
+    if not b.is_floating_point():
+        return f"dtype {b.dtype}: the kernel takes floating point"
+    if a.dtype != b.dtype:
+        return _DTYPES
+    return _loop_faster(bar, b.shape[ops.dim], b.numel(), initial is not None, False)
+
+
+def reset_solve(ops: Operands) -> torch.Tensor | None:
+    """A ``reset=`` recurrence by the segmented kernel (:func:`run_segmented`, logged as
+    ``cpp``) in new memory, or None while it is not built: the affine pairs' segmented
+    scan is the recurrence with a restart, ``h = b`` at a reset (a selection: nothing
+    before it reaches ``h``, not a NaN, not ``0 * inf``). The mask is read in place, a
+    byte a step where it is 1-D. ``initial`` is folded into the first step of a copy of
+    ``b`` unless a reset is there (the kernel takes no carry-in with flags)."""
+    a, b, dim, initial, reverse, mask = ops
+    assert mask is not None
+    n = b.shape[dim]
+    a = a.expand(b.shape)  # a view: a broadcast gate is read with stride 0
+    if initial is not None:
+        first = n - 1 if reverse else 0
+        a0, b0 = a.select(dim, first), b.select(dim, first)
+        head = torch.where(mask.select(dim, first), b0, torch.addcmul(b0, a0, initial))
+        b = b.clone()
+        b.select(dim, first).copy_(head)
+    flags = mask.reshape(n) if mask.numel() == n else mask  # 1-D: one flag a step
+    found = run_segmented(compose, PAIR_SPEC, [a, b], dim, reverse, flags)
+    return None if found is None else found[1]
 
 
 def _loop_faster(bar: KernelBar, steps: int, numel: int, carried: bool, into: bool) -> str | None:
