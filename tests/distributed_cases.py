@@ -658,7 +658,7 @@ CASES: dict[str, Callable[[int, int], None]] = {
     "exclusive linear reverse deterministic": _start_case(
         True, reverse=True, deterministic=True, recurrence=True
     ),
-    "compile: exclusive pair reset": _at(3, _start_case(True, reset=True, compiled=True)),
+    "compile: exclusive pair": _at(3, _start_case(True, compiled=True)),
     "compile: no gradient recorded": _at(2, _compiled_without_grad),
     "torch.func grad, jacrev, vmap": _torch_func,
     "torch.func.jvp": _jvp,

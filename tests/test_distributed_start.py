@@ -227,3 +227,19 @@ def test_errors():
         fd.associative_scan(_add, x, 0, initial=torch.zeros(4), exclusive=True)
     with pytest.raises(fscan.ScanTypeError, match="exclusive"):
         fd.linear_recurrence(0.5, x, 0, exclusive=1)
+
+
+def test_compiled_with_reset_runs_eagerly():
+    """With reset=, the moved step runs outside the graph: values as eager; fullgraph
+    refuses with fscan's reason."""
+    xs, init, flags = _data(9, 0)
+    want = fd.associative_scan(_affine, xs, 0, reset=flags, initial=init, exclusive=True)
+    scan = lambda a, b: fd.associative_scan(
+        _affine, (a, b), 0, reset=flags, initial=init, exclusive=True
+    )
+    torch._dynamo.reset()
+    got = torch.compile(scan, backend="eager")(*xs)
+    _close(got, want)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="drop `reset=`"):
+        torch.compile(scan, backend="eager", fullgraph=True)(*xs)
