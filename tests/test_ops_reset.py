@@ -239,3 +239,22 @@ def test_the_log_names_the_scan_that_ran(caplog):
 def test_no_reset_keeps_torchs_op():
     x = torch.randn(64)
     torch.testing.assert_close(fscan.cumsum(x, 0, reset=None), torch.cumsum(x, 0))
+
+
+@pytest.mark.parametrize("name", ["cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"])
+def test_inference_mode_on_the_pair_scan(name, monkeypatch):
+    """Under inference_mode the segmented combine's `|` reaches aten.__or__, which torch
+    leaves untagged: it must not be taken for a non-elementwise op (the pair scan, the
+    kernel off)."""
+    monkeypatch.setattr(fscan.config, "cpu_kernel", "off")
+    x = torch.randn(12, 3, dtype=torch.float64)
+    mask = torch.zeros(12, dtype=torch.bool)
+    mask[[0, 5, 6]] = True
+    want = getattr(fscan, name)(x, 0, reset=mask)
+    fscan.clear_caches()
+    with torch.inference_mode():
+        got = getattr(fscan, name)(x, 0, reset=mask)
+    for g, w in zip(
+        got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)
+    ):
+        assert torch.equal(g, w)

@@ -63,6 +63,13 @@ __all__ = ["checked_on_first_call", "is_elementwise"]
 # ``.item()`` reads a scalar.
 ELEMENTWISE_UNTAGGED = frozenset(
     {
+        # `a | b` and `a & b` on bool tensors: under inference_mode the Python operators
+        # reach these composites, which torch (2.13) leaves untagged while `__xor__`
+        # is tagged pointwise; they call bitwise_or/and
+        "__or__",
+        "__and__",
+        "__ior__",
+        "__iand__",
         "_to_copy",
         "copy",
         "copy_",
