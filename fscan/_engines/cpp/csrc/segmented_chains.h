@@ -2,7 +2,7 @@
 // side): each lane a chain walked along its steps, restarting where flagged, as the
 // forward's chain_path (forward.h) walks it without flags. fscan.engine._kernel_segmented
 // places this after csrc/segmented.h (Flags, pick) and before its segmented().
-// SEG_TILED (generated, per combine and leaf layout): TW chains go side by side, as the
+// SEG_TILED (generated, per combine and leaf layout): SEG_TW chains go side by side, as the
 // lanes of vector loops, TB steps at a time (a tile, gathered into SoA rows, the flags
 // with them); else G chains are walked interleaved. One chain walked alone (the reduce
 // pass over one lane's chunks, the old split) ran 2-3x the forward's chain path; walked
@@ -96,17 +96,21 @@ static void seg_totals(const In x, const Out y, const Par p, const Flags R, cons
   }
 }
 
-// A tile's scratch: TB steps of TW chains, a row of TW per step (every leaf, in the
-// compute types), their flags, and the TW running values. The flags are 32-bit: bytes
-// made GCC choose 64 lanes a vector for the row loops, more than their TW iterations,
+// Chains side by side in a tile here: the forward's TW became per-kernel (TV * WAYS),
+// generated only where the forward tiles; these tiles keep 16.
+static constexpr int SEG_TW = 16;
+
+// A tile's scratch: TB steps of SEG_TW chains, a row of SEG_TW per step (every leaf, in the
+// compute types), their flags, and the SEG_TW running values. The flags are 32-bit: bytes
+// made GCC choose 64 lanes a vector for the row loops, more than their SEG_TW iterations,
 // and leave them scalar.
 struct SegTile {
-  Store rows{TB * TW};
-  Store acc{TW};
-  alignas(64) int32_t flag[TB * TW];
+  Store rows{TB * SEG_TW};
+  Store acc{SEG_TW};
+  alignas(64) int32_t flag[TB * SEG_TW];
 };
 
-// TW chains as seg_chains<TW>, tiled: each tile's steps gathered into rows (scalar loads
+// SEG_TW chains as seg_chains<SEG_TW>, tiled: each tile's steps gathered into rows (scalar loads
 // through the strides: any leaf, any layout, positions included), scanned a row at a time
 // by vector loops over the chains (the flag picks the element, as on the lane path), and
 // written back. The steps after the last whole tile, and chains longer than the
@@ -115,9 +119,9 @@ static void seg_tile_chains(const In x, const Out y, const Par p, const Flags R,
                             bool rev, const int64_t* lane, const int64_t* s0, const int64_t* s1,
                             const Vals* const* carry, SegTile& tl) {
   const int64_t dt = rev ? -1 : 1;
-  SegChain c[TW];
+  SegChain c[SEG_TW];
   int64_t common = s1[0] - s0[0];
-  for (int g = 0; g < TW; ++g) {
+  for (int g = 0; g < SEG_TW; ++g) {
     c[g] = seg_chain(x, y, R, S, rev, lane[g], s0[g]);
     common = std::min(common, s1[g] - s0[g]);
   }
@@ -125,15 +129,15 @@ static void seg_tile_chains(const In x, const Out y, const Par p, const Flags R,
   int32_t* const fl = tl.flag;
   int64_t k0 = 0;  // steps done in every chain
   for (; k0 + TB <= common; k0 += TB) {
-    for (int g = 0; g < TW; ++g)
+    for (int g = 0; g < SEG_TW; ++g)
       for (int64_t j = 0; j < TB; ++j) {
         const int64_t d = (k0 + j) * dt;
-        put_all(rows, j * TW + g, load_t(c[g].x, d, c[g].t0 + d));
-        fl[j * TW + g] = step(c[g].r, d) != 0;
+        put_all(rows, j * SEG_TW + g, load_t(c[g].x, d, c[g].t0 + d));
+        fl[j * SEG_TW + g] = step(c[g].r, d) != 0;
       }
     int64_t j = 0;
     if (k0 == 0) {  // each chain's first step: from its carry, or its element
-      for (int g = 0; g < TW; ++g) {
+      for (int g = 0; g < SEG_TW; ++g) {
         const Vals u = get_all(rows, g);
         const Vals v = carry[g] == nullptr ? u : pick(fl[g] != 0, u, combine(*carry[g], u, p, lane[g]));
         put_all(acc, g, v);
@@ -142,21 +146,21 @@ static void seg_tile_chains(const In x, const Out y, const Par p, const Flags R,
       j = 1;
     }
     for (; j < TB; ++j) {
-      const Buf r = offset(rows, j * TW);
-      const int32_t* f = fl + j * TW;
+      const Buf r = offset(rows, j * SEG_TW);
+      const int32_t* f = fl + j * SEG_TW;
 #pragma GCC unroll 1
 #pragma GCC ivdep
-      for (int g = 0; g < TW; ++g) {
+      for (int g = 0; g < SEG_TW; ++g) {
         const Vals u = get_all(r, g);
         const Vals v = pick(f[g] != 0, u, combine<false>(get_all(acc, g), u, p, lane[g]));
         put_all(acc, g, v);
         put_all(r, g, v);
       }
     }
-    for (int g = 0; g < TW; ++g)
-      for (int64_t jj = 0; jj < TB; ++jj) store_t(c[g].y, (k0 + jj) * dt, get_all(rows, jj * TW + g));
+    for (int g = 0; g < SEG_TW; ++g)
+      for (int64_t jj = 0; jj < TB; ++jj) store_t(c[g].y, (k0 + jj) * dt, get_all(rows, jj * SEG_TW + g));
   }
-  for (int g = 0; g < TW; ++g) {  // the rest of each chain, walked
+  for (int g = 0; g < SEG_TW; ++g) {  // the rest of each chain, walked
     const Vals a = get_all(acc, g);
     const int64_t from = s0[g] + k0;
     const Vals* in = k0 == 0 ? carry[g] : &a;
@@ -164,8 +168,8 @@ static void seg_tile_chains(const In x, const Out y, const Par p, const Flags R,
   }
 }
 
-// Chains per group: TW where tiled, else G.
-static constexpr int SEG_CG = SEG_TILED ? TW : G;
+// Chains per group: SEG_TW where tiled, else G.
+static constexpr int SEG_CG = SEG_TILED ? SEG_TW : G;
 
 // ng chains written: a whole group tiled, or G at a time interleaved; fewer, one by one.
 static void seg_chain_group(const In x, const Out y, const Par p, const Flags R, const Geo& S,
