@@ -52,9 +52,9 @@ from .._engines.traced import traced_scan
 from .._knowledge.pointwise_check import checked_on_first_call
 from .._knowledge.store import Knowledge, Reach, knowledge, on_clear, reach
 from .._knowledge.validate import validate_combine_fn
-from .._pytree import LEAF, flatten, unflatten
+from .._pytree import LEAF, unflatten
 from .._route_log import ran
-from .repeat import _reach, call_parts
+from .repeat import call_parts, stored_run
 from .scan import check_untouched, leaf_versions, pick_route
 
 __all__ = ["reduce_flat", "remember_reduce", "repeat_reduce", "repeated_reduces"]
@@ -119,19 +119,10 @@ def repeat_reduce(
     doc), as a pytree of ``xs``'s structure with ``dim`` removed, in new memory; None
     where no such call was stored (or the captured tensors no longer broadcast): the
     caller then takes the full path."""
-    if type(xs) is torch.Tensor:
-        leaves, spec = [xs], LEAF
-    else:
-        leaves, spec = flatten(xs)
-    parts = call_parts(spec, leaves, dim, reverse, combine_mode, validate)
-    if parts is None:
+    stored = stored_run(repeated_reduces, combine_fn, xs, dim, reverse, combine_mode, validate)
+    if stored is None:
         return None
-    found = _reach(combine_fn)
-    if found.key is None or (found.tensors and found.aliases is None):
-        return None
-    run = repeated_reduces.get((found.key, found.aliases, *parts))
-    if run is None:
-        return None
+    run, leaves, spec, found = stored
     totals = run_reduce(run, leaves, found.tensors)
     if totals is None:
         return None

@@ -104,6 +104,7 @@ __all__ = [
     "repeat_segmented",
     "repeats",
     "run_exclusive",
+    "stored_run",
 ]
 
 
@@ -129,6 +130,32 @@ _STRIDED = torch.strided
 _builtin_reach: dict[Any, Reach] = {}
 
 
+def stored_run(
+    table: Any,
+    combine_fn: Callable[[Any, Any], Any],
+    xs: Any,
+    dim: Any,
+    reverse: Any,
+    combine_mode: Any,
+    validate: Any,
+) -> tuple[Any, list[torch.Tensor], Any, Reach] | None:
+    """The run ``table`` stored for a call with this one's key (module doc), with the
+    call's leaves, their spec and ``combine_fn``'s reach; None where there is none (the
+    scan's and the reduce's repeat routes share it)."""
+    if type(xs) is torch.Tensor:
+        leaves, spec = [xs], LEAF
+    else:
+        leaves, spec = flatten(xs)
+    parts = call_parts(spec, leaves, dim, reverse, combine_mode, validate)
+    if parts is None:
+        return None
+    found = _reach(combine_fn)
+    if found.key is None or (found.tensors and found.aliases is None):
+        return None
+    run = table.get((found.key, found.aliases, *parts))
+    return None if run is None else (run, leaves, spec, found)
+
+
 def repeat_scan(
     combine_fn: Callable[[Any, Any], Any],
     xs: Any,
@@ -140,19 +167,10 @@ def repeat_scan(
     """The scan of ``xs`` by the kernel a call with the same key ran on (module doc), as
     a pytree of ``xs``'s structure; None where no such call was stored (or the captured
     tensors no longer broadcast): the caller then takes the full path."""
-    if type(xs) is torch.Tensor:
-        leaves, spec = [xs], LEAF
-    else:
-        leaves, spec = flatten(xs)
-    parts = call_parts(spec, leaves, dim, reverse, combine_mode, validate)
-    if parts is None:
+    stored = stored_run(repeats, combine_fn, xs, dim, reverse, combine_mode, validate)
+    if stored is None:
         return None
-    found = _reach(combine_fn)
-    if found.key is None or (found.tensors and found.aliases is None):
-        return None
-    run = repeats.get((found.key, found.aliases, *parts))
-    if run is None:
-        return None
+    run, leaves, spec, found = stored
     out = run_prepared(run, leaves, found.tensors)
     if out is None:
         return None
