@@ -14,6 +14,12 @@ here to outputs of at least :data:`HUGE_MIN_BYTES` only. It changes nothing but 
 the kernel ignores it when transparent huge pages are ``never``, and memory that is already
 mapped (a reused heap block) keeps its pages. Only the interior is advised, so no page is
 shared with a neighbouring allocation.
+
+Where the kernels will run on more than one thread, the advised pages are also faulted in
+here, one write per huge page, before the threads start: threads faulting in huge pages of
+one process concurrently waited on each other in the kernel, and a 2-thread scan of
+(16384, 1024) ran at 12.7-22 ms a call (10-20 ms of it system time) against 7-9 ms on one
+thread; faulted in first, 8-9 ms on two threads (system time 4 ms, as on one).
 """
 
 from __future__ import annotations
@@ -61,4 +67,13 @@ def advise_huge_pages(out: torch.Tensor) -> torch.Tensor:
     if hi > lo:
         # Advisory: a refusal (EINVAL on a kernel without THP) leaves the 4 KiB pages.
         _madvise(lo, hi - lo, _MADV_HUGEPAGE)
+        if torch.get_num_threads() > 1:
+            _fault_in(out, lo - start, hi - start)
     return out
+
+
+def _fault_in(out: torch.Tensor, lo: int, hi: int) -> None:
+    """Write one zero byte in each huge page of bytes ``[lo, hi)`` of ``out``'s (fresh,
+    unwritten) storage, from this thread: see the module's note on threads."""
+    data = torch.empty(0, dtype=torch.uint8).set_(out.untyped_storage())
+    data[lo:hi:_HUGE_PAGE].zero_()

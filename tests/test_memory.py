@@ -71,3 +71,27 @@ def test_large_kernel_outputs_are_advised_and_exact(advised):
         h = a[t] * h + b[t]
         expect[t] = h
     torch.testing.assert_close(ys[1].double(), expect, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_pages_are_faulted_in_before_threads_start(threads):
+    # On more than one thread the advised pages are written (one zero byte per huge page)
+    # before the kernel's threads start: the output is fresh, so nothing the caller holds
+    # changes, and the values are the kernel's own.
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.full((_memory.HUGE_MIN_BYTES,), 171, dtype=torch.uint8)
+        start = out.untyped_storage().data_ptr()
+        _memory.advise_huge_pages(out)
+        first = ((start + HUGE - 1) & ~(HUGE - 1)) - start  # the interior: [first, last)
+        last = ((start + out.numel()) & ~(HUGE - 1)) - start
+        faulted = out[first:last:HUGE]
+        assert faulted.numel() >= 2
+        assert bool((faulted == 0).all()) == (threads > 1 and _memory._madvise is not None)
+        x = torch.randn(_memory.HUGE_MIN_BYTES // 4 // 256, 256)
+        with fscan.config.override(cpu_kernel="eager"):
+            y = fscan.associative_scan(torch.add, x, 0)
+        torch.testing.assert_close(y.double(), x.double().cumsum(0), rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(before)

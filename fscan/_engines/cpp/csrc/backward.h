@@ -248,9 +248,8 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const PB
     chain_bwd(x, y, g, b, q, p, S, rev, nt, chunks_per_lane(outer * inner, S.T, nt));
     return;
   }
-  // Columns of up to TILE lanes (halved until every thread has one); too few columns for
-  // the threads (a narrow inner dim): each column split into C chunks of steps, as the
-  // forward splits them, composed through their transfer maps (see the chains above).
+  // Columns of up to TILE lanes; too few columns for the threads: each column split into
+  // C chunks of steps (see lane_columns), composed through their transfer maps (see the chains above).
   const int64_t T = S.T;
   const Columns K = lane_columns(outer, T, inner, nt, 2);
   const int64_t W = K.W, ntiles = K.ntiles, ncols = K.ncols, C = K.C, L = K.L;

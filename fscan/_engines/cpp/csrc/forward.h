@@ -14,8 +14,9 @@
 // scattered from there (GATHER only: the dense instantiation has unit outputs too).
 // H: a carry-in (if H.any): step 0 (in scan order) reads the head element instead of x.
 // !WRITE: a chunk total, kept with every leaf in acc (and carry), since the carries
-// composed from it read its leaves as a right operand (see get_all).
-template <bool WRITE, bool GATHER>
+// composed from it read its leaves as a right operand (see get_all). ALL with WRITE: the
+// outputs written and the total kept (the first chunk of a split column, see lane_path).
+template <bool WRITE, bool GATHER, bool ALL = !WRITE>
 static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t o, int64_t i0,
                      int64_t w, int64_t s0, int64_t s1, bool rev, const Buf* carry, const Buf acc,
                      const InRow& rows, const OutRow& orows, const Heads& H) {
@@ -29,7 +30,7 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
     const Out yr = GATHER ? buffered(row(yc, t), orows) : row(yc, t);
     fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
       const Vals v = load_i(hr, i, t);
-      put_as<!WRITE>(acc, i, v);
+      put_as<ALL>(acc, i, v);
       if (WRITE) store_i(yr, i, v);
     });
     if (WRITE && GATHER) scatter(row(yc, t), orows, w, rev);
@@ -48,7 +49,7 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
     if (s == sb && carry == nullptr) {
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
         const Vals v = load_i(xr, i, t);
-        put_as<!WRITE>(acc, i, v);
+        put_as<ALL>(acc, i, v);
         if (WRITE) store_i(yr, i, v);
       });
     } else {
@@ -57,8 +58,8 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
         // Not flushed: subnormal products cost nothing measurable in these vector loops
         // (the affine pair, (4096, 256) dim 0, half its steps subnormal: 1.7x a copy
         // either way), and the flush cost 30%.
-        const Vals v = combine<false>(get_as<!WRITE>(left, i), load_i(xr, i, t), p, e0 + i);
-        put_as<!WRITE>(acc, i, v);
+        const Vals v = combine<false>(get_as<ALL>(left, i), load_i(xr, i, t), p, e0 + i);
+        put_as<ALL>(acc, i, v);
         if (WRITE) store_i(yr, i, v);
       });
     }
@@ -69,7 +70,12 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
 static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool rev, int nt,
                       const Heads& H) {
   const int64_t outer = S.outer, T = S.T, inner = S.inner;
-  const Columns K = lane_columns(outer, T, inner, nt, 2);
+  // A split column's first chunk is scanned (outputs written, total kept) while the
+  // threads take the totals of its next chunks; then the rest are scanned from their
+  // carries. C - 1 chunks a column per pass: with C = threads + 1, one pass of each on
+  // 2 threads takes 2/3 of one thread's scan (taking every chunk's total first, as
+  // before, took as long as one thread, the total costing as much as the scan).
+  const Columns K = lane_columns(outer, T, inner, nt, 1, 1);
   const int64_t W = K.W, ntiles = K.ntiles, ncols = K.ncols, C = K.C, L = K.L;
   // Totals of chunks 0..C-2 of every column, W lanes each, then their inclusive scan.
   Store tot(C > 1 ? ncols * (C - 1) * W : 0);
@@ -86,8 +92,11 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
       for (int64_t k = 0; k < ncols * (C - 1); ++k) {
         const int64_t col = k / (C - 1), c = k % (C - 1);
         const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
-        if (dense) lane_run<false, false>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W), rows, orows, H);
-        else lane_run<false, true>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W), rows, orows, H);
+        const Buf total = offset(tb, k * W);
+        if (c == 0 && dense) lane_run<true, false, true>(x, y, p, S, o, i0, w, 0, L, rev, nullptr, total, rows, orows, H);
+        else if (c == 0) lane_run<true, true, true>(x, y, p, S, o, i0, w, 0, L, rev, nullptr, total, rows, orows, H);
+        else if (dense) lane_run<false, false>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, total, rows, orows, H);
+        else lane_run<false, true>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, total, rows, orows, H);
       }
 #pragma omp for schedule(static)
       for (int64_t col = 0; col < ncols; ++col) {
@@ -106,9 +115,11 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
         }
       }
     }
+    // The chunks left: every chunk of a whole column, chunks 1..C-1 of a split one.
+    const int64_t rest = C > 1 ? C - 1 : 1;
 #pragma omp for schedule(static)
-    for (int64_t k = 0; k < ncols * C; ++k) {
-      const int64_t col = k / C, c = k % C;
+    for (int64_t j = 0; j < ncols * rest; ++j) {
+      const int64_t col = j / rest, c = C > 1 ? j % rest + 1 : 0;
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
       const Buf carry = c > 0 ? offset(tb, (col * (C - 1) + c - 1) * W) : tb;
       const int64_t s1 = std::min(T, (c + 1) * L);
