@@ -8,9 +8,11 @@ step and the resets get the op's identity: 0 for cumsum, 1 for cumprod, ``-inf``
 logcumsumexp, and for cummax (cummin) the lowest (highest) value of the dtype
 (``-inf``/``inf`` for floating types, ``False``/``True`` for bool) with index -1. Where
 nothing is recorded, the kernel and torch's op (forward) write their results in place
-into the output's later steps, so an exclusive drop-in costs what the inclusive one
-does; a call the kernel served that way is stored for :mod:`fscan._routing.repeat`,
-whose exclusive route repeats it for an identical call before the drop-in's checks.
+into the output's later steps, and reversed on torch's op, the flipped input's forward
+exclusive scan is flipped back (:func:`_flipped_exclusive`), so an exclusive drop-in
+costs what the inclusive one does; a call the kernel served that way is stored for
+:mod:`fscan._routing.repeat`, whose exclusive route repeats it for an
+identical call before the drop-in's checks.
 
 cummax/cummin's indices are positions in the whole input: reversed, the narrowed input
 starts one step later, so its indices are moved by one (by the kernel as it writes them,
