@@ -212,3 +212,23 @@ def test_kernel_vjp_refuses_where_it_would_read_a_missing_operand():
     assert found is not None and want is not None
     for x, y in zip(found, want):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@needs_compiler
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_large_gradients_and_strided_cotangents_match_the_reverse_cumsum(reverse):
+    # (2049, 1056) float32: gradient outputs over 8 MiB (huge-page advice), and the
+    # cotangent read both contiguous (the inline path) and transposed (through strides).
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2049, 1056, generator=gen, requires_grad=True)
+    cot = torch.randn(2049, 1056, generator=gen)
+    strided = cot.t().contiguous().t()
+    assert not strided.is_contiguous()
+    want = cot.double().flip(0).cumsum(0).flip(0) if not reverse else cot.double().cumsum(0)
+    with fscan.config.override(cpu_kernel="eager"):
+        for c in (cot, strided):
+            out = fscan.associative_scan(lambda a, b: a + b, x, 0, reverse)
+            assert type(out.grad_fn).__name__ == "KernelScanBackward"
+            (got,) = torch.autograd.grad(out, x, c)
+            assert got.is_contiguous() and got.data_ptr() != c.data_ptr()
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-3)

@@ -30,6 +30,7 @@ from ..._config import config
 from ..._context import under_transform
 from ..._knowledge.purity import probeable
 from ..._knowledge.store import Knowledge, Reach
+from ..._memory import HUGE_MIN_BYTES, advise_huge_pages
 from ..adjoint import (
     Backward,
     ScanPlan,
@@ -43,7 +44,7 @@ from ..tree import scan_along
 from ._kernel_entry import BuildCall, Entry, is_ready, kernel_slots, slot_key
 from ._kernel_layout import element_shape, strided_view
 from ._kernel_registry import ready_entry, serving_lookup
-from ._kernel_run import kernel_params, run_kernel
+from ._kernel_run import contiguous_strides, kernel_params, run_kernel
 
 __all__ = ["KernelScan", "kernel_grad_scan", "kernel_vjp", "run_backward"]
 
@@ -232,14 +233,25 @@ def _run(
         torch.zeros((), dtype=xs[k].dtype).expand(shape)
         if grads[k] is None
         else grads[k].resolve_neg()
+        if grads[k].is_neg()
+        else grads[k]
         for k in floats
         if k not in dead
     ]
     bars = [torch.empty(shape, dtype=xs[k].dtype) for k in floats]
+    if outer * steps * inner >= HUGE_MIN_BYTES // 16:  # as the forward's fresh outputs
+        for bar in bars:
+            advise_huge_pages(bar)
     # Per element position, summed over the steps (zero where no step combines).
     pbars = [torch.zeros(outer * inner, dtype=torch.float64) for _ in entry.pfloats]
     if outer * steps * inner:
-        args, nb, strides = strided_view([*xs, *ys, *gs], dim)
+        read = [*xs, *ys, *gs]
+        for t in read:  # all contiguous (the common case) inline, as run_kernel's
+            if not t.is_contiguous():
+                args, nb, strides = strided_view(read, dim)
+                break
+        else:
+            args, nb, strides = read, 1, contiguous_strides(steps, inner, len(read))
         entry.kernel(
             *args, *bars, *pbars, *params, outer, steps, inner, int(reverse),
             torch.get_num_threads(), nb, *strides,

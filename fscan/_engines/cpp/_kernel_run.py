@@ -23,6 +23,7 @@ from ._kernel_layout import counters, strided_layout, strided_view
 
 __all__ = [
     "PreparedRun",
+    "contiguous_strides",
     "fresh_outputs",
     "kernel_params",
     "prepare_run",
@@ -90,7 +91,7 @@ def run_kernel(
                 xs, nb, strides = strided_view(read, dim)
                 break
         else:
-            xs, nb, strides = read, 1, _contiguous_strides(steps, inner, len(read))
+            xs, nb, strides = read, 1, contiguous_strides(steps, inner, len(read))
         strides = strides + _dense_strides(nb, steps, inner, len(written))
     else:
         found = strided_layout([*read, *written], dim, fixed=len(written))
@@ -111,7 +112,7 @@ def run_kernel(
     return ys
 
 
-def _contiguous_strides(steps: int, inner: int, n: int) -> list[int]:
+def contiguous_strides(steps: int, inner: int, n: int) -> list[int]:
     """The kernel's (block, row in block, step, lane) strides of ``n`` contiguous tensors
     read as one block."""
     return [steps * inner, 0, inner, 1] * n
@@ -168,7 +169,7 @@ def prepare_run(
         return None
     n, n_read = len(leaves), len(read)
     # As run_kernel passes them for contiguous inputs into fresh outputs: one block.
-    strides = _contiguous_strides(steps, inner, n_read) + _dense_strides(1, steps, inner, n)
+    strides = contiguous_strides(steps, inner, n_read) + _dense_strides(1, steps, inner, n)
     tail = (1, *strides, *(0,) * n_read, *(first_position,) * bool(positions))
     sizes = (outer, steps, inner, int(reverse))
     return PreparedRun(entry.kernel, entry.program, element, sizes, tail, threads, positions)
