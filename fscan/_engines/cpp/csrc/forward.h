@@ -127,7 +127,10 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
     // The chunks left: every chunk of a whole column, chunks 1..C-1 of a split one.
     const int64_t rest = C > 1 ? C - 1 : 1;
 #pragma omp for schedule(static)
-    for (int64_t j = 0; j < ncols * rest; ++j) {
+    for (int64_t n = 0; n < ncols * rest; ++n) {
+      // Reversed, the columns go down too: a column's rows do, and where columns are
+      // consecutive blocks of memory (a middle dim) ascending columns zig-zagged.
+      const int64_t j = rev ? ncols * rest - 1 - n : n;
       const int64_t col = j / rest, c = C > 1 ? j % rest + 1 : 0;
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
       const Buf carry = c > 0 ? offset(tb, (col * (C - 1) + c - 1) * W) : tb;
