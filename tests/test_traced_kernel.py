@@ -6,6 +6,8 @@ sequential oracle (float64 where gradients are checked).
 
 from __future__ import annotations
 
+import uuid
+
 import optree
 import pytest
 import torch
@@ -374,6 +376,27 @@ def test_the_scan_op_is_not_cacheable():
     from torch._higher_order_ops.associative_scan import associative_scan_op
 
     assert not associative_scan_op.cacheable()
+
+
+def test_inductors_disk_cache_keys_graphs_by_the_lowering(monkeypatch):
+    """With gradients the graph Inductor compiles holds fscan's ops, which its disk cache
+    keeps: a graph lowered by other code (another fscan's LOWERING) is never loaded."""
+    from torch._dynamo.utils import counters
+
+    x = torch.randn(9, 3, dtype=F64, requires_grad=True)
+
+    def cache_hits():
+        counters.clear()
+        torch._dynamo.reset()
+        assert_trees_close(compiled_scan(add)(x), x.cumsum(0))
+        return counters["inductor"]["fxgraph_cache_hit"]
+
+    with torch._inductor.config.patch(fx_graph_cache=True):
+        monkeypatch.setattr(traced_kernel, "LOWERING", uuid.uuid4().hex)
+        assert cache_hits() == 0  # compiled, and stored
+        assert cache_hits() == 1  # the same lowering: loaded
+        monkeypatch.setattr(traced_kernel, "LOWERING", uuid.uuid4().hex)
+        assert cache_hits() == 0
 
 
 def test_the_scan_op_spec_of_a_pytree():

@@ -33,9 +33,17 @@ wanted.
 
 The registry lives in this process. torch's scan op is not cacheable, so
 Inductor's and AOTAutograd's on-disk graph caches bypass every graph holding
-one (``test_the_scan_op_is_not_cacheable`` checks this torch still says so):
-no compiled graph outlives the registry it names. The key is the graph's code
-and its input layout, so equal graphs share one entry.
+one (``test_the_scan_op_is_not_cacheable`` checks this torch still says so), and
+every graph holding fscan's ops was traced from one in this process, which
+registered its key: no compiled graph outlives the registry it names. The key is
+the graph's code and its input layout, so equal graphs share one entry, and the
+code of the modules that lower fscan's ops (:data:`LOWERING`): after the autograd
+rule (:mod:`.traced_kernel_grad`) the graph Inductor compiles holds fscan's ops, not
+torch's, and Inductor's disk cache keeps it under a key that knows nothing of
+fscan's lowerings. Without the salt, a graph compiled by an older fscan (calling
+``fscan::kernel_scan_hop`` itself, through its ~15 µs autograd wrapper, before the
+twin ops) was loaded in its place: a compiled (64,) add call took ~40 µs where
+the graph this fscan lowers takes ~30.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ import hashlib
 import threading
 import types
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import optree
@@ -62,6 +71,7 @@ from ._kernel_run import run_kernel
 from .cpu_kernel import kernel_scan, precompile
 
 __all__ = [
+    "LOWERING",
     "OP",
     "RUN",
     "DeclinedScan",
@@ -75,6 +85,14 @@ __all__ = [
 # What runs a scan along dimension 0 the kernel declines at run time: ``(combine, xs)``
 # to fresh contiguous tensors, as the op's fake implementation promises Inductor.
 DeclinedScan = Callable[[FlatCombine, Sequence[torch.Tensor]], list[torch.Tensor]]
+
+# The code that decides what Inductor emits for fscan's ops (this module's and the autograd
+# rule's): part of every graph key, so that Inductor's disk cache never serves a graph
+# lowered by other code (module doc).
+_LOWERING_FILES = ("traced_kernel.py", "traced_kernel_grad.py")
+LOWERING = hashlib.sha256(
+    b"".join((Path(__file__).parent / name).read_bytes() for name in _LOWERING_FILES)
+).hexdigest()[:16]
 
 # What each extra input of a combine graph is: a lifted tensor, a number the graph
 # computes with (a closed-over int the trace made symbolic), or one it never reads
@@ -338,7 +356,7 @@ def registered(
         _TENSOR if is_tensor(a) else _NUMBER if node.users else _UNREAD
         for a, node in zip(additional_inputs, extra_nodes)
     )
-    key = hashlib.sha256(f"{kinds}\n{gm.code}".encode()).hexdigest()
+    key = hashlib.sha256(f"{LOWERING}\n{kinds}\n{gm.code}".encode()).hexdigest()
     _graphs.get_or_compute(key, lambda: _Graph(gm.forward.__func__, kinds))
     tensors = [a for a, k in zip(additional_inputs, kinds) if k == _TENSOR]
     numbers = [a for a, k in zip(additional_inputs, kinds) if k == _NUMBER]
