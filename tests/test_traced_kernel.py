@@ -312,6 +312,32 @@ def test_a_call_that_differs_looks_its_kernel_up(change):
     assert_trees_close(got, want.to(x.dtype))  # a graph's result has its leaves' dtype
 
 
+@pytest.mark.parametrize("leaves", ["same length", "other length", "transposed"])
+def test_a_served_call_of_the_same_length_runs_the_prepared_kernel(monkeypatch, leaves):
+    """The kernel's arguments are worked out once for contiguous leaves of the served
+    call's length; another length or layout works them out again, with the same values."""
+    w = torch.rand(3, dtype=F64) + 0.5
+    op = lambda x, y: x * y * w
+    with torch.no_grad():
+        key = graph_key_of(lambda: compiled_scan(op)(torch.rand(9, 3, dtype=F64)))
+        traced_kernel.RUN(key, [torch.rand(9, 3, dtype=F64)], [w], [])  # served, prepared
+    x = {
+        "same length": torch.rand(9, 3, dtype=F64),
+        "other length": torch.rand(20, 3, dtype=F64),
+        "transposed": torch.rand(3, 9, dtype=F64).t(),
+    }[leaves]
+    ran = []
+    for name in ("run_prepared", "run_kernel"):
+        original = getattr(traced_kernel, name)
+        spy = lambda *args, original=original, name=name: ran.append(name) or original(*args)
+        monkeypatch.setattr(traced_kernel, name, spy)
+    with torch.no_grad():
+        (got,) = traced_kernel.RUN(key, [x], [w], [])
+    assert ran == ["run_prepared" if leaves == "same length" else "run_kernel"]
+    assert got.is_contiguous()
+    assert_trees_close(got, sequential_scan(op, x, 0, False, "pointwise"))
+
+
 def compile_twice(numbers):
     """Compile one scan site once per number, closing over each in turn."""
     make = lambda k: lambda a, b: a + b + k  # associative: adds k once per combine

@@ -67,7 +67,7 @@ from ._cpp_build import compiler_problem
 from ._kernel_entry import Entry, is_ready, slot_key
 from ._kernel_layout import element_shape
 from ._kernel_registry import leaf_refusal, lookup_kernels
-from ._kernel_run import run_kernel
+from ._kernel_run import PreparedRun, prepare_run, run_kernel, run_prepared
 from .cpu_kernel import kernel_scan, precompile
 
 __all__ = [
@@ -141,10 +141,14 @@ def _scan_on_kernel(
     served_key = _served_key(key, xs, tensors, numbers)
     served = None if served_key is None else _served.get(served_key)
     if served is not None:
-        captured = [tensors[i] for i in served.captured]
-        out = run_kernel(served.entry, xs, 0, False, captured)
+        captured = [tensors[i] for i in served.captured] if served.captured else ()
+        run, out = served.run, None
+        if run is not None and xs[0].shape[0] == run.sizes[1] and _contiguous(xs):
+            out = run_prepared(run, xs, captured)  # the length it was prepared for
+        else:
+            out = run_kernel(served.entry, xs, 0, False, captured)  # type: ignore[assignment]
         if out is not None:  # params that do not broadcast: the full path says why
-            return out  # type: ignore[return-value]  # no leaf dropped: all tensors
+            return out  # no leaf dropped: all tensors
     combine = combine_of(key, tensors, numbers)
     spec = optree.tree_structure(list(xs))
     # Contiguous, as the fake implementation promises Inductor, whatever the inputs' layout.
@@ -162,11 +166,22 @@ def _scan_on_kernel(
 
 
 class _Served(NamedTuple):
-    """The READY forward kernel that served a call, and where its captured tensors (in
-    the kernel's order) are among the call's lifted ``tensors``."""
+    """The READY forward kernel that served a call, where its captured tensors (in the
+    kernel's order) are among the call's lifted ``tensors``, and its arguments worked out
+    for contiguous leaves of that call's length (None where they were not contiguous):
+    run_kernel works them out on every call, ~1.5 µs of a compiled (64,) call's ~30."""
 
     entry: Entry
     captured: tuple[int, ...]
+    run: PreparedRun | None
+
+
+def _contiguous(xs: Sequence[torch.Tensor]) -> bool:
+    # A loop, not all() of a generator: ~0.3 µs less, on every call.
+    for x in xs:  # noqa: SIM110
+        if not x.is_contiguous():
+            return False
+    return True
 
 
 # Calls the kernel served, by _served_key (a few combines of a few element shapes each).
@@ -212,7 +227,9 @@ def _remember(
     )
     where = {id(t): i for i, t in enumerate(tensors)}
     if is_ready(entry) and all(id(t) in where for t in captured):
-        _served.put(served_key, _Served(entry, tuple([where[id(t)] for t in captured])))
+        run = prepare_run(holder, aliases, xs, 0, False) if _contiguous(xs) else None
+        places = tuple([where[id(t)] for t in captured])
+        _served.put(served_key, _Served(entry, places, run))  # type: ignore[arg-type]
 
 
 def combine_of(
