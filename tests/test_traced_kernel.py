@@ -174,6 +174,31 @@ def test_gradients_of_a_closed_over_tensor():
     assert_trees_close(got, want)
 
 
+def test_an_identical_backward_runs_the_kernel_it_ran_before(monkeypatch):
+    """The backward op runs the backward kernel an identical call ran without looking it
+    up, reading the lifted tensor anew; its gradient too."""
+    w = (torch.rand(5, dtype=F64) + 0.5).requires_grad_()
+    x = (torch.rand(17, 5, dtype=F64) + 0.5).requires_grad_()
+    g = torch.randn(17, 5, dtype=F64)
+    scale = lambda left, right: left * right * w
+    fn = torch.compile(lambda x: fscan.associative_scan(scale, x, 0), fullgraph=True)
+    torch.autograd.grad(fn(x), (x, w), g)  # looked up, remembered
+    looked_up = []
+    original = traced_kernel_grad.serving_lookup
+    spy = lambda *args, **kwargs: looked_up.append(1) or original(*args, **kwargs)
+    monkeypatch.setattr(traced_kernel_grad, "serving_lookup", spy)
+    for _ in range(2):
+        got = torch.autograd.grad(fn(x), (x, w), g)
+        want = torch.autograd.grad(sequential_scan(scale, x, 0, False, "pointwise"), (x, w), g)
+        assert_trees_close(got, want)
+        with torch.no_grad():
+            w.mul_(1.25)
+    assert looked_up == []
+    fscan.clear_caches()
+    torch.autograd.grad(fn(x), (x, w), g)
+    assert looked_up == [1]
+
+
 def test_a_backward_kernel_not_ready_runs_the_adjoint(monkeypatch):
     """Where the backward kernel cannot serve (still building, params that do not fit),
     fscan's adjoint scan answers inside the backward op, which lets autograd back in."""

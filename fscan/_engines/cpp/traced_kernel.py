@@ -80,6 +80,7 @@ __all__ = [
     "kernel_traceable",
     "listed",
     "registered",
+    "served_key",
 ]
 
 # What runs a scan along dimension 0 the kernel declines at run time: ``(combine, xs)``
@@ -138,8 +139,8 @@ def _scan_on_kernel(
 ) -> list[torch.Tensor]:
     """The scan of both ops: by the kernel that served an identical call (module doc), else
     by the kernel looked up for ``key``'s combine, else by the installer's scan."""
-    served_key = _served_key(key, xs, tensors, numbers)
-    served = None if served_key is None else _served.get(served_key)
+    identical = served_key(key, xs, tensors, numbers)
+    served = None if identical is None else _served.get(identical)
     if served is not None:
         captured = [tensors[i] for i in served.captured] if served.captured else ()
         run, out = served.run, None
@@ -160,8 +161,8 @@ def _scan_on_kernel(
     if out is None:  # the kernel declines: the scan the installer handed in
         assert _declined is not None  # the op is only in graphs install_lowering lowered
         return _declined(listed(combine), xs)
-    if served_key is not None:
-        _remember(served_key, combine, spec, xs, tensors)
+    if identical is not None:
+        _remember(identical, combine, spec, xs, tensors)
     return ys
 
 
@@ -184,12 +185,12 @@ def _contiguous(xs: Sequence[torch.Tensor]) -> bool:
     return True
 
 
-# Calls the kernel served, by _served_key (a few combines of a few element shapes each).
+# Calls the kernel served, by served_key (a few combines of a few element shapes each).
 _served: BoundedCache[_Served] = BoundedCache(maxsize=256)
 on_clear(_served.clear)
 
 
-def _served_key(
+def served_key(
     key: str, xs: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], numbers: Sequence[int]
 ) -> tuple[Any, ...] | None:
     """What the kernel lookup of a call reads (module doc), or None where the kernel may
@@ -207,13 +208,13 @@ def _served_key(
 
 
 def _remember(
-    served_key: tuple[Any, ...],
+    identical: tuple[Any, ...],
     combine: Callable[..., list],
     spec: Any,
     xs: Sequence[torch.Tensor],
     tensors: Sequence[torch.Tensor],
 ) -> None:
-    """Store the READY kernel that just served ``served_key``'s call (found by the lookup
+    """Store the READY kernel that just served ``identical``'s call (found by the lookup
     that chose it), unless one of its captured tensors is not a lifted one."""
     lookup = lookup_kernels(combine, spec, xs, None, None)
     if lookup is None:
@@ -229,7 +230,7 @@ def _remember(
     if is_ready(entry) and all(id(t) in where for t in captured):
         run = prepare_run(holder, aliases, xs, 0, False) if _contiguous(xs) else None
         places = tuple([where[id(t)] for t in captured])
-        _served.put(served_key, _Served(entry, places, run))  # type: ignore[arg-type]
+        _served.put(identical, _Served(entry, places, run))  # type: ignore[arg-type]
 
 
 def combine_of(
