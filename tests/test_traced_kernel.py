@@ -6,6 +6,8 @@ sequential oracle (float64 where gradients are checked).
 
 from __future__ import annotations
 
+import uuid
+
 import optree
 import pytest
 import torch
@@ -172,6 +174,31 @@ def test_gradients_of_a_closed_over_tensor():
     assert_trees_close(got, want)
 
 
+def test_an_identical_backward_runs_the_kernel_it_ran_before(monkeypatch):
+    """The backward op runs the backward kernel an identical call ran without looking it
+    up, reading the lifted tensor anew; its gradient too."""
+    w = (torch.rand(5, dtype=F64) + 0.5).requires_grad_()
+    x = (torch.rand(17, 5, dtype=F64) + 0.5).requires_grad_()
+    g = torch.randn(17, 5, dtype=F64)
+    scale = lambda left, right: left * right * w
+    fn = torch.compile(lambda x: fscan.associative_scan(scale, x, 0), fullgraph=True)
+    torch.autograd.grad(fn(x), (x, w), g)  # looked up, remembered
+    looked_up = []
+    original = traced_kernel_grad.serving_lookup
+    spy = lambda *args, **kwargs: looked_up.append(1) or original(*args, **kwargs)
+    monkeypatch.setattr(traced_kernel_grad, "serving_lookup", spy)
+    for _ in range(2):
+        got = torch.autograd.grad(fn(x), (x, w), g)
+        want = torch.autograd.grad(sequential_scan(scale, x, 0, False, "pointwise"), (x, w), g)
+        assert_trees_close(got, want)
+        with torch.no_grad():
+            w.mul_(1.25)
+    assert looked_up == []
+    fscan.clear_caches()
+    torch.autograd.grad(fn(x), (x, w), g)
+    assert looked_up == [1]
+
+
 def test_a_backward_kernel_not_ready_runs_the_adjoint(monkeypatch):
     """Where the backward kernel cannot serve (still building, params that do not fit),
     fscan's adjoint scan answers inside the backward op, which lets autograd back in."""
@@ -310,6 +337,32 @@ def test_a_call_that_differs_looks_its_kernel_up(change):
     assert_trees_close(got, want.to(x.dtype))  # a graph's result has its leaves' dtype
 
 
+@pytest.mark.parametrize("leaves", ["same length", "other length", "transposed"])
+def test_a_served_call_of_the_same_length_runs_the_prepared_kernel(monkeypatch, leaves):
+    """The kernel's arguments are worked out once for contiguous leaves of the served
+    call's length; another length or layout works them out again, with the same values."""
+    w = torch.rand(3, dtype=F64) + 0.5
+    op = lambda x, y: x * y * w
+    with torch.no_grad():
+        key = graph_key_of(lambda: compiled_scan(op)(torch.rand(9, 3, dtype=F64)))
+        traced_kernel.RUN(key, [torch.rand(9, 3, dtype=F64)], [w], [])  # served, prepared
+    x = {
+        "same length": torch.rand(9, 3, dtype=F64),
+        "other length": torch.rand(20, 3, dtype=F64),
+        "transposed": torch.rand(3, 9, dtype=F64).t(),
+    }[leaves]
+    ran = []
+    for name in ("run_prepared", "run_kernel"):
+        original = getattr(traced_kernel, name)
+        spy = lambda *args, original=original, name=name: ran.append(name) or original(*args)
+        monkeypatch.setattr(traced_kernel, name, spy)
+    with torch.no_grad():
+        (got,) = traced_kernel.RUN(key, [x], [w], [])
+    assert ran == ["run_prepared" if leaves == "same length" else "run_kernel"]
+    assert got.is_contiguous()
+    assert_trees_close(got, sequential_scan(op, x, 0, False, "pointwise"))
+
+
 def compile_twice(numbers):
     """Compile one scan site once per number, closing over each in turn."""
     make = lambda k: lambda a, b: a + b + k  # associative: adds k once per combine
@@ -374,6 +427,27 @@ def test_the_scan_op_is_not_cacheable():
     from torch._higher_order_ops.associative_scan import associative_scan_op
 
     assert not associative_scan_op.cacheable()
+
+
+def test_inductors_disk_cache_keys_graphs_by_the_lowering(monkeypatch):
+    """With gradients the graph Inductor compiles holds fscan's ops, which its disk cache
+    keeps: a graph lowered by other code (another fscan's LOWERING) is never loaded."""
+    from torch._dynamo.utils import counters
+
+    x = torch.randn(9, 3, dtype=F64, requires_grad=True)
+
+    def cache_hits():
+        counters.clear()
+        torch._dynamo.reset()
+        assert_trees_close(compiled_scan(add)(x), x.cumsum(0))
+        return counters["inductor"]["fxgraph_cache_hit"]
+
+    with torch._inductor.config.patch(fx_graph_cache=True):
+        monkeypatch.setattr(traced_kernel, "LOWERING", uuid.uuid4().hex)
+        assert cache_hits() == 0  # compiled, and stored
+        assert cache_hits() == 1  # the same lowering: loaded
+        monkeypatch.setattr(traced_kernel, "LOWERING", uuid.uuid4().hex)
+        assert cache_hits() == 0
 
 
 def test_the_scan_op_spec_of_a_pytree():

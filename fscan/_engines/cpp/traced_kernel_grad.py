@@ -10,8 +10,11 @@ registers the graph under its key, as the lowering does, and emits
 ``fscan::kernel_scan_hop`` itself, which now has an autograd formula: its backward
 is the custom op ``fscan::kernel_scan_hop_backward``, the backward kernel of the
 eager :class:`~fscan._engines.cpp._kernel_grad.KernelScan` on the saved inputs and
-outputs (fscan's adjoint scan where that kernel cannot serve yet). Both ops name
-the graph by its key, a string in the compiled graph, so AOTAutograd keeps both.
+outputs (fscan's adjoint scan where that kernel cannot serve yet); a call identical,
+in all the forward op's served calls are keyed on and which lifted tensors want a
+gradient, to one the backward kernel served runs that kernel without the lookup.
+Both ops name the graph by its key, a string in the compiled graph, so AOTAutograd
+keeps both.
 The graph Dynamo hands AOTAutograd still holds torch's scan op, which is not
 cacheable, so no compiled graph is loaded from disk without this rule running
 first and registering the key.
@@ -28,12 +31,14 @@ import torch
 from torch._C import DispatchKey
 from torch._higher_order_ops.associative_scan import associative_scan_op
 
+from ..._cache import BoundedCache
+from ..._knowledge.store import on_clear
 from ..adjoint import Backward, ScanPlan, adjoint, all_finite, stepwise_adjoint
-from ._kernel_entry import BuildCall
+from ._kernel_entry import BuildCall, Entry
 from ._kernel_grad import _GradInfo, run_backward
 from ._kernel_layout import element_shape
 from ._kernel_registry import ready_entry, serving_lookup
-from .traced_kernel import OP, combine_of, listed, registered
+from .traced_kernel import OP, combine_of, listed, registered, served_key
 
 __all__ = ["install_autograd"]
 
@@ -75,8 +80,9 @@ def _cotangents(
     needing = tuple([t for t in marked if t.requires_grad])
     plan = ScanPlan(listed(combine), len(xs), 0, False)
     call = Backward(plan, xs, needing, ys, grads, [True] * (len(xs) + len(needing)))
+    served_key = _served_key(key, xs, tensors, numbers, needs)
     with _autograd_let_in(), torch.no_grad():
-        found = _by_kernel(combine, call, marked, needing)
+        found = _by_kernel(combine, call, marked, needing, served_key)
         if found is None:
             found = adjoint(call)
             if needing and not all_finite([*found[0], *found[1]]):
@@ -116,13 +122,44 @@ def _fake_backward(
     return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (*xs, *tensors)]
 
 
+# Calls the backward kernel served, by _served_key: the READY backward entry and where its
+# captured tensors are among the call's lifted ones. A call identical in all the lookup
+# read skips the lookup: the combine is a new closure on every call, so its reach was
+# walked anew each time (about 40% of the backward op's time in a cProfile of a (64,) add).
+_served: BoundedCache[tuple[Entry, tuple[int, ...]]] = BoundedCache(maxsize=256)
+on_clear(_served.clear)
+
+
+def _served_key(
+    key: str,
+    xs: Sequence[torch.Tensor],
+    tensors: Sequence[torch.Tensor],
+    numbers: Sequence[int],
+    needs: Sequence[bool],
+) -> tuple[Any, ...] | None:
+    """The forward op's key of a call (:func:`~.traced_kernel.served_key`), with which
+    lifted tensors want a gradient (the backward kernel's param sums); None where the
+    kernel may not serve it."""
+    found = served_key(key, xs, tensors, numbers)
+    return None if found is None else (*found, *needs)
+
+
 def _by_kernel(
     combine: Callable[..., list],
     call: Backward,
     captured_inputs: Sequence[torch.Tensor],
     needing: tuple[torch.Tensor, ...],
+    key: tuple[Any, ...] | None = None,
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None:
-    """:func:`run_backward` where the backward kernel is ready, else None."""
+    """:func:`run_backward` where the backward kernel is ready, else None; by the kernel
+    that served the call ``key`` names, if any, without looking it up."""
+    served = None if key is None else _served.get(key)
+    if served is not None:
+        entry, places = served
+        captured = tuple([captured_inputs[i] for i in places])
+        found = run_backward(_GradInfo(entry, entry, call.plan, captured, needing), call)
+        if found is not None:  # params that do not broadcast: the lookup says why
+            return found
     xs = list(call.xs)
     spec = optree.tree_structure(xs)
     lookup = serving_lookup(combine, spec, xs, None, None, gradients=True)
@@ -135,6 +172,9 @@ def _by_kernel(
     entry = ready_entry(holder, aliases, build, numel, backward=True, param_grads=bool(needing))
     if entry is None:
         return None
+    where = {id(t): i for i, t in enumerate(captured_inputs)}
+    if key is not None and all(id(t) in where for t in captured):
+        _served.put(key, (entry, tuple([where[id(t)] for t in captured])))
     return run_backward(_GradInfo(entry, entry, call.plan, captured, needing), call)
 
 
