@@ -138,3 +138,56 @@ def test_transposed_float32_input_reads_its_chains_in_place():
     x = torch.randn(40, 300)
     _check("last_nonzero", x.t(), 0, False, 1)
     _check("affine", (torch.rand(40, 300).t() * 0.5 + 0.5, x.t()), 0, True, 1)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("name", ["add", "max", "last_nonzero", "affine", "lse"])
+def test_every_partial_tile_length_matches_the_oracle(name, reverse):
+    # Every chain length from 1 to 35 steps: tiles of 16 and a partial last tile of
+    # 1-15 steps (masked rows), in 32 chains (whole groups, none walked).
+    for steps in range(1, 36):
+        xs = _data(name, (32, steps), torch.float32, seed=100 + steps)
+        _check(name, xs, 1, reverse, 1)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_partial_tiles_read_and_write_only_their_steps(reverse):
+    # The chains sit in rows of a wider buffer, with NaN past each chain's last step and
+    # before its first: the partial tile's masked rows must not bring them in, nor write
+    # over them (the output is a view of a buffer filled with a sentinel).
+    steps = 21
+    buf = torch.full((32, steps + 16), float("nan"))
+    x = buf[:, 8 : 8 + steps]
+    x.copy_(torch.randn(32, steps, generator=torch.Generator().manual_seed(5)))
+    _check("add", x, 1, reverse, 1)
+    out = torch.full((32, steps + 16), -7.0)
+    with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):
+        got = fscan.cumsum(x, 1, reverse=reverse, out=out[:, 8 : 8 + steps])
+    expected = torch.cumsum(x.double().flip(1) if reverse else x.double(), 1)
+    expected = expected.flip(1) if reverse else expected
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[:, :8], torch.full((32, 8), -7.0))
+    assert torch.equal(out[:, 8 + steps :], torch.full((32, 8), -7.0))
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("name", ["add", "max", "affine"])
+def test_chains_off_the_tile_with_a_carry_in_match_the_oracle(name, reverse):
+    # initial= as the scan's step before the first: out = scan of [initial, xs] less it
+    # (a carry-in's head element is read by the walked chains, not by a tile).
+    fn = COMBINES[name]
+    for steps in (5, 16, 19, 40):
+        xs = _data(name, (32, steps), torch.float32, seed=steps)
+        init = optree.tree_map(lambda x: x[:, 0] * 0.5 + 0.25, xs)
+        with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):
+            out = fscan.associative_scan(fn, xs, 1, reverse=reverse, initial=init)
+        joined = optree.tree_map(
+            lambda x, i: torch.cat([x, i[:, None]] if reverse else [i[:, None], x], 1), xs, init
+        )
+        wide = optree.tree_map(lambda x: x.double(), joined)
+        ref = sequential_scan(fn, wide, 1, reverse)
+        ref = optree.tree_map(lambda r: r[:, :-1] if reverse else r[:, 1:], ref)
+        for o, r in zip(optree.tree_leaves(out), optree.tree_leaves(ref)):
+            torch.testing.assert_close(
+                o.double(), r.float().double(), rtol=1e-5, atol=1e-5, equal_nan=True
+            )

@@ -33,7 +33,8 @@ compiled kernel serves every shape and layout.
   stride): each lane is a chain. float32 leaves whose steps are dense (AVX-512)
   go 16 chains side by side (32 for an expensive combine), as the lanes of vector
   loops: 16 steps of each are transposed into a tile in registers, scanned with each
-  chain's running value in a register, and transposed back (``tile_chains``). Other
+  chain's running value in a register, and transposed back (``tile_chains``; the
+  steps after the last whole tile make a partial tile, masked). Other
   leaves: 8 chains run interleaved (instruction-level parallelism), each walking its
   steps (long ones 16 steps apart, off one cache set).
 * Either path splits T into chunks when there are too few columns or chains

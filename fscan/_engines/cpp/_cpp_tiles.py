@@ -35,6 +35,7 @@ def tile_structs(read: Sequence[int] | None, kept: Sequence[int], expensive: boo
     """The chain path's tiles (see tile_chains in csrc/forward.h): ``InTile``/``OutTile``,
     TB steps of TW chains of each read/kept leaf (``WAYS`` blocks of TV chains, each its
     TB rows, see :func:`tile_ways`), transposed in and out by ``tile_in``/``tile_out``
+    (``m``: the rows read and written, a bit each, fewer than TB in a partial tile)
     (float32 leaves, no position leaves: ``read`` is None otherwise, and ``TILED`` false,
     with stubs)."""
     ways = tile_ways(expensive) if read is not None else 1
@@ -46,8 +47,9 @@ def tile_structs(read: Sequence[int] | None, kept: Sequence[int], expensive: boo
                 "static constexpr bool TILED = false;",
                 "struct InTile {}; struct OutTile {};",
                 "static FSCAN_INLINE bool tileable(const In, const Out) { return false; }",
-                "static FSCAN_INLINE void tile_in(const In*, const int64_t*, InTile&) {}",
-                "static FSCAN_INLINE void tile_out(const Out*, const int64_t*, const OutTile&) {}",
+                "static FSCAN_INLINE void tile_in(const In*, const int64_t*, InTile&, unsigned) {}",
+                "static FSCAN_INLINE void tile_out(const Out*, const int64_t*, const OutTile&, "
+                "unsigned) {}",
                 "static FSCAN_INLINE In tile_row(const In x, const InTile&, int64_t) { return x; }",
                 "static FSCAN_INLINE Out tile_row(const Out y, OutTile&, int64_t) { return y; }",
             ]
@@ -65,20 +67,22 @@ def tile_structs(read: Sequence[int] | None, kept: Sequence[int], expensive: boo
             tile("OutTile", ys),
             "static FSCAN_INLINE bool tileable(const In x, const Out y) "
             "{ (void)x; (void)y; return " + " && ".join(units or ["true"]) + "; }",
-            "static FSCAN_INLINE void tile_in(const In* x, const int64_t* t, InTile& b) { "
+            "static FSCAN_INLINE void tile_in(const In* x, const int64_t* t, InTile& b, "
+            "unsigned m) { (void)m; "
             + " ".join(
                 f"for (int h = 0; h < TW; h += TV) {{ const float* s[TV]; "
                 f"for (int g = 0; g < TV; ++g) s[g] = x[h + g].{f}.p + t[h + g]; "
-                f"fscan_tile_in(s, b.{f} + h * TB); }}"
+                f"fscan_tile_in(s, b.{f} + h * TB, m); }}"
                 for f in xs
             )
             + " }",
-            "static FSCAN_INLINE void tile_out(const Out* y, const int64_t* t, const OutTile& b) "
-            "{ "
+            "static FSCAN_INLINE void tile_out(const Out* y, const int64_t* t, const OutTile& b, "
+            "unsigned m) "
+            "{ (void)m; "
             + " ".join(
                 f"for (int h = 0; h < TW; h += TV) {{ float* d[TV]; "
                 f"for (int g = 0; g < TV; ++g) d[g] = y[h + g].{f}.p + t[h + g]; "
-                f"fscan_tile_out(b.{f} + h * TB, d); }}"
+                f"fscan_tile_out(b.{f} + h * TB, d, m); }}"
                 for f in ys
             )
             + " }",

@@ -195,7 +195,8 @@ static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const 
 // scanned (tile_scan), and the outputs transposed back out. Walking chains one element
 // at a time kept the combine scalar: the affine pair over (4096, 256) dim 1 ran 4.6 ns
 // an element walked (9 reversed), 1.1 tiled; add 0.42 -> 0.29. The steps after the last
-// whole tile, and chains longer than the shortest, are walked.
+// whole tile make a partial tile (masked); the steps of chains longer than the shortest
+// are walked.
 // Where the time goes (add, (4096, 256) dim 1, 1 thread; a copy 0.065 ns an element):
 // 0.24 in all; without the transposes 0.10 (the scan, its double accumulation included),
 // without the scan 0.14 (the transposes: 128 shuffles per 256 elements, and the tile's
@@ -244,6 +245,63 @@ FSCAN_TILE_SCAN static void tile_scan(const In x, const Out y, const Par p, cons
   }
 }
 
+// Steps [K0, n) of a partial tile (n < TB), a row at a time, each a vector loop over the
+// tile's chains, their running values in acc: GCC vectorises the loop over chains only
+// where the steps inside it are a constant count (with n steps inside, it ran scalar). Not
+// unrolled: GCC unrolled a cheap combine's 16 chains (add) before vectorising, into scalars.
+template <bool WRITE, bool UP, int64_t K0>
+FSCAN_TILE_SCAN static void tile_scan_part(const In x, const Out y, const Par p, const int64_t* elem, const Buf acc, Tiles& tl, int64_t n) {
+  for (int64_t k = K0; k < n; ++k) {
+    const int64_t j = UP ? k : TB - 1 - k;
+    for (int w = 0; w < WAYS; ++w) {
+      const In xr = tile_row(x, tl.in, w * TB + j);
+      const Out yr = tile_row(y, tl.out, w * TB + j);
+#pragma GCC ivdep
+#pragma GCC unroll 1
+      for (int g = 0; g < TV; ++g) {
+        const Vals v = combine<false>(get_all(acc, w * TV + g), load_i(xr, g, 0), p, elem[w * TV + g]);
+        put_all(acc, w * TV + g, v);
+        if (WRITE) store_i(yr, g, v);
+      }
+    }
+  }
+}
+
+// The steps [s0, s0 + n) (n <= TB) of a tile's chains: transposed in, scanned from acc (or,
+// at s0 = 0, from the carry-in, if any), transposed out. A partial tile (n < TB) reads and
+// writes its n steps only (masked: see fscan_tile_in).
+template <bool WRITE, bool UP>
+static FSCAN_INLINE void tile_step(const In* xb, const Out* yb, const Par p, const int64_t* t0,
+                                   const int64_t* elem, const Vals* carry, const bool* has,
+                                   int64_t s0, int64_t n, Tiles& tl) {
+  const Buf acc = tl.acc.buf();
+  const bool part = n < TB;
+  // The rows a partial tile reads: the first n (UP), or the last n (a reversed chain's
+  // steps descend from the tile's highest address).
+  const unsigned all = (1u << TB) - 1, m = !part ? all : (UP ? (1u << n) - 1 : all & ~((1u << (TB - n)) - 1));
+  int64_t lo[TW];  // each chain's step at the tile's lowest address
+  for (int g = 0; g < TW; ++g) lo[g] = UP ? t0[g] + s0 : t0[g] - s0 - (TB - 1);
+  if (part) tile_in(xb, lo, tl.in, m);
+  else tile_in(xb, lo, tl.in, all);
+  if (s0 == 0) {  // the first step: from the carry-in, if any
+    for (int g = 0; g < TW; ++g) {
+      const int64_t j = g / TV * TB + (UP ? 0 : TB - 1);
+      const Vals v = load_i(tile_row(xb[0], tl.in, j), g % TV, 0);
+      put_all(acc, g, has[g] ? combine(carry[g], v, p, elem[g]) : v);
+      if (WRITE) store_i(tile_row(yb[0], tl.out, j), g % TV, get_all(acc, g));
+    }
+    if (part) tile_scan_part<WRITE, UP, 1>(xb[0], yb[0], p, elem, acc, tl, n);
+    else tile_scan<WRITE, UP, 1>(xb[0], yb[0], p, elem, acc, tl);
+  } else if (part) {
+    tile_scan_part<WRITE, UP, 0>(xb[0], yb[0], p, elem, acc, tl, n);
+  } else {
+    tile_scan<WRITE, UP, 0>(xb[0], yb[0], p, elem, acc, tl);
+  }
+  if (!WRITE) return;
+  if (part) tile_out(yb, lo, tl.out, m);
+  else tile_out(yb, lo, tl.out, all);
+}
+
 template <bool WRITE, bool UP>
 static void tile_chains(const In* xb, const Out* yb, const Par p, const int64_t* t0,
                         const int64_t* len, const int64_t* elem, const Vals* carry,
@@ -251,35 +309,22 @@ static void tile_chains(const In* xb, const Out* yb, const Par p, const int64_t*
   const Buf acc = tl.acc.buf();
   int64_t common = len[0];
   for (int g = 1; g < TW; ++g) common = std::min(common, len[g]);
-  int64_t s0 = 0;
-  for (; s0 + TB <= common; s0 += TB) {
-    int64_t lo[TW];  // each chain's step at the tile's lowest address
-    for (int g = 0; g < TW; ++g) lo[g] = UP ? t0[g] + s0 : t0[g] - s0 - (TB - 1);
-    tile_in(xb, lo, tl.in);
-    if (s0 == 0) {  // the first step: from the carry-in, if any
-      for (int g = 0; g < TW; ++g) {
-        const int64_t j = g / TV * TB + (UP ? 0 : TB - 1);
-        const Vals v = load_i(tile_row(xb[0], tl.in, j), g % TV, 0);
-        put_all(acc, g, has[g] ? combine(carry[g], v, p, elem[g]) : v);
-        if (WRITE) store_i(tile_row(yb[0], tl.out, j), g % TV, get_all(acc, g));
-      }
-      tile_scan<WRITE, UP, 1>(xb[0], yb[0], p, elem, acc, tl);
-    } else {
-      tile_scan<WRITE, UP, 0>(xb[0], yb[0], p, elem, acc, tl);
-    }
-    if (WRITE) tile_out(yb, lo, tl.out);
-  }
-  // The steps after the last whole tile (all of them where the shortest chain is shorter
-  // than a tile) are walked, a chain at a time: interleaving G of them here ran slower
-  // (add over (4096, 5) dim 1: 2.4 ns an element, one by one 1.7; the affine pair 9.6, 2.8).
+  // The steps every chain has, in tiles, the last one partial where TB does not divide
+  // them: walking those steps a chain at a time ran (4096, 255) dim 1 1.6x slower than
+  // (4096, 256) (the exclusive logcumsumexp's repeat route scans n - 1 steps).
+  for (int64_t s0 = 0; s0 < common; s0 += TB)
+    tile_step<WRITE, UP>(xb, yb, p, t0, elem, carry, has, s0, std::min(TB, common - s0), tl);
+  // Chains longer than the shortest walk their remaining steps, a chain at a time
+  // (interleaving G of them here ran slower: add over (4096, 5) dim 1, 2.4 ns an element,
+  // one by one 1.7; the affine pair 9.6, 2.8).
   const int64_t tstep = UP ? 1 : -1;
   for (int g = 0; g < TW; ++g) {
-    if (s0 == 0) {
+    if (common == 0) {
       chains<1, WRITE>(xb + g, yb + g, p, t0 + g, len + g, elem + g, tstep, carry + g, has + g, last + g, hb + g, head + g);
       continue;
     }
     const Vals a = get_all(acc, g);
-    const int64_t t1 = t0[g] + s0 * tstep, n1 = len[g] - s0;
+    const int64_t t1 = t0[g] + common * tstep, n1 = len[g] - common;
     const bool yes = true, no = false;
     if (n1 > 0) chains<1, WRITE>(xb + g, yb + g, p, &t1, &n1, elem + g, tstep, &a, &yes, last + g, hb + g, &no);
     else if (!WRITE) last[g] = a;

@@ -37,23 +37,33 @@ static FSCAN_INLINE void fscan_transpose16(__m512* r) {
     r[12 + m] = _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0xdd);
   }
 }
-// dst[j * 16 + g] = src[g][j]; and back: dst[g][j] = src[j * 16 + g].
-static FSCAN_INLINE void fscan_tile_in(const float* const* src, float* dst) {
+// dst[j * 16 + g] = src[g][j]; and back: dst[g][j] = src[j * 16 + g]. Only the rows j
+// whose bit is set in m are read (the others come in as 0) or written: a tile of fewer
+// steps than 16 (the chain path's last partial tile) reads and writes no element beyond
+// its chains' steps (masked lanes do not fault). A whole tile (m all ones, a constant
+// where it is called) keeps its plain loads and stores.
+static FSCAN_INLINE void fscan_tile_in(const float* const* src, float* dst, unsigned m) {
   __m512 r[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src[i]);
+  if (m == 0xffffu)
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src[i]);
+  else
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_ps((__mmask16)m, src[i]);
   fscan_transpose16(r);
   for (int i = 0; i < 16; ++i) _mm512_store_ps(dst + 16 * i, r[i]);
 }
-static FSCAN_INLINE void fscan_tile_out(const float* src, float* const* dst) {
+static FSCAN_INLINE void fscan_tile_out(const float* src, float* const* dst, unsigned m) {
   __m512 r[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(src + 16 * i);
   fscan_transpose16(r);
-  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst[i], r[i]);
+  if (m == 0xffffu)
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst[i], r[i]);
+  else
+    for (int i = 0; i < 16; ++i) _mm512_mask_storeu_ps(dst[i], (__mmask16)m, r[i]);
 }
 #else
 #define FSCAN_TILES false
-static FSCAN_INLINE void fscan_tile_in(const float* const*, float*) {}
-static FSCAN_INLINE void fscan_tile_out(const float*, float* const*) {}
+static FSCAN_INLINE void fscan_tile_in(const float* const*, float*, unsigned) {}
+static FSCAN_INLINE void fscan_tile_out(const float*, float* const*, unsigned) {}
 #endif
 
 // The ops below as torch computes them (tests/test_cpu_kernel_ops.py checks each against
