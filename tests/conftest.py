@@ -74,3 +74,13 @@ def pytest_report_header(config: pytest.Config) -> str:
 @pytest.fixture(autouse=True)
 def _seeded(request: pytest.FixtureRequest) -> None:
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()) + SEED)
+
+
+@pytest.fixture
+def fresh_eager_kernel():
+    """fscan's caches cleared before and after a test, kernels built on their first call
+    (``cpu_kernel="eager"``): the repeat-route tests count what a call stored and served."""
+    fscan.clear_caches()
+    with fscan.config.override(cpu_kernel="eager"):
+        yield
+    fscan.clear_caches()

@@ -14,7 +14,10 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
-from helpers import sequential_scan
+from helpers import add, mul, sequential_scan
+from helpers import linear_recurrence as affine
+from helpers import logaddexp as lse  # expensive: two vectors of chains per tile
+from helpers import maximum as cmax
 
 import fscan
 from fscan._engines.cpp._cpp_build import compiler_problem
@@ -28,28 +31,8 @@ pytestmark = [
 ]
 
 
-def add(a, b):
-    return a + b
-
-
-def mul(a, b):
-    return a * b
-
-
-def cmax(a, b):
-    return torch.maximum(a, b)
-
-
 def last_nonzero(a, b):  # associative, not commutative
     return torch.where(b != 0, b, a)
-
-
-def affine(x, y):
-    return (x[0] * y[0], y[0] * x[1] + y[1])
-
-
-def lse(a, b):  # expensive: two vectors of chains per tile (tile_ways)
-    return torch.logaddexp(a, b)
 
 
 def _data(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int):

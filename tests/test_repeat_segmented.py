@@ -18,17 +18,12 @@ import fscan
 from fscan._engines.cpp._cpp_build import compiler_problem
 from fscan._routing import repeat
 
-pytestmark = pytest.mark.skipif(
-    compiler_problem() is not None, reason=f"no C++ kernel here: {compiler_problem()}"
-)
-
-
-@pytest.fixture(autouse=True)
-def fresh():
-    fscan.clear_caches()
-    with fscan.config.override(cpu_kernel="eager"):
-        yield
-    fscan.clear_caches()
+pytestmark = [
+    pytest.mark.skipif(
+        compiler_problem() is not None, reason=f"no C++ kernel here: {compiler_problem()}"
+    ),
+    pytest.mark.usefixtures("fresh_eager_kernel"),
+]
 
 
 @pytest.fixture
