@@ -278,7 +278,7 @@ def test_float32_products_keep_doubles_range_as_torch_cumprod():
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("shape,dim", [((17, 16384), 1), ((1, 2, 40000), 2), ((80000,), 0)])
 def test_long_chains_walked_apart_match_the_oracle(shape, dim, reverse):
-    # Chains long enough to be walked SKEW steps apart (csrc/forward.h: chains), power-of-
+    # Chains long enough to be walked SKEW steps apart (csrc/forward_chains.h: chains), power-of-
     # two lengths (lanes 4 KiB apart) and a group of fewer than G lanes among them.
     gen = torch.Generator().manual_seed(4)
     xs = (torch.rand(shape, generator=gen, dtype=torch.float64) * 0.1 + 0.9,)
@@ -294,7 +294,7 @@ def test_long_chains_walked_apart_match_the_oracle(shape, dim, reverse):
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("shape,dim", [((40, 37), 1), ((70001,), 0), ((3, 5, 1000), 2)])
 def test_float32_chains_in_tiles_match_the_oracle(shape, dim, reverse):
-    # Float32 pairs go 16 chains side by side in transposed tiles (csrc/forward.h:
+    # Float32 pairs go 16 chains side by side in transposed tiles (csrc/forward_chains.h:
     # tile_chains; a single leaf is walked):
     # whole groups and a group of fewer, tails shorter than a tile, chunks of one lane.
     gen = torch.Generator().manual_seed(5)
@@ -1501,7 +1501,7 @@ def test_the_fixed_cpp_files_are_part_of_every_kernel_source():
     program = translate_combine(TraceInput(add, spec, [torch.float32], (), ()))
     forward = _cpp_source.forward_source([torch.float32], program)
     step = _cpp_source.step_source([torch.float32], program)
-    for name in ("prelude.h", "tuning.h", "forward.h"):
+    for name in ("prelude.h", "tuning.h", "forward_lanes.h", "forward_chains.h", "forward.h"):
         assert _cpp_source.csrc(name) in forward
     assert _cpp_source.csrc("prelude.h") in step
     assert "$" not in forward + step  # every hole filled

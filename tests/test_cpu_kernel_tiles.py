@@ -1,4 +1,4 @@
-"""The chain path's tiles (csrc/forward.h: tile_chains, tile_scan) against a sequential
+"""The chain path's tiles (csrc/forward_chains.h: tile_chains, tile_scan) against a sequential
 float64 oracle: float32 leaves scanned 16 chains side by side, each chain's running value
 held in a register across a tile's 16 steps.
 

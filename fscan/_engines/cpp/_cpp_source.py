@@ -6,7 +6,8 @@ and scratch buffers (``Buf``), with loads, stores (:mod:`._cpp_structs`) and
 ``combine``. The algorithms are fixed C++ written once against those names, in
 files shipped with the package (``fscan/_engines/cpp/csrc``): ``prelude.h`` (ops as
 torch computes them, strided pointers), ``tuning.h`` (the constants),
-``forward.h`` and ``backward.h`` (the scans); each kernel is a template
+``forward.h`` (with ``forward_lanes.h`` and ``forward_chains.h``, its two paths) and
+``backward.h`` (the scans); each kernel is a template
 (``forward.cpp.in``, ``backward.cpp.in``, ``step.cpp.in``, with ``combine.cpp.in``)
 whose ``${name}`` holes this module fills. The files' text is part of the source
 that Inductor's cache is keyed by, so a change to them builds every kernel again.
@@ -213,7 +214,7 @@ def forward_source(
         suspect=suspect_check(dtypes, kept),
         tuning=csrc("tuning.h"),
         tiles=tile_structs(read_idx if tiled(st, positions) else None, kept, program.expensive),
-        forward=csrc("forward.h"),
+        forward=csrc("forward_lanes.h") + csrc("forward_chains.h") + csrc("forward.h"),
         arguments=", ".join(
             _signature(dtypes, program, [f"{st[k]}* y{k}" for k in kept], positions)
         ),

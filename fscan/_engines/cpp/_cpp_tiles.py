@@ -1,4 +1,4 @@
-"""The chain path's tiles in a forward kernel's source (see tile_chains in csrc/forward.h).
+"""The chain path's tiles in a forward kernel's source (see tile_chains in csrc/forward_chains.h).
 
 Where chains are tiled, TB steps of TW chains of each leaf are transposed in registers
 into a tile and scanned as the lane path scans rows; :func:`tiled` says where (by the
@@ -15,7 +15,7 @@ __all__ = ["tile_structs", "tiled"]
 
 
 def tiled(storage: Sequence[str], positions: Sequence[int]) -> bool:
-    """Whether the chain path tiles its chains (see tile_chains in csrc/forward.h): float32
+    """Whether the chain path tiles its chains (see tile_chains in csrc/forward_chains.h): float32
     leaves, none of them positions. Per element over (4096, 256) dim 1, 1 thread: add, mul
     and max walked 8 chains interleaved in 0.38-0.47 ns, tiled 0.25-0.30 (once each
     chain's running value stayed in a register across a tile's steps); the affine pair
@@ -32,7 +32,7 @@ def tile_ways(expensive: bool) -> int:
 
 
 def tile_structs(read: Sequence[int] | None, kept: Sequence[int], expensive: bool = False) -> str:
-    """The chain path's tiles (see tile_chains in csrc/forward.h): ``InTile``/``OutTile``,
+    """The chain path's tiles (see tile_chains in csrc/forward_chains.h): ``InTile``/``OutTile``,
     TB steps of TW chains of each read/kept leaf (``WAYS`` blocks of TV chains, each its
     TB rows, see :func:`tile_ways`), transposed in and out by ``tile_in``/``tile_out``
     (``m``: the rows read and written, a bit each, fewer than TB in a partial tile)

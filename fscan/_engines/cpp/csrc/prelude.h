@@ -11,7 +11,7 @@
 
 #define FSCAN_INLINE __attribute__((always_inline)) inline
 
-// 16 x 16 float32 tiles transposed in registers (the chain path's tiles: forward.h).
+// 16 x 16 float32 tiles transposed in registers (the chain path's tiles: forward_chains.h).
 #ifdef __AVX512F__
 #include <immintrin.h>
 #define FSCAN_TILES true

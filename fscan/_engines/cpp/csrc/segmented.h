@@ -14,7 +14,7 @@ using Flags = Ptr<const uint8_t>;
 enum { ROW = 0, UNIT = 1, LANES = 2 };
 
 // Steps [s0, s1) (in scan order) of lanes [i0, i0 + w) of outer index o, as lane_run in
-// forward.h, restarting where flagged. carry (or nullptr) holds the inclusive result
+// forward_lanes.h, restarting where flagged. carry (or nullptr) holds the inclusive result
 // before s0. !WRITE: a chunk total in acc, and seen[i] set where lane i restarts in the
 // chunk (its total then owes nothing to the chunks before).
 template <bool WRITE, bool GATHER, int MODE>
@@ -79,7 +79,7 @@ static FSCAN_INLINE void seg_lanes(bool dense, const In x, const Out y, const Pa
   else seg_lane_run<WRITE, true, MODE>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows);
 }
 
-// lane_path (forward.h) with flags: columns of W lanes; where there are fewer columns
+// lane_path (forward_lanes.h) with flags: columns of W lanes; where there are fewer columns
 // than threads, each column's steps split into C chunks, whose totals are composed in
 // scan order, except where a chunk restarts a lane (its total is then the carry on).
 template <int MODE>

@@ -1,6 +1,6 @@
 // The segmented scan's chain path (lanes laid out along T, or fewer than VEC_MIN side by
 // side): each lane a chain walked along its steps, restarting where flagged, as the
-// forward's chain_path (forward.h) walks it without flags. fscan.engine._kernel_segmented
+// forward's chain_path (forward_chains.h) walks it without flags. fscan.engine._kernel_segmented
 // places this after csrc/segmented.h (Flags, pick) and before its segmented().
 // SEG_TILED (generated, per combine and leaf layout): SEG_TW chains go side by side, as the
 // lanes of vector loops, TB steps at a time (a tile, gathered into SoA rows, the flags
@@ -196,7 +196,7 @@ static void seg_total_group(const In x, const Out y, const Par p, const Flags R,
     seg_totals<1>(x, y, p, R, S, rev, lane + g, s0 + g, s1 + g, carry + g, last + g, seen + g);
 }
 
-// The chain path, as chain_path (forward.h): where lanes are fewer than a group per
+// The chain path, as chain_path (forward_chains.h): where lanes are fewer than a group per
 // thread, each is split into C chunks (their totals, then the scan: the totals composed
 // in order, except where a chunk restarts the lane: its total is then the carry on).
 static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, const Geo& S,

@@ -1,0 +1,306 @@
+// The forward scan's chain path: lanes walked one by one along their steps (G interleaved,
+// or TW side by side as tiles transposed in registers), T split into chunks where lanes are
+// fewer than the threads need. Placed by fscan._engines.cpp._cpp_source after
+// forward_lanes.h and before forward.h (see there for the names it is written against).
+
+// NG chains interleaved: chain g is the lane whose start (t = 0) is xb[g]/yb[g]; it runs
+// len[g] steps from position t0[g], tstep (+-1) apart, at element position elem[g];
+// carry[g] (if has[g]) is its inclusive carry-in.
+// WRITE: store every output; else only the final values, into last[g].
+// head[g]: the chain's first step reads hb[g] (a carry-in's head element) instead of x.
+template <int NG, bool WRITE>
+static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const int64_t* t0,
+                                const int64_t* len, const int64_t* elem, int64_t tstep,
+                                const Vals* carry, const bool* has, Vals* last,
+                                const In* hb, const bool* head) {
+  Vals acc[NG];
+  In xp[NG];  // each chain's inputs and outputs at its first step
+  Out yp[NG];
+  int64_t common = len[0];
+  for (int g = 1; g < NG; ++g) common = std::min(common, len[g]);
+#pragma GCC unroll 8
+  for (int g = 0; g < NG; ++g) {
+    xp[g] = row(xb[g], t0[g]);
+    yp[g] = row(yb[g], t0[g]);
+    const Vals v = head[g] ? load_t(hb[g], 0, t0[g]) : load_t(xp[g], 0, t0[g]);
+    acc[g] = has[g] ? combine(carry[g], v, p, elem[g]) : v;
+    if (WRITE) store_t(yp[g], 0, acc[g]);
+  }
+  auto walk = [&](int g, int64_t s) {
+    acc[g] = combine(acc[g], load_t(xp[g], s * tstep, t0[g] + s * tstep), p, elem[g]);
+    if (WRITE) store_t(yp[g], s * tstep, acc[g]);
+  };
+  // Lanes a multiple of 4 KiB apart (T a power of two, inner 1) walked in step put every
+  // chain's current lines in one L1 set: (64, 16384) over the last dim ran 17 ns an
+  // element against 1.5 for T = 16400. So on long chains, chain g walks SKEW * g steps
+  // ahead (whole cache lines of float32), alone first.
+  const int64_t skew = NG > 1 && common >= 64 * SKEW * NG ? SKEW : 0;
+  int64_t at[NG];  // each chain's next step
+  for (int g = 0; g < NG; ++g) {
+    at[g] = 1;
+    for (; at[g] < 1 + skew * g; ++at[g]) walk(g, at[g]);
+  }
+  const int64_t n = common - 1 - skew * (NG - 1);  // steps every chain still has
+  for (int64_t s = 0; s < n; ++s) {
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; ++g) walk(g, at[g] + s);
+  }
+  for (int g = 0; g < NG; ++g) {
+    for (int64_t s = at[g] + std::max<int64_t>(n, 0); s < len[g]; ++s) walk(g, s);
+    if (!WRITE) last[g] = acc[g];
+  }
+}
+
+// TW chains side by side, as the lanes of vector loops (float32 leaves, steps dense,
+// AVX-512: TILED and tileable): TB steps of each chain are transposed in registers
+// into a tile (InTile: WAYS blocks of TV chains, a row of each per step), the steps are
+// scanned (tile_scan), and the outputs transposed back out. Walking chains one element
+// at a time kept the combine scalar: the affine pair over (4096, 256) dim 1 ran 4.6 ns
+// an element walked (9 reversed), 1.1 tiled; add 0.42 -> 0.29. The steps after the last
+// whole tile make a partial tile (masked); the steps of chains longer than the shortest
+// are walked.
+// Where the time goes (add, (4096, 256) dim 1, 1 thread; a copy 0.065 ns an element):
+// 0.24 in all; without the transposes 0.10 (the scan, its double accumulation included),
+// without the scan 0.14 (the transposes: 128 shuffles per 256 elements, and the tile's
+// stores and loads). So a chain scan of float32 stays near 4x a copy on this machine,
+// where the lane path, needing no transpose, runs at 1.1-1.5x.
+struct Tiles {
+  InTile in;
+  OutTile out;
+  Store acc{TW};
+};
+
+// Steps [K0, TB) (in scan order; UP: ascending rows) of a tile's TW chains, each chain's
+// running value held in a register across them: the loop over TV chains is the vector
+// loop, the steps unrolled inside it, the WAYS blocks interleaved in each step (an
+// expensive combine's latency is hidden behind the other block's: see tile_ways). (The running values stored to acc after every row, and
+// loaded back for the next, waited on the store for each row: 0.45 ns an element for add
+// over (4096, 256) dim 1.) Flushed (see fscan_flush_f32) at the tile's last step only:
+// at every step the flush cost the affine pair 10-17% over (4096, 256) dim 1; never, a
+// product sunk into double's subnormals stayed there and cost 25% over (1048576,).
+// A function of its own without GCC's partial redundancy elimination: in the unrolled
+// steps, PRE carried a NaN check of one step's result into the next (torch.maximum's
+// `a != a`) as a select of booleans, which GCC 12 cannot vectorise; the loop then ran
+// scalar, 1.05 ns an element for max over (4096, 256) dim 1 (0.31 vectorised).
+#if defined(__GNUC__) && !defined(__clang__)
+#define FSCAN_TILE_SCAN __attribute__((noinline, optimize("no-tree-pre")))
+#else
+#define FSCAN_TILE_SCAN __attribute__((noinline))  // GCC's optimize attribute: GCC only
+#endif
+template <bool WRITE, bool UP, int64_t K0>
+FSCAN_TILE_SCAN static void tile_scan(const In x, const Out y, const Par p, const int64_t* elem, const Buf acc, Tiles& tl) {
+#pragma GCC ivdep
+  for (int g = 0; g < TV; ++g) {
+    Vals a[WAYS];
+    for (int w = 0; w < WAYS; ++w) a[w] = get_all(acc, w * TV + g);
+#pragma GCC unroll 16
+    for (int64_t k = K0; k < TB; ++k) {
+      const int64_t j = UP ? k : TB - 1 - k;
+      for (int w = 0; w < WAYS; ++w) {
+        const Vals v = load_i(tile_row(x, tl.in, w * TB + j), g, 0);
+        const int64_t e = elem[w * TV + g];
+        a[w] = k == TB - 1 ? combine<true>(a[w], v, p, e) : combine<false>(a[w], v, p, e);
+        if (WRITE) store_i(tile_row(y, tl.out, w * TB + j), g, a[w]);
+      }
+    }
+    for (int w = 0; w < WAYS; ++w) put_all(acc, w * TV + g, a[w]);
+  }
+}
+
+// Steps [K0, n) of a partial tile (n < TB), a row at a time, each a vector loop over the
+// tile's chains, their running values in acc: GCC vectorises the loop over chains only
+// where the steps inside it are a constant count (with n steps inside, it ran scalar). Not
+// unrolled: GCC unrolled a cheap combine's 16 chains (add) before vectorising, into scalars.
+template <bool WRITE, bool UP, int64_t K0>
+FSCAN_TILE_SCAN static void tile_scan_part(const In x, const Out y, const Par p, const int64_t* elem, const Buf acc, Tiles& tl, int64_t n) {
+  for (int64_t k = K0; k < n; ++k) {
+    const int64_t j = UP ? k : TB - 1 - k;
+    for (int w = 0; w < WAYS; ++w) {
+      const In xr = tile_row(x, tl.in, w * TB + j);
+      const Out yr = tile_row(y, tl.out, w * TB + j);
+#pragma GCC ivdep
+#pragma GCC unroll 1
+      for (int g = 0; g < TV; ++g) {
+        const Vals v = combine<false>(get_all(acc, w * TV + g), load_i(xr, g, 0), p, elem[w * TV + g]);
+        put_all(acc, w * TV + g, v);
+        if (WRITE) store_i(yr, g, v);
+      }
+    }
+  }
+}
+
+// The steps [s0, s0 + n) (n <= TB) of a tile's chains: transposed in, scanned from acc (or,
+// at s0 = 0, from the carry-in, if any), transposed out. A partial tile (n < TB) reads and
+// writes its n steps only (masked: see fscan_tile_in).
+template <bool WRITE, bool UP>
+static FSCAN_INLINE void tile_step(const In* xb, const Out* yb, const Par p, const int64_t* t0,
+                                   const int64_t* elem, const Vals* carry, const bool* has,
+                                   int64_t s0, int64_t n, Tiles& tl) {
+  const Buf acc = tl.acc.buf();
+  const bool part = n < TB;
+  // The rows a partial tile reads: the first n (UP), or the last n (a reversed chain's
+  // steps descend from the tile's highest address).
+  const unsigned all = (1u << TB) - 1, m = !part ? all : (UP ? (1u << n) - 1 : all & ~((1u << (TB - n)) - 1));
+  int64_t lo[TW];  // each chain's step at the tile's lowest address
+  for (int g = 0; g < TW; ++g) lo[g] = UP ? t0[g] + s0 : t0[g] - s0 - (TB - 1);
+  if (part) tile_in(xb, lo, tl.in, m);
+  else tile_in(xb, lo, tl.in, all);
+  if (s0 == 0) {  // the first step: from the carry-in, if any
+    for (int g = 0; g < TW; ++g) {
+      const int64_t j = g / TV * TB + (UP ? 0 : TB - 1);
+      const Vals v = load_i(tile_row(xb[0], tl.in, j), g % TV, 0);
+      put_all(acc, g, has[g] ? combine(carry[g], v, p, elem[g]) : v);
+      if (WRITE) store_i(tile_row(yb[0], tl.out, j), g % TV, get_all(acc, g));
+    }
+    if (part) tile_scan_part<WRITE, UP, 1>(xb[0], yb[0], p, elem, acc, tl, n);
+    else tile_scan<WRITE, UP, 1>(xb[0], yb[0], p, elem, acc, tl);
+  } else if (part) {
+    tile_scan_part<WRITE, UP, 0>(xb[0], yb[0], p, elem, acc, tl, n);
+  } else {
+    tile_scan<WRITE, UP, 0>(xb[0], yb[0], p, elem, acc, tl);
+  }
+  if (!WRITE) return;
+  if (part) tile_out(yb, lo, tl.out, m);
+  else tile_out(yb, lo, tl.out, all);
+}
+
+template <bool WRITE, bool UP>
+static void tile_chains(const In* xb, const Out* yb, const Par p, const int64_t* t0,
+                        const int64_t* len, const int64_t* elem, const Vals* carry,
+                        const bool* has, Vals* last, const In* hb, const bool* head, Tiles& tl) {
+  const Buf acc = tl.acc.buf();
+  int64_t common = len[0];
+  for (int g = 1; g < TW; ++g) common = std::min(common, len[g]);
+  // The steps every chain has, in tiles, the last one partial where TB does not divide
+  // them: walking those steps a chain at a time ran (4096, 255) dim 1 1.6x slower than
+  // (4096, 256) (the exclusive logcumsumexp's repeat route scans n - 1 steps).
+  for (int64_t s0 = 0; s0 < common; s0 += TB)
+    tile_step<WRITE, UP>(xb, yb, p, t0, elem, carry, has, s0, std::min(TB, common - s0), tl);
+  // Chains longer than the shortest walk their remaining steps, a chain at a time
+  // (interleaving G of them here ran slower: add over (4096, 5) dim 1, 2.4 ns an element,
+  // one by one 1.7; the affine pair 9.6, 2.8).
+  const int64_t tstep = UP ? 1 : -1;
+  for (int g = 0; g < TW; ++g) {
+    if (common == 0) {
+      chains<1, WRITE>(xb + g, yb + g, p, t0 + g, len + g, elem + g, tstep, carry + g, has + g, last + g, hb + g, head + g);
+      continue;
+    }
+    const Vals a = get_all(acc, g);
+    const int64_t t1 = t0[g] + common * tstep, n1 = len[g] - common;
+    const bool yes = true, no = false;
+    if (n1 > 0) chains<1, WRITE>(xb + g, yb + g, p, &t1, &n1, elem + g, tstep, &a, &yes, last + g, hb + g, &no);
+    else if (!WRITE) last[g] = a;
+  }
+}
+
+// Chains per group: TW where they may be tiled, else G.
+static constexpr int CG = TILED ? TW : G;
+
+// ng chains: tiled, or G at a time interleaved, or (fewer than a group) one by one.
+template <bool WRITE>
+static void chain_group(const In* xb, const Out* yb, const Par p, int ng, const int64_t* t0,
+                        const int64_t* len, const int64_t* elem, int64_t tstep, const Vals* carry,
+                        const bool* has, Vals* last, const In* hb, const bool* head, Tiles& tl) {
+  if (ng == CG) {
+    bool heads = false;
+    for (int g = 0; g < ng; ++g) heads |= head[g];
+    if (TILED && !heads && tileable(xb[0], yb[0])) {
+      if (tstep > 0) tile_chains<WRITE, true>(xb, yb, p, t0, len, elem, carry, has, last, hb, head, tl);
+      else tile_chains<WRITE, false>(xb, yb, p, t0, len, elem, carry, has, last, hb, head, tl);
+      return;
+    }
+    for (int h = 0; h < ng; h += G)
+      chains<G, WRITE>(xb + h, yb + h, p, t0 + h, len + h, elem + h, tstep, carry + h, has + h,
+                       last + h, hb + h, head + h);
+    return;
+  }
+  for (int g = 0; g < ng; ++g)
+    chains<1, WRITE>(xb + g, yb + g, p, t0 + g, len + g, elem + g, tstep, carry + g, has + g,
+                     last + g, hb + g, head + g);
+}
+
+static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool rev, int nt,
+                       const Heads& H) {
+  const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
+  int64_t C = 1;  // chunks per lane
+  if (lanes < (int64_t)nt * CG) {
+    C = std::min<int64_t>(((int64_t)nt * CG + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
+    if (C >= CG) C = C / CG * CG;
+  }
+  int64_t L = (T + C - 1) / C;
+  // Interleaved chunks of one lane at power-of-two distances share cache sets: skew them.
+  if (C > 1 && inner == 1) L = (L + 15) / 16 * 16 + 16;
+  C = (T + L - 1) / L;
+  const int64_t tstep = rev ? -1 : 1;
+  const int64_t items = lanes * C, groups = (items + CG - 1) / CG;
+  // Item k: chunk c of lane (o, i), k = lane * C + c. A pass steps from one item to the
+  // next by increments (a division or two per chain, which GCC keeps even where C or
+  // inner is 1, cost 18% on 64-step chains).
+  struct Item { int64_t lane, c, o, i; };
+  auto item = [&](int64_t k) {
+    const int64_t lane = k / C, o = lane / inner;
+    return Item{lane, k - lane * C, o, lane - o * inner};
+  };
+  auto next = [&](Item& it) {
+    if (++it.c < C) return;
+    it.c = 0;
+    ++it.lane;
+    if (++it.i == inner) { it.i = 0; ++it.o; }
+  };
+  auto describe = [&](const Item& it, In& xb, Out& yb, int64_t& t0, int64_t& len, int64_t& elem,
+                      In& hb, bool& head) {
+    const int64_t s = it.c * L;
+    t0 = rev ? T - 1 - s : s;
+    xb = at(x, S, it.o, 0, it.i);
+    yb = at(y, S, it.o, 0, it.i);
+    len = std::min(T, s + L) - s;
+    elem = it.lane;
+    head = H.any && it.c == 0;  // the scan's first step: from the carry-in's head element
+    if (head) hb = head_at(x, H, it.lane);
+  };
+  std::vector<Vals> tot(C > 1 ? items : 0);
+#pragma omp parallel num_threads(nt)
+  {
+    Tiles tl;
+    In xb[CG], hb[CG];
+    Out yb[CG];
+    int64_t t0[CG], len[CG], elem[CG];
+    Vals carry[CG];
+    bool has[CG], head[CG];
+    if (C > 1) {
+#pragma omp for schedule(static)
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const int ng = (int)std::min<int64_t>(CG, items - gi * CG);
+        Item it = item(gi * CG);
+        for (int g = 0; g < ng; ++g, next(it)) { describe(it, xb[g], yb[g], t0[g], len[g], elem[g], hb[g], head[g]); has[g] = false; }
+        chain_group<false>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, tot.data() + gi * CG, hb, head, tl);
+      }
+#pragma omp for schedule(static)
+      for (int64_t lane = 0; lane < lanes; ++lane)
+        for (int64_t c = 1; c < C - 1; ++c) {
+          const int64_t k = lane * C + c;
+          const Vals v = combine(tot[k - 1], tot[k], p, lane);
+          if (!suspect(tot[k - 1], tot[k], v)) {
+            tot[k] = v;
+            continue;
+          }
+          // Composing the chunk is not what its steps give (see suspect): walk them.
+          describe(item(k), xb[0], yb[0], t0[0], len[0], elem[0], hb[0], head[0]);
+          has[0] = true;
+          carry[0] = tot[k - 1];
+          chain_group<false>(xb, yb, p, 1, t0, len, elem, tstep, carry, has, &tot[k], hb, head, tl);
+        }
+    }
+#pragma omp for schedule(static)
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int ng = (int)std::min<int64_t>(CG, items - gi * CG);
+      Item it = item(gi * CG);
+      for (int g = 0; g < ng; ++g, next(it)) {
+        describe(it, xb[g], yb[g], t0[g], len[g], elem[g], hb[g], head[g]);
+        has[g] = it.c != 0;
+        if (has[g]) carry[g] = tot[gi * CG + g - 1];
+      }
+      chain_group<true>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, nullptr, hb, head, tl);
+    }
+  }
+}

@@ -1,0 +1,140 @@
+// The forward scan's lane path: columns of lanes next to each other in memory, a vector
+// loop along each row, T split into chunks where columns are fewer than the threads.
+// Placed by fscan._engines.cpp._cpp_source before forward_chains.h and forward.h, after
+// the generated part it is written against (see forward.h).
+
+// Steps [s0, s1) (in scan order) of lanes [i0, i0 + w) of outer index o. The running
+// values live in acc (w entries); carry (or nullptr) holds the inclusive result before s0.
+// GATHER: inputs of other inner strides than 1 are gathered, a row at a time, into rows
+// (a separate instantiation: dense inputs keep the loop they had before strides existed;
+// the gather's pointer select in the same loop cost seg 1.45x).
+// Outputs of other inner strides than 1 are written, a row at a time, into orows and
+// scattered from there (GATHER only: the dense instantiation has unit outputs too).
+// H: a carry-in (if H.any): step 0 (in scan order) reads the head element instead of x.
+// !WRITE: a chunk total, kept with every leaf in acc (and carry), since the carries
+// composed from it read its leaves as a right operand (see get_all). ALL with WRITE: the
+// outputs written and the total kept (the first chunk of a split column, see lane_path).
+// The running values go through acc (in L1) every row, not registers across rows as
+// tile_scan holds them: lanes the vector loop and 4 or 8 rows unrolled inside it ran
+// slower (1 thread, float32, (4096, 256) dim 0, the kernel into preallocated memory
+// against a copy: add 1.13x a row at a time, 1.54x 4 rows, 1.40x 8; the affine pair
+// 1.94x, 2.40x, 3.06x; also in L2, (256, 256): affine 2.0x against 3.0x). Each vector
+// then carries a chain of dependent combines (the pair's multiply, float32 range check
+// and add, about 15 cycles a row) with two vectors in flight, where a row at a time
+// overlaps the whole row's lanes; rows in halves interleaved (four in flight) still
+// ran 2.15x, and the rows' pointers spilled.
+template <bool WRITE, bool GATHER, bool ALL = !WRITE>
+static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t o, int64_t i0,
+                     int64_t w, int64_t s0, int64_t s1, bool rev, const Buf* carry, const Buf acc,
+                     const InRow& rows, const OutRow& orows, const Heads& H) {
+  const In xc = at(x, S, o, 0, i0);
+  const Out yc = at(y, S, o, 0, i0);
+  const int64_t e0 = o * S.inner + i0, T = S.T, dt = rev ? -1 : 1;
+  int64_t sb = s0;  // the first step read from x
+  if (s0 == 0 && H.any && s1 > 0) {  // peeled: the loop below stays as it was
+    const int64_t t = rev ? T - 1 : 0;
+    const In hr = head_at(x, H, e0);
+    const Out yr = GATHER ? buffered(row(yc, t), orows) : row(yc, t);
+    fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
+      const Vals v = load_i(hr, i, t);
+      put_as<ALL>(acc, i, v);
+      if (WRITE) store_i(yr, i, v);
+    });
+    if (WRITE && GATHER) scatter(row(yc, t), orows, w, rev);
+    carry = &acc;
+    sb = 1;
+  }
+  if (sb >= s1) return;
+  // The rows' pointers step along (recomputing them from t cost 10% on 8-step columns).
+  In xs = row(xc, rev ? T - 1 - sb : sb);
+  Out ys = row(yc, rev ? T - 1 - sb : sb);
+  for (int64_t s = sb; s < s1; ++s) {
+    const int64_t t = rev ? T - 1 - s : s;
+    if (s > sb) { xs = row(xs, dt); ys = row(ys, dt); }
+    const In xr = GATHER ? gather(xs, rows, w, rev) : xs;
+    const Out yr = GATHER ? buffered(ys, orows) : ys;
+    if (s == sb && carry == nullptr) {
+      fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
+        const Vals v = load_i(xr, i, t);
+        put_as<ALL>(acc, i, v);
+        if (WRITE) store_i(yr, i, v);
+      });
+    } else {
+      const Buf left = s == sb ? *carry : acc;
+      fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
+        // Not flushed: subnormal products cost nothing measurable in these vector loops
+        // (the affine pair, (4096, 256) dim 0, half its steps subnormal: 1.7x a copy
+        // either way), and the flush cost 30%.
+        const Vals v = combine<false>(get_as<ALL>(left, i), load_i(xr, i, t), p, e0 + i);
+        put_as<ALL>(acc, i, v);
+        if (WRITE) store_i(yr, i, v);
+      });
+    }
+    if (WRITE && GATHER) scatter(ys, orows, w, rev);
+  }
+}
+
+static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool rev, int nt,
+                      const Heads& H) {
+  const int64_t outer = S.outer, T = S.T, inner = S.inner;
+  // A split column's first chunk is scanned (outputs written, total kept) while the
+  // threads take the totals of its next chunks; then the rest are scanned from their
+  // carries. C - 1 chunks a column per pass: with C = threads + 1, one pass of each on
+  // 2 threads takes 2/3 of one thread's scan (taking every chunk's total first, as
+  // before, took as long as one thread, the total costing as much as the scan).
+  const Columns K = lane_columns(outer, T, inner, nt, 1, 1);
+  const int64_t W = K.W, ntiles = K.ntiles, ncols = K.ncols, C = K.C, L = K.L;
+  // Totals of chunks 0..C-2 of every column, W lanes each, then their inclusive scan.
+  Store tot(C > 1 ? ncols * (C - 1) * W : 0);
+  const Buf tb = tot.buf();
+#pragma omp parallel num_threads(nt)
+  {
+    Store scratch(W);
+    const Buf acc = scratch.buf();
+    const bool dense = unit(x) && unit(y);
+    const InRow rows(dense ? 0 : W);
+    const OutRow orows(dense ? 0 : W);
+    if (C > 1) {
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < ncols * (C - 1); ++k) {
+        const int64_t col = k / (C - 1), c = k % (C - 1);
+        const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
+        const Buf total = offset(tb, k * W);
+        if (c == 0 && dense) lane_run<true, false, true>(x, y, p, S, o, i0, w, 0, L, rev, nullptr, total, rows, orows, H);
+        else if (c == 0) lane_run<true, true, true>(x, y, p, S, o, i0, w, 0, L, rev, nullptr, total, rows, orows, H);
+        else if (dense) lane_run<false, false>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, total, rows, orows, H);
+        else lane_run<false, true>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, total, rows, orows, H);
+      }
+#pragma omp for schedule(static)
+      for (int64_t col = 0; col < ncols; ++col) {
+        const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
+        for (int64_t c = 1; c < C - 1; ++c) {
+          const Buf prev = offset(tb, (col * (C - 1) + c - 1) * W), cur = offset(tb, (col * (C - 1) + c) * W);
+          bool walk = false;
+          for (int64_t i = 0; i < w; ++i) {
+            const Vals l = get_all(prev, i), r = get_all(cur, i), v = combine(l, r, p, o * inner + i0 + i);
+            walk |= suspect(l, r, v);
+            put_all(cur, i, v);
+          }
+          // Composing the chunk is not what its steps give (see suspect): walk them.
+          if (walk && dense) lane_run<false, false>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, &prev, cur, rows, orows, H);
+          else if (walk) lane_run<false, true>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, &prev, cur, rows, orows, H);
+        }
+      }
+    }
+    // The chunks left: every chunk of a whole column, chunks 1..C-1 of a split one.
+    const int64_t rest = C > 1 ? C - 1 : 1;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < ncols * rest; ++n) {
+      // Reversed, the columns go down too: a column's rows do, and where columns are
+      // consecutive blocks of memory (a middle dim) ascending columns zig-zagged.
+      const int64_t j = rev ? ncols * rest - 1 - n : n;
+      const int64_t col = j / rest, c = C > 1 ? j % rest + 1 : 0;
+      const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
+      const Buf carry = c > 0 ? offset(tb, (col * (C - 1) + c - 1) * W) : tb;
+      const int64_t s1 = std::min(T, (c + 1) * L);
+      if (dense) lane_run<true, false>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H);
+      else lane_run<true, true>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H);
+    }
+  }
+}
