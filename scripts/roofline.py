@@ -264,7 +264,8 @@ def section_chains(m, budget: float) -> None:
     shape = (4096, 256)
     N, L = shape
     s = Section(
-        f"chain path: last dim of {shape}, 8 chains side by side, 16-step tiles (AVX2 8 x 8 transposes)"
+        f"chain path: last dim of {shape}, 32 chains side by side, "
+        "16-step tiles (AVX2 8 x 8 transposes)"
     )
     for name, op in (("add", ADD), ("affine", AFFINE)):
         x0, x1 = _leaves(name, shape)
@@ -406,9 +407,9 @@ def check(m) -> None:
     """Every loop against a plain sequential reference (torch's cumulative ops, or a step
     loop in double), on small shapes: a floor is only a floor of the work if it does it."""
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(300, 16, generator=gen)
-    a = torch.rand(300, 16, generator=gen) * 0.5 + 0.5
-    b = torch.randn(300, 16, generator=gen)
+    x = torch.randn(300, 32, generator=gen)
+    a = torch.rand(300, 32, generator=gen) * 0.5 + 0.5
+    b = torch.randn(300, 32, generator=gen)
     close = lambda got, want: torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     refs = {
         ADD: lambda t, dim: torch.cumsum(t.double(), dim).float(),
@@ -426,29 +427,29 @@ def check(m) -> None:
             close(y, ref(data, 0))
             m.lane_scan(op, acc, _p(data), 0, _p(y), 0, *data.shape, False)
             close(y[0], ref(data, 0)[-1])
-            rows = data.t().contiguous()  # 16 chains of 300 steps: 288 of them in tiles
+            rows = data.t().contiguous()  # 32 chains of 300 steps: 288 of them in tiles
             rows = rows[:, :288].contiguous()
             yc = torch.empty_like(rows)
-            m.chain_scan(op, acc, _p(rows), 0, _p(yc), 0, 16, 288, 1)
+            m.chain_scan(op, acc, _p(rows), 0, _p(yc), 0, 32, 288, 1)
             close(yc, ref(rows, 1))
-            m.chain_scan(op, acc, _p(rows), 0, _p(yc), 0, 16, 288, 2)
+            m.chain_scan(op, acc, _p(rows), 0, _p(yc), 0, 32, 288, 2)
             close(yc.flatten(), ref(rows.flatten(), 0))
-            m.chain_scan(op, acc, _p(rows), 0, _p(yc), 0, 16, 288, 0)
+            m.chain_scan(op, acc, _p(rows), 0, _p(yc), 0, 32, 288, 0)
             close(yc, rows)
     want = _affine_reference(a, b, 0)
     for acc in (F32, F64, F64_RANGE):
         ya, yb = torch.empty_like(a), torch.empty_like(b)
-        m.lane_scan(AFFINE, acc, _p(a), _p(b), _p(ya), _p(yb), 300, 16, True)
+        m.lane_scan(AFFINE, acc, _p(a), _p(b), _p(ya), _p(yb), 300, 32, True)
         close((ya, yb), want)
-        m.lane_two(AFFINE, acc, _p(a), _p(b), _p(ya), _p(yb), 300, 16, False)
+        m.lane_two(AFFINE, acc, _p(a), _p(b), _p(ya), _p(yb), 300, 32, False)
         close((ya, yb), want)
-        m.lane_scan(AFFINE, acc, _p(a), _p(b), _p(ya), _p(yb), 300, 16, False)
+        m.lane_scan(AFFINE, acc, _p(a), _p(b), _p(ya), _p(yb), 300, 32, False)
         close((ya[0], yb[0]), (want[0][-1], want[1][-1]))
         ra, rb = (t.t()[:, :288].contiguous() for t in (a, b))
         ca, cb = torch.empty_like(ra), torch.empty_like(rb)
-        m.chain_scan(AFFINE, acc, _p(ra), _p(rb), _p(ca), _p(cb), 16, 288, 1)
+        m.chain_scan(AFFINE, acc, _p(ra), _p(rb), _p(ca), _p(cb), 32, 288, 1)
         close((ca, cb), _affine_reference(ra, rb, 1))
-        m.chain_scan(AFFINE, acc, _p(ra), _p(rb), _p(ca), _p(cb), 16, 288, 2)
+        m.chain_scan(AFFINE, acc, _p(ra), _p(rb), _p(ca), _p(cb), 32, 288, 2)
         flat = _affine_reference(ra.flatten(), rb.flatten(), 0)
         close((ca.flatten(), cb.flatten()), flat)
     y = torch.empty_like(x)

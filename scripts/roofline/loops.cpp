@@ -172,61 +172,71 @@ static FSCAN_INLINE void transpose8(__m256* r) {
 #endif
 
 // The chain path's work without its bookkeeping: N chains of L steps (the rows of a dense
-// (N, L), L a multiple of 16), 8 chains side by side; 16 steps of each transposed in
-// registers into a tile (two 8 x 8 AVX2 transposes per leaf), the tile scanned along its
-// steps (the 8 chains the vector lanes, running values in registers), the outputs
-// transposed back. MODE 0: the transposes alone (tile in, tile out, no scan); 1: the scan,
-// from carry (N values per leaf) or from the identity; 2: totals only (no outputs) into tot.
+// (N, L), N a multiple of CW and L of 16), CW chains side by side; 16 steps of each
+// transposed in registers (8 x 8 AVX2 transposes) into a tile, the tile scanned, the
+// outputs transposed back. The scan as the kernel's tile_scan writes it: the chains are the
+// vector loop, the 16 steps unrolled inside it, each chain's running value in a register
+// across them (CW / lanes vector iterations a tile, independent, for the core to overlap).
+// MODE 0: the transposes alone (tile in, tile out, no scan); 1: the scan, from carry (N
+// values per leaf) or from the identity; 2: totals only (no outputs) into tot.
+constexpr int CW = 32;
 template <int OP, typename A, bool RANGE, int MODE>
 static void chain_rows(const float* x0, const float* x1, float* y0, float* y1, int64_t N, int64_t L,
                        const A* carry, A* tot) {
 #ifdef __AVX2__
   constexpr int NL = leaves(OP);
-  alignas(32) float tin[NL][16][8];
-  alignas(32) float tout[NL][16][8];
+  constexpr bool two = NL == 2;
+  alignas(32) float tin[NL][16][CW];
+  alignas(32) float tout[NL][16][CW];
+  alignas(32) A acc[NL][CW];
   const float* xs[2] = {x0, x1};
   float* ys[2] = {y0, y1};
-  for (int64_t g = 0; g + 8 <= N; g += 8) {
-    A acc0[8], acc1[8];
-    for (int j = 0; j < 8; ++j) {
-      acc0[j] = carry ? carry[g + j] : identity0<A>(OP);
-      acc1[j] = carry && NL == 2 ? carry[N + g + j] : A(0);
+  for (int64_t g = 0; g + CW <= N; g += CW) {
+    for (int j = 0; j < CW; ++j) {
+      acc[0][j] = carry ? carry[g + j] : identity0<A>(OP);
+      if constexpr (two) acc[NL - 1][j] = carry ? carry[N + g + j] : A(0);
     }
     for (int64_t s = 0; s < L; s += 16) {
       for (int f = 0; f < NL; ++f)
-        for (int h = 0; h < 2; ++h) {
-          __m256 r[8];
-          for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(xs[f] + (g + j) * L + s + 8 * h);
-          transpose8(r);
-          for (int k = 0; k < 8; ++k) _mm256_store_ps(tin[f][8 * h + k], r[k]);
-        }
+        for (int b = 0; b < CW / 8; ++b)
+          for (int h = 0; h < 2; ++h) {
+            __m256 r[8];
+            for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(xs[f] + (g + 8 * b + j) * L + s + 8 * h);
+            transpose8(r);
+            for (int k = 0; k < 8; ++k) _mm256_store_ps(&tin[f][8 * h + k][8 * b], r[k]);
+          }
       if constexpr (MODE == 0) {
         std::memcpy(tout, tin, sizeof(tin));
       } else {
-        for (int k = 0; k < 16; ++k) {
 #pragma GCC ivdep
-          for (int j = 0; j < 8; ++j) {
-            comb<OP, A, RANGE>(acc0[j], acc1[j], (A)tin[0][k][j], NL == 2 ? (A)tin[NL - 1][k][j] : A(0));
+        for (int j = 0; j < CW; ++j) {
+          A l0 = acc[0][j], l1 = two ? acc[NL - 1][j] : A(0);
+#pragma GCC unroll 16
+          for (int k = 0; k < 16; ++k) {
+            comb<OP, A, RANGE>(l0, l1, (A)tin[0][k][j], two ? (A)tin[NL - 1][k][j] : A(0));
             if constexpr (MODE == 1) {
-              tout[0][k][j] = (float)acc0[j];
-              if constexpr (NL == 2) tout[NL - 1][k][j] = (float)acc1[j];
+              tout[0][k][j] = (float)l0;
+              if constexpr (two) tout[NL - 1][k][j] = (float)l1;
             }
           }
+          acc[0][j] = l0;
+          if constexpr (two) acc[NL - 1][j] = l1;
         }
       }
       if constexpr (MODE != 2)
         for (int f = 0; f < NL; ++f)
-          for (int h = 0; h < 2; ++h) {
-            __m256 r[8];
-            for (int k = 0; k < 8; ++k) r[k] = _mm256_load_ps(tout[f][8 * h + k]);
-            transpose8(r);
-            for (int j = 0; j < 8; ++j) _mm256_storeu_ps(ys[f] + (g + j) * L + s + 8 * h, r[j]);
-          }
+          for (int b = 0; b < CW / 8; ++b)
+            for (int h = 0; h < 2; ++h) {
+              __m256 r[8];
+              for (int k = 0; k < 8; ++k) r[k] = _mm256_load_ps(&tout[f][8 * h + k][8 * b]);
+              transpose8(r);
+              for (int j = 0; j < 8; ++j) _mm256_storeu_ps(ys[f] + (g + 8 * b + j) * L + s + 8 * h, r[j]);
+            }
     }
     if constexpr (MODE == 2)
-      for (int j = 0; j < 8; ++j) {
-        tot[g + j] = acc0[j];
-        if constexpr (NL == 2) tot[N + g + j] = acc1[j];
+      for (int j = 0; j < CW; ++j) {
+        tot[g + j] = acc[0][j];
+        if constexpr (two) tot[N + g + j] = acc[NL - 1][j];
       }
   }
 #endif
