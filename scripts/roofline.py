@@ -89,6 +89,7 @@ class Section:
         self.runners: dict[str, object] = {}
         self.base: dict[str, str] = {}
         self.notes: dict[str, str] = {}
+        self.keep: list[torch.Tensor | None] = []  # what the loops' raw pointers point into
 
     def add(self, name: str, fn, base: str, note: str = "") -> None:
         self.runners[name], self.base[name], self.notes[name] = fn, base, note
@@ -272,6 +273,7 @@ def section_chains(m, budget: float) -> None:
         y0, y1 = _outs(x0, x1)
         base = f"copy of {name}'s leaves"
         s.add(base, _copy(*[t for t in (x0, x1) if t is not None]), base, "")
+        s.keep += [x0, x1, y0, y1]
         args = (_p(x0), _p(x1), _p(y0), _p(y1), N, L)
         s.add(
             f"{name}: transposes alone",
@@ -280,6 +282,13 @@ def section_chains(m, budget: float) -> None:
             "tile in + tile out",
         )
         if op == ADD:
+            for dbl in (False, True):
+                s.add(
+                    f"add: in-register prefix, no transposes, {'double' if dbl else 'float32'}",
+                    lambda dbl=dbl, x0=x0, y0=y0: m.prefix_add(dbl, _p(x0), _p(y0), N, L, 1),
+                    base,
+                    "floor" if dbl else "",
+                )
             s.add(
                 f"{name}: + float32 scan",
                 lambda args=args: m.chain_scan(ADD, F32, *args, 1),
@@ -301,19 +310,30 @@ def section_chains(m, budget: float) -> None:
             )
         s.add(f"fscan {name} dim 1 (last)", _fscan_row(name, shape, 1), base, "bar row")
     s.run(budget)
-    s = Section("chain path: (1048576,) cut into 2048 chains of 512 (totals, carries, scan)")
+    s = Section(
+        "chain path: (1048576,) cut into 2048 chains of 512 (totals, carries, scan), "
+        "or for add 4 segments"
+    )
     for name, op, acc in (("add", ADD, F64), ("affine", AFFINE, F64_RANGE)):
         x0, x1 = _leaves(name, (2**20,))
         y0, y1 = _outs(x0, x1)
         base = f"copy of {name}'s leaves"
         s.add(base, _copy(*[t for t in (x0, x1) if t is not None]), base, "")
+        s.keep += [x0, x1, y0, y1]
         args = (_p(x0), _p(x1), _p(y0), _p(y1), 2048, 512)
         s.add(
             f"{name}: totals + scan, {ACC_NAMES[acc]}",
             lambda op=op, acc=acc, args=args: m.chain_scan(op, acc, *args, 2),
             base,
-            "floor",
+            "floor" if op == AFFINE else "",
         )
+        if op == ADD:
+            s.add(
+                "add: 4 segments, sums, in-register prefix, double",
+                lambda x0=x0, y0=y0: m.prefix_add(True, _p(x0), _p(y0), 4, 2**18, 2),
+                base,
+                "floor",
+            )
         s.add(f"fscan {name} (1048576,)", _fscan_row(name, (2**20,), 0), base, "bar row")
     s.run(budget)
 
@@ -368,6 +388,7 @@ def section_threads(m, budget: float) -> None:
             s.add(
                 base, _copy(*[t for t in (x0, x1) if t is not None]), base, f"{threads}-thread copy"
             )
+            s.keep += [x0, x1, y0, y1]
             args = (_p(x0), _p(x1), _p(y0), _p(y1), T, N)
             if threads == 1:
                 s.add(
@@ -452,6 +473,13 @@ def check(m) -> None:
         m.chain_scan(AFFINE, acc, _p(ra), _p(rb), _p(ca), _p(cb), 32, 288, 2)
         flat = _affine_reference(ra.flatten(), rb.flatten(), 0)
         close((ca.flatten(), cb.flatten()), flat)
+    rows = x.t().contiguous()[:, :288].contiguous()  # 32 rows of 288 steps
+    for dbl in (False, True):
+        yc = torch.empty_like(rows)
+        m.prefix_add(dbl, _p(rows), _p(yc), 32, 288, 1)
+        close(yc, torch.cumsum(rows.double(), 1).float())
+        m.prefix_add(dbl, _p(rows), _p(yc), 4, 32 * 288 // 4, 2)
+        close(yc.flatten(), torch.cumsum(rows.flatten().double(), 0).float())
     y = torch.empty_like(x)
     m.copy(_p(y), _p(x), x.numel())
     close(y, x)

@@ -242,6 +242,88 @@ static void chain_rows(const float* x0, const float* x1, float* y0, float* y1, i
 #endif
 }
 
+#ifdef __AVX2__
+// An add scan along contiguous steps without transposes: each vector of 8 steps is
+// prefix-summed in registers (log2(8) shifts and adds, across the two 128-bit halves), then
+// the row's running total added; the running total's own chain is one add per vector (the
+// vector's total is broadcast off that chain), and R rows are interleaved to overlap those
+// chains. DOUBLE: the 8 steps widened to two vectors of 4 doubles, prefixed and carried in
+// double (fscan's float32 accumulation), rounded back on the store.
+static FSCAN_INLINE __m256 prefix8(__m256 v) {
+  v = _mm256_add_ps(v, _mm256_castsi256_ps(_mm256_slli_si256(_mm256_castps_si256(v), 4)));
+  v = _mm256_add_ps(v, _mm256_castsi256_ps(_mm256_slli_si256(_mm256_castps_si256(v), 8)));
+  const __m256 low_total = _mm256_permute_ps(v, 0xFF);  // each half's last, in its half
+  return _mm256_add_ps(v, _mm256_permute2f128_ps(low_total, low_total, 0x08));  // lo: 0, hi: lo's
+}
+static FSCAN_INLINE __m256d prefix4(__m256d v) {
+  v = _mm256_add_pd(v, _mm256_blend_pd(_mm256_permute4x64_pd(v, 0x90), _mm256_setzero_pd(), 0x1));
+  return _mm256_add_pd(v, _mm256_permute2f128_pd(v, v, 0x08));
+}
+template <bool DOUBLE, int R>
+static void prefix_rows(const float* x, float* y, int64_t rows, int64_t L, const double* carry) {
+  for (int64_t g = 0; g < rows; g += R) {
+    __m256 cf[R];
+    __m256d cd[R];
+    for (int r = 0; r < R; ++r) {
+      const double c = carry ? carry[g + r] : 0.0;
+      cf[r] = _mm256_set1_ps((float)c);
+      cd[r] = _mm256_set1_pd(c);
+    }
+    for (int64_t s = 0; s < L; s += 8) {
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 v = _mm256_loadu_ps(x + (g + r) * L + s);
+        if constexpr (DOUBLE) {
+          const __m256d lo = prefix4(_mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+          const __m256d hi = prefix4(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+          const __m256d lo_out = _mm256_add_pd(lo, cd[r]);
+          const __m256d lo_total = _mm256_permute4x64_pd(lo, 0xFF);
+          const __m256d hi_out = _mm256_add_pd(hi, _mm256_add_pd(cd[r], lo_total));
+          cd[r] = _mm256_add_pd(cd[r], _mm256_add_pd(lo_total, _mm256_permute4x64_pd(hi, 0xFF)));
+          _mm256_storeu_ps(y + (g + r) * L + s,
+                           _mm256_set_m128(_mm256_cvtpd_ps(hi_out), _mm256_cvtpd_ps(lo_out)));
+        } else {
+          const __m256 p = prefix8(v);
+          _mm256_storeu_ps(y + (g + r) * L + s, _mm256_add_ps(p, cf[r]));
+          const __m256 last = _mm256_permute_ps(_mm256_permute2f128_ps(p, p, 0x11), 0xFF);
+          cf[r] = _mm256_add_ps(cf[r], last);
+        }
+      }
+    }
+  }
+}
+#endif
+
+// rows x L (rows a multiple of 4, L of 8), each row scanned (mode 1), or one row of
+// rows * L steps cut into `rows` segments (mode 2): their totals first (a read: sums of 4
+// partial vectors in double), their carries in order, then the prefix pass from them.
+template <bool DOUBLE>
+static void prefix_scan_t(uintptr_t x0, uintptr_t y0, int64_t rows, int64_t L, int mode) {
+#ifdef __AVX2__
+  auto X = (const float*)x0;
+  auto Y = (float*)y0;
+  if (mode == 1) return prefix_rows<DOUBLE, 4>(X, Y, rows, L, nullptr);
+  std::vector<double> carry(rows);
+  double run = 0.0;
+  for (int64_t r = 0; r < rows; ++r) {
+    __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+    const float* xr = X + r * L;
+    for (int64_t s = 0; s < L; s += 16) {
+      const __m256 a = _mm256_loadu_ps(xr + s), b = _mm256_loadu_ps(xr + s + 8);
+      acc[0] = _mm256_add_pd(acc[0], _mm256_cvtps_pd(_mm256_castps256_ps128(a)));
+      acc[1] = _mm256_add_pd(acc[1], _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)));
+      acc[2] = _mm256_add_pd(acc[2], _mm256_cvtps_pd(_mm256_castps256_ps128(b)));
+      acc[3] = _mm256_add_pd(acc[3], _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1)));
+    }
+    alignas(32) double t[4];
+    _mm256_store_pd(t, _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3])));
+    carry[r] = run;
+    run += t[0] + t[1] + t[2] + t[3];
+  }
+  prefix_rows<DOUBLE, 4>(X, Y, rows, L, carry.data());
+#endif
+}
+
 // A dim scanned as chains: (N, L) last dim (pass 1: mode 0 or 1), or one long row cut into
 // N chains of L steps (passes 2: totals of every chain, their carries composed in order,
 // then the scan from the carries), as a 1-D scan on the chain path does.
@@ -335,6 +417,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                          int64_t L, int mode) {
     py::gil_scoped_release nogil;
     dispatch<ChainScan>(op, acc, x0, x1, y0, y1, N, L, mode);
+  });
+  m.def("prefix_add", [](bool dbl, uintptr_t x0, uintptr_t y0, int64_t rows, int64_t L, int mode) {
+    py::gil_scoped_release nogil;
+    if (dbl) prefix_scan_t<true>(x0, y0, rows, L, mode);
+    else prefix_scan_t<false>(x0, y0, rows, L, mode);
   });
   m.def("copy", &copy_loop);
   m.def("log1p_exp", &log1p_exp_loop);
