@@ -390,6 +390,13 @@ def section_threads(m, budget: float) -> None:
             )
             s.keep += [x0, x1, y0, y1]
             args = (_p(x0), _p(x1), _p(y0), _p(y1), T, N)
+            if threads == 2 and op == ADD:  # the same copy on one thread, in the same turns
+                s.add(
+                    "copy of add's leaves, 1 thread (native loop)",
+                    lambda x0=x0, y0=y0: m.copy(_p(y0), _p(x0), x0.numel()),
+                    base,
+                    "what a second thread adds",
+                )
             if threads == 1:
                 s.add(
                     f"{name} lane loop, {ACC_NAMES[acc]}",
