@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 import fscan
+from fscan._memory import advise_huge_pages
 from fscan.bench import bars
 from fscan.bench._allocator import pin_allocator
 from fscan.bench._timing import Table, interleaved
@@ -171,7 +172,15 @@ def section_copies(m, budget: float) -> None:
         "copy into preallocated",
         "what every out-of-place op pays",
     )
-    s.add("fscan add dim 0", _fscan_row("add", (16384, 1024), 0), "clone (fresh output)", "bar row")
+    s.add(
+        "fresh output, huge pages, then copy",
+        lambda: advise_huge_pages(torch.empty_like(big)).copy_(big),
+        "copy into preallocated",
+        "fscan's outputs (fscan._memory)",
+    )
+    s.add(
+        "fscan add dim 0", _fscan_row("add", (16384, 1024), 0), "copy into preallocated", "bar row"
+    )
     s.run(budget)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(5):
