@@ -347,6 +347,35 @@ def section_chains(m, budget: float) -> None:
     s.run(budget)
 
 
+def section_chains_large(m, budget: float) -> None:
+    shape = (16384, 1024)
+    N, L = shape
+    s = Section(f"chain path: last dim of {shape} (rows 4 KiB apart), add")
+    x, y = bars._data("add", shape), torch.empty(shape)
+    base = "copy of add's leaves"
+    s.add(base, _copy(x), base, "")
+    s.add(
+        "add: transposes alone",
+        lambda: m.chain_scan(ADD, F32, _p(x), 0, _p(y), 0, N, L, 0),
+        base,
+        "tile in + tile out",
+    )
+    s.add(
+        "add: + double scan",
+        lambda: m.chain_scan(ADD, F64, _p(x), 0, _p(y), 0, N, L, 1),
+        base,
+        "",
+    )
+    s.add(
+        "add: in-register prefix, no transposes, double",
+        lambda: m.prefix_add(True, _p(x), _p(y), N, L, 1),
+        base,
+        "floor",
+    )
+    s.add("fscan add dim 1 (last)", _fscan_row("add", shape, 1), base, "bar row")
+    s.run(budget)
+
+
 def section_reduce(m, budget: float) -> None:
     shape = (4096, 256)
     T, N = shape
@@ -512,6 +541,7 @@ SECTIONS = {
     "lanes-large": lambda m, b: section_lanes(m, b, (16384, 1024)),
     "logaddexp": section_logaddexp,
     "chains": section_chains,
+    "chains-large": section_chains_large,
     "reduce": section_reduce,
     "threads": section_threads,
 }
