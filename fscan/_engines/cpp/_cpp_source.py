@@ -31,9 +31,10 @@ compiled kernel serves every shape and layout.
   untaken branch per row and input).
 * Chain path (``inner < 8``: 1-D, or a scan over the last dim; or inputs laid
   out along T, such as a transpose, whose T stride is below their inner
-  stride): each lane is a chain. float32 leaves whose steps are dense (AVX-512)
-  go 16 chains side by side (32 for an expensive combine), as the lanes of vector
-  loops: 16 steps of each are transposed into a tile in registers, scanned with each
+  stride): each lane is a chain. float32 leaves whose steps are dense (AVX-512 or
+  AVX2) go 16 chains side by side on AVX-512, 8 on AVX2 (twice that for an expensive
+  combine), as the lanes of vector loops: 16 steps of each are transposed into a tile
+  in registers, scanned with each
   chain's running value in a register, and transposed back (``tile_chains``; the
   steps after the last whole tile make a partial tile, masked). Other
   leaves: 8 chains run interleaved (instruction-level parallelism), each walking its

@@ -52,7 +52,7 @@ static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const 
 }
 
 // TW chains side by side, as the lanes of vector loops (float32 leaves, steps dense,
-// AVX-512: TILED and tileable): TB steps of each chain are transposed in registers
+// AVX-512 or AVX2: TILED and tileable): TB steps of each chain are transposed in registers
 // into a tile (InTile: WAYS blocks of TV chains, a row of each per step), the steps are
 // scanned (tile_scan), and the outputs transposed back out. Walking chains one element
 // at a time kept the combine scalar: the affine pair over (4096, 256) dim 1 ran 4.6 ns

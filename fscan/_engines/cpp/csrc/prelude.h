@@ -11,10 +11,13 @@
 
 #define FSCAN_INLINE __attribute__((always_inline)) inline
 
-// 16 x 16 float32 tiles transposed in registers (the chain path's tiles: forward_chains.h).
+// The chain path's tiles (forward_chains.h): TB = 16 steps of FSCAN_TV float32 chains,
+// transposed in registers. AVX-512: 16 chains, one 16 x 16 transpose; AVX2: 8 chains, two
+// 8 x 8 transposes (steps 0-7, then 8-15); elsewhere chains are walked, not tiled.
 #ifdef __AVX512F__
 #include <immintrin.h>
 #define FSCAN_TILES true
+#define FSCAN_TV 16
 static FSCAN_INLINE void fscan_transpose16(__m512* r) {
   __m512 t[16];
   for (int i = 0; i < 16; i += 2) { t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]); t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]); }
@@ -60,8 +63,69 @@ static FSCAN_INLINE void fscan_tile_out(const float* src, float* const* dst, uns
   else
     for (int i = 0; i < 16; ++i) _mm512_mask_storeu_ps(dst[i], (__mmask16)m, r[i]);
 }
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define FSCAN_TILES true
+#define FSCAN_TV 8
+// r[i] (row i) becomes column i: unpack pairs of rows, shuffle pairs of pairs, then swap
+// 128-bit halves (24 shuffles per 64 elements).
+static FSCAN_INLINE void fscan_transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) { t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]); t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]); }
+  // u[4q + c]: columns c (low half) and c + 4 (high half) of rows 4q..4q+3.
+  for (int q = 0; q < 8; q += 4) {
+    u[q] = _mm256_shuffle_ps(t[q], t[q + 2], 0x44);
+    u[q + 1] = _mm256_shuffle_ps(t[q], t[q + 2], 0xee);
+    u[q + 2] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0x44);
+    u[q + 3] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0xee);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x20);
+    r[c + 4] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x31);
+  }
+}
+// The lanes of 8 steps whose bits are set in m (bit i: step i), as a vector mask.
+static FSCAN_INLINE __m256i fscan_mask8(unsigned m) {
+  const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)m), bits), bits);
+}
+// As the AVX-512 pair below, for 8 chains of 16 steps: dst[j * 8 + g] = src[g][j], in two
+// halves of 8 steps. Masked loads and stores (vmaskmovps) touch no element whose bit is
+// clear, so a partial tile reads and writes only its chains' steps; a half with no step
+// set is skipped, its rows left as they were (never read: see tile_step).
+static FSCAN_INLINE void fscan_tile_in(const float* const* src, float* dst, unsigned m) {
+  for (int h = 0; h < 2; ++h) {
+    const unsigned mh = (m >> (8 * h)) & 0xffu;
+    if (mh == 0) continue;
+    __m256 r[8];
+    if (mh == 0xffu)
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src[i] + 8 * h);
+    else {
+      const __m256i k = fscan_mask8(mh);
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_maskload_ps(src[i] + 8 * h, k);
+    }
+    fscan_transpose8(r);
+    for (int i = 0; i < 8; ++i) _mm256_store_ps(dst + 8 * (8 * h + i), r[i]);
+  }
+}
+static FSCAN_INLINE void fscan_tile_out(const float* src, float* const* dst, unsigned m) {
+  for (int h = 0; h < 2; ++h) {
+    const unsigned mh = (m >> (8 * h)) & 0xffu;
+    if (mh == 0) continue;
+    __m256 r[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_load_ps(src + 8 * (8 * h + i));
+    fscan_transpose8(r);
+    if (mh == 0xffu)
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst[i] + 8 * h, r[i]);
+    else {
+      const __m256i k = fscan_mask8(mh);
+      for (int i = 0; i < 8; ++i) _mm256_maskstore_ps(dst[i] + 8 * h, k, r[i]);
+    }
+  }
+}
 #else
 #define FSCAN_TILES false
+#define FSCAN_TV 16
 static FSCAN_INLINE void fscan_tile_in(const float* const*, float*, unsigned) {}
 static FSCAN_INLINE void fscan_tile_out(const float*, float* const*, unsigned) {}
 #endif

@@ -5,7 +5,7 @@ static constexpr int64_t MIN_CHUNK = 2048;    // steps per chunk, at least, when
 static constexpr int64_t PER_THREAD = 16384;  // elements per thread, at least
 static constexpr int G = 8;                   // chains interleaved on the chain path
 static constexpr int64_t SKEW = 16;           // steps between interleaved chains, when long
-static constexpr int TV = 16;                 // chains per vector in a tile of the chain path
+static constexpr int TV = FSCAN_TV;           // chains per vector in a tile of the chain path (prelude.h)
 static constexpr int64_t TB = 16;             // steps per tile of the chain path
 
 // The lane paths' columns: up to TILE lanes each, never narrowed for the threads. Where
