@@ -11,8 +11,10 @@ above its bar whose floor is above the bar too cannot meet it here.
 
 Sections: copies (and the fresh-output clone of a 32 MiB output); the lane loop (dim 0)
 with float32, double and double + range-checked running values; logaddexp's
-elementwise cost and its scans; the chain path (last dim, 1-D) as 8 x 8 AVX2 register
-transposes alone, with a float32 and with a double scan; the reduce; and 2 threads.
+elementwise cost and its scans; the chain path (last dim, 1-D) as the kernel's register
+transposes alone (``fscan_tile_in``/``fscan_tile_out`` of csrc/prelude.h), with a float32
+and with a double scan, and an add by in-register prefix sums without transposes; the
+reduce; and 2 threads.
 
 Run (about 2-3 minutes; the first run also builds the loops and fscan's kernels):
     PYTHONPATH=. python scripts/roofline.py [--quick] [--section TEXT]
@@ -275,7 +277,7 @@ def section_chains(m, budget: float) -> None:
     N, L = shape
     s = Section(
         f"chain path: last dim of {shape}, 32 chains side by side, "
-        "16-step tiles (AVX2 8 x 8 transposes)"
+        "16-step tiles (the kernel's transposes)"
     )
     for name, op in (("add", ADD), ("affine", AFFINE)):
         x0, x1 = _leaves(name, shape)
@@ -556,7 +558,7 @@ def main(argv: list[str] | None = None) -> None:
     print(pin_allocator())
     print(f"load: {os.getloadavg()}; torch {torch.__version__}; fscan from {fscan.__file__}")
     m = build()
-    print(f"tiles: {m.tiles}; the kernel's own 16 x 16 tiles: AVX-512 only (csrc/prelude.h)")
+    print(f"tiles: {m.tiles}")
     check(m)
     budget = 0.06 if args.quick else 0.15
     with fscan.config.override(cpu_kernel="eager"):

@@ -150,94 +150,79 @@ static void lane_two_t(uintptr_t x0, uintptr_t x1, uintptr_t y0, uintptr_t y1, i
   }
 }
 
-#ifdef __AVX2__
-// 8 x 8 float32 transposed in registers (AVX2: 24 shuffles).
-static FSCAN_INLINE void transpose8(__m256* r) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-  }
-}
-#endif
 
 // The chain path's work without its bookkeeping: N chains of L steps (the rows of a dense
-// (N, L), N a multiple of CW and L of 16), CW chains side by side; 16 steps of each
-// transposed in registers (8 x 8 AVX2 transposes) into a tile, the tile scanned, the
-// outputs transposed back. The scan as the kernel's tile_scan writes it: the chains are the
-// vector loop, the 16 steps unrolled inside it, each chain's running value in a register
-// across them (CW / lanes vector iterations a tile, independent, for the core to overlap).
-// MODE 0: the transposes alone (tile in, tile out, no scan); 1: the scan, from carry (N
-// values per leaf) or from the identity; 2: totals only (no outputs) into tot.
+// (N, L), N a multiple of CW and L of 16), CW chains side by side in blocks of FSCAN_TV;
+// 16 steps of each block transposed in registers into a tile by the kernel's own
+// fscan_tile_in (csrc/prelude.h: one 16 x 16 transpose on AVX-512, two 8 x 8 on AVX2), the
+// tiles scanned, the outputs transposed back by fscan_tile_out. The scan as the kernel's
+// tile_scan writes it: a block's chains are the vector loop, the 16 steps unrolled inside
+// it, each chain's running value in a register across them, the CW / FSCAN_TV blocks
+// independent for the core to overlap. MODE 0: the transposes alone (tile in, tile out, no
+// scan); 1: the scan, from carry (N values per leaf) or from the identity; 2: totals only
+// (no outputs) into tot.
 constexpr int CW = 32;
+constexpr int NB = CW / FSCAN_TV;
 template <int OP, typename A, bool RANGE, int MODE>
 static void chain_rows(const float* x0, const float* x1, float* y0, float* y1, int64_t N, int64_t L,
                        const A* carry, A* tot) {
-#ifdef __AVX2__
+#if FSCAN_TILES
   constexpr int NL = leaves(OP);
   constexpr bool two = NL == 2;
-  alignas(32) float tin[NL][16][CW];
-  alignas(32) float tout[NL][16][CW];
-  alignas(32) A acc[NL][CW];
+  alignas(64) float tin[NL][NB][16][FSCAN_TV];
+  alignas(64) float tout[NL][NB][16][FSCAN_TV];
+  alignas(64) A acc[NL][NB][FSCAN_TV];
   const float* xs[2] = {x0, x1};
   float* ys[2] = {y0, y1};
   for (int64_t g = 0; g + CW <= N; g += CW) {
-    for (int j = 0; j < CW; ++j) {
-      acc[0][j] = carry ? carry[g + j] : identity0<A>(OP);
-      if constexpr (two) acc[NL - 1][j] = carry ? carry[N + g + j] : A(0);
-    }
+    for (int b = 0; b < NB; ++b)
+      for (int j = 0; j < FSCAN_TV; ++j) {
+        const int64_t c = g + b * FSCAN_TV + j;
+        acc[0][b][j] = carry ? carry[c] : identity0<A>(OP);
+        if constexpr (two) acc[NL - 1][b][j] = carry ? carry[N + c] : A(0);
+      }
     for (int64_t s = 0; s < L; s += 16) {
       for (int f = 0; f < NL; ++f)
-        for (int b = 0; b < CW / 8; ++b)
-          for (int h = 0; h < 2; ++h) {
-            __m256 r[8];
-            for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(xs[f] + (g + 8 * b + j) * L + s + 8 * h);
-            transpose8(r);
-            for (int k = 0; k < 8; ++k) _mm256_store_ps(&tin[f][8 * h + k][8 * b], r[k]);
-          }
+        for (int b = 0; b < NB; ++b) {
+          const float* src[FSCAN_TV];
+          for (int j = 0; j < FSCAN_TV; ++j) src[j] = xs[f] + (g + b * FSCAN_TV + j) * L + s;
+          fscan_tile_in(src, &tin[f][b][0][0], 0xffffu);
+        }
       if constexpr (MODE == 0) {
         std::memcpy(tout, tin, sizeof(tin));
       } else {
+        for (int b = 0; b < NB; ++b) {
 #pragma GCC ivdep
-        for (int j = 0; j < CW; ++j) {
-          A l0 = acc[0][j], l1 = two ? acc[NL - 1][j] : A(0);
+          for (int j = 0; j < FSCAN_TV; ++j) {
+            A l0 = acc[0][b][j], l1 = two ? acc[NL - 1][b][j] : A(0);
 #pragma GCC unroll 16
-          for (int k = 0; k < 16; ++k) {
-            comb<OP, A, RANGE>(l0, l1, (A)tin[0][k][j], two ? (A)tin[NL - 1][k][j] : A(0));
-            if constexpr (MODE == 1) {
-              tout[0][k][j] = (float)l0;
-              if constexpr (two) tout[NL - 1][k][j] = (float)l1;
+            for (int k = 0; k < 16; ++k) {
+              comb<OP, A, RANGE>(l0, l1, (A)tin[0][b][k][j], two ? (A)tin[NL - 1][b][k][j] : A(0));
+              if constexpr (MODE == 1) {
+                tout[0][b][k][j] = (float)l0;
+                if constexpr (two) tout[NL - 1][b][k][j] = (float)l1;
+              }
             }
+            acc[0][b][j] = l0;
+            if constexpr (two) acc[NL - 1][b][j] = l1;
           }
-          acc[0][j] = l0;
-          if constexpr (two) acc[NL - 1][j] = l1;
         }
       }
       if constexpr (MODE != 2)
         for (int f = 0; f < NL; ++f)
-          for (int b = 0; b < CW / 8; ++b)
-            for (int h = 0; h < 2; ++h) {
-              __m256 r[8];
-              for (int k = 0; k < 8; ++k) r[k] = _mm256_load_ps(&tout[f][8 * h + k][8 * b]);
-              transpose8(r);
-              for (int j = 0; j < 8; ++j) _mm256_storeu_ps(ys[f] + (g + 8 * b + j) * L + s + 8 * h, r[j]);
-            }
+          for (int b = 0; b < NB; ++b) {
+            float* dst[FSCAN_TV];
+            for (int j = 0; j < FSCAN_TV; ++j) dst[j] = ys[f] + (g + b * FSCAN_TV + j) * L + s;
+            fscan_tile_out(&tout[f][b][0][0], dst, 0xffffu);
+          }
     }
     if constexpr (MODE == 2)
-      for (int j = 0; j < CW; ++j) {
-        tot[g + j] = acc[0][j];
-        if constexpr (two) tot[N + g + j] = acc[NL - 1][j];
-      }
+      for (int b = 0; b < NB; ++b)
+        for (int j = 0; j < FSCAN_TV; ++j) {
+          const int64_t c = g + b * FSCAN_TV + j;
+          tot[c] = acc[0][b][j];
+          if constexpr (two) tot[N + c] = acc[NL - 1][b][j];
+        }
   }
 #endif
 }
@@ -426,9 +411,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy", &copy_loop);
   m.def("log1p_exp", &log1p_exp_loop);
   m.def("logaddexp", &logaddexp_loop);
-#ifdef __AVX2__
-  m.attr("tiles") = "AVX2 8x8";
+#if FSCAN_TILES
+  m.attr("tiles") = FSCAN_TV == 16 ? "the kernel's (prelude.h): 16 x 16, AVX-512" : "the kernel's (prelude.h): two 8 x 8, AVX2";
 #else
-  m.attr("tiles") = "none";
+  m.attr("tiles") = "none (no AVX2): the chain loops do nothing";
 #endif
 }
