@@ -101,6 +101,35 @@ def test_rows_are_built_in_eager_mode_before_any_timing_and_rendered(tmp_path, c
     assert data[0]["ratio"] == pytest.approx(results[0].fscan_s / results[0].base_s)
 
 
+def test_a_fresh_output_limit_is_timed_and_shown_beside_the_judged_ratio(tmp_path):
+    calls: list[str] = []
+    row = _rows.Row(
+        "big",
+        "r",
+        lambda: calls.append("fscan"),
+        "copy",
+        lambda: None,
+        1,
+        1e9,
+        fresh=lambda: calls.append("clone"),
+    )
+    plain = _rows.Row("small", "s", lambda: None, "copy", lambda: None, 1, 1e9)
+    results = _rows.run_rows([row, plain], budget_s=0.002)
+    assert "clone" in calls and results[0].fresh_s is not None and results[1].fresh_s is None
+    assert results[0].fresh_ratio == pytest.approx(results[0].fscan_s / results[0].fresh_s)
+    big, small = _rows.render(results).split("\n\n")
+    assert "vs clone" in big and "not judged" in big and "<=1e+09 ok" in big
+    assert "vs clone" not in small
+    _rows.to_json(results, str(tmp_path / "rows.json"))
+    assert json.loads((tmp_path / "rows.json").read_text())[0]["fresh_s"] == results[0].fresh_s
+
+
+def test_only_rows_with_outputs_of_32_mib_or_more_get_the_clone_limit():
+    fresh = {r.label.split(" dim")[0] for r in bars.kernel_rows(False, 1) if r.fresh is not None}
+    assert {label.split(" ", 1)[1] for label in fresh} == {"(16384, 1024)"}
+    assert bars._clone_of(torch.empty(4096, 256)) is None
+
+
 def test_rows_keep_cpu_kernel_off_when_it_is_off():
     modes: list[str] = []
     row = _rows.Row("g", "r", lambda: modes.append(fscan.config.cpu_kernel), "b", lambda: None)

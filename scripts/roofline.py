@@ -1,0 +1,575 @@
+"""Measured floors under the speed bars that fscan's C++ kernel does not meet (issue 21).
+
+Standalone loops (``scripts/roofline/loops.cpp``, built with the kernel's own compiler
+flags: Inductor's for this CPU plus ``fscan._engines.cpp._cpp_build.EXTRA_FLAGS``) do the
+least work each kind of row needs, on the bench's shapes, into preallocated memory. Each
+section times its loops, a copy of the same leaves into preallocated memory (the bench's
+limit) and fscan's own bar row side by side (``fscan.bench._timing.interleaved``: turns,
+medians, torch's Timer with the thread count set), and prints every time as a ratio to
+that copy. A loop's ratio is the floor of the rows of its kind on this machine: a row
+above its bar whose floor is above the bar too cannot meet it here.
+
+Sections: copies (and the fresh-output clone of a 32 MiB output); the lane loop (dim 0)
+with float32, double and double + range-checked running values; logaddexp's
+elementwise cost and its scans; the chain path (last dim, 1-D) as the kernel's register
+transposes alone (``fscan_tile_in``/``fscan_tile_out`` of csrc/prelude.h), with a float32
+and with a double scan, and an add by in-register prefix sums without transposes; the
+reduce; and 2 threads.
+
+Run (about 2-3 minutes; the first run also builds the loops and fscan's kernels):
+    PYTHONPATH=. python scripts/roofline.py [--quick] [--section TEXT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import fscan
+from fscan._memory import advise_huge_pages
+from fscan.bench import bars
+from fscan.bench._allocator import pin_allocator
+from fscan.bench._timing import Table, interleaved
+
+HERE = Path(__file__).resolve().parent
+CSRC = HERE.parent / "fscan" / "_engines" / "cpp" / "csrc"
+ADD, MUL, MAX, AFFINE, LAE = range(5)
+F32, F64, F64_RANGE = range(3)
+ROUNDS = 5  # turns per runner: each section's runners alternate, medians of all turns
+ACC_NAMES = {F32: "float32 acc", F64: "double acc", F64_RANGE: "double acc + range check"}
+
+
+def _flags() -> tuple[list[str], list[str]]:
+    """The kernel's compile flags (Inductor's for this CPU's vector ISA, then fscan's
+    EXTRA_FLAGS), minus what a Python extension sets itself."""
+    from torch._inductor import cpp_builder
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    from fscan._engines.cpp._cpp_build import EXTRA_FLAGS
+
+    opts = cpp_builder.CppTorchOptions(vec_isa=pick_vec_isa(), include_pytorch=False)
+    skip = {"shared", "fPIC", "pedantic", "Wall"}
+    cflags = [f"-{f}" for f in opts.get_cflags() if f not in skip]
+    cflags += [a for a in " ".join(opts.get_passthrough_args()).split() if a]
+    cflags += [f for f in EXTRA_FLAGS if not f.startswith("-l")]
+    ldflags = ["-fopenmp", *(f for f in EXTRA_FLAGS if f.startswith("-l"))]
+    return cflags, ldflags
+
+
+def build():
+    from torch.utils.cpp_extension import load
+
+    cflags, ldflags = _flags()
+    start = time.perf_counter()
+    module = load(
+        name="fscan_roofline",
+        sources=[str(HERE / "roofline" / "loops.cpp")],
+        extra_cflags=cflags,
+        extra_ldflags=ldflags,
+        extra_include_paths=[str(CSRC)],
+    )
+    print(
+        f"loops built or loaded in {time.perf_counter() - start:.1f} s; flags: {' '.join(cflags)}"
+    )
+    return module
+
+
+def _p(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class Section:
+    """Runners timed together; each row printed as a ratio to the copy of its leaves."""
+
+    def __init__(self, title: str, threads: int = 1) -> None:
+        self.title, self.threads = title, threads
+        self.runners: dict[str, object] = {}
+        self.base: dict[str, str] = {}
+        self.notes: dict[str, str] = {}
+        self.keep: list[torch.Tensor | None] = []  # what the loops' raw pointers point into
+
+    def add(self, name: str, fn, base: str, note: str = "") -> None:
+        self.runners[name], self.base[name], self.notes[name] = fn, base, note
+
+    def run(self, budget_per_runner: float) -> dict[str, float]:
+        # One thread: the calling thread's CPU time, which a shared machine's other
+        # processes do not inflate by descheduling it (they still share caches and memory
+        # bandwidth). Two threads: the wall clock (the other thread's time is not this
+        # thread's), so those rows want a quiet machine.
+        clock = time.thread_time if self.threads == 1 else None
+        times = interleaved(
+            self.runners,
+            budget_s=budget_per_runner * len(self.runners),
+            threads=self.threads,
+            clock=clock,
+            rounds=ROUNDS,
+        )
+        med = {k: m.median for k, m in times.items()}
+        table = Table(
+            f"{self.title} ({self.threads} thread{'s' * (self.threads > 1)}, "
+            f"{'thread CPU time' if self.threads == 1 else 'wall clock'}; medians; "
+            "ratio = time / the copy named)",
+            ["time", "ratio", "to", "what"],
+        )
+        for name in self.runners:
+            base = self.base[name]
+            ratio = f"{med[name] / med[base]:.2f}" if base else "-"
+            table.add(name, [_time(med[name]), ratio, base or "-", self.notes[name]])
+        print(table.render(), flush=True)
+        return med
+
+
+def _time(s: float) -> str:
+    return f"{s * 1e6:.1f} us" if s < 1e-3 else f"{s * 1e3:.3f} ms"
+
+
+def _copy(*xs: torch.Tensor):
+    outs = [torch.empty_like(x) for x in xs]
+    return lambda: [o.copy_(x) for o, x in zip(outs, xs)]
+
+
+def _fscan_row(name: str, shape: tuple[int, ...], dim: int):
+    """fscan's bar row itself: ``associative_scan`` as fscan.bench.bars times it."""
+    return bars._scan(name, bars._data(name, shape), dim, False)
+
+
+def _leaves(name: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    data = bars._data(name, shape)
+    return (data[0], data[1]) if isinstance(data, tuple) else (data, None)
+
+
+def _outs(x0, x1):
+    return torch.empty_like(x0), None if x1 is None else torch.empty_like(x1)
+
+
+def section_copies(m, budget: float) -> None:
+    x = bars._data("add", (4096, 256))
+    y = torch.empty_like(x)
+    s = Section("copies, float32 (4096, 256)")
+    s.add(
+        "copy (torch copy_ into preallocated)",
+        _copy(x),
+        "copy (torch copy_ into preallocated)",
+        "the bench's limit",
+    )
+    s.add(
+        "copy (native loop)",
+        lambda: m.copy(_p(y), _p(x), x.numel()),
+        "copy (torch copy_ into preallocated)",
+        "the same, the kernel's flags",
+    )
+    s.run(budget)
+    big = bars._data("add", (16384, 1024))
+    s = Section("copies, float32 (16384, 1024): 64 MiB, above glibc's mmap ceiling")
+    s.add("copy into preallocated", _copy(big), "copy into preallocated", "the judged limit")
+    s.add(
+        "clone (fresh output)",
+        lambda: big.clone(),
+        "copy into preallocated",
+        "what every out-of-place op pays",
+    )
+    s.add(
+        "fresh output, huge pages, then copy",
+        lambda: advise_huge_pages(torch.empty_like(big)).copy_(big),
+        "copy into preallocated",
+        "fscan's outputs (fscan._memory)",
+    )
+    s.add(
+        "fscan add dim 0", _fscan_row("add", (16384, 1024), 0), "copy into preallocated", "bar row"
+    )
+    s.run(budget)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        big.clone()
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    mode = thp.read_text().strip() if thp.exists() else "n/a"
+    print(f"a clone of (16384, 1024) float32 faulted {faults:.0f} pages per call (THP: {mode})\n")
+
+
+def section_lanes(m, budget: float, shape: tuple[int, int]) -> None:
+    T, N = shape
+    s = Section(f"lane loop: dim 0 of {shape}, float32 leaves, one row at a time")
+    for name, op, accs in (
+        ("add", ADD, (F32, F64)),
+        ("mul", MUL, (F32, F64)),
+        ("max", MAX, (F32,)),
+        ("affine", AFFINE, (F32, F64, F64_RANGE)),
+    ):
+        x0, x1 = _leaves(name, shape)
+        y0, y1 = _outs(x0, x1)
+        base = f"copy of {name}'s leaves"
+        s.add(base, _copy(*[t for t in (x0, x1) if t is not None]), base, "")
+        for acc in accs:
+            run = lambda op=op, acc=acc, x0=x0, x1=x1, y0=y0, y1=y1: m.lane_scan(
+                op, acc, _p(x0), _p(x1), _p(y0), _p(y1), T, N, True
+            )
+            s.add(
+                f"{name} lane loop, {ACC_NAMES[acc]}",
+                run,
+                base,
+                "floor" if acc != F32 or op == MAX else "",
+            )
+        s.add(f"fscan {name} dim 0", _fscan_row(name, shape, 0), base, "bar row")
+    s.run(budget)
+
+
+def section_logaddexp(m, budget: float) -> None:
+    shape = (4096, 256)
+    T, N = shape
+    a = bars._data("logaddexp", shape)
+    b = torch.roll(a, 1, 0)
+    o = torch.empty_like(a)
+    n = a.numel()
+    s = Section(f"logaddexp, float32 {shape}")
+    base = "copy"
+    s.add(base, _copy(a), base, "")
+    s.add(
+        "fscan_log1p_exp per element",
+        lambda: m.log1p_exp(_p(o), _p(a), n),
+        base,
+        "csrc/logaddexp.h",
+    )
+    s.add(
+        "fscan_logaddexp per element",
+        lambda: m.logaddexp(_p(o), _p(a), _p(b), n),
+        base,
+        "csrc/logaddexp.h",
+    )
+    s.add("torch.logaddexp(a, b, out=o)", lambda: torch.logaddexp(a, b, out=o), base, "SLEEF")
+    s.add(
+        "lane scan (dim 0), double acc",
+        lambda: m.lane_scan(LAE, F64, _p(a), 0, _p(o), 0, T, N, True),
+        base,
+        "floor of the lane rows",
+    )
+    s.add("fscan logaddexp dim 0", _fscan_row("logaddexp", shape, 0), base, "bar row")
+    s.add(
+        "chain scan (last dim), tiles, double acc",
+        lambda: m.chain_scan(LAE, F64, _p(a), 0, _p(o), 0, T, N, 1),
+        base,
+        "no floor: the kernel is faster",
+    )
+    s.add("fscan logaddexp dim 1 (last)", _fscan_row("logaddexp", shape, 1), base, "bar row")
+    s.run(budget)
+    one = bars._data("logaddexp", (2**20,))
+    o1 = torch.empty_like(one)
+    s = Section("logaddexp, float32 (1048576,): cut into 2048 chains of 512")
+    s.add(base, _copy(one), base, "")
+    s.add(
+        "chain totals + scan, tiles, double acc",
+        lambda: m.chain_scan(LAE, F64, _p(one), 0, _p(o1), 0, 2048, 512, 2),
+        base,
+        "no floor: the kernel is faster",
+    )
+    s.add("fscan logaddexp (1048576,)", _fscan_row("logaddexp", (2**20,), 0), base, "bar row")
+    s.run(budget)
+
+
+def section_chains(m, budget: float) -> None:
+    shape = (4096, 256)
+    N, L = shape
+    s = Section(
+        f"chain path: last dim of {shape}, 32 chains side by side, "
+        "16-step tiles (the kernel's transposes)"
+    )
+    for name, op in (("add", ADD), ("affine", AFFINE)):
+        x0, x1 = _leaves(name, shape)
+        y0, y1 = _outs(x0, x1)
+        base = f"copy of {name}'s leaves"
+        s.add(base, _copy(*[t for t in (x0, x1) if t is not None]), base, "")
+        s.keep += [x0, x1, y0, y1]
+        args = (_p(x0), _p(x1), _p(y0), _p(y1), N, L)
+        s.add(
+            f"{name}: transposes alone",
+            lambda op=op, args=args: m.chain_scan(op, F32, *args, 0),
+            base,
+            "tile in + tile out",
+        )
+        if op == ADD:
+            for dbl in (False, True):
+                s.add(
+                    f"add: in-register prefix, no transposes, {'double' if dbl else 'float32'}",
+                    lambda dbl=dbl, x0=x0, y0=y0: m.prefix_add(dbl, _p(x0), _p(y0), N, L, 1),
+                    base,
+                    "floor" if dbl else "",
+                )
+            s.add(
+                f"{name}: + float32 scan",
+                lambda args=args: m.chain_scan(ADD, F32, *args, 1),
+                base,
+                "",
+            )
+            s.add(
+                f"{name}: + double scan",
+                lambda args=args: m.chain_scan(ADD, F64, *args, 1),
+                base,
+                "floor",
+            )
+        else:
+            s.add(
+                f"{name}: + double scan, range check",
+                lambda args=args: m.chain_scan(AFFINE, F64_RANGE, *args, 1),
+                base,
+                "floor",
+            )
+        s.add(f"fscan {name} dim 1 (last)", _fscan_row(name, shape, 1), base, "bar row")
+    s.run(budget)
+    s = Section(
+        "chain path: (1048576,) cut into 2048 chains of 512 (totals, carries, scan), "
+        "or for add 4 segments"
+    )
+    for name, op, acc in (("add", ADD, F64), ("affine", AFFINE, F64_RANGE)):
+        x0, x1 = _leaves(name, (2**20,))
+        y0, y1 = _outs(x0, x1)
+        base = f"copy of {name}'s leaves"
+        s.add(base, _copy(*[t for t in (x0, x1) if t is not None]), base, "")
+        s.keep += [x0, x1, y0, y1]
+        args = (_p(x0), _p(x1), _p(y0), _p(y1), 2048, 512)
+        s.add(
+            f"{name}: totals + scan, {ACC_NAMES[acc]}",
+            lambda op=op, acc=acc, args=args: m.chain_scan(op, acc, *args, 2),
+            base,
+            "floor" if op == AFFINE else "",
+        )
+        if op == ADD:
+            s.add(
+                "add: 4 segments, sums, in-register prefix, double",
+                lambda x0=x0, y0=y0: m.prefix_add(True, _p(x0), _p(y0), 4, 2**18, 2),
+                base,
+                "floor",
+            )
+        s.add(f"fscan {name} (1048576,)", _fscan_row(name, (2**20,), 0), base, "bar row")
+    s.run(budget)
+
+
+def section_chains_large(m, budget: float) -> None:
+    shape = (16384, 1024)
+    N, L = shape
+    s = Section(f"chain path: last dim of {shape} (rows 4 KiB apart), add")
+    x, y = bars._data("add", shape), torch.empty(shape)
+    base = "copy of add's leaves"
+    s.add(base, _copy(x), base, "")
+    s.add(
+        "add: transposes alone",
+        lambda: m.chain_scan(ADD, F32, _p(x), 0, _p(y), 0, N, L, 0),
+        base,
+        "tile in + tile out",
+    )
+    s.add(
+        "add: + double scan",
+        lambda: m.chain_scan(ADD, F64, _p(x), 0, _p(y), 0, N, L, 1),
+        base,
+        "",
+    )
+    s.add(
+        "add: in-register prefix, no transposes, double",
+        lambda: m.prefix_add(True, _p(x), _p(y), N, L, 1),
+        base,
+        "floor",
+    )
+    s.add("fscan add dim 1 (last)", _fscan_row("add", shape, 1), base, "bar row")
+    s.run(budget)
+
+
+def section_reduce(m, budget: float) -> None:
+    shape = (4096, 256)
+    T, N = shape
+    x = bars._data("add", shape)
+    a, b = bars._data("affine", shape)
+    za, zb = torch.empty(N), torch.empty(N)
+    s = Section(f"associative_reduce: dim 0 of {shape}")
+    s.add("torch.sum of x", lambda: torch.sum(x, 0), "torch.sum of x", "the add row's rival")
+    s.add(
+        "add reduce loop, double acc",
+        lambda: m.lane_scan(ADD, F64, _p(x), 0, _p(za), 0, T, N, False),
+        "torch.sum of x",
+        "row by row (the kernel: 4 rows a pass)",
+    )
+    s.add(
+        "fscan add reduce",
+        lambda: fscan.associative_reduce(bars.COMBINES["add"], x, 0),
+        "torch.sum of x",
+        "bar row",
+    )
+    read = "read (sum) of a and b"
+    s.add(read, lambda: (torch.sum(a, 0), torch.sum(b, 0)), read, "the affine row's limit")
+    for acc in (F32, F64, F64_RANGE):
+        s.add(
+            f"affine reduce loop, {ACC_NAMES[acc]}",
+            lambda acc=acc: m.lane_scan(AFFINE, acc, _p(a), _p(b), _p(za), _p(zb), T, N, False),
+            read,
+            "floor" if acc == F64_RANGE else "",
+        )
+    s.add(
+        "fscan affine reduce",
+        lambda: fscan.associative_reduce(bars._affine, (a, b), 0),
+        read,
+        "bar row",
+    )
+    s.run(budget)
+
+
+def section_threads(m, budget: float) -> None:
+    shape = (16384, 1024)
+    T, N = shape
+    for threads in (1, 2):
+        s = Section(f"threads: dim 0 of {shape}, one column of 1024 lanes", threads)
+        for name, op, acc in (("add", ADD, F64), ("affine", AFFINE, F64_RANGE)):
+            x0, x1 = _leaves(name, shape)
+            y0, y1 = _outs(x0, x1)
+            base = f"copy of {name}'s leaves"
+            s.add(
+                base, _copy(*[t for t in (x0, x1) if t is not None]), base, f"{threads}-thread copy"
+            )
+            s.keep += [x0, x1, y0, y1]
+            args = (_p(x0), _p(x1), _p(y0), _p(y1), T, N)
+            if threads == 2 and op == ADD:  # the same copy on one thread, in the same turns
+                s.add(
+                    "copy of add's leaves, 1 thread (native loop)",
+                    lambda x0=x0, y0=y0: m.copy(_p(y0), _p(x0), x0.numel()),
+                    base,
+                    "what a second thread adds",
+                )
+            if threads == 1:
+                s.add(
+                    f"{name} lane loop, {ACC_NAMES[acc]}",
+                    lambda op=op, acc=acc, args=args: m.lane_scan(op, acc, *args, True),
+                    base,
+                    "1 thread",
+                )
+            else:
+                s.add(
+                    f"{name} halves on 2 threads",
+                    lambda op=op, acc=acc, args=args: m.lane_two(op, acc, *args, True),
+                    base,
+                    "ideal: no carries",
+                )
+                s.add(
+                    f"{name} split as lane_path (3 chunks)",
+                    lambda op=op, acc=acc, args=args: m.lane_two(op, acc, *args, False),
+                    base,
+                    "floor",
+                )
+            s.add(f"fscan {name} dim 0", _fscan_row(name, shape, 0), base, "bar row")
+        s.run(budget)
+
+
+def _affine_reference(a: torch.Tensor, b: torch.Tensor, dim: int):
+    """The affine pair's inclusive scan, one step at a time, in double."""
+    a, b = a.double().movedim(dim, 0), b.double().movedim(dim, 0)
+    pa, pb = a.clone(), b.clone()
+    for t in range(1, a.shape[0]):
+        pa[t] = pa[t - 1] * a[t]
+        pb[t] = a[t] * pb[t - 1] + b[t]
+    return pa.movedim(0, dim).float(), pb.movedim(0, dim).float()
+
+
+def check(m) -> None:
+    """Every loop against a plain sequential reference (torch's cumulative ops, or a step
+    loop in double), on small shapes: a floor is only a floor of the work if it does it."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 32, generator=gen)
+    a = torch.rand(300, 32, generator=gen) * 0.5 + 0.5
+    b = torch.randn(300, 32, generator=gen)
+    close = lambda got, want: torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    refs = {
+        ADD: lambda t, dim: torch.cumsum(t.double(), dim).float(),
+        MUL: lambda t, dim: torch.cumprod(t.double(), dim).float(),
+        MAX: lambda t, dim: torch.cummax(t, dim).values,
+        LAE: lambda t, dim: torch.logcumsumexp(t.double(), dim).float(),
+    }
+    for op, ref in refs.items():
+        data = a if op == MUL else x
+        for acc in (F32, F64, F64_RANGE):
+            y = torch.empty_like(data)
+            m.lane_scan(op, acc, _p(data), 0, _p(y), 0, *data.shape, True)
+            close(y, ref(data, 0))
+            m.lane_two(op, acc, _p(data), 0, _p(y), 0, *data.shape, False)
+            close(y, ref(data, 0))
+            m.lane_scan(op, acc, _p(data), 0, _p(y), 0, *data.shape, False)
+            close(y[0], ref(data, 0)[-1])
+            rows = data.t().contiguous()  # 32 chains of 300 steps: 288 of them in tiles
+            rows = rows[:, :288].contiguous()
+            yc = torch.empty_like(rows)
+            m.chain_scan(op, acc, _p(rows), 0, _p(yc), 0, 32, 288, 1)
+            close(yc, ref(rows, 1))
+            m.chain_scan(op, acc, _p(rows), 0, _p(yc), 0, 32, 288, 2)
+            close(yc.flatten(), ref(rows.flatten(), 0))
+            m.chain_scan(op, acc, _p(rows), 0, _p(yc), 0, 32, 288, 0)
+            close(yc, rows)
+    want = _affine_reference(a, b, 0)
+    for acc in (F32, F64, F64_RANGE):
+        ya, yb = torch.empty_like(a), torch.empty_like(b)
+        m.lane_scan(AFFINE, acc, _p(a), _p(b), _p(ya), _p(yb), 300, 32, True)
+        close((ya, yb), want)
+        m.lane_two(AFFINE, acc, _p(a), _p(b), _p(ya), _p(yb), 300, 32, False)
+        close((ya, yb), want)
+        m.lane_scan(AFFINE, acc, _p(a), _p(b), _p(ya), _p(yb), 300, 32, False)
+        close((ya[0], yb[0]), (want[0][-1], want[1][-1]))
+        ra, rb = (t.t()[:, :288].contiguous() for t in (a, b))
+        ca, cb = torch.empty_like(ra), torch.empty_like(rb)
+        m.chain_scan(AFFINE, acc, _p(ra), _p(rb), _p(ca), _p(cb), 32, 288, 1)
+        close((ca, cb), _affine_reference(ra, rb, 1))
+        m.chain_scan(AFFINE, acc, _p(ra), _p(rb), _p(ca), _p(cb), 32, 288, 2)
+        flat = _affine_reference(ra.flatten(), rb.flatten(), 0)
+        close((ca.flatten(), cb.flatten()), flat)
+    rows = x.t().contiguous()[:, :288].contiguous()  # 32 rows of 288 steps
+    for dbl in (False, True):
+        yc = torch.empty_like(rows)
+        m.prefix_add(dbl, _p(rows), _p(yc), 32, 288, 1)
+        close(yc, torch.cumsum(rows.double(), 1).float())
+        m.prefix_add(dbl, _p(rows), _p(yc), 4, 32 * 288 // 4, 2)
+        close(yc.flatten(), torch.cumsum(rows.flatten().double(), 0).float())
+    y = torch.empty_like(x)
+    m.copy(_p(y), _p(x), x.numel())
+    close(y, x)
+    m.log1p_exp(_p(y), _p(x), x.numel())
+    close(y, torch.log1p(torch.exp(-x.abs())))
+    m.logaddexp(_p(y), _p(x), _p(b), x.numel())
+    close(y, torch.logaddexp(x, b))
+    print("every loop matches its sequential reference\n")
+
+
+SECTIONS = {
+    "copies": section_copies,
+    "lanes": lambda m, b: section_lanes(m, b, (4096, 256)),
+    "lanes-large": lambda m, b: section_lanes(m, b, (16384, 1024)),
+    "logaddexp": section_logaddexp,
+    "chains": section_chains,
+    "chains-large": section_chains_large,
+    "reduce": section_reduce,
+    "threads": section_threads,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter timings")
+    parser.add_argument("--section", default="", help="only the sections whose name contains this")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print(pin_allocator())
+    print(f"load: {os.getloadavg()}; torch {torch.__version__}; fscan from {fscan.__file__}")
+    m = build()
+    print(f"tiles: {m.tiles}")
+    check(m)
+    budget = 0.06 if args.quick else 0.15
+    with fscan.config.override(cpu_kernel="eager"):
+        for name, section in SECTIONS.items():
+            if args.section in name:
+                start = time.perf_counter()
+                section(m, budget)
+                print(
+                    f"({name}: {time.perf_counter() - start:.1f} s)\n", file=sys.stderr, flush=True
+                )
+
+
+if __name__ == "__main__":
+    main()
