@@ -59,11 +59,13 @@ static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const 
 // an element walked (9 reversed), 1.1 tiled; add 0.42 -> 0.29. The steps after the last
 // whole tile make a partial tile (masked); the steps of chains longer than the shortest
 // are walked.
-// Where the time goes (add, (4096, 256) dim 1, 1 thread; a copy 0.065 ns an element):
-// 0.24 in all; without the transposes 0.10 (the scan, its double accumulation included),
-// without the scan 0.14 (the transposes: 128 shuffles per 256 elements, and the tile's
-// stores and loads). So a chain scan of float32 stays near 4x a copy on this machine,
-// where the lane path, needing no transpose, runs at 1.1-1.5x.
+// Where the time goes (add, (4096, 256) dim 1, 1 thread), measured by scripts/roofline.py
+// (standalone loops): on AVX-512 0.24 ns an element in all (a copy 0.065), the scan
+// without the transposes 0.10 (its double accumulation included), the transposes alone
+// 0.14; on AVX2 the transposes alone are 2.7-3.3x a copy and accumulating in double costs
+// about as much again (an add by prefix sums inside each vector, no transposes: 1.8-1.9x
+// a copy in float32, 4.0-4.5x in double). So a chain scan of float32 stays near 4x a
+// copy, where the lane path, needing no transpose, runs at 1.1-2x.
 struct Tiles {
   InTile in;
   OutTile out;
