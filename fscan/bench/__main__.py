@@ -23,6 +23,7 @@ import fscan
 from . import autograd, bars, core, extras, gpu, kernel, linear, ops, overhead
 from . import distributed as distributed_bench
 from ._allocator import pin_allocator
+from ._machine import machine_line
 from ._rows import render, run_rows, to_json
 from ._timing import Progress, warm_up_seconds
 
@@ -92,6 +93,7 @@ def _run(tables: list[tuple[str, Callable[[], str]]], mode: str) -> None:
         f"{pin_allocator()}",
         flush=True,
     )
+    print(machine_line(), flush=True)
     progress = Progress("fscan.bench", len(tables))
     begin, first_calls = time.perf_counter(), 0.0
     for name, table in tables:

@@ -37,6 +37,7 @@ import torch
 
 import fscan
 
+from ._machine import machine_line
 from ._rows import Row, compare, render, run_rows, to_json
 from ._timing import optional_jax
 
@@ -355,6 +356,7 @@ def main(argv: list[str] | None = None) -> list:
     )
     args = parser.parse_args(argv)
     rows = [r for r in bar_rows(args.quick) if args.group in r.group]
+    print(machine_line(), flush=True)
     results = run_rows(rows, budget_s=0.3 if args.quick else 0.5, title="bar rows")
     print(render(results), flush=True)
     if args.torch_compare:
