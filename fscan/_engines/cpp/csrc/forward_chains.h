@@ -261,8 +261,7 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
     if (head) hb = head_at(x, H, it.lane);
   };
   std::vector<Vals> tot(C > 1 ? items : 0);
-#pragma omp parallel num_threads(nt)
-  {
+  fscan_team(nt, [&] {
     Tiles tl;
     In xb[CG], hb[CG];
     Out yb[CG];
@@ -304,5 +303,5 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
       }
       chain_group<true>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, nullptr, hb, head, tl);
     }
-  }
+  });
 }

@@ -87,8 +87,7 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
   // Totals of chunks 0..C-2 of every column, W lanes each, then their inclusive scan.
   Store tot(C > 1 ? ncols * (C - 1) * W : 0);
   const Buf tb = tot.buf();
-#pragma omp parallel num_threads(nt)
-  {
+  fscan_team(nt, [&] {
     Store scratch(W);
     const Buf acc = scratch.buf();
     const bool dense = unit(x) && unit(y);
@@ -136,5 +135,5 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
       if (dense) lane_run<true, false>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H);
       else lane_run<true, true>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H);
     }
-  }
+  });
 }

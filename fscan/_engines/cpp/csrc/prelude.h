@@ -11,6 +11,21 @@
 
 #define FSCAN_INLINE __attribute__((always_inline)) inline
 
+// body() on a team of nt threads (its `omp for` loops shared between them), or where nt
+// is 1 on the calling thread alone, no team: GOMP_parallel costs 1.3-2 us of CPU a call
+// even for a team of one (futex calls), most of a (64,) add's 1.6-2.3 us kernel call;
+// outside a parallel region the loops' `omp for` run serially, as OpenMP specifies.
+// (Inside one, an orphaned `omp for` would share its loop with the enclosing team: a
+// team of its own then, as before.)
+template <typename F> static FSCAN_INLINE void fscan_team(int nt, F&& body) {
+  if (nt > 1 || omp_in_parallel()) {
+#pragma omp parallel num_threads(nt)
+    body();
+  } else {
+    body();
+  }
+}
+
 // The chain path's tiles (forward_chains.h): TB = 16 steps of FSCAN_TV float32 chains,
 // transposed in registers. AVX-512: 16 chains, one 16 x 16 transpose; AVX2: 8 chains, two
 // 8 x 8 transposes (steps 0-7, then 8-15); elsewhere chains are walked, not tiled.

@@ -65,8 +65,7 @@ static void reduce_lanes(const In x, const Out z, const Par p, const Geo& S, boo
   Store tot(ncols * C * W);  // every chunk's total, W lanes each
   const Buf tb = tot.buf();
   const bool dense = unit(x);
-#pragma omp parallel num_threads(nt)
-  {
+  fscan_team(nt, [&] {
     const InRow rows(dense ? 0 : W);
 #pragma omp for schedule(static)
     for (int64_t k = 0; k < ncols * C; ++k) {
@@ -88,7 +87,7 @@ static void reduce_lanes(const In x, const Out z, const Par p, const Geo& S, boo
       const Out zr = at(z, S, o, 0, i0);
       for (int64_t i = 0; i < w; ++i) store_i(zr, i, get_all(first, i));
     }
-  }
+  });
 }
 
 // NG chunks of chains interleaved: chunk g starts at xb[g] (its first step in scan order),
@@ -119,8 +118,7 @@ static void reduce_chains(const In x, const Out z, const Par p, const Geo& S, bo
   C = (T + L - 1) / L;
   const int64_t tstep = rev ? -1 : 1, items = lanes * C, groups = (items + G - 1) / G;
   std::vector<Vals> tot(items);
-#pragma omp parallel num_threads(nt)
-  {
+  fscan_team(nt, [&] {
     In xb[G];
     int64_t t0[G], len[G], elem[G];
 #pragma omp for schedule(static)
@@ -142,7 +140,7 @@ static void reduce_chains(const In x, const Out z, const Par p, const Geo& S, bo
       for (int64_t c = 1; c < C; ++c) v = combine(v, tot[lane * C + c], p, lane);
       store_t(at(z, S, lane / inner, 0, lane % inner), 0, v);
     }
-  }
+  });
 }
 
 static void reduce(const In x, const Out z, const Par p, const Geo& S, bool rev, int threads) {
