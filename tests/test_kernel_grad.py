@@ -234,7 +234,6 @@ def test_large_gradients_and_strided_cotangents_match_the_reverse_cumsum(reverse
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-3)
 
 
-
 @needs_compiler
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
@@ -252,7 +251,7 @@ def test_split_column_backward_matches_the_oracle(name, reverse, threads, monkey
     a = (torch.rand(6000, 16, generator=gen, dtype=torch.float64) * 0.5 + 0.5).requires_grad_()
     b = torch.randn(6000, 16, generator=gen, dtype=torch.float64, requires_grad=True)
     cot = torch.randn(6000, 16, generator=gen, dtype=torch.float64)
-    add = lambda x, y: x + y  # noqa: E731
+    add = lambda x, y: x + y
     calls = {
         "add": lambda a, b: fscan.associative_scan(add, b, 0, reverse),
         "affine": lambda a, b: fscan.associative_scan(affine, (a, b), 0, reverse)[1],
