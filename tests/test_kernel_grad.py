@@ -232,3 +232,49 @@ def test_large_gradients_and_strided_cotangents_match_the_reverse_cumsum(reverse
             (got,) = torch.autograd.grad(out, x, c)
             assert got.is_contiguous() and got.data_ptr() != c.data_ptr()
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-3)
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("name", ["add", "affine", "linear_recurrence"])
+def test_split_column_backward_matches_the_oracle(name, reverse, threads, monkeypatch):
+    # (6000, 16) float64 on 2 or 3 threads: one column of lanes split into threads + 1
+    # chunks (csrc/tuning.h lane_columns), the top one scanned while the transfer maps of
+    # the middle ones are found, its carry composed down through them (3 threads: two).
+    served = []
+    fused = recurrence_solve.kernel_adjoint
+    monkeypatch.setattr(
+        recurrence_solve, "kernel_adjoint", lambda *args: served.append(fused(*args)) or served[-1]
+    )
+    gen = torch.Generator().manual_seed(5)
+    a = (torch.rand(6000, 16, generator=gen, dtype=torch.float64) * 0.5 + 0.5).requires_grad_()
+    b = torch.randn(6000, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    cot = torch.randn(6000, 16, generator=gen, dtype=torch.float64)
+    add = lambda x, y: x + y
+    calls = {
+        "add": lambda a, b: fscan.associative_scan(add, b, 0, reverse),
+        "affine": lambda a, b: fscan.associative_scan(affine, (a, b), 0, reverse)[1],
+        "linear_recurrence": lambda a, b: fscan.linear_recurrence(a, b, 0, reverse=reverse),
+    }
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = calls[name](a, b)
+        got = torch.autograd.grad(out, (a, b), cot, allow_unused=True)
+    finally:
+        torch.set_num_threads(before)
+    if name == "linear_recurrence":
+        assert served and served[-1] is not None
+    else:
+        assert type(out.grad_fn).__name__ == "KernelScanBackward"
+    wide = [a.detach().requires_grad_(), b.detach().requires_grad_()]
+    if name == "add":
+        want_out = sequential_scan(add, wide[1], 0, reverse, combine_mode="pointwise")
+    else:
+        want_out = sequential_scan(affine, tuple(wide), 0, reverse, combine_mode="pointwise")[1]
+    want = torch.autograd.grad(want_out, wide, cot, allow_unused=True)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)

@@ -124,6 +124,32 @@ def test_chunks_for_threads(threads, shape, dim, flags):
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("name", ["cumsum", "cummax"])
+@pytest.mark.parametrize("flags", ["row", "element"])
+def test_restarts_at_and_inside_chunk_boundaries(threads, name, flags):
+    """(6000, 16) dim 0 on 2 or 3 threads: one column split into threads + 1 chunks of
+    2000 or 1500 steps (csrc/tuning.h lane_columns), the first scanned while the others'
+    totals are taken. Restarts on a chunk's first step, on its last, and inside one (for
+    element flags, in some lanes only: the others compose through)."""
+    x = torch.randn(6000, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    steps = [1499, 1500, 2000, 2345, 3000, 3999, 4500]  # scan order
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for reverse in (False, True):
+            at = [5999 - s if reverse else s for s in steps]
+            if flags == "row":
+                reset = torch.zeros(6000, dtype=torch.bool)
+                reset[at] = True
+            else:
+                reset = torch.zeros(6000, 16, dtype=torch.bool)
+                reset[at, ::3] = True
+            check(name, x, 0, reset, reverse, threads)
+    finally:
+        torch.set_num_threads(previous)
+
+
 # Lengths around the chain path's tiles (16 steps of 16 chains) and groups (8 walked):
 # no whole tile, one, one and a step, several and a remainder.
 CHAIN_LENGTHS = [2, 15, 16, 17, 33, 255, 257]

@@ -11,7 +11,9 @@
 // cotangent entering the chunk's top step is g's plus in[i] (what the chunk above passes
 // down; none for the top chunk). The params' cotangents of these lanes (element positions
 // e0..) sum into q, which this column owns, or, for a chunk of a split column, into
-// pt[i]. Rows of x, y and g with other inner strides than 1 are gathered.
+// pt[i]. With down (a > 0: the top chunk of a split column, see backward()), what the
+// chunk passes below its first step goes to down[i], as lane_transfer's out has it.
+// Rows of x, y and g with other inner strides than 1 are gathered.
 // Step s (in scan order) of T: its position along the scan dim.
 static FSCAN_INLINE int64_t pos(int64_t s, int64_t T, bool rev) { return rev ? T - 1 - s : s; }
 
@@ -20,7 +22,7 @@ struct BwdRows { InRow x, y; GradRow g; explicit BwdRows(int64_t n) : x(n), y(n)
 template <bool GATHER>
 static void lane_bwd(const In x, const In y, const Grad g, const Bar b, const PBar q, const Par p,
                      const Geo& S, int64_t o, int64_t i0, int64_t w, int64_t a, int64_t z, bool rev,
-                     const Lam* in, PLam* pt, const LamBuf lam, const BwdRows& rows) {
+                     const Lam* in, PLam* pt, Lam* down, const LamBuf lam, const BwdRows& rows) {
   const In xc = at(x, S, o, 0, i0), yc = at(y, S, o, 0, i0);
   const Grad gc = at(g, S, o, 0, i0);
   const Bar bc = at(b, S, o, 0, i0);
@@ -31,23 +33,29 @@ static void lane_bwd(const In x, const In y, const Grad g, const Bar b, const PB
     put_lam(lam, i, in ? lam_add(load_g_i(gtop, i), in[i]) : load_g_i(gtop, i));
     if (pt) pt[i] = plam_zero(); else zero_pbar(q, e0 + i);
   }
-  // The last step (s = a) of a chunk with a > 0 reads g one row below it too: what it
-  // passes down is not kept here (the transfer pass found it).
-  for (int64_t s = z - 1; s >= std::max<int64_t>(a, 1); --s) {
+  // Step s: its VJP, the gradient of x at s stored; DOWN (the last step, with down): what
+  // it passes below kept as such, else added to g one row below (for the step below).
+  auto step = [&](int64_t s, auto pass_down) {
+    constexpr bool DOWN = decltype(pass_down)::value;
     const int64_t tc = pos(s, T, rev), tp = pos(s - 1, T, rev);
     const In xr = GATHER ? gather(row(xc, tc), rows.x, w, !rev) : row(xc, tc);
     const In yr = GATHER ? gather(row(yc, tp), rows.y, w, !rev) : row(yc, tp);
-    const Grad gr = GATHER ? gather(row(gc, tp), rows.g, w, !rev) : row(gc, tp);
+    const Grad gr = DOWN ? gc : GATHER ? gather(row(gc, tp), rows.g, w, !rev) : row(gc, tp);
     const Bar br = row(bc, tc);
     fscan_lanes<LANE_BLOCK>(w, !rev, [&](int64_t i) {  // !rev: walking memory backwards
       Lam lb, rb;
       PLam pb;
       vjp(load_i(yr, i, tp), load_i(xr, i, tc), get_lam(lam, i), p, e0 + i, lb, rb, pb);
       store_bar_i(br, i, rb);
-      put_lam(lam, i, lam_add(load_g_i(gr, i), lb));
+      if (DOWN) down[i] = lb; else put_lam(lam, i, lam_add(load_g_i(gr, i), lb));
       if (pt) pt[i] = plam_add(pt[i], pb); else add_pbar(q, e0 + i, pb);
     });
-  }
+  };
+  // The last step (s = a) of a chunk with a > 0 reads g one row below it too, unless it
+  // passes down: what it passes down is not kept otherwise (the transfer pass found it).
+  const int64_t last = down ? a + 1 : std::max<int64_t>(a, 1);
+  for (int64_t s = z - 1; s >= last; --s) step(s, std::false_type{});
+  if (down) step(a, std::true_type{});
   if (a > 0) return;
   const Bar bfirst = row(bc, pos(0, T, rev));
 #pragma GCC ivdep
@@ -249,9 +257,15 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const PB
     return;
   }
   // Columns of up to TILE lanes; too few columns for the threads: each column split into
-  // C chunks of steps (see lane_columns), composed through their transfer maps (see the chains above).
+  // C chunks of steps (see lane_columns), composed through their transfer maps (see the
+  // chains above). As the forward's lane_path, the top chunk (the last steps in scan
+  // order: nothing enters it from above) is scanned, its gradients stored and what it
+  // passes down kept, while the other threads find the transfer maps of chunks 1..C-2;
+  // then chunks 0..C-2 are scanned from their carries. With C = threads + 1, one pass of
+  // each: finding every chunk's map first (C = 2 * threads), as before, took as long on
+  // 2 threads as one thread's scan.
   const int64_t T = S.T;
-  const Columns K = lane_columns(outer, T, inner, nt, 2);
+  const Columns K = lane_columns(outer, T, inner, nt, 1, 1);
   const int64_t W = K.W, ntiles = K.ntiles, ncols = K.ncols, C = K.C, L = K.L;
   const bool dense = unit(x) && unit(y) && unit(g);
   const int64_t slots = C > 1 ? ncols * C * W : 0;  // per (column, chunk, lane)
@@ -268,21 +282,28 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const PB
     if (C > 1) {
 #pragma omp for schedule(static)
       for (int64_t k = 0; k < ncols * (C - 1); ++k) {
-        const int64_t col = k / (C - 1), c = k % (C - 1) + 1, base = (col * C + c) * W;
+        // j = 0: the top chunk C - 1, scanned; j > 0: chunk j's transfer map.
+        const int64_t col = k / (C - 1), j = k % (C - 1), c = j == 0 ? C - 1 : j;
+        const int64_t base = (col * C + c) * W, a = c * L, z = std::min(T, a + L);
         place(col, o, i0, w);
-        const int64_t a = c * L, z = std::min(T, a + L);
-        if (dense) lane_transfer<false>(x, y, g, p, S, o, i0, w, a, z, rev, &outs[base], &M[base * NF], store.buf(), rows);
-        else lane_transfer<true>(x, y, g, p, S, o, i0, w, a, z, rev, &outs[base], &M[base * NF], store.buf(), rows);
+        if (j == 0) {
+          Lam* down = &ins[(col * C + C - 2) * W];  // what enters chunk C - 2
+          if (dense) lane_bwd<false>(x, y, g, b, q, p, S, o, i0, w, a, z, rev, nullptr, &pt[base], down, store.buf(), rows);
+          else lane_bwd<true>(x, y, g, b, q, p, S, o, i0, w, a, z, rev, nullptr, &pt[base], down, store.buf(), rows);
+        } else if (dense) {
+          lane_transfer<false>(x, y, g, p, S, o, i0, w, a, z, rev, &outs[base], &M[base * NF], store.buf(), rows);
+        } else {
+          lane_transfer<true>(x, y, g, p, S, o, i0, w, a, z, rev, &outs[base], &M[base * NF], store.buf(), rows);
+        }
       }
 #pragma omp for schedule(static)
       for (int64_t lane = 0; lane < ncols * W; ++lane) {
         const int64_t col = lane / W, i = lane % W;
         place(col, o, i0, w);
         if (i >= w) continue;
-        Lam carry = lam_zero();  // what the chunk above passes down
-        for (int64_t c = C - 1; c >= 1; --c) {
+        Lam carry = ins[(col * C + C - 2) * W + i];  // what the top chunk passes down
+        for (int64_t c = C - 2; c >= 1; --c) {
           const int64_t slot = (col * C + c) * W + i;
-          ins[slot] = carry;
           Lam next = outs[slot];
           for (int u = 0; u < NF; ++u) if (!lam_dead(u)) next = lam_axpy(next, M[slot * NF + u], carry, u);
           if (lam_suspect(outs[slot], carry, next)) {
@@ -291,19 +312,21 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const PB
             next = walk_down(p, k, T, rev, carry);
           }
           carry = next;
+          ins[slot - W] = carry;  // what enters chunk c - 1
         }
-        ins[(col * C) * W + i] = carry;
       }
     }
+    // The chunks left: every chunk of a whole column, chunks 0..C-2 of a split one.
+    const int64_t rest = C > 1 ? C - 1 : 1;
 #pragma omp for schedule(static)
-    for (int64_t k = 0; k < ncols * C; ++k) {
-      const int64_t col = k / C, c = k % C, base = k * W;
+    for (int64_t k = 0; k < ncols * rest; ++k) {
+      const int64_t col = k / rest, c = k % rest, base = (col * C + c) * W;
       place(col, o, i0, w);
       const int64_t a = c * L, z = std::min(T, a + L);
       const Lam* in = C > 1 ? &ins[base] : nullptr;
       PLam* sums = C > 1 ? &pt[base] : nullptr;
-      if (dense) lane_bwd<false>(x, y, g, b, q, p, S, o, i0, w, a, z, rev, in, sums, store.buf(), rows);
-      else lane_bwd<true>(x, y, g, b, q, p, S, o, i0, w, a, z, rev, in, sums, store.buf(), rows);
+      if (dense) lane_bwd<false>(x, y, g, b, q, p, S, o, i0, w, a, z, rev, in, sums, nullptr, store.buf(), rows);
+      else lane_bwd<true>(x, y, g, b, q, p, S, o, i0, w, a, z, rev, in, sums, nullptr, store.buf(), rows);
     }
     if (C > 1) {  // the params' sums of a split column, in chunk order
 #pragma omp for schedule(static)

@@ -16,8 +16,10 @@ enum { ROW = 0, UNIT = 1, LANES = 2 };
 // Steps [s0, s1) (in scan order) of lanes [i0, i0 + w) of outer index o, as lane_run in
 // forward_lanes.h, restarting where flagged. carry (or nullptr) holds the inclusive result
 // before s0. !WRITE: a chunk total in acc, and seen[i] set where lane i restarts in the
-// chunk (its total then owes nothing to the chunks before).
-template <bool WRITE, bool GATHER, int MODE>
+// chunk (its total then owes nothing to the chunks before). ALL with WRITE: the outputs
+// written and the total kept, every leaf (a split column's first chunk, whose total no
+// carry precedes: seen is not kept).
+template <bool WRITE, bool GATHER, int MODE, bool ALL = !WRITE>
 static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, const Geo& S,
                          int64_t o, int64_t i0, int64_t w, int64_t s0, int64_t s1, bool rev,
                          const Buf* carry, const Buf acc, uint8_t* seen, const InRow& rows,
@@ -39,7 +41,7 @@ static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, co
     if (MODE == ROW && (first || rr.p[0])) {  // the whole row restarts: a copy
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
         const Vals v = load_i(xr, i, t);
-        put_as<!WRITE>(acc, i, v);
+        put_as<ALL>(acc, i, v);
         if (WRITE) store_i(yr, i, v);
       });
       if (!WRITE && rr.p[0]) std::memset(seen, 1, (size_t)w);
@@ -47,19 +49,19 @@ static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, co
       const Buf left = s == s0 ? *carry : acc;
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
         const Vals u = load_i(xr, i, t);
-        const Vals c = combine<false>(get_as<!WRITE>(left, i), u, p, e0 + i);
+        const Vals c = combine<false>(get_as<ALL>(left, i), u, p, e0 + i);
         // A flagged lane takes its element: the combine's result (of anything, NaN
         // included) is dropped, as torch.where drops it on the (flag, value) pairs.
         // pick selects field by field: `flag ? u : c` on the structs went through
         // memory (a select of addresses), 20 ns an element on the chain path.
         const Vals v = MODE != ROW ? pick(lane<MODE == UNIT>(rr, i) != 0, u, c) : c;
-        put_as<!WRITE>(acc, i, v);
+        put_as<ALL>(acc, i, v);
         if (WRITE) store_i(yr, i, v);
       });
     } else {  // the chunk's first row, no carry: its elements, flagged or not
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
         const Vals v = load_i(xr, i, t);
-        put_as<!WRITE>(acc, i, v);
+        put_as<ALL>(acc, i, v);
         if (WRITE) store_i(yr, i, v);
       });
     }
@@ -70,23 +72,27 @@ static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, co
   }
 }
 
-template <bool WRITE, int MODE>
+template <bool WRITE, int MODE, bool ALL = !WRITE>
 static FSCAN_INLINE void seg_lanes(bool dense, const In x, const Out y, const Par p, const Flags R,
                                    const Geo& S, int64_t o, int64_t i0, int64_t w, int64_t s0,
                                    int64_t s1, bool rev, const Buf* carry, const Buf acc,
                                    uint8_t* seen, const InRow& rows, const OutRow& orows) {
-  if (dense) seg_lane_run<WRITE, false, MODE>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows);
-  else seg_lane_run<WRITE, true, MODE>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows);
+  if (dense) seg_lane_run<WRITE, false, MODE, ALL>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows);
+  else seg_lane_run<WRITE, true, MODE, ALL>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows);
 }
 
 // lane_path (forward_lanes.h) with flags: columns of W lanes; where there are fewer columns
 // than threads, each column's steps split into C chunks, whose totals are composed in
-// scan order, except where a chunk restarts a lane (its total is then the carry on).
+// scan order, except where a chunk restarts a lane (its total is then the carry on). As
+// lane_path, a split column's first chunk is scanned (outputs written, total kept) while
+// the other threads take the totals of chunks 1..C-2, then chunks 1..C-1 are scanned from
+// their carries: C = threads + 1, one pass of each (every chunk's total first, C = 2 *
+// threads, took as long on 2 threads as one thread's scan).
 template <int MODE>
 static void seg_lane_path(const In x, const Out y, const Par p, const Flags R, const Geo& S,
                           bool rev, int nt) {
   const int64_t outer = S.outer, T = S.T, inner = S.inner;
-  const Columns K = lane_columns(outer, T, inner, nt, 2);
+  const Columns K = lane_columns(outer, T, inner, nt, 1, 1);
   const int64_t W = K.W, ntiles = K.ntiles, ncols = K.ncols, C = K.C, L = K.L;
   Store tot(C > 1 ? ncols * (C - 1) * W : 0);
   std::vector<uint8_t> seen(C > 1 ? ncols * (C - 1) * W : 0);
@@ -103,7 +109,9 @@ static void seg_lane_path(const In x, const Out y, const Par p, const Flags R, c
       for (int64_t k = 0; k < ncols * (C - 1); ++k) {
         const int64_t col = k / (C - 1), c = k % (C - 1);
         const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
-        seg_lanes<false, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, offset(tb, k * W), seen.data() + k * W, rows, orows);
+        const Buf total = offset(tb, k * W);
+        if (c == 0) seg_lanes<true, MODE, true>(dense, x, y, p, R, S, o, i0, w, 0, L, rev, nullptr, total, nullptr, rows, orows);
+        else seg_lanes<false, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, total, seen.data() + k * W, rows, orows);
       }
 #pragma omp for schedule(static)
       for (int64_t col = 0; col < ncols; ++col) {
@@ -123,9 +131,11 @@ static void seg_lane_path(const In x, const Out y, const Par p, const Flags R, c
         }
       }
     }
+    // The chunks left: every chunk of a whole column, chunks 1..C-1 of a split one.
+    const int64_t rest = C > 1 ? C - 1 : 1;
 #pragma omp for schedule(static)
-    for (int64_t k = 0; k < ncols * C; ++k) {
-      const int64_t col = k / C, c = k % C;
+    for (int64_t k = 0; k < ncols * rest; ++k) {
+      const int64_t col = k / rest, c = C > 1 ? k % rest + 1 : 0;
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
       const Buf carry = c > 0 ? offset(tb, (col * (C - 1) + c - 1) * W) : tb;
       const int64_t s1 = std::min(T, (c + 1) * L);
