@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import types
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fscan
 from fscan._engines.cpp._cpp_build import compiler_problem
+from fscan._knowledge.store import reach
+from fscan._pytree import LEAF, flatten
 from fscan._routing import repeat
 from fscan._routing.cumulative import path
 
@@ -95,6 +98,47 @@ def test_a_pytree_call_is_served(served):
         want.append(h)
     close(gb, torch.stack(want))
     close(ga, a.double().cumprod(0))
+
+
+def test_a_lone_tensor_and_a_tree_of_one_have_keys_of_their_own(served):
+    # A lone tensor's structure is keyed by a token (not LEAF: optree hashes a spec
+    # afresh on every lookup); a one-leaf tree is another structure, with its own key.
+    x = torch.randn(64)
+    warm(add, x)
+    served.clear()
+    out = fscan.associative_scan(lambda p, q: [p[0] + q[0]], [x], 0)
+    assert served == [] and isinstance(out, list)
+    close(out[0], reference(x, 0, False))
+    key = repeat.call_parts(flatten([x])[1], [x], 0, False, "pointwise", None)
+    assert key is not None and key[0] == flatten([x])[1]
+    assert repeat.call_parts(LEAF, [x], 0, False, "pointwise", None)[0] == repeat._ONE_LEAF
+
+
+def _rebuilt(code, module="tests.test_repeat_route", **kwargs):
+    """A fresh function of ``code`` (capturing nothing) in ``module``."""
+    fn = types.FunctionType(code, {"__name__": module}, "fn")
+    fn.__module__ = module
+    for name, value in kwargs.items():
+        setattr(fn, name, value)
+    return fn
+
+
+def test_a_function_that_reaches_nothing_keys_as_the_walk_does(served):
+    # The memo of such functions' reach (repeat._reach): by code and module, and only
+    # where the walk's own key is the code; what qualifies a function is read each call.
+    mul = lambda a, b: a * b
+    for fn in (add, mul, _rebuilt(add.__code__), _rebuilt(add.__code__, "torch.fake")):
+        assert repeat._reach(fn) == reach(fn)
+        assert repeat._reach(fn) == reach(fn)  # served from the memo where kept
+    x = torch.rand(64) + 0.5
+    warm(add, x)
+    served.clear()
+    swapped = lambda a, b: a + b
+    swapped.__code__ = mul.__code__  # same function object, other code: not served
+    torch.testing.assert_close(fscan.associative_scan(swapped, x, 0), x.cumprod(0))
+    assert served == []
+    with_default = _rebuilt(mul.__code__, __defaults__=(1.0,))  # a default: walked
+    assert repeat._reach(with_default) == reach(with_default)
 
 
 # Each variant changes one thing the route depends on: its first call must take the
