@@ -207,8 +207,7 @@ static void chain_bwd(const In x, const In y, const Grad g, const Bar b, const P
   };
   std::vector<Lam> outs(C > 1 ? items : 0), ins(items, lam_zero()), M(C > 1 ? items * NF : 0);
   std::vector<PLam> ptot(items);
-#pragma omp parallel num_threads(nt)
-  {
+  fscan_team(nt, [&] {
     Chunk k[G];
     if (C > 1) {
 #pragma omp for schedule(static)
@@ -243,7 +242,7 @@ static void chain_bwd(const In x, const In y, const Grad g, const Bar b, const P
       zero_pbar(q, lane);
       for (int64_t c = 0; c < C; ++c) add_pbar(q, lane, ptot[lane * C + c]);
     }
-  }
+  });
 }
 
 static void backward(const In x, const In y, const Grad g, const Bar b, const PBar q, const Par p,
@@ -274,8 +273,7 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const PB
   auto place = [&](int64_t col, int64_t& o, int64_t& i0, int64_t& w) {
     o = col / ntiles; i0 = (col % ntiles) * W; w = std::min(W, inner - i0);
   };
-#pragma omp parallel num_threads(nt)
-  {
+  fscan_team(nt, [&] {
     LamStore store(C > 1 ? W * (1 + NF) : W);
     const BwdRows rows(dense ? 0 : W);
     int64_t o, i0, w;
@@ -338,5 +336,5 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const PB
         for (int64_t c = 0; c < C; ++c) add_pbar(q, o * inner + i0 + i, pt[(col * C + c) * W + i]);
       }
     }
-  }
+  });
 }

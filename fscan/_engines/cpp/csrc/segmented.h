@@ -97,8 +97,7 @@ static void seg_lane_path(const In x, const Out y, const Par p, const Flags R, c
   Store tot(C > 1 ? ncols * (C - 1) * W : 0);
   std::vector<uint8_t> seen(C > 1 ? ncols * (C - 1) * W : 0);
   const Buf tb = tot.buf();
-#pragma omp parallel num_threads(nt)
-  {
+  fscan_team(nt, [&] {
     Store scratch(W);
     const Buf acc = scratch.buf();
     const bool dense = unit(x) && unit(y);
@@ -141,7 +140,7 @@ static void seg_lane_path(const In x, const Out y, const Par p, const Flags R, c
       const int64_t s1 = std::min(T, (c + 1) * L);
       seg_lanes<true, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, nullptr, rows, orows);
     }
-  }
+  });
 }
 
 // The chain path (csrc/segmented_chains.h, placed after this file).
