@@ -202,6 +202,26 @@ def test_strided_inputs_and_masks():
             check("cummax", x, dim, reset, True)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("shape,dim", [((9001,), 0), ((37, 301), 1), ((5, 4099), 1)])
+def test_cummax_chains_walked_alone_ties_and_nan(threads, shape, dim):
+    """cummax's chains (a position leaf) are walked one at a time, 1-D in one pass on
+    one thread, in chunks on more: ties (later wins), NaN (kept until a reset), flags at
+    the first and last steps and on both sides of every 16th step (the chunks' edges)."""
+    gen = torch.Generator().manual_seed(shape[-1] + threads)
+    x = torch.randint(-3, 4, shape, generator=gen).double()
+    x[torch.rand(shape, generator=gen) < 0.002] = float("nan")
+    t = torch.arange(shape[dim])
+    reset = (t % 16 == 0) | (t % 16 == 15) | (t % 97 == 13) | (t == shape[dim] - 1)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for reverse in (False, True):
+            check("cummax", x, dim, reset, reverse, threads)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_nan_and_inf_before_a_reset_do_not_reach_the_next_segment():
     x = torch.tensor([1.0, float("nan"), 2.0, float("inf"), 3.0, 4.0], dtype=torch.float64)
     reset = torch.tensor([False, False, True, False, True, False])
