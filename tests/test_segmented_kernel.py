@@ -160,8 +160,8 @@ CHAIN_LENGTHS = [2, 15, 16, 17, 33, 255, 257]
 @pytest.mark.parametrize("reverse", [False, True])
 def test_chain_path_lengths(name, steps, reverse):
     """37 lanes along the last dim: two whole groups of 16 (tiles, for logcumsumexp) or
-    four of 8 (walked), then lanes one by one; flags at the first and last steps, two
-    adjacent ones, and a flag per lane elsewhere."""
+    nine of 4 (walked; cummax's one by one), then lanes one by one; flags at the first and
+    last steps, two adjacent ones, and a flag per lane elsewhere."""
     gen = torch.Generator().manual_seed(steps)
     x = torch.randn(37, steps, generator=gen, dtype=torch.float64)
     if name == "cumprod":
@@ -226,6 +226,26 @@ def test_strided_inputs_and_masks():
         for reset in (mask(x.shape[dim]), mask(x.shape).t().contiguous().t()):
             check("cumsum", x, dim, reset, False)
             check("cummax", x, dim, reset, True)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("shape,dim", [((9001,), 0), ((37, 301), 1), ((5, 4099), 1)])
+def test_cummax_chains_walked_alone_ties_and_nan(threads, shape, dim):
+    """cummax's chains (a position leaf) are walked one at a time, 1-D in one pass on
+    one thread, in chunks on more: ties (later wins), NaN (kept until a reset), flags at
+    the first and last steps and on both sides of every 16th step (the chunks' edges)."""
+    gen = torch.Generator().manual_seed(shape[-1] + threads)
+    x = torch.randint(-3, 4, shape, generator=gen).double()
+    x[torch.rand(shape, generator=gen) < 0.002] = float("nan")
+    t = torch.arange(shape[dim])
+    reset = (t % 16 == 0) | (t % 16 == 15) | (t % 97 == 13) | (t == shape[dim] - 1)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for reverse in (False, True):
+            check("cummax", x, dim, reset, reverse, threads)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_nan_and_inf_before_a_reset_do_not_reach_the_next_segment():

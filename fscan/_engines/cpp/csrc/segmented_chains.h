@@ -4,7 +4,8 @@
 // places this after csrc/segmented.h (Flags, pick) and before its segmented().
 // SEG_TILED (generated, per combine and leaf layout): SEG_TW chains go side by side, as the
 // lanes of vector loops, TB steps at a time (a tile, gathered into SoA rows, the flags
-// with them); else G chains are walked interleaved. One chain walked alone (the reduce
+// with them); else SEG_G chains (generated: 4, or 1 where the combine selects) are walked
+// interleaved. One chain walked alone (the reduce
 // pass over one lane's chunks, the old split) ran 2-3x the forward's chain path; walked
 // chains kept cummax's and logcumsumexp's combines scalar (7 and 36 ns an element).
 
@@ -47,6 +48,9 @@ static void seg_chains(const In x, const Out y, const Par p, const Flags R, cons
     acc[g] = pick(step(c[g].r, d) != 0, u, combine(acc[g], u, p, lane[g]));
     store_t(c[g].y, d, acc[g]);
   };
+  // (Chains reading one row of flags (a 1-D mask) at the same steps could share each
+  // step's flag: one read and one branch for the group. Tried with 8 chains: no faster,
+  // cumsum/cumprod over (4096, 256) dim 1 with a restart every 97 steps.)
   for (int64_t k = 1; k < common; ++k) {
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) walk(g, k);
@@ -168,10 +172,11 @@ static void seg_tile_chains(const In x, const Out y, const Par p, const Flags R,
   }
 }
 
-// Chains per group: SEG_TW where tiled, else G.
-static constexpr int SEG_CG = SEG_TILED ? SEG_TW : G;
+// Chains per group: SEG_TW where tiled, else SEG_G (generated: 4, or 1 for a combine that
+// selects; see fscan._engines.cpp._kernel_segmented.chains_interleaved).
+static constexpr int SEG_CG = SEG_TILED ? SEG_TW : SEG_G;
 
-// ng chains written: a whole group tiled, or G at a time interleaved; fewer, one by one.
+// ng chains written: a whole group tiled, or SEG_G at a time interleaved; fewer, one by one.
 static void seg_chain_group(const In x, const Out y, const Par p, const Flags R, const Geo& S,
                             bool rev, int ng, const int64_t* lane, const int64_t* s0,
                             const int64_t* s1, const Vals* const* carry, SegTile& tl) {
@@ -180,18 +185,18 @@ static void seg_chain_group(const In x, const Out y, const Par p, const Flags R,
     return;
   }
   int g = 0;
-  for (; g + G <= ng; g += G) seg_chains<G>(x, y, p, R, S, rev, lane + g, s0 + g, s1 + g, carry + g);
+  for (; g + SEG_G <= ng; g += SEG_G) seg_chains<SEG_G>(x, y, p, R, S, rev, lane + g, s0 + g, s1 + g, carry + g);
   for (; g < ng; ++g) seg_chains<1>(x, y, p, R, S, rev, lane + g, s0 + g, s1 + g, carry + g);
 }
 
-// The totals of ng chains (seg_totals): G at a time, the rest one by one.
+// The totals of ng chains (seg_totals): SEG_G at a time, the rest one by one.
 static void seg_total_group(const In x, const Out y, const Par p, const Flags R, const Geo& S,
                             bool rev, int ng, const int64_t* lane, const int64_t* s0,
                             const int64_t* s1, const Vals* const* carry, Vals* last,
                             uint8_t* seen) {
   int g = 0;
-  for (; g + G <= ng; g += G)
-    seg_totals<G>(x, y, p, R, S, rev, lane + g, s0 + g, s1 + g, carry + g, last + g, seen + g);
+  for (; g + SEG_G <= ng; g += SEG_G)
+    seg_totals<SEG_G>(x, y, p, R, S, rev, lane + g, s0 + g, s1 + g, carry + g, last + g, seen + g);
   for (; g < ng; ++g)
     seg_totals<1>(x, y, p, R, S, rev, lane + g, s0 + g, s1 + g, carry + g, last + g, seen + g);
 }
