@@ -219,8 +219,7 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
   const int64_t items = lanes * C, groups = (items + SEG_CG - 1) / SEG_CG;
   std::vector<Vals> tot(C > 1 ? items : 0);
   std::vector<uint8_t> seen(tot.size());
-#pragma omp parallel num_threads(nt)
-  {
+  fscan_team(nt, [&] {
     SegTile tl;
     int64_t lane[SEG_CG], s0[SEG_CG], s1[SEG_CG];
     const Vals* carry[SEG_CG];
@@ -269,5 +268,5 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
       for (int g = 0; g < ng; ++g) describe(g, gi * SEG_CG + g, true);
       seg_chain_group(x, y, p, R, S, rev, ng, lane, s0, s1, carry, tl);
     }
-  }
+  });
 }
