@@ -3,9 +3,10 @@ and error checks."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -170,3 +171,15 @@ def assert_same_grads(got, want):
         assert (g is None) == (w is None)
         if g is not None:
             torch.testing.assert_close(g, w, equal_nan=True)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch (and so fscan's kernels) on ``n`` threads inside the block, the count before
+    it restored after, also when the block raises."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -11,6 +11,7 @@ import logging
 
 import pytest
 import torch
+from helpers import torch_threads
 
 import fscan
 from fscan._engines.cpp._kernel_segmented import (
@@ -115,13 +116,9 @@ def test_chunks_for_threads(threads, shape, dim, flags):
     else:  # one restart in the middle of the scan only
         reset = torch.zeros(n, dtype=torch.bool)
         reset[n // 2 + 1] = True
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for reverse in (False, True):
             check("cumsum", x, dim, reset, reverse, threads)
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("threads", [2, 3])
@@ -134,9 +131,7 @@ def test_restarts_at_and_inside_chunk_boundaries(threads, name, flags):
     element flags, in some lanes only: the others compose through)."""
     x = torch.randn(6000, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     steps = [1499, 1500, 2000, 2345, 3000, 3999, 4500]  # scan order
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for reverse in (False, True):
             at = [5999 - s if reverse else s for s in steps]
             if flags == "row":
@@ -146,8 +141,6 @@ def test_restarts_at_and_inside_chunk_boundaries(threads, name, flags):
                 reset = torch.zeros(6000, 16, dtype=torch.bool)
                 reset[at, ::3] = True
             check(name, x, 0, reset, reverse, threads)
-    finally:
-        torch.set_num_threads(previous)
 
 
 # Lengths around the chain path's tiles (16 steps of 16 chains) and groups (8 walked):
@@ -193,13 +186,9 @@ def test_one_lane_in_chunks(name, threads, flags):
         "last": t == n - 1,
         "sparse": t % 4099 == 7,
     }[flags]
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for reverse in (False, True):
             check(name, x, 0, reset, reverse, threads)
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16])
@@ -239,13 +228,9 @@ def test_cummax_chains_walked_alone_ties_and_nan(threads, shape, dim):
     x[torch.rand(shape, generator=gen) < 0.002] = float("nan")
     t = torch.arange(shape[dim])
     reset = (t % 16 == 0) | (t % 16 == 15) | (t % 97 == 13) | (t == shape[dim] - 1)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for reverse in (False, True):
             check("cummax", x, dim, reset, reverse, threads)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def test_nan_and_inf_before_a_reset_do_not_reach_the_next_segment():
