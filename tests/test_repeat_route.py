@@ -717,3 +717,12 @@ def test_an_extremum_run_serves_only_its_own_op_direction_and_mode(served, serve
     out = fscan.cummax(x, 0, out=(values, indices))
     assert out.values is values and served == []
     assert_extremum(out, extremum_reference("cummax", x, 0, False, False))
+
+
+def test_clear_caches_empties_the_reach_memos():
+    x = torch.randn(64)
+    fscan.associative_scan(lambda a, b: a + b, x, dim=0)
+    fscan.associative_scan(torch.add, x, dim=0)
+    assert repeat._closed_reach and repeat._builtin_reach
+    fscan.clear_caches()
+    assert not repeat._closed_reach and not repeat._builtin_reach

@@ -130,6 +130,9 @@ _STRIDED = torch.strided
 _builtin_reach: dict[Any, Reach] = {}
 # reach() of functions that reach nothing but their code (see _reach): (code, module) -> Reach.
 _closed_reach: dict[tuple[types.CodeType, Any], Reach] = {}
+# Both go with fscan.clear_caches(), as every cache of the package does.
+on_clear(_builtin_reach.clear)
+on_clear(_closed_reach.clear)
 
 
 def stored_run(
