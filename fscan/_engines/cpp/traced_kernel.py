@@ -32,9 +32,9 @@ lowering emits ``fscan::kernel_scan_run``, the same scan on an op without one: a
 wanted. Inductor's Python wrapper then calls that op's kernel, :func:`_scan_on_kernel`,
 itself (:func:`call_directly`, through Inductor's table of custom fallback codegen):
 through the dispatcher, an op whose kernel is Python boxes its arguments, unboxes them
-back into Python objects and runs the autograd fallback, about a quarter of what a
-compiled (64,) call costs above a compiled ``x.clone()``. Inductor's C++ wrapper
-(``cpp_wrapper``) still calls the op.
+back into Python objects and runs the autograd fallback: on a (64,) add the op took
+28.5 µs of thread CPU time a call where the function took 15.2 (a loaded 2-core
+machine; minima 19.7 and 9.2). Inductor's C++ wrapper (``cpp_wrapper``) still calls the op.
 
 The registry lives in this process. torch's scan op is not cacheable, so
 Inductor's and AOTAutograd's on-disk graph caches bypass every graph holding
