@@ -38,7 +38,7 @@ from ._kernel_entry import BuildCall, Entry
 from ._kernel_grad import _GradInfo, run_backward
 from ._kernel_layout import element_shape
 from ._kernel_registry import ready_entry, serving_lookup
-from .traced_kernel import OP, combine_of, listed, registered, served_key
+from .traced_kernel import OP, call_directly, combine_of, listed, registered, served_key
 
 __all__ = ["install_autograd"]
 
@@ -254,6 +254,7 @@ def install_autograd() -> bool:
     from torch._inductor import lowering
 
     lowering.lowerings[BACKWARD] = _lower_backward
+    call_directly(BACKWARD_RUN, __name__, _cotangents.__name__)
     associative_scan_op.py_kernels[DispatchKey.Autograd] = autograd_rule
     associative_scan_op._dispatch_cache.clear()
     _installed = True
