@@ -343,10 +343,13 @@ def call_directly(op: Any, module: str, function: str) -> None:
     fallback of one of fscan's ops whose CPU kernel is that function: the same arguments
     and results, without the dispatcher's trip to Python (module doc). The function is
     looked up on its module at each call, as the op's kernel looks it up."""
-    from torch._inductor.codegen.custom_extern_kernel_codegen import (
-        CUSTOM_EXTERN_KERNEL_CODEGEN,
-        CustomCodegen,
-    )
+    try:  # a private table of Inductor's: without it, the wrapper calls the op
+        from torch._inductor.codegen.custom_extern_kernel_codegen import (
+            CUSTOM_EXTERN_KERNEL_CODEGEN,
+            CustomCodegen,
+        )
+    except ImportError:
+        return
     from torch._inductor.virtualized import V
 
     package, _, name = module.rpartition(".")
