@@ -12,6 +12,21 @@ engine is the kernel, noted as ``cpp`` like any route (the ``"fscan"`` log and
 ``fscan.explain`` read the same state the full route would have read, and name the
 same engine).
 
+A call that wants gradients is repeated the same way where the full route served it on
+the kernel's ``adjoint`` route (:func:`~fscan._engines.cpp._kernel_grad.kernel_grad_scan`:
+a forward of ~10 µs took ~90 µs there, the lookups costing what the checks do):
+:func:`remember` then stores a :class:`~fscan._engines.cpp._kernel_grad.PreparedGradRun`
+(the forward and backward kernels, both READY, and the forward's prepared run) under
+the same key, which holds what that route decided on besides: each leaf's
+requires_grad, each captured tensor's (in ``combine_fn``'s reach key) and grad mode.
+:func:`repeat_scan` runs the kernels' autograd Function with it, built around this
+call's ``combine_fn`` and captured tensors (the backward's fallbacks, such as
+``create_graph=True``, call them; its choice of kernel by the cotangents given is made
+in the backward, as on the full route). Stored only where the full route's verdicts for
+the key say it takes that route whatever the values: ``combine_fn`` checked elementwise
+(else the full route watches its first call), and not a combine that selects by a mask
+(read on every call, as the full route reads it).
+
 Only calls with no ``reset=``/``initial=`` are looked up or stored. A call is stored
 only once the checks ``validate`` asks for ran for the key (the purity probe, and for
 ``validate=None`` the once-per-key associativity check), and never where ``validate``
@@ -25,8 +40,10 @@ from collections.abc import Callable
 from typing import Any
 
 from .._cache import BoundedCache
-from .._call import ScanCall
+from .._call import SCAN_API, ScanCall
+from .._combine import flat_combine
 from .._config import config
+from .._engines.cpp._kernel_grad import PreparedGradRun, prepare_grad_run, run_grad_prepared
 from .._engines.cpp.cpu_kernel import PreparedRun, prepare_run, run_prepared
 from .._knowledge.store import Knowledge, Reach, on_clear
 from .._pytree import LEAF, unflatten
@@ -36,7 +53,9 @@ from .repeat_key import call_parts, stored_run
 __all__ = ["remember", "repeat_scan", "repeats"]
 
 # Keys of calls served on the kernel (each a few shapes of a few combine_fns, typically).
-repeats: BoundedCache[PreparedRun] = BoundedCache(maxsize=256)
+# A key's route is one (grad mode and every requires_grad are in it): a PreparedRun where
+# no gradient is wanted, a PreparedGradRun where one is.
+repeats: BoundedCache[PreparedRun | PreparedGradRun] = BoundedCache(maxsize=256)
 on_clear(repeats.clear)
 
 
@@ -51,20 +70,27 @@ def repeat_scan(
     """The scan of ``xs`` by the kernel a call with the same key ran on (module doc), as
     a pytree of ``xs``'s structure; None where no such call was stored (or the captured
     tensors no longer broadcast): the caller then takes the full path."""
-    stored = stored_run(repeats, combine_fn, xs, dim, reverse, combine_mode, validate)
+    stored = stored_run(repeats, combine_fn, xs, dim, reverse, combine_mode, validate, True)
     if stored is None:
         return None
     run, leaves, spec, found = stored
-    out = run_prepared(run, leaves, found.tensors)
+    if type(run) is PreparedRun:
+        out = run_prepared(run, leaves, found.tensors)
+    elif getattr(combine_fn, "selects_by_mask", False):  # the full route's autograd
+        return None
+    else:
+        combine = flat_combine(SCAN_API, combine_fn, spec, "pointwise")
+        out = run_grad_prepared(run, combine, combine_fn, spec, leaves, found.tensors)
     if out is None:
         return None
     ran("cpp")
     return out[0] if spec is LEAF else unflatten(spec, out)
 
 
-def remember(call: ScanCall, found: Reach, entry: Knowledge) -> None:
+def remember(call: ScanCall, found: Reach, entry: Knowledge, grads: bool = False) -> None:
     """Store the kernel that just served ``call`` on the full route (with no carry-in)
-    for the calls :func:`repeat_scan` finds identical to it."""
+    for the calls :func:`repeat_scan` finds identical to it; ``grads``: the kernels of
+    the ``adjoint`` route (:func:`~fscan._engines.cpp._kernel_grad.kernel_grad_scan`)."""
     validate = call.validate
     if call.reset is not None or call.initial is not None or not entry.pure:
         return
@@ -75,12 +101,20 @@ def remember(call: ScanCall, found: Reach, entry: Knowledge) -> None:
         return
     if found.key is None or (found.tensors and found.aliases is None):
         return
+    if grads and entry.elementwise is not True:  # the full route watches combine_fn's call
+        return
     leaves, dim, reverse = call.leaves, call.dim, call.reverse
-    parts = call_parts(call.spec, leaves, dim, reverse, call.combine_mode, validate)
+    parts = call_parts(call.spec, leaves, dim, reverse, call.combine_mode, validate, grads)
     if parts is None:
         return
     key = (found.key, found.aliases, *parts)
-    if key not in repeats:
-        run = prepare_run(entry, found.aliases if found.tensors else (), leaves, dim, reverse)
-        if run is not None:
-            repeats.put(key, run)
+    if key in repeats:
+        return
+    aliases = found.aliases if found.tensors else ()
+    if grads:
+        param_grads = any(t.requires_grad for t in found.tensors)
+        run = prepare_grad_run(entry, aliases, leaves, dim, reverse, param_grads)
+    else:
+        run = prepare_run(entry, aliases, leaves, dim, reverse)
+    if run is not None:
+        repeats.put(key, run)
