@@ -18,7 +18,7 @@ import fscan
 from fscan._engines.cpp._cpp_build import compiler_problem
 from fscan._knowledge.store import reach
 from fscan._pytree import LEAF, flatten
-from fscan._routing import repeat
+from fscan._routing import repeat, repeat_drop_ins, repeat_key
 from fscan._routing.cumulative import path
 
 pytestmark = [
@@ -40,7 +40,8 @@ def served(monkeypatch):
         runs.append(run)
         return out
 
-    monkeypatch.setattr(repeat, "run_prepared", counted)
+    monkeypatch.setattr(repeat, "run_prepared", counted)  # the scan's
+    monkeypatch.setattr(repeat_drop_ins, "run_prepared", counted)  # the drop-ins'
     return runs
 
 
@@ -109,9 +110,9 @@ def test_a_lone_tensor_and_a_tree_of_one_have_keys_of_their_own(served):
     out = fscan.associative_scan(lambda p, q: [p[0] + q[0]], [x], 0)
     assert served == [] and isinstance(out, list)
     close(out[0], reference(x, 0, False))
-    key = repeat.call_parts(flatten([x])[1], [x], 0, False, "pointwise", None)
+    key = repeat_key.call_parts(flatten([x])[1], [x], 0, False, "pointwise", None)
     assert key is not None and key[0] == flatten([x])[1]
-    assert repeat.call_parts(LEAF, [x], 0, False, "pointwise", None)[0] == repeat._ONE_LEAF
+    assert repeat_key.call_parts(LEAF, [x], 0, False, "pointwise", None)[0] == repeat_key._ONE_LEAF
 
 
 def _rebuilt(code, module="tests.test_repeat_route", **kwargs):
@@ -124,12 +125,12 @@ def _rebuilt(code, module="tests.test_repeat_route", **kwargs):
 
 
 def test_a_function_that_reaches_nothing_keys_as_the_walk_does(served):
-    # The memo of such functions' reach (repeat._reach): by code and module, and only
+    # The memo of such functions' reach (repeat_key.memo_reach): by code and module, and only
     # where the walk's own key is the code; what qualifies a function is read each call.
     mul = lambda a, b: a * b
     for fn in (add, mul, _rebuilt(add.__code__), _rebuilt(add.__code__, "torch.fake")):
-        assert repeat._reach(fn) == reach(fn)
-        assert repeat._reach(fn) == reach(fn)  # served from the memo where kept
+        assert repeat_key.memo_reach(fn) == reach(fn)
+        assert repeat_key.memo_reach(fn) == reach(fn)  # served from the memo where kept
     x = torch.rand(64) + 0.5
     warm(add, x)
     served.clear()
@@ -138,7 +139,7 @@ def test_a_function_that_reaches_nothing_keys_as_the_walk_does(served):
     torch.testing.assert_close(fscan.associative_scan(swapped, x, 0), x.cumprod(0))
     assert served == []
     with_default = _rebuilt(mul.__code__, __defaults__=(1.0,))  # a default: walked
-    assert repeat._reach(with_default) == reach(with_default)
+    assert repeat_key.memo_reach(with_default) == reach(with_default)
 
 
 # Each variant changes one thing the route depends on: its first call must take the
@@ -400,13 +401,13 @@ EXTREMA = {"cummax": (-math.inf, torch.ge), "cummin": (math.inf, torch.le)}
 def served_exclusive(monkeypatch):
     """The exclusive runs the repeat shortcut served, as they happen."""
     runs: list[object] = []
-    run_exclusive = repeat.run_exclusive
+    run_exclusive = repeat_drop_ins.run_exclusive
 
     def counted(found, x):
         runs.append(found)
         return run_exclusive(found, x)
 
-    monkeypatch.setattr(repeat, "run_exclusive", counted)
+    monkeypatch.setattr(repeat_drop_ins, "run_exclusive", counted)
     return runs
 
 
@@ -723,6 +724,6 @@ def test_clear_caches_empties_the_reach_memos():
     x = torch.randn(64)
     fscan.associative_scan(lambda a, b: a + b, x, dim=0)
     fscan.associative_scan(torch.add, x, dim=0)
-    assert repeat._closed_reach and repeat._builtin_reach
+    assert repeat_key._closed_reach and repeat_key._builtin_reach
     fscan.clear_caches()
-    assert not repeat._closed_reach and not repeat._builtin_reach
+    assert not repeat_key._closed_reach and not repeat_key._builtin_reach

@@ -1,9 +1,10 @@
-"""The repeat shortcut for the segmented drop-ins (fscan._routing.repeat.repeat_segmented):
-``fscan.cumsum(x, dim, reset=mask)`` & co., identical to a call the segmented kernel
-served in everything its verdict depends on (the input's dtype, shape and layout, ``dim``,
-``reverse``, grad mode and the mask's shape and strides), reruns that kernel without the
-checks, reading the mask's values anew; any change takes the checked path. Results are a
-per-segment float64 loop's; inputs are unchanged, outputs new."""
+"""The repeat shortcut for the segmented drop-ins
+(fscan._routing.repeat_drop_ins.repeat_segmented): ``fscan.cumsum(x, dim, reset=mask)``
+& co., identical to a call the segmented kernel served in everything its verdict
+depends on (the input's dtype, shape and layout, ``dim``, ``reverse``, grad mode and the
+mask's shape and strides), reruns that kernel without the checks, reading the mask's
+values anew; any change takes the checked path. Results are a per-segment float64
+loop's; inputs are unchanged, outputs new."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fscan
 from fscan._engines.cpp._cpp_build import compiler_problem
-from fscan._routing import repeat
+from fscan._routing import repeat_drop_ins
 
 pytestmark = [
     pytest.mark.skipif(
@@ -30,13 +31,13 @@ pytestmark = [
 def served(monkeypatch):
     """The segmented runs the repeat shortcut served, as they happen."""
     runs: list[object] = []
-    run = repeat.run_segmented_prepared
+    run = repeat_drop_ins.run_segmented_prepared
 
     def counted(found, x, reset):
         runs.append(found)
         return run(found, x, reset)
 
-    monkeypatch.setattr(repeat, "run_segmented_prepared", counted)
+    monkeypatch.setattr(repeat_drop_ins, "run_segmented_prepared", counted)
     return runs
 
 

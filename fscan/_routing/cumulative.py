@@ -25,10 +25,10 @@ from .._route_log import ran
 from .._segmented import check_reset, segmented_scan
 from .cumulative_table import EXTREMA, FLOATS, NATIVE_BELOW, SUMS, route, torch_serves
 from .cumulative_table import dtype_refusals as dtype_refusals
-from .repeat import remember_cumulative, remember_segmented
-from .repeat import repeat_cumulative as repeat_cumulative
-from .repeat import repeat_exclusive as repeat_exclusive
-from .repeat import repeat_segmented as repeat_segmented
+from .repeat_drop_ins import remember_cumulative, remember_segmented
+from .repeat_drop_ins import repeat_cumulative as repeat_cumulative
+from .repeat_drop_ins import repeat_exclusive as repeat_exclusive
+from .repeat_drop_ins import repeat_segmented as repeat_segmented
 from .scan import scan_flat, scan_traced
 from .segmented import run_segmented, segmented_route
 
@@ -181,7 +181,7 @@ def segmented(
     position) pairs, so their indices are positions in the whole ``x``. The mask is
     checked here first, so that its errors name ``api``. ``remember``: the call is the
     drop-in's own (not an exclusive one's part): a run on the segmented kernel is stored
-    for an identical call (:func:`~fscan._routing.repeat.repeat_segmented`).
+    for an identical call (:func:`~fscan._routing.repeat_drop_ins.repeat_segmented`).
 
     Example:
         >>> reset = torch.tensor([False, False, True, False])
@@ -277,7 +277,7 @@ def _kernel(
     )
     if found is None:
         return None
-    if out is None:  # an identical call repeats this run (fscan._routing.repeat)
+    if out is None:  # an identical call repeats this run (fscan._routing.repeat_drop_ins)
         remember_cumulative(op, call, dim, reverse, threads)
     return EXTREMA[op](found) if op in EXTREMA else found[0]
 

@@ -11,7 +11,7 @@ nothing is recorded, the kernel and torch's op (forward) write their results in 
 into the output's later steps, and reversed on torch's op, the flipped input's forward
 exclusive scan is flipped back (:func:`_flipped_exclusive`), so an exclusive drop-in
 costs what the inclusive one does; a call the kernel served that way is stored for
-:mod:`fscan._routing.repeat`, whose exclusive route repeats it for an
+:mod:`fscan._routing.repeat_drop_ins`, whose exclusive route repeats it for an
 identical call before the drop-in's checks.
 
 cummax/cummin's indices are positions in the whole input: reversed, the narrowed input
@@ -29,7 +29,7 @@ from .._exclusive import Shift, Steps, exclusive, recorded
 from .._segmented import check_reset
 from .cumulative import engine, kernel_call, kernel_threads, route, segmented
 from .cumulative_table import SUMS
-from .repeat import remember_exclusive
+from .repeat_drop_ins import remember_exclusive
 
 __all__ = ["exclusive_cumulative", "identity"]
 

@@ -24,8 +24,8 @@ reduce kernel served runs that kernel again without the checks and lookups (a re
 64 elements spent ~13 µs above a ~1 µs kernel). Once :func:`reduce_flat` served a call
 with no ``initial`` on the kernel, :func:`remember_reduce` stores its
 :class:`~fscan._engines.cpp._kernel_reduce.PreparedReduce` under the scan repeat
-route's key (:func:`~fscan._routing.repeat.call_parts`: ``combine_fn``'s reach key and
-captured places, the pytree, each leaf's dtype, shape and requires_grad, ``dim``,
+route's key (:func:`~fscan._routing.repeat_key.call_parts`: ``combine_fn``'s reach key
+and captured places, the pytree, each leaf's dtype, shape and requires_grad, ``dim``,
 ``reverse``, ``combine_mode``, ``validate``, grad mode, ``fscan.config.validate``), on
 the same terms: only calls that route could repeat (plain contiguous CPU leaves, no
 transform, no tracing, ...) and only once the checks ``validate`` asks for ran for the
@@ -54,7 +54,7 @@ from .._knowledge.store import Knowledge, Reach, knowledge, on_clear, reach
 from .._knowledge.validate import validate_combine_fn
 from .._pytree import LEAF, unflatten
 from .._route_log import ran
-from .repeat import call_parts, stored_run
+from .repeat_key import call_parts, stored_run
 from .scan import check_untouched, leaf_versions, pick_route
 
 __all__ = ["reduce_flat", "remember_reduce", "repeat_reduce", "repeated_reduces"]

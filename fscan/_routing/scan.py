@@ -39,9 +39,10 @@ route          when, and what runs
                walk missed, the result says so and ``autograd`` reruns it)
 =============  ===================================================================
 
-A call identical, in everything this choice depends on, to one that ``cpp`` served
-(no carry-in) is answered by :mod:`fscan._routing.repeat` before the checks:
-``fscan.associative_scan`` asks it first, :func:`scan_flat` stores what it runs.
+A call identical, in everything this choice depends on, to one that ``cpp`` (or
+``adjoint`` on the C++ kernels) served with no carry-in is answered by
+:mod:`fscan._routing.repeat` before the checks: ``fscan.associative_scan`` asks it
+first, :func:`scan_flat` stores what it runs.
 
 Pointwise calls whose ``combine_fn`` has not passed the elementwise check yet
 run ``inplace``/``adjoint``/``autograd`` with the check watching their first
@@ -212,6 +213,7 @@ def _run(
         out = kernel_grad_scan(call, combine, found, entry)
         if out is not None:
             ran("cpp")
+            remember(call, found, entry, grads=True)  # see fscan._routing.repeat
             return out
         plan = ScanPlan(combine, len(leaves), dim, reverse, codegen_backward_scan)
         return list(PointwiseScan.apply(plan, *leaves, *captured))

@@ -13,6 +13,11 @@ are the constant 0, neither read nor carried (``Entry.dead``), so what only they
 (the gate products, for the pair) is not read either. :func:`kernel_vjp` runs such
 a kernel for callers with an autograd Function of their own: the linear recurrence's
 backward is the pair's with only ``h``'s cotangent, one pass.
+
+:func:`prepare_grad_run` keeps, for the router's repeat route, the two kernels a call's
+key was served with and the forward's arguments worked out (:class:`PreparedGradRun`);
+:func:`run_grad_prepared` runs :class:`KernelScan` with them on an identical call, without
+the lookups.
 """
 
 from __future__ import annotations
@@ -44,9 +49,23 @@ from ..tree import scan_along
 from ._kernel_entry import BuildCall, Entry, is_ready, kernel_slots, slot_key
 from ._kernel_layout import element_shape, strided_view
 from ._kernel_registry import ready_entry, serving_lookup
-from ._kernel_run import contiguous_strides, kernel_params, run_kernel
+from ._kernel_run import (
+    PreparedRun,
+    kernel_params,
+    prepare_run,
+    run_kernel,
+    run_prepared,
+)
 
-__all__ = ["KernelScan", "kernel_grad_scan", "kernel_vjp", "run_backward"]
+__all__ = [
+    "KernelScan",
+    "PreparedGradRun",
+    "kernel_grad_scan",
+    "kernel_vjp",
+    "prepare_grad_run",
+    "run_backward",
+    "run_grad_prepared",
+]
 
 
 def kernel_grad_scan(
@@ -119,6 +138,72 @@ class _GradInfo(NamedTuple):  # made on every call: a NamedTuple is ~1 us cheape
     captured: tuple[torch.Tensor, ...]  # every captured tensor, distinct, in walk order
     needing: tuple[torch.Tensor, ...]  # those that require grad: inputs of KernelScan
     slots: _Slots | None = None  # None: only ``backward`` serves (missing cotangents: zeros)
+    # The repeat route's: ``forward``'s prepared run and the params it reads (they fit).
+    run: PreparedRun | None = None
+    params: Sequence[torch.Tensor] = ()
+
+
+class PreparedGradRun(NamedTuple):
+    """The READY forward and backward kernels that served a call with gradients, with the
+    forward's :class:`~._kernel_run.PreparedRun` for contiguous leaves of its shape,
+    ``dim`` and ``reverse``: what the router's repeat route runs (:func:`run_grad_prepared`)."""
+
+    forward: Entry
+    backward: Entry  # with every cotangent; one without some is looked up in the backward
+    run: PreparedRun
+    holder: Knowledge
+    aliases: Hashable
+    n_leaves: int
+    dim: int
+    reverse: bool
+
+
+def prepare_grad_run(
+    holder: Knowledge,
+    aliases: Hashable,
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    reverse: bool,
+    param_grads: bool,
+) -> PreparedGradRun | None:
+    """The :class:`PreparedGradRun` of the READY kernels in ``holder`` that
+    :func:`kernel_grad_scan` runs for contiguous ``leaves`` along ``dim`` (non-negative)
+    (``param_grads``: a captured tensor requires grad), else None."""
+    run = prepare_run(holder, aliases, leaves, dim, reverse)
+    if run is None:
+        return None
+    slots = kernel_slots(holder)
+    forward = slots.peek(slot_key(aliases, run.element, (), (), False, False))
+    backward = slots.peek(slot_key(aliases, run.element, (), (), True, param_grads))
+    if not (is_ready(forward) and is_ready(backward)):
+        return None
+    return PreparedGradRun(forward, backward, run, holder, aliases, len(leaves), dim, reverse)
+
+
+def run_grad_prepared(
+    prepared: PreparedGradRun,
+    combine: FlatCombine,
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: Sequence[torch.Tensor],
+    captured: tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor, ...] | None:
+    """:func:`kernel_grad_scan` of leaves of the shape, layout and dtypes ``prepared`` was
+    made for, ``combine`` being this call's ``combine_fn`` (its fallbacks in the backward
+    call it) and ``captured`` what it captures; None where the captured tensors do not
+    broadcast to one element (the full route then decides)."""
+    run = prepared.run
+    params: Sequence[torch.Tensor] | None = ()
+    if run.program.params:
+        params = kernel_params(run.program, captured, run.element)
+        if params is None:
+            return None
+    needing = tuple([t for t in captured if t.requires_grad]) if captured else ()
+    plan = ScanPlan(combine, prepared.n_leaves, prepared.dim, prepared.reverse)
+    slots = _Slots(prepared.holder, prepared.aliases, combine_fn, spec, run.element)
+    forward, backward = prepared.forward, prepared.backward
+    info = _GradInfo(forward, backward, plan, captured, needing, slots, run, params)
+    return KernelScan.apply(info, *leaves, *needing)
 
 
 class KernelScan(torch.autograd.Function):
@@ -131,12 +216,17 @@ class KernelScan(torch.autograd.Function):
     def forward(ctx: Any, info: _GradInfo, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         plan = info.plan
         xs = tensors[: plan.n_leaves]
-        ys = run_kernel(info.forward, xs, plan.dim, plan.reverse, info.captured)
+        if info.run is not None:  # the repeat route's: its params fit
+            ys = run_prepared(info.run, xs, info.captured, info.params)
+        else:
+            ys = run_kernel(info.forward, xs, plan.dim, plan.reverse, info.captured)
         if ys is None:  # captured tensors that do not broadcast: the torch engine decides
             ys = scan_along(plan.combine, xs, plan.dim, plan.reverse)
         ctx.info = info
         ctx.save_for_backward(*tensors, *ys)
-        ctx.mark_non_differentiable(*[y for y in ys if not y.is_floating_point()])
+        fixed = [y for y in ys if not y.is_floating_point()]
+        if fixed:  # (a call with nothing to mark costs ~1 us)
+            ctx.mark_non_differentiable(*fixed)
         ctx.set_materialize_grads(False)
         return tuple(ys)
 
@@ -238,7 +328,11 @@ def _run(
         for k in floats
         if k not in dead
     ]
-    bars = [torch.empty(shape, dtype=xs[k].dtype) for k in floats]
+    # empty_like of a contiguous leaf (the common case) is a few us cheaper than empty(shape)
+    bars = [
+        torch.empty_like(xs[k]) if xs[k].is_contiguous() else torch.empty(shape, dtype=xs[k].dtype)
+        for k in floats
+    ]
     if outer * steps * inner >= HUGE_MIN_BYTES // 16:  # as the forward's fresh outputs
         for bar in bars:
             advise_huge_pages(bar)
@@ -246,12 +340,20 @@ def _run(
     pbars = [torch.zeros(outer * inner, dtype=torch.float64) for _ in entry.pfloats]
     if outer * steps * inner:
         read = [*xs, *ys, *gs]
-        for t in read:  # all contiguous (the common case) inline, as run_kernel's
-            if not t.is_contiguous():
+        # Contiguous tensors and expanded scalars (the cotangent of ``y.sum()``, a missing
+        # one's zero: every stride 0) inline, the common case: strided_view costs ~7 us.
+        dense, scalar = (steps * inner, 0, inner, 1), (0,) * len(shape)
+        strides = []
+        for t in read:
+            if t.is_contiguous():
+                strides += dense
+            elif t.stride() == scalar:
+                strides += _BROADCAST
+            else:
                 args, nb, strides = strided_view(read, dim)
                 break
         else:
-            args, nb, strides = read, 1, contiguous_strides(steps, inner, len(read))
+            args, nb = read, 1
         entry.kernel(
             *args, *bars, *pbars, *params, outer, steps, inner, int(reverse),
             torch.get_num_threads(), nb, *strides,
@@ -260,6 +362,9 @@ def _run(
     for k, bar in zip(floats, bars):
         xbar[k] = bar
     return xbar, pbars
+
+
+_BROADCAST = (0, 0, 0, 0)  # the strides of an expanded scalar: one value read everywhere
 
 
 def kernel_vjp(

@@ -176,15 +176,20 @@ def prepare_run(
 
 
 def run_prepared(
-    run: PreparedRun, leaves: Sequence[torch.Tensor], captured: Sequence[torch.Tensor]
+    run: PreparedRun,
+    leaves: Sequence[torch.Tensor],
+    captured: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor] | None:
     """:func:`run_kernel` of a :class:`PreparedRun` on leaves of the shape, layout and dtypes
     it was prepared for (those read: none for ``run.positions``, whose outputs are int64),
     on ``torch.get_num_threads()`` threads (at most ``run.threads``); None where the
-    captured tensors do not broadcast to one element (the caller's full route then decides)."""
-    params = kernel_params(run.program, captured, run.element) if run.program.params else ()
+    captured tensors do not broadcast to one element (the caller's full route then decides).
+    ``params``: :func:`kernel_params` of ``captured``, where the caller worked them out."""
     if params is None:
-        return None
+        params = kernel_params(run.program, captured, run.element) if run.program.params else ()
+        if params is None:
+            return None
     threads = torch.get_num_threads()
     if run.threads is not None:
         threads = min(run.threads, threads)

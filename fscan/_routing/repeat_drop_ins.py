@@ -1,0 +1,254 @@
+"""The drop-ins' repeat routes: a drop-in's kernel call (inclusive, exclusive, or with
+``reset=`` on the segmented kernel) identical, in everything its route depends on, to
+one the drop-ins' router ran on the kernel runs that kernel again, without the checks
+(the key: :mod:`fscan._routing.repeat_key`; the scan's own repeat route:
+:mod:`fscan._routing.repeat`).
+
+The inclusive drop-ins (``fscan.cumsum``, ``cumprod``, ``logcumsumexp``, and
+``cummax``/``cummin``, whose index leaf the kernel makes: int64 outputs):
+:func:`remember_cumulative` stores the run the drop-ins' router
+(:mod:`fscan._routing.cumulative`) just made on the kernel, under the op (its combine
+is fscan's own, capturing nothing) and :func:`~fscan._routing.repeat_key.call_parts` of
+its input (which holds all the route table reads: dtype, shape, a contiguous layout,
+``dim``, ``reverse``, requires_grad and grad mode; the kernel's thread cap follows from
+the shape), and :func:`repeat_cumulative` answers an identical call with it before the
+drop-in's checks. Only calls the router ran without ``dtype=``, ``out=``, ``reset=``
+or ``exclusive=`` and without promoting the input (a float input) are stored.
+
+Their exclusive form (``exclusive=True``, no ``dtype=``, ``out=`` or ``reset=``) is
+served the same way, under its own key (the same ``call_parts``, marked exclusive):
+:func:`remember_exclusive` stores an :class:`ExclusiveRun`, the kernel run of the first
+``n - 1`` steps in scan order (the same compiled kernel: its element shape is the
+input's), once the exclusive router (:mod:`fscan._routing.exclusive`) served a call on
+the kernel writing in place (nothing recorded), and :func:`repeat_exclusive` repeats
+it: the kernel reads the narrowed input and writes the output's later ``n - 1`` steps
+in place (reversed cummax/cummin's indices made positions in the whole input by the
+kernel), and the first step is filled with the op's identity (and index -1), as the
+router's path does. A checked call whose input was promoted or cast is stored under
+the dtype the kernel scanned, which an identical later call in that dtype takes as it
+is, so the key fits it too.
+
+Their segmented form (``reset=``, inclusive, no ``dtype=`` or ``out=``) likewise:
+:func:`remember_segmented` stores the segmented kernel's prepared run
+(:class:`~fscan._engines.cpp._kernel_segmented.PreparedSegmentedRun`) once the drop-in's
+own call ran on it, under the inclusive key plus the mask's shape and strides (with the
+input's shape they fix the mask's check, the kernel's flag mode and where it reads the
+flags; only a plain dense bool CPU mask); :func:`repeat_segmented` runs it on the new
+input and mask, whose values are read on every call. (The exclusive ``reset=`` path
+scans into new memory, then shifts: not repeated.)
+
+The store is bounded and cleared by ``fscan.clear_caches()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from optree import PyTreeSpec
+
+from .._cache import BoundedCache
+from .._engines.cpp._kernel_segmented import (
+    PreparedSegmentedRun,
+    prepare_segmented,
+    run_segmented_prepared,
+)
+from .._engines.cpp.cpu_kernel import PreparedRun, fresh_outputs, prepare_run, run_prepared
+from .._knowledge.store import knowledge, on_clear
+from .._memory import advise_huge_pages
+from .._pytree import LEAF
+from .._route_log import ran
+from .cumulative_table import EXTREMA
+from .repeat_key import call_parts, mask_kind, memo_reach
+
+__all__ = [
+    "ExclusiveRun",
+    "drop_in_repeats",
+    "remember_cumulative",
+    "remember_exclusive",
+    "remember_segmented",
+    "repeat_cumulative",
+    "repeat_exclusive",
+    "repeat_segmented",
+    "run_exclusive",
+]
+
+
+class ExclusiveRun(NamedTuple):
+    """An exclusive drop-in's kernel run: ``run`` scans the first ``n - 1`` steps in scan
+    order (its sizes' steps) of a contiguous input along ``dim``, into the outputs' later
+    ``n - 1`` steps; ``starts`` (the op's identity, and index -1 for cummax/cummin) fill
+    the first step."""
+
+    run: PreparedRun
+    dim: int
+    starts: tuple[Any, ...]
+
+
+# Keys of drop-in calls served on the kernel (a few ops and shapes, typically).
+drop_in_repeats: BoundedCache[PreparedRun | ExclusiveRun | PreparedSegmentedRun] = BoundedCache(
+    maxsize=256
+)
+on_clear(drop_in_repeats.clear)
+
+
+def repeat_cumulative(op: Any, x: Any, dim: Any, reverse: Any) -> Any:
+    """The drop-in of torch's ``op`` on ``x`` by the kernel run an identical call made
+    (module doc), or None: the drop-in's checked path then runs."""
+    if type(x) is not torch.Tensor:
+        return None
+    parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)
+    if parts is None:
+        return None
+    run = drop_in_repeats.get((_CUMULATIVE, op, *parts))
+    if run is None:
+        return None
+    out = run_prepared(run, [x], ())
+    if out is None:  # no params to broadcast: never; the full path would say why
+        return None
+    ran("cpp")
+    return EXTREMA[op]((out[0], out[1])) if run.positions else out[0]
+
+
+def remember_cumulative(
+    op: Any,
+    call: KernelCall,
+    dim: int,
+    reverse: bool,
+    threads: int | None,
+) -> None:
+    """Store the kernel run the drop-ins' router just made for ``op`` (``call``: the
+    combine, fscan's own, capturing nothing, the spec, the leaves of a checked input and
+    the position leaves the kernel scanned; ``dim`` non-negative; on ``threads`` threads
+    at most) for :func:`repeat_cumulative`."""
+    combine, spec, leaves, positions = call
+    parts = call_parts(LEAF, leaves[:1], dim, reverse, "pointwise", False)
+    if parts is None:
+        return
+    key = (_CUMULATIVE, op, *parts)
+    if key not in drop_in_repeats:  # the lookup the kernel's run made, once per key
+        holder = knowledge(memo_reach(combine), spec, "pointwise", leaves)
+        run = prepare_run(holder, (), leaves, dim, reverse, threads, positions)
+        if run is not None:
+            drop_in_repeats.put(key, run)
+
+
+_CUMULATIVE = "cumulative"  # the drop-ins' keys: (this, torch's op, *call_parts)
+_EXCLUSIVE = "exclusive"  # their exclusive form's: (this, torch's op, *call_parts)
+# A drop-in's kernel call: combine, spec, leaves (the input, then any position leaf), positions
+KernelCall = tuple[Callable[[Any, Any], Any], PyTreeSpec, Sequence[torch.Tensor], tuple[int, ...]]
+
+
+def repeat_exclusive(op: Any, x: Any, dim: Any, reverse: Any) -> Any:
+    """The exclusive drop-in of torch's ``op`` on ``x`` by the kernel run an identical
+    call made (module doc), or None: the drop-in's checked path then runs."""
+    if type(x) is not torch.Tensor:
+        return None
+    parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)
+    if parts is None:
+        return None
+    found = drop_in_repeats.get((_EXCLUSIVE, op, *parts))
+    if found is None:
+        return None
+    out = run_exclusive(found, x)
+    ran("cpp")
+    return EXTREMA[op]((out[0], out[1])) if len(out) == 2 else out[0]
+
+
+def run_exclusive(found: ExclusiveRun, x: torch.Tensor) -> list[torch.Tensor]:
+    """``found`` on ``x`` (of the dtype, shape and layout it was stored for): fresh outputs
+    whose later ``n - 1`` steps in scan order the kernel writes, the first the start values."""
+    run, dim, starts = found
+    kernel, _, _, sizes, tail, cap, positions = run
+    steps, reverse = sizes[1], sizes[3]
+    ys = fresh_outputs([x], positions)
+    for y in ys:
+        advise_huge_pages(y)
+    threads = torch.get_num_threads() if cap is None else min(cap, torch.get_num_threads())
+    # The first n - 1 steps in scan order, one step later (as fscan._exclusive.Shift): the
+    # kernel reads and writes n - 1 steps from where it is pointed, so only the tensors
+    # that start one step in are narrowed (a view costs ~1.4 µs).
+    if reverse:  # the kernel gives x[1:]'s indices as positions in x (the run's tail)
+        kernel(x.narrow(dim, 1, steps), *ys, *sizes, threads, *tail)
+    else:
+        kernel(x, *[y.narrow(dim, 1, steps) for y in ys], *sizes, threads, *tail)
+    at = steps if reverse else 0
+    for y, start in zip(ys, starts):
+        y.select(dim, at).fill_(start)
+    return ys
+
+
+def remember_exclusive(
+    op: Any,
+    call: KernelCall,
+    dim: int,
+    reverse: bool,
+    threads: int | None,
+    starts: Sequence[Any],
+) -> None:
+    """Store, for :func:`repeat_exclusive`, the kernel run the exclusive router just made
+    for ``op`` (``call`` as for :func:`remember_cumulative`, of the whole input) on its
+    first ``n - 1`` steps in scan order, into the outputs' later steps, on ``threads``
+    threads at most, ``starts`` (one per output) at the first step. A kernel not READY
+    (the call ran elsewhere) stores nothing."""
+    combine, spec, leaves, positions = call
+    x = leaves[0]
+    parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)
+    if parts is None or x.shape[dim] < 2:
+        return
+    key = (_EXCLUSIVE, op, *parts)
+    if key not in drop_in_repeats:
+        holder = knowledge(memo_reach(combine), spec, "pointwise", leaves)
+        # Reversed, the kernel reads x[1:]: its positions start at 1 (those in x).
+        first = int(reverse)
+        run = prepare_run(holder, (), leaves, dim, reverse, threads, positions, first)
+        if run is not None and not run.program.params:
+            # The run of all n steps: the narrowed views keep x's strides, one step fewer.
+            outer, n, inner, backwards = run.sizes
+            narrowed = run._replace(sizes=(outer, n - 1, inner, backwards))
+            drop_in_repeats.put(key, ExclusiveRun(narrowed, dim, tuple(starts)))
+
+
+def repeat_segmented(op: Any, x: Any, dim: Any, reverse: Any, reset: Any) -> Any:
+    """The drop-in of torch's ``op`` on ``x`` restarted where ``reset`` is True, by the
+    segmented kernel run an identical call made (module doc), or None: the drop-in's
+    checked path then runs. The mask's values are read on every call."""
+    if type(x) is not torch.Tensor or type(reset) is not torch.Tensor:
+        return None
+    parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)  # first: not traced
+    mask = None if parts is None else mask_kind(reset)
+    if mask is None:
+        return None
+    run = drop_in_repeats.get((_SEGMENTED, op, *parts, *mask))
+    if run is None:
+        return None
+    out = run_segmented_prepared(run, x, reset)
+    ran("cpp")
+    return EXTREMA[op]((out[0], out[1])) if run.positions else out[0]
+
+
+def remember_segmented(
+    op: Any,
+    call: KernelCall,
+    dim: int,
+    reverse: bool,
+    threads: int | None,
+    reset: torch.Tensor,
+) -> None:
+    """Store the segmented kernel run the drop-ins' router just made for ``op`` (``call``
+    as for :func:`remember_cumulative`; ``reset`` the checked mask) for
+    :func:`repeat_segmented`."""
+    combine, spec, leaves, positions = call
+    parts = call_parts(LEAF, leaves[:1], dim, reverse, "pointwise", False)
+    mask = None if parts is None else mask_kind(reset)
+    if mask is None:
+        return
+    key = (_SEGMENTED, op, *parts, *mask)
+    if key not in drop_in_repeats:
+        run = prepare_segmented(combine, spec, leaves, dim, reverse, reset, positions, threads)
+        if run is not None:
+            drop_in_repeats.put(key, run)
+
+
+_SEGMENTED = "segmented"  # the reset= drop-ins': (this, torch's op, *call_parts, mask kind)
