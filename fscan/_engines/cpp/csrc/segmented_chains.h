@@ -273,6 +273,9 @@ static void seg_transposed_chains(const In x, const Out y, const Par p, const Fl
     yb[g] = at(y, S, o, 0, i);
     common = std::min(common, s1[g] - s0[g]);
   }
+  // A 1-D mask read by chains at the same steps: each row's flag read once for the tile.
+  bool shared = R.sa == 0 && R.sb == 0 && R.si == 0;
+  for (int g = 1; g < SEG_TW; ++g) shared &= s0[g] == s0[0];
   const Buf acc = tl.acc.buf();
   int32_t* const fl = tl.flag;
   for (int64_t k0 = 0; k0 < common; k0 += TB) {
@@ -283,9 +286,18 @@ static void seg_transposed_chains(const In x, const Out y, const Par p, const Fl
     for (int g = 0; g < SEG_TW; ++g) lo[g] = UP ? c[g].t0 + k0 : c[g].t0 - k0 - (TB - 1);
     if (part) tile_in(xb, lo, tl.in, m);
     else tile_in(xb, lo, tl.in, all);
-    for (int g = 0; g < SEG_TW; ++g) {
-      int32_t* f = fl + (g / TV * TB) * TV + g % TV;
-      for (int64_t k = 0; k < n; ++k) f[(UP ? k : TB - 1 - k) * TV] = step(c[g].r, (k0 + k) * dt) != 0;
+    if (shared) {  // a 1-D mask, the chains at the same steps: a flag per row, broadcast
+      for (int64_t k = 0; k < n; ++k) {
+        const int32_t f = step(c[0].r, (k0 + k) * dt) != 0;
+        const int64_t j = UP ? k : TB - 1 - k;
+        for (int w = 0; w < WAYS; ++w)
+          for (int g = 0; g < TV; ++g) fl[(w * TB + j) * TV + g] = f;
+      }
+    } else {
+      for (int g = 0; g < SEG_TW; ++g) {
+        int32_t* f = fl + (g / TV * TB) * TV + g % TV;
+        for (int64_t k = 0; k < n; ++k) f[(UP ? k : TB - 1 - k) * TV] = step(c[g].r, (k0 + k) * dt) != 0;
+      }
     }
     if (k0 == 0) {  // each chain's first step: from its carry, or its element
       for (int g = 0; g < SEG_TW; ++g) {
