@@ -69,8 +69,9 @@ def chains_tiled(program: Program) -> bool:
     cumprod walked 0.4, tiled 0.95 (the tiles' scalar gathers cost more than the combine).
     Float32 tiles transpose in registers (``seg_transposed_chains``, as the forward's):
     logcumsumexp over (4096, 256) dim 1, restarts every 97 steps, 1 thread, thread CPU
-    time against the inclusive call: 1.08-1.22x with the gathering tiles, 1.04-1.08x
-    transposed; (1048576,) 1.08-1.14x -> 0.79-0.97x (a loaded 2-core machine). Positions
+    time against the inclusive call, medians of 3 alternating rounds (load 11): 1.24x
+    (reversed 1.15x) with the gathering tiles, 1.01x (0.99x) transposed with a 1-D mask's
+    flags read once a row; (1048576,) 0.98x -> 0.84x. Positions
     (cummax's pairs) are not tiled: the gathering tiles' vector loops stayed scalar on
     the (float, int64) pair and ran 4-8x the walked chains. Cumsum/cumprod stay walked:
     transposed tiles for them (the flags of a 1-D mask broadcast a row at a time) ran
