@@ -36,6 +36,7 @@ from ._cpp_source import (
     leaf_structs,
     suspect_check,
 )
+from ._cpp_tiles import tile_structs, tiled
 from ._kernel_entry import BuildCall, is_ready, kernel_slots, slot_key
 from ._kernel_layout import element_shape, strided_view
 from ._kernel_registry import ready_derived, serving_lookup
@@ -65,7 +66,17 @@ def chains_tiled(program: Program) -> bool:
     csrc/segmented_chains.h): for an expensive combine, whose math the tiles' vector loops
     run vectorised. Per element over (1048576,), a restart every 97 steps, 1 thread:
     logcumsumexp walked 14 ns, tiled 5.5 (the inclusive scan, tiled too: 7.5); cumsum and
-    cumprod walked 0.4, tiled 0.95 (the tiles' scalar gathers cost more than the combine)."""
+    cumprod walked 0.4, tiled 0.95 (the tiles' scalar gathers cost more than the combine).
+    Float32 tiles transpose in registers (``seg_transposed_chains``, as the forward's):
+    logcumsumexp over (4096, 256) dim 1, restarts every 97 steps, 1 thread, thread CPU
+    time against the inclusive call, medians of 3 alternating rounds (load 11): 1.24x
+    (reversed 1.15x) with the gathering tiles, 1.01x (0.99x) transposed with a 1-D mask's
+    flags read once a row; (1048576,) 0.98x -> 0.84x. Positions
+    (cummax's pairs) are not tiled: the gathering tiles' vector loops stayed scalar on
+    the (float, int64) pair and ran 4-8x the walked chains. Cumsum/cumprod stay walked:
+    transposed tiles for them (the flags of a 1-D mask broadcast a row at a time) ran
+    (4096, 256) dim 1 and (1048576,) with restarts at 2.3-3.1x the inclusive call, against
+    0.7-1.8x walked (one A/B round, load 12: a direction, not a figure)."""
     return program.expensive
 
 
@@ -94,7 +105,11 @@ def segmented_source(
     compute = [compute_ctype(d, program.wide) for d in dtypes]
     st = [STORAGE[d] for d in dtypes]
     every = range(len(dtypes))
-    read = [f"x{k}" for k in every if k not in positions]
+    read_idx = [k for k in every if k not in positions]
+    read = [f"x{k}" for k in read_idx]
+    # The chain tiles transpose in registers where the forward's would (float32, no
+    # positions) and the segmented chains tile at all (see chains_tiled).
+    transposed = chains_tiled(program) and tiled(st, positions)
     written = [f"y{k}" for k in every]
     return _kernel(
         "segmented.cpp.in",
@@ -102,6 +117,7 @@ def segmented_source(
         combine=_combine_function(compute, program),
         suspect=suspect_check(dtypes, list(every)),
         tuning=csrc("tuning.h"),
+        tiles=tile_structs(read_idx if transposed else None, list(every), program.expensive),
         segmented=csrc("segmented.h"),
         segmented_chains=csrc("segmented_chains.h"),
         seg_tiled="true" if chains_tiled(program) else "false",

@@ -51,6 +51,15 @@ static void seg_chains(const In x, const Out y, const Par p, const Flags R, cons
   // (Chains reading one row of flags (a 1-D mask) at the same steps could share each
   // step's flag: one read and one branch for the group. Tried with 8 chains: no faster,
   // cumsum/cumprod over (4096, 256) dim 1 with a restart every 97 steps.)
+  // (A chain alone walked segment by segment, the next flag found first by a pass over
+  // the flags, then the steps up to it without flag or pick: no faster for cummax over
+  // (1048576,) or (4096, 256) dim 1 with a restart every 97 steps, 1.5-2x the inclusive
+  // either way. What costs there is the combine's branch: a restart every 97 steps
+  // makes ~5 new maxima per segment, each a mispredicted branch; torch.cummax over the
+  // same segments as lanes of their own, (10810, 97) dim 1, ran 1.2x torch.cummax over
+  // (1048576,). A branchless select standalone (vcmpss/vblendvps on the carried pair) ran
+  // one chain at 2.1 ns an element, as the branch: latency-bound; it would pay only with
+  // chains interleaved, which needs the combine generated as blends.)
   for (int64_t k = 1; k < common; ++k) {
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) walk(g, k);
@@ -100,18 +109,21 @@ static void seg_totals(const In x, const Out y, const Par p, const Flags R, cons
   }
 }
 
-// Chains side by side in a tile here: the forward's TW became per-kernel (TV * WAYS),
-// generated only where the forward tiles; these tiles keep 16.
-static constexpr int SEG_TW = 16;
+// Chains side by side in a tile: the generated TW (TV * WAYS, see
+// fscan._engines.cpp._cpp_tiles) where the tiles transpose in registers, else 16.
+static constexpr int SEG_TW = TILED ? TW : 16;
 
 // A tile's scratch: TB steps of SEG_TW chains, a row of SEG_TW per step (every leaf, in the
 // compute types), their flags, and the SEG_TW running values. The flags are 32-bit: bytes
 // made GCC choose 64 lanes a vector for the row loops, more than their SEG_TW iterations,
 // and leave them scalar.
+struct SegTiles;
 struct SegTile {
   Store rows{TB * SEG_TW};
   Store acc{SEG_TW};
   alignas(64) int32_t flag[TB * SEG_TW];
+  SegTiles& t;  // the transposing tiles' scratch (seg_transposed_chains)
+  explicit SegTile(SegTiles& tiles) : t(tiles) {}
 };
 
 // SEG_TW chains as seg_chains<SEG_TW>, tiled: each tile's steps gathered into rows (scalar loads
@@ -172,6 +184,147 @@ static void seg_tile_chains(const In x, const Out y, const Par p, const Flags R,
   }
 }
 
+// SEG_TW chains as seg_tile_chains, where the tiles transpose in registers (float32
+// leaves, steps dense: TILED and tileable), as the forward's tile_chains
+// (forward_chains.h): TB steps of each chain transposed into a tile (tile_in), scanned with
+// each chain's running value in a register across the tile's steps, transposed out. The
+// flags are one more input per step, gathered (bytes, any layout) into 32-bit rows of the
+// tile's layout. The steps after the last whole tile make a partial tile (masked). Against
+// the gathering tile above, logcumsumexp over (4096, 256) dim 1 with a restart every 97
+// steps: see fscan._engines.cpp._kernel_segmented.chains_tiled.
+// (Shared with forward_chains.h in idea, not in code: tile_scan there has no flags, and
+// its FSCAN_TILE_SCAN and Tiles live in the forward's source.)
+#if defined(__GNUC__) && !defined(__clang__)
+#define SEG_TILE_SCAN __attribute__((noinline, optimize("no-tree-pre")))
+#else
+#define SEG_TILE_SCAN __attribute__((noinline))
+#endif
+struct SegTiles {
+  InTile in;
+  OutTile out;
+  Store acc{TW};
+  alignas(64) int32_t flag[TB * TW];  // (w * TB + j) * TV + g: as the tile's rows
+};
+
+// Steps [K0, TB) (in scan order; UP: ascending rows) of a whole tile, the running values
+// in registers (see tile_scan in forward_chains.h for why a function of its own).
+template <bool UP, int64_t K0>
+SEG_TILE_SCAN static void seg_tile_scan(const In x, const Out y, const Par p, const int64_t* elem,
+                                        const Buf acc, SegTiles& tl) {
+  const int32_t* const fl = tl.flag;
+#pragma GCC ivdep
+  for (int g = 0; g < TV; ++g) {
+    Vals a[WAYS];
+#pragma GCC unroll 4
+    for (int w = 0; w < WAYS; ++w) a[w] = get_all(acc, w * TV + g);
+#pragma GCC unroll 16
+    for (int64_t k = K0; k < TB; ++k) {
+      const int64_t j = UP ? k : TB - 1 - k;
+#pragma GCC unroll 4
+      for (int w = 0; w < WAYS; ++w) {
+        const Vals v = load_i(tile_row(x, tl.in, w * TB + j), g, 0);
+        const int64_t e = elem[w * TV + g];
+        const Vals c = k == TB - 1 ? combine<true>(a[w], v, p, e) : combine<false>(a[w], v, p, e);
+        a[w] = pick(fl[(w * TB + j) * TV + g] != 0, v, c);
+        store_i(tile_row(y, tl.out, w * TB + j), g, a[w]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int w = 0; w < WAYS; ++w) put_all(acc, w * TV + g, a[w]);
+  }
+}
+
+// Steps [K0, n) of a partial tile (n < TB), a row at a time (see tile_scan_part).
+template <bool UP, int64_t K0>
+SEG_TILE_SCAN static void seg_tile_scan_part(const In x, const Out y, const Par p, const int64_t* elem,
+                                             const Buf acc, SegTiles& tl, int64_t n) {
+  for (int64_t k = K0; k < n; ++k) {
+    const int64_t j = UP ? k : TB - 1 - k;
+    for (int w = 0; w < WAYS; ++w) {
+      const In xr = tile_row(x, tl.in, w * TB + j);
+      const Out yr = tile_row(y, tl.out, w * TB + j);
+      const int32_t* f = tl.flag + (w * TB + j) * TV;
+#pragma GCC ivdep
+#pragma GCC unroll 1
+      for (int g = 0; g < TV; ++g) {
+        const Vals u = load_i(xr, g, 0);
+        const Vals v = pick(f[g] != 0, u, combine<false>(get_all(acc, w * TV + g), u, p, elem[w * TV + g]));
+        put_all(acc, w * TV + g, v);
+        store_i(yr, g, v);
+      }
+    }
+  }
+}
+
+template <bool UP>
+static void seg_transposed_chains(const In x, const Out y, const Par p, const Flags R, const Geo& S,
+                                  const int64_t* lane, const int64_t* s0, const int64_t* s1,
+                                  const Vals* const* carry, SegTiles& tl) {
+  constexpr bool rev = !UP;
+  const int64_t dt = UP ? 1 : -1;
+  SegChain c[SEG_TW];
+  In xb[SEG_TW];
+  Out yb[SEG_TW];
+  int64_t common = s1[0] - s0[0];
+  for (int g = 0; g < SEG_TW; ++g) {
+    c[g] = seg_chain(x, y, R, S, rev, lane[g], s0[g]);
+    const int64_t o = lane[g] / S.inner, i = lane[g] % S.inner;
+    xb[g] = at(x, S, o, 0, i);
+    yb[g] = at(y, S, o, 0, i);
+    common = std::min(common, s1[g] - s0[g]);
+  }
+  // A 1-D mask read by chains at the same steps: each row's flag read once for the tile.
+  bool shared = R.sa == 0 && R.sb == 0 && R.si == 0;
+  for (int g = 1; g < SEG_TW; ++g) shared &= s0[g] == s0[0];
+  const Buf acc = tl.acc.buf();
+  int32_t* const fl = tl.flag;
+  for (int64_t k0 = 0; k0 < common; k0 += TB) {
+    const int64_t n = std::min(TB, common - k0);
+    const bool part = n < TB;
+    const unsigned all = (1u << TB) - 1, m = !part ? all : (UP ? (1u << n) - 1 : all & ~((1u << (TB - n)) - 1));
+    int64_t lo[SEG_TW];  // each chain's step at the tile's lowest address
+    for (int g = 0; g < SEG_TW; ++g) lo[g] = UP ? c[g].t0 + k0 : c[g].t0 - k0 - (TB - 1);
+    if (part) tile_in(xb, lo, tl.in, m);
+    else tile_in(xb, lo, tl.in, all);
+    if (shared) {  // a 1-D mask, the chains at the same steps: a flag per row, broadcast
+      for (int64_t k = 0; k < n; ++k) {
+        const int32_t f = step(c[0].r, (k0 + k) * dt) != 0;
+        const int64_t j = UP ? k : TB - 1 - k;
+        for (int w = 0; w < WAYS; ++w)
+          for (int g = 0; g < TV; ++g) fl[(w * TB + j) * TV + g] = f;
+      }
+    } else {
+      for (int g = 0; g < SEG_TW; ++g) {
+        int32_t* f = fl + (g / TV * TB) * TV + g % TV;
+        for (int64_t k = 0; k < n; ++k) f[(UP ? k : TB - 1 - k) * TV] = step(c[g].r, (k0 + k) * dt) != 0;
+      }
+    }
+    if (k0 == 0) {  // each chain's first step: from its carry, or its element
+      for (int g = 0; g < SEG_TW; ++g) {
+        const int64_t j = g / TV * TB + (UP ? 0 : TB - 1);
+        const Vals u = load_i(tile_row(x, tl.in, j), g % TV, 0);
+        const Vals v = carry[g] == nullptr ? u : pick(fl[j * TV + g % TV] != 0, u, combine(*carry[g], u, p, lane[g]));
+        put_all(acc, g, v);
+        store_i(tile_row(y, tl.out, j), g % TV, v);
+      }
+      if (part) seg_tile_scan_part<UP, 1>(x, y, p, lane, acc, tl, n);
+      else seg_tile_scan<UP, 1>(x, y, p, lane, acc, tl);
+    } else if (part) {
+      seg_tile_scan_part<UP, 0>(x, y, p, lane, acc, tl, n);
+    } else {
+      seg_tile_scan<UP, 0>(x, y, p, lane, acc, tl);
+    }
+    if (part) tile_out(yb, lo, tl.out, m);
+    else tile_out(yb, lo, tl.out, all);
+  }
+  for (int g = 0; g < SEG_TW; ++g) {  // chains longer than the shortest: walked on
+    const Vals a = get_all(acc, g);
+    const int64_t from = s0[g] + common;
+    const Vals* in = common == 0 ? carry[g] : &a;
+    if (from < s1[g]) seg_chains<1>(x, y, p, R, S, rev, lane + g, &from, s1 + g, &in);
+  }
+}
+
 // Chains per group: SEG_TW where tiled, else SEG_G (generated: 4, or 1 for a combine that
 // selects; see fscan._engines.cpp._kernel_segmented.chains_interleaved).
 static constexpr int SEG_CG = SEG_TILED ? SEG_TW : SEG_G;
@@ -181,7 +334,12 @@ static void seg_chain_group(const In x, const Out y, const Par p, const Flags R,
                             bool rev, int ng, const int64_t* lane, const int64_t* s0,
                             const int64_t* s1, const Vals* const* carry, SegTile& tl) {
   if (ng == SEG_CG && SEG_TILED) {
-    seg_tile_chains(x, y, p, R, S, rev, lane, s0, s1, carry, tl);
+    if (TILED && tileable(x, y)) {
+      if (rev) seg_transposed_chains<false>(x, y, p, R, S, lane, s0, s1, carry, tl.t);
+      else seg_transposed_chains<true>(x, y, p, R, S, lane, s0, s1, carry, tl.t);
+    } else {
+      seg_tile_chains(x, y, p, R, S, rev, lane, s0, s1, carry, tl);
+    }
     return;
   }
   int g = 0;
@@ -220,7 +378,8 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
   std::vector<Vals> tot(C > 1 ? items : 0);
   std::vector<uint8_t> seen(tot.size());
   fscan_team(nt, [&] {
-    SegTile tl;
+    SegTiles tiles;
+    SegTile tl(tiles);
     int64_t lane[SEG_CG], s0[SEG_CG], s1[SEG_CG];
     const Vals* carry[SEG_CG];
     auto describe = [&](int g, int64_t k, bool write) {

@@ -1,0 +1,72 @@
+"""The segmented chain path's register-transposed tiles (float32, steps dense: csrc/
+segmented_chains.h, seg_transposed_chains): chain lengths around the tiles' 16 steps,
+a restart at every offset inside a tile, both directions, 1-3 threads (chunks of
+unequal lengths, carries composed), row and element flags, against a float64 walk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import torch_threads
+from test_segmented_kernel import mask, oracle, run
+
+
+def check32(x, dim, reset, reverse, threads=None):
+    got = run("logcumsumexp", x, dim, reset, reverse, threads)
+    values, _ = oracle("logcumsumexp", x, dim, reset, reverse)
+    assert got[0].dtype == torch.float32
+    torch.testing.assert_close(got[0].double(), values, rtol=2e-6, atol=2e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("steps", list(range(1, 36)))
+@pytest.mark.parametrize("reverse", [False, True])
+def test_chain_lengths_around_the_tiles(steps, reverse):
+    """35 lanes (two whole groups of 16 chains, then lanes walked alone), element flags
+    at the first and last steps and about one in eight elsewhere."""
+    gen = torch.Generator().manual_seed(steps)
+    x = torch.randn(35, steps, generator=gen)
+    reset = mask((35, steps), 0.12, seed=steps)
+    reset[:, 0] = reset[3, -1] = True
+    check32(x, 1, reset, reverse)
+
+
+@pytest.mark.parametrize("offset", list(range(16)))
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("flags", ["row", "element"])
+def test_a_restart_at_every_offset_in_a_tile(offset, reverse, flags):
+    """A restart at one offset of every tile (a whole tile's rows and the partial tile's),
+    shared by every lane (a 1-D mask) or on every other lane."""
+    x = torch.randn(32, 16 * 3 + 7, generator=torch.Generator().manual_seed(offset))
+    n = x.shape[1]
+    row = torch.arange(n) % 16 == offset
+    reset = row if flags == "row" else (row[None, :] & (torch.arange(32)[:, None] % 2 == 0))
+    check32(x, 1, reset, reverse)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("shape,dim", [((9001,), 0), ((3, 5003), 1), ((40, 301), 1)])
+@pytest.mark.parametrize("flags", ["row", "sparse", "none"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_chunks_and_threads(threads, shape, dim, flags, reverse):
+    """Lanes split into chunks of unequal lengths (the carries composed, chains longer
+    than the shortest walked on after the tiles), on 1-3 threads."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(threads))
+    n = shape[dim]
+    if flags == "row":
+        reset = torch.arange(n) % 97 == 13
+    elif flags == "sparse":
+        reset = mask(shape, 0.002, seed=threads)
+    else:
+        reset = torch.zeros(n, dtype=torch.bool)
+    with torch_threads(threads):
+        check32(x, dim, reset, reverse, threads)
+
+
+def test_inf_and_nan_stay_in_their_segment():
+    x = torch.randn(20, 64)
+    x[:, 5] = float("inf")
+    x[:, 20] = float("nan")
+    x[:, 40] = float("-inf")
+    reset = torch.arange(64) % 16 == 9
+    for reverse in (False, True):
+        check32(x, 1, reset, reverse)
