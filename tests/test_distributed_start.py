@@ -233,7 +233,7 @@ def test_compiled_with_reset():
     """With reset=, the moved step traces into the graph (fullgraph=True): values and
     gradients as eager."""
     xs, init, flags = _data(9, 0)
-    xs = [x.requires_grad_() for x in xs]
+    xs = tuple(x.requires_grad_() for x in xs)
     want = fd.associative_scan(_affine, xs, 0, reset=flags, initial=init, exclusive=True)
     scan = lambda a, b: fd.associative_scan(
         _affine, (a, b), 0, reset=flags, initial=init, exclusive=True
