@@ -12,12 +12,14 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 __all__ = [
     "Where",
     "in_functorch_transform",
     "under_dispatch_mode",
     "under_transform",
+    "values_hidden",
     "where",
 ]
 
@@ -80,3 +82,15 @@ def under_dispatch_mode() -> bool:
     """A ``TorchDispatchMode`` is active: it expects to see every aten op, which a
     native kernel would run behind its back."""
     return bool(torch._C._len_torch_dispatch_stack())
+
+
+def values_hidden(*ts: torch.Tensor) -> bool:
+    """Under ``vmap`` (also ``jacrev``'s, and the legacy batching of
+    ``autograd.functional.jacobian(vectorize=True)``) no branch can depend on values."""
+    functorch = torch._C._functorch
+    if any(functorch.is_legacy_batchedtensor(t) for t in ts):
+        return True
+    if functorch.peek_interpreter_stack() is None:
+        return False
+    vmap = functorch.TransformType.Vmap
+    return any(i.key() == vmap for i in retrieve_all_functorch_interpreters())

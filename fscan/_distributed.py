@@ -107,9 +107,6 @@ def associative_scan(
     args = (combine_fn, xs, dim, reverse, combine_mode, group, layout, reset, validate)
     if deterministic is True and torch.compiler.is_compiling():  # see NOT_TRACED
         return _scan_eagerly(*args, deterministic, initial, exclusive)
-    moved = initial is not None or exclusive is True
-    if moved and reset is not None and torch.compiler.is_compiling():  # see _NOT_TRACED_MOVED
-        return _moved_eagerly(*args, deterministic, initial, exclusive)
     return _scan(*args, deterministic, initial, exclusive)
 
 
@@ -235,15 +232,6 @@ def _recurrence(
 # Eager calls go around them: the wrapper costs milliseconds per call.
 _scan_eagerly = torch.compiler.disable(_scan, reason=NOT_TRACED)
 _recurrence_eagerly = torch.compiler.disable(_recurrence, reason=NOT_TRACED)
-# Traced, the moved step with `reset=` left the ranks' compiled forwards out of step
-# (one rank still in the local scan while another waited in the backward's
-# collective): until that is understood, it runs eagerly.
-_NOT_TRACED_MOVED = (
-    "fscan.distributed.associative_scan: `initial=`/`exclusive=` together with `reset=` "
-    "run eagerly, outside the graph. Compile without fullgraph=True (the call is a graph "
-    "break), or drop `reset=`."
-)
-_moved_eagerly = torch.compiler.disable(_scan, reason=_NOT_TRACED_MOVED)
 
 
 def _checked_flag(api: str, deterministic: Any) -> bool:

@@ -659,6 +659,12 @@ CASES: dict[str, Callable[[int, int], None]] = {
         True, reverse=True, deterministic=True, recurrence=True
     ),
     "compile: exclusive pair": _at(3, _start_case(True, compiled=True)),
+    # the moved step with reset=: the first rank's results read nothing gathered, and
+    # its gathers must stay in its compiled forward (fscan._sharded.exchange.tie)
+    "compile: exclusive pair reset": _at(2, _start_case(True, reset=True, compiled=True)),
+    "compile: initial pair inclusive reverse reset": _at(
+        3, _start_case(False, reverse=True, reset=True, compiled=True)
+    ),
     "compile: no gradient recorded": _at(2, _compiled_without_grad),
     "torch.func grad, jacrev, vmap": _torch_func,
     "torch.func.jvp": _jvp,

@@ -229,17 +229,18 @@ def test_errors():
         fd.linear_recurrence(0.5, x, 0, exclusive=1)
 
 
-def test_compiled_with_reset_runs_eagerly():
-    """With reset=, the moved step runs outside the graph: values as eager; fullgraph
-    refuses with fscan's reason."""
+def test_compiled_with_reset():
+    """With reset=, the moved step traces into the graph (fullgraph=True): values and
+    gradients as eager."""
     xs, init, flags = _data(9, 0)
+    xs = tuple(x.requires_grad_() for x in xs)
     want = fd.associative_scan(_affine, xs, 0, reset=flags, initial=init, exclusive=True)
     scan = lambda a, b: fd.associative_scan(
         _affine, (a, b), 0, reset=flags, initial=init, exclusive=True
     )
     torch._dynamo.reset()
-    got = torch.compile(scan, backend="eager")(*xs)
+    got = torch.compile(scan, backend="aot_eager", fullgraph=True)(*xs)
     _close(got, want)
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match="drop `reset=`"):
-        torch.compile(scan, backend="eager", fullgraph=True)(*xs)
+    cot = [torch.randn_like(w) for w in want]
+    grad = lambda out: torch.autograd.grad(out, xs, cot)
+    _close(grad(got), grad(want))

@@ -32,11 +32,9 @@ floating point (so the data's own roundoff is out of the picture), and reports.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from optree import PyTreeSpec
 
 from .._call import ScanCall
 from .._checks import check_scan_args
@@ -46,6 +44,7 @@ from .._pytree import flatten, leaf_paths
 from .pointwise_check import checked_on_first_call
 from .purity import probe_purity, probeable
 from .store import Knowledge
+from .violation import ROUNDOFF_HINT, Failure, violation_message, worst_violation
 
 __all__ = [
     "DEFAULT_TRIALS",
@@ -147,8 +146,8 @@ def assert_associative(
     combine = flat_combine(api, combine_fn, spec, combine_mode)
     found = _first_violation(combine, moved, trials, rtol, atol, generator)
     if found is not None:
-        hint = "" if found.worst.exact else _ROUNDOFF_HINT
-        raise NotAssociativeError(_message(api, spec, found, dim) + hint)
+        hint = "" if found.worst.exact else ROUNDOFF_HINT
+        raise NotAssociativeError(violation_message(api, spec, found, dim) + hint)
 
 
 def quick_violation(
@@ -192,7 +191,7 @@ def quick_violation(
             continue
         if found is None:
             return None
-        return _message(api, spec, found, dim, positions.tolist())
+        return violation_message(api, spec, found, dim, positions.tolist())
     return None
 
 
@@ -233,7 +232,7 @@ def _first_violation(
     rtol: float | None,
     atol: float | None,
     generator: torch.Generator | None,
-) -> _Failure | None:
+) -> Failure | None:
     """Draw ``trials`` triples from non-empty ``moved`` (the scan dimension first) and
     return the worst failure of the first leaf that fails, if any."""
     starts, lengths = _draw(moved[0].shape[0], trials, generator)
@@ -246,9 +245,9 @@ def _first_violation(
         lhs, rhs = _split(combine(_cat(ab, a), _cat(c, bc)), 2)
     for i in range(len(moved)):
         involved = [a[i], b[i], c[i], ab[i], bc[i]]
-        worst = _worst_violation(lhs[i], rhs[i], involved, rtol, atol)
+        worst = worst_violation(lhs[i], rhs[i], involved, rtol, atol)
         if worst is not None:
-            return _Failure(i, worst, starts, lengths)
+            return Failure(i, worst, starts, lengths)
     return None
 
 
@@ -307,113 +306,3 @@ def _fold_runs(
         keep = (lengths > k).to(device)
         acc = [torch.where(keep.view(-1, *[1] * (x.ndim - 1)), y, x) for x, y in zip(acc, nxt)]
     return acc
-
-
-_ROUNDOFF_HINT = (
-    " If the difference is only float roundoff, check with "
-    "fscan.check_associative(..., rtol=...) and a larger rtol."
-)
-
-
-@dataclass
-class _Violation:
-    trial: int
-    index: tuple[int, ...]
-    lhs: Any
-    rhs: Any
-    diff: float
-    tol: float
-    exact: bool
-
-
-@dataclass
-class _Failure:
-    leaf: int  # the index of the first failing leaf
-    worst: _Violation
-    starts: torch.Tensor  # the draw (3 x trials): where the runs a, b, c start
-    lengths: torch.Tensor  # and how many elements each combines
-
-
-def _worst_violation(
-    lhs: torch.Tensor,
-    rhs: torch.Tensor,
-    involved: Sequence[torch.Tensor],
-    rtol: float | None,
-    atol: float | None,
-) -> _Violation | None:
-    """The entry where the two groupings differ most beyond the tolerance, if any."""
-    trials = lhs.shape[0]
-    if lhs.numel() == 0:
-        return None
-    inexact = lhs.dtype.is_floating_point or lhs.dtype.is_complex
-    if rtol is None:
-        rtol = torch.finfo(lhs.dtype).eps ** (1 / 3) if inexact else 0.0
-    atol = 0.0 if atol is None else atol
-    wide = torch.complex128 if lhs.dtype.is_complex else torch.float64
-    left, right = lhs.to(wide).reshape(trials, -1), rhs.to(wide).reshape(trials, -1)
-    finite = torch.isfinite(left) & torch.isfinite(right)
-    diff = torch.where(finite, (left - right).abs(), 0.0)
-    values = (*(v.to(wide).reshape(trials, -1) for v in involved), left, right)
-    magnitudes = [_finite_abs_max(v) for v in values]
-    tol = atol + rtol * torch.stack(magnitudes).amax(0, keepdim=True).T
-    excess = diff - tol
-    if not inexact and rtol == 0 and atol == 0:
-        # Integers compare exactly, even beyond float64's 53 bits.
-        excess = torch.where(lhs.reshape(trials, -1) != rhs.reshape(trials, -1), 1.0, -1.0)
-    if not bool((excess > 0).any()):
-        return None
-    flat = int(excess.argmax())
-    trial, entry = divmod(flat, excess.shape[1])
-    index = tuple(torch.unravel_index(torch.tensor(entry), lhs.shape[1:])) if lhs.ndim > 1 else ()
-    return _Violation(
-        trial=trial,
-        index=tuple(int(i) for i in index),
-        lhs=lhs.reshape(trials, -1)[trial, entry].item(),
-        rhs=rhs.reshape(trials, -1)[trial, entry].item(),
-        diff=float(diff[trial, entry]),
-        tol=float(tol[trial, 0]),
-        exact=not inexact,
-    )
-
-
-def _finite_abs_max(v: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(v), v.abs(), 0.0).amax(1)
-
-
-def _message(
-    api: str, spec: PyTreeSpec, found: _Failure, dim: int, positions: list[int] | None = None
-) -> str:
-    """What failed, for the elements at ``positions`` along ``dim`` (the check drew
-    from those; from every element when None)."""
-    worst = found.worst
-    path = spec.accessors()[found.leaf].codify("xs")
-    at = f" at index {worst.index} of the element" if worst.index else ""
-    runs = []
-    for k, name in enumerate("abc"):
-        start, length = int(found.starts[k, worst.trial]), int(found.lengths[k, worst.trial])
-        run = list(range(start, start + length))
-        runs.append(
-            f"{name} = {_describe_run(run if positions is None else [positions[i] for i in run])}"
-        )
-    if worst.exact:
-        gap = f"they differ by {worst.diff:.6g}"
-    else:
-        gap = f"they differ by {worst.diff:.3g}, above the tolerance {worst.tol:.3g}"
-    return (
-        f"{api}: `combine_fn` is not associative: for leaf {path}{at}, "
-        f"f(f(a, b), c) = {_fmt(worst.lhs)} but f(a, f(b, c)) = {_fmt(worst.rhs)}; {gap}, "
-        f"with {', '.join(runs)} along dim {dim}. A scan regroups combine_fn calls freely, "
-        f"so it needs f(f(a, b), c) == f(a, f(b, c)) for all elements."
-    )
-
-
-def _describe_run(positions: list[int]) -> str:
-    if len(positions) == 1:
-        return f"element {positions[0]}"
-    if positions == list(range(positions[0], positions[-1] + 1)):
-        return f"the combination of elements {positions[0]}..{positions[-1]}"
-    return f"the combination of elements {', '.join(map(str, positions))}"
-
-
-def _fmt(value: Any) -> str:
-    return f"{value:.6g}" if isinstance(value, float) else str(value)

@@ -19,12 +19,10 @@ from collections.abc import Callable
 
 import torch
 
+from .._context import values_hidden
 from .._engines.chunked import Carries, Operands
-from .._routing.recurrence import values_hidden
 
-# values_hidden: asked here, and by the sharded recurrence through this module (it
-# belongs with the other "where a call runs" questions).
-__all__ = ["all_normal", "inexact_carries", "repair_carries", "values_hidden"]
+__all__ = ["all_normal", "inexact_carries", "repair_carries"]
 
 
 def inexact_carries(

@@ -61,7 +61,7 @@ engine         when, and what runs
 ``tree``       otherwise: the odd/even tree of :mod:`fscan._engines.matrix_tree`;
                where its result is not finite (a product of gates may have left
                the range and met a state, ``0 * inf``) the loop instead, unless a
-               ``vmap`` hides the values (:func:`values_hidden`)
+               ``vmap`` hides the values (:func:`fscan._context.values_hidden`)
 =============  ===================================================================
 """
 
@@ -74,9 +74,8 @@ from typing import Literal, NamedTuple
 
 import optree
 import torch
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-from .._context import Where, where
+from .._context import Where, values_hidden, where
 from .._engines.chunked import Algebra, Operands, chunk_size, chunked_solve, sequential
 from .._engines.cpp.cpu_kernel import kernel_scan, kernel_vjp
 from .._engines.matrix_tree import MatrixMaps, matrix_scan, matrix_walk
@@ -99,7 +98,6 @@ __all__ = [
     "route",
     "route_matrix",
     "solve",
-    "values_hidden",
 ]
 
 _API = "fscan.linear_recurrence"
@@ -398,15 +396,3 @@ def route_matrix(maps: MatrixMaps, traced: Callable[[MatrixMaps], torch.Tensor])
         # * 0), where the loop never forms it: the loop's answer, step by step.
         h = matrix_walk(maps)
     return h
-
-
-def values_hidden(*ts: torch.Tensor) -> bool:
-    """Under ``vmap`` (also ``jacrev``'s, and the legacy batching of
-    ``autograd.functional.jacobian(vectorize=True)``) no branch can depend on values."""
-    functorch = torch._C._functorch
-    if any(functorch.is_legacy_batchedtensor(t) for t in ts):
-        return True
-    if functorch.peek_interpreter_stack() is None:
-        return False
-    vmap = functorch.TransformType.Vmap
-    return any(i.key() == vmap for i in retrieve_all_functorch_interpreters())

@@ -140,19 +140,66 @@ class _Tie(torch.autograd.Function):
         zero = torch.zeros_like(grads[0], dtype=dtype).sum()
         return (zero.expand(shape), *grads)
 
-
-class _TieJvp(_Tie):
-    """:class:`_Tie` with a forward-mode rule, for eager calls (see :class:`_AllGatherJvp`)."""
-
     @staticmethod
     def jvp(ctx: Any, anchor: torch.Tensor | None, *tangents: torch.Tensor) -> tuple:
         return tuple(t.view_as(t) for t in tangents)
 
 
+# Traced, each rank's collectives must run in the same order as every other rank's, and
+# all of them. The functional collectives count as pure ops, so a compiler may drop or
+# move a gather whose result nothing on that rank reads (the first rank in scan order,
+# an empty piece): AOTAutograd's partitioners left it out of the forward graph while the
+# backward still ran its reduce_scatter (the ranks' calls no longer paired up: a hang),
+# and placed two reduce_scatters that no data ordered in either order (paired with the
+# wrong peers: wrong gradients). Two opaque ops put the gather in those ranks' data flow
+# both ways: `fscan::tied` reads the gathered buffer and returns copies of the results
+# (so the gather runs before anything that uses them), and its backward's zeros for the
+# buffer come from `fscan::tied_zeros`, which reads the results' cotangents (so the
+# reduce_scatter runs after everything that produced them), as on the ranks whose
+# results read the buffer. The copies cost one pass over those ranks' results, under
+# torch.compile only.
+@torch.library.custom_op("fscan::tied", mutates_args=())
+def _tied(anchor: torch.Tensor, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [o.clone() for o in outs]
+
+
+@_tied.register_fake
+def _(anchor: torch.Tensor, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.empty_like(o) for o in outs]
+
+
+@torch.library.custom_op("fscan::tied_zeros", mutates_args=())
+def _tied_zeros(anchor: torch.Tensor, after: list[torch.Tensor]) -> torch.Tensor:
+    """Zeros like ``anchor``, once ``after`` exist (no arithmetic on their values:
+    ``0 * g`` is NaN where ``g`` is infinite)."""
+    return torch.zeros_like(anchor)
+
+
+@_tied_zeros.register_fake
+def _(anchor: torch.Tensor, after: list[torch.Tensor]) -> torch.Tensor:
+    return torch.empty_like(anchor)
+
+
+def _tied_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+def _tied_backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple:
+    (anchor,) = ctx.saved_tensors
+    after = [g for g in grads if g is not None]
+    return _tied_zeros(anchor, after), list(grads)
+
+
+_tied.register_autograd(_tied_backward, setup_context=_tied_setup)
+
+
 def tie(anchor: torch.Tensor, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``outs``, with ``anchor`` (the gathered buffer) in their graph (module docstring)."""
+    if torch.compiler.is_compiling():
+        return list(_tied(anchor, list(outs)))
     if not anchor.requires_grad or not torch.is_grad_enabled():
         return outs
-    return list((_Tie if torch.compiler.is_compiling() else _TieJvp).apply(anchor, *outs))
+    return list(_Tie.apply(anchor, *outs))
 
 
 @dataclass(frozen=True)

@@ -43,12 +43,13 @@ import torch
 import torch.distributed as dist
 
 from .._call import SCAN_API, RecurrenceCall, ScanCall
+from .._context import values_hidden
 from .._entry import run_scan
 from .._errors import ScanValueError
 from .._knowledge.store import reach
 from .._pytree import flatten, unflatten
 from .._recurrences.args import accumulation_dtype, check_recurrence_args, reset_mask
-from .._recurrences.composed_gates import all_normal, inexact_carries, values_hidden
+from .._recurrences.composed_gates import all_normal, inexact_carries
 from .._recurrences.solve import run_linear_recurrence
 from .._segmented import segmented_scan
 from .agree import Agreement, recurrence_facts, scan_facts

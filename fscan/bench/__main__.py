@@ -20,7 +20,7 @@ import torch
 
 import fscan
 
-from . import autograd, bars, core, extras, gpu, kernel, linear, ops, overhead
+from . import autograd, bars, core, extras, gpu, kernel, linear, log_space, ops, overhead
 from . import distributed as distributed_bench
 from ._allocator import pin_allocator
 from ._machine import machine_line
@@ -124,7 +124,7 @@ def _run(tables: list[tuple[str, Callable[[], str]]], mode: str) -> None:
 _FULL_ONLY = (
     linear.training_table,
     linear.accuracy_table,
-    linear.log_table,
+    log_space.log_table,
     kernel.backward_table,
     kernel.latency_table,
     extras.initial_table,

@@ -32,6 +32,7 @@ __all__ = [
     "Table",
     "engine_of",
     "fmt_ms",
+    "fwd_bwd",
     "interleaved",
     "interleaved_medians",
     "measure",
@@ -260,3 +261,11 @@ def fmt_ms(seconds: float | None, reference: float | None = None) -> str:
     if reference:
         text += f" ({seconds / reference:.2f}x)"
     return text
+
+
+def fwd_bwd(runner: Callable, a: torch.Tensor, b: torch.Tensor, cot: torch.Tensor) -> None:
+    """One timed training step of ``runner(a, b)``: forward, backward with ``cot``, the
+    gradients dropped."""
+    h = runner(a, b)
+    torch.autograd.backward(h, cot)
+    a.grad = b.grad = None

@@ -39,15 +39,14 @@ from fscan._recurrences.solve import LINEAR
 from fscan._routing import recurrence as _router
 from fscan._routing.recurrence import solve
 
-from ._timing import Table, fmt_ms, interleaved_medians
+from ._timing import Table, fmt_ms, fwd_bwd, interleaved_medians
+from .log_space import log_table
 
 __all__ = [
     "BlellochScan",
     "accuracy_table",
     "copy_table",
     "engines_of",
-    "heinsen",
-    "log_table",
     "main",
     "training_table",
 ]
@@ -55,8 +54,6 @@ __all__ = [
 SHAPES = [(2, 1024, 64, 16), (1, 4096, 32, 16), (8, 256, 64, 16)]
 QUICK_SHAPES = [(2, 256, 16, 16)]
 ACC_SHAPE = (4096, 64)
-LOG_LENGTHS = [512, 4096]
-LOG_WIDTH = 256
 
 
 # ---- the hand-written Blelloch scan (mamba.py's pscan style) --------------------
@@ -159,12 +156,6 @@ def selective_inputs(shape: tuple[int, ...], seed: int = 0) -> tuple[torch.Tenso
     return a, b, torch.randn(shape, generator=gen)
 
 
-def _fwd_bwd(runner: Callable, a: torch.Tensor, b: torch.Tensor, cot: torch.Tensor) -> None:
-    h = runner(a, b)
-    torch.autograd.backward(h, cot)
-    a.grad = b.grad = None
-
-
 def _memory(name: str, shape: tuple[int, ...]) -> int:
     """Extra peak RSS of one forward+backward of ``name``, in a fresh process."""
     probe = [sys.executable, "-m", "fscan.bench.linear", "--probe", name, *map(str, shape)]
@@ -176,10 +167,10 @@ def _probe(name: str, shape: tuple[int, ...]) -> None:
 
     runner = RUNNERS[name]
     small = selective_inputs((1, 64, 2, 2))
-    _fwd_bwd(runner, small[0].requires_grad_(), small[1].requires_grad_(), small[2])
+    fwd_bwd(runner, small[0].requires_grad_(), small[1].requires_grad_(), small[2])
     a, b, cot = selective_inputs(shape)
     a.requires_grad_(), b.requires_grad_()
-    _measure(lambda: _fwd_bwd(runner, a, b, cot), a.nbytes + b.nbytes)
+    _measure(lambda: fwd_bwd(runner, a, b, cot), a.nbytes + b.nbytes)
 
 
 def engines_of(job: Callable[[], object]) -> str:
@@ -230,7 +221,7 @@ def training_table(quick: bool = False, clock: Callable[[], float] = time.perf_c
         jobs: dict[str, Callable[[], object]] = {}
         for name, runner in RUNNERS.items():
             jobs[name + " fwd"] = functools.partial(runner, a, b)
-            jobs[name] = functools.partial(_fwd_bwd, runner, ga, gb, cot)
+            jobs[name] = functools.partial(fwd_bwd, runner, ga, gb, cot)
         engines = {name: engines_of(job) for name, job in jobs.items()}  # kernels built here
         times = interleaved_medians(jobs, budget_s=2 if quick else 4, rounds=2, clock=clock)
         first = next(iter(RUNNERS))
@@ -334,67 +325,6 @@ def accuracy_table(quick: bool = False) -> Table:
         outs = [fscan.linear_recurrence(a_low, b_low, 0, acc_dtype=acc) for acc in choices.values()]
         cells = [_relative_error(h, exact) for h in [*outs, exact.to(dtype)]]
         table.add(str(dtype).removeprefix("torch."), cells)
-    return table
-
-
-# ---- log space ---------------------------------------------------------------------
-
-
-def heinsen(log_a: torch.Tensor, log_b: torch.Tensor, dim: int) -> torch.Tensor:
-    """``log h`` by two prefix sums (Heinsen 2023; minGRU's ``parallel_scan_log``)."""
-    a_star = torch.cumsum(log_a, dim)
-    return a_star + torch.logcumsumexp(log_b - a_star, dim)
-
-
-def _log_loop(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """A sequential loop in log space along dim 1."""
-    h, out = log_b[:, 0], [log_b[:, 0]]
-    for t in range(1, log_b.shape[1]):
-        h = torch.logaddexp(log_a[:, t] + h, log_b[:, t])
-        out.append(h)
-    return torch.stack(out, 1)
-
-
-def log_inputs(length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """minGRU's logs: ``log(1 - z)`` and ``log z + log h~`` for a gate ``z = sigmoid(k)``."""
-    gen = torch.Generator().manual_seed(seed)
-    k = torch.randn(2, length, LOG_WIDTH, generator=gen)
-    log_values = 0.5 * torch.randn(2, length, LOG_WIDTH, generator=gen)
-    return -F.softplus(k), -F.softplus(-k) + log_values
-
-
-def log_table(quick: bool = False, clock: Callable[[], float] = time.perf_counter) -> Table:
-    """Accuracy against float64 and time, fscan vs two prefix sums vs a float32 loop."""
-    runners = {
-        "fscan.log_linear_recurrence": lambda la, lb: fscan.log_linear_recurrence(la, lb, 1),
-        "two prefix sums (Heinsen)": lambda la, lb: heinsen(la, lb, 1),
-        "float32 loop": _log_loop,
-    }
-    table = Table(
-        f"log h for h_t = a_t h_(t-1) + b_t, (2, L, {LOG_WIDTH}) float32, "
-        f"{torch.get_num_threads()} threads: max |log h - float64| (rms) / fwd / fwd+bwd, median",
-        list(runners),
-    )
-    for length in [512] if quick else LOG_LENGTHS:
-        la, lb = log_inputs(length)
-        exact = fscan.log_linear_recurrence(la.double(), lb.double(), 1)
-        ga, gb = la.clone().requires_grad_(), lb.clone().requires_grad_()
-        cot = torch.randn_like(la)
-        jobs: dict[str, Callable[[], object]] = {}
-        for name, runner in runners.items():
-            jobs[name + " fwd"] = functools.partial(runner, la, lb)
-            if name != "float32 loop":  # its autograd tape is not a contender
-                jobs[name] = functools.partial(_fwd_bwd, runner, ga, gb, cot)
-        times = interleaved_medians(jobs, budget_s=2 if quick else 3, rounds=2, clock=clock)
-        cells = []
-        for name, runner in runners.items():
-            err = (runner(la, lb).double() - exact).abs()
-            fwd_bwd = fmt_ms(times[name]) if name in times else "-"
-            cells.append(
-                f"{err.max():.1e} ({err.pow(2).mean().sqrt():.1e}) / "
-                f"{fmt_ms(times[name + ' fwd'])} / {fwd_bwd}"
-            )
-        table.add(f"L={length}", cells)
     return table
 
 
