@@ -71,7 +71,7 @@ from ._kernel_entry import (
 from ._kernel_entry import Entry as Entry
 from ._kernel_entry import State as State
 from ._kernel_entry import log_once as log_once
-from ._kernel_grad import KernelScan, kernel_grad_scan, kernel_vjp
+from ._kernel_grad import KernelScan, kernel_grad_scan
 from ._kernel_layout import (
     Counters,
     check_disjoint,
@@ -104,6 +104,7 @@ from ._kernel_run import (
     run_kernel,
     run_prepared,
 )
+from ._kernel_vjp import kernel_vjp
 
 __all__ = [
     "KERNEL_MIN_NUMEL",
