@@ -30,7 +30,8 @@ every call. After AOTAutograd the graph Inductor lowers needs no autograd rule, 
 lowering emits ``fscan::kernel_scan_run``, the same scan on an op without one: a
 ``custom_op``'s Python autograd wrapper costs ~15 µs a call even where no gradient is
 wanted. Inductor's Python wrapper then calls that op's kernel, :func:`_scan_on_kernel`,
-itself (:func:`call_directly`, through Inductor's table of custom fallback codegen):
+itself (:func:`~fscan._engines.cpp.inductor_calls.call_directly`, through Inductor's
+table of custom fallback codegen):
 through the dispatcher, an op whose kernel is Python boxes its arguments, unboxes them
 back into Python objects and runs the autograd fallback: on a (64,) add the op took
 28.5 µs of thread CPU time a call where the function took 15.2 (a loaded 2-core
@@ -74,6 +75,7 @@ from ._kernel_layout import element_shape
 from ._kernel_registry import leaf_refusal, lookup_kernels
 from ._kernel_run import PreparedRun, prepare_run, run_kernel, run_prepared
 from .cpu_kernel import kernel_scan, precompile
+from .inductor_calls import call_directly
 
 __all__ = [
     "LOWERING",
@@ -95,7 +97,7 @@ DeclinedScan = Callable[[FlatCombine, Sequence[torch.Tensor]], list[torch.Tensor
 # The code that decides what Inductor emits for fscan's ops (this module's and the autograd
 # rule's): part of every graph key, so that Inductor's disk cache never serves a graph
 # lowered by other code (module doc).
-_LOWERING_FILES = ("traced_kernel.py", "traced_kernel_grad.py")
+_LOWERING_FILES = ("traced_kernel.py", "traced_kernel_grad.py", "inductor_calls.py")
 LOWERING = hashlib.sha256(
     b"".join((Path(__file__).parent / name).read_bytes() for name in _LOWERING_FILES)
 ).hexdigest()[:16]
@@ -336,35 +338,6 @@ def install_lowering(declined: DeclinedScan) -> bool:
             call_directly(RUN, __name__, _scan_on_kernel.__name__)
             lowering.lowerings[associative_scan_op] = lowered
     return True
-
-
-def call_directly(op: Any, module: str, function: str) -> None:
-    """Have Inductor's Python wrapper call ``module.function`` where it would call ``op``, a
-    fallback of one of fscan's ops whose CPU kernel is that function: the same arguments
-    and results, without the dispatcher's trip to Python (module doc). The function is
-    looked up on its module at each call, as the op's kernel looks it up."""
-    try:  # a private table of Inductor's: without it, the wrapper calls the op
-        from torch._inductor.codegen.custom_extern_kernel_codegen import (
-            CUSTOM_EXTERN_KERNEL_CODEGEN,
-            CustomCodegen,
-        )
-    except ImportError:
-        return
-    from torch._inductor.virtualized import V
-
-    package, _, name = module.rpartition(".")
-    alias = f"fscan_{name}"
-
-    def python(node: Any, writeline: Callable[[str], None]) -> None:
-        wrapper = V.graph.wrapper_code
-        wrapper.add_import_once(f"from {package} import {name} as {alias}")
-        args = ", ".join([*node.codegen_args(), *node.codegen_kwargs()])
-        call = f"{alias}.{function}({args})"
-        writeline(f"{wrapper.declare}{node.get_name()} = {call}{wrapper.ending}")
-
-    # The name Inductor gives the fallback (ir.FallbackKernel.set_python_kernel_name).
-    op_name = f"{op.__module__.replace('._ops.', '.ops.')}.{op.__name__}"
-    CUSTOM_EXTERN_KERNEL_CODEGEN[op_name] = CustomCodegen(python=python)
 
 
 def _with_cpu_lowering(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -38,7 +38,8 @@ from ._kernel_entry import BuildCall, Entry
 from ._kernel_grad import _GradInfo, run_backward
 from ._kernel_layout import element_shape
 from ._kernel_registry import ready_entry, serving_lookup
-from .traced_kernel import OP, call_directly, combine_of, listed, registered, served_key
+from .inductor_calls import call_directly
+from .traced_kernel import OP, combine_of, listed, registered, served_key
 
 __all__ = ["install_autograd"]
 
