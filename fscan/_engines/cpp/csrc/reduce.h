@@ -13,11 +13,9 @@
 // running value stays in a register across the RB combines (in scan order, so the total
 // is the row-by-row one) and acc is read and written once per RB rows; row by row, acc's
 // store around every combine bounded the loop (add over (4096, 256) dim 0: 1.4x
-// torch.sum; RB = 4: 1.0x; 8: slower). Wider lanes (the affine pair) are bound by their
-// combine's float32 range check (scripts/roofline.py, AVX2, (4096, 256): the same loop
-// standalone read at 3.3x a read with the check, 1.3x without it; this kernel 3.4x), and
-// RB rows of pointers and values spilled: 1.2x slower with RB = 2. Strided rows are
-// gathered one at a time.
+// torch.sum; RB = 4: 1.0x; 8: slower). Wider lanes (the affine pair): RB rows of
+// pointers and values spilled, 1.2x slower with RB = 2; a combine with a range check
+// (RANGED) takes lane_total_watched below instead. Strided rows are gathered one at a time.
 static constexpr int64_t RB = sizeof(Vals) <= 8 ? 4 : 1;
 template <bool GATHER>
 static void lane_total(const In x, const Par p, const Geo& S, int64_t o, int64_t i0, int64_t w,
@@ -61,10 +59,13 @@ static void lane_total(const In x, const Par p, const Geo& S, int64_t o, int64_t
 // lane_total for a combine that range-checks a value held wider than its dtype (RANGED:
 // the affine pair's product, float32 in double). The check in the loop bound it (the
 // affine pair over (4096, 256) dim 0 read at 3.4x a read with it, 1.3x without it:
-// scripts/roofline.py): here each row runs watched (the checks left out, a flag OR-ed
+// scripts/roofline.py, AVX2): here each row runs watched (the checks left out, a flag OR-ed
 // across the row where one would have changed a value) from `cur` into `next`, and runs
 // again checked only where the flag came back set; bit for bit the checked loop's totals
-// (see fscan_range_f32). A row at a time, as lane_total takes wide lanes.
+// (see fscan_range_f32). A row at a time, as lane_total takes wide lanes. Measured
+// (1 thread, thread CPU time, best of 150 calls, 2 shared cores at load 5-12): 519-1148
+// us a call against 923-1419 us with the check in the loop; a lane's running values go
+// through two buffers in turn (L1), as the row may have to run again from the first.
 template <bool GATHER>
 static void lane_total_watched(const In x, const Par p, const Geo& S, int64_t o, int64_t i0, int64_t w,
                                int64_t s0, int64_t s1, bool rev, const Buf acc, const Buf spare,
