@@ -254,7 +254,8 @@ def range_format(dtype: torch.dtype, ctype: str) -> str | None:
     +-inf, underflow to +-0, as rounding to ``dtype`` would) where ``ctype`` holds more,
     else None."""
     narrow = _narrower(dtype, ctype)
-    return None if narrow is None else f"fscan_range_{narrow}({{}})"
+    # WATCH and `outside`: the combine's template flag and out-parameter (combine.cpp.in)
+    return None if narrow is None else f"fscan_range_{narrow}<WATCH>({{}}, outside)"
 
 
 def rounding_format(dtype: torch.dtype, ctype: str) -> str | None:

@@ -154,6 +154,7 @@ def _combine_function(compute: Sequence[str], program: Program) -> str:
         results=_lines([f"{compute[k]} o{k};" for k in R]),
         body=_lines(program.body.splitlines()),
         outputs=_lines([f"o.v{k} = o{k};" for k in R]),
+        ranged="true" if "fscan_range_" in program.body else "false",
     )
 
 

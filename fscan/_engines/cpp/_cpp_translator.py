@@ -9,6 +9,7 @@ becomes one C++ statement of the body, a :class:`~._cpp_ops.Program`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -128,7 +129,7 @@ class Translator:
         param_specs = tuple(Param(node_dtype(p)) for p in params)
         prologue = Prologue(static, params, constants)
         release_constants(self.gm, constants)
-        body = "\n".join(self.lines)
+        body = "\n".join(_without_unread_ranges(self.lines))
         return Program(body, param_specs, prologue, self.wide, self.expensive, self._reads())
 
     def _reads(self) -> tuple[frozenset[str], ...]:
@@ -377,3 +378,22 @@ class Translator:
                 self.lines.append(f"o{k} = {value};")
             else:
                 self.lines.append(f"o{k} = {cpp_const(converted_constant(o, dtype), oc)};")
+
+
+_RANGE_LINE = re.compile(r"const \w+ (v\d+r) = fscan_range_")
+
+
+def _without_unread_ranges(lines: Sequence[str]) -> list[str]:
+    """``lines`` less the range checks (``vNr``) no other line reads: a value only
+    stored keeps its compute type's range. The compiler dropped them as dead code, but
+    the combine's watched form (``WATCH``, combine.cpp.in) flags what a check would
+    change, which is not dead, and ``RANGED`` (a check is left) is read off the body."""
+    kept = []
+    for k, line in enumerate(lines):
+        match = _RANGE_LINE.match(line)
+        if match is not None:
+            word = re.compile(rf"\b{match.group(1)}\b")
+            if not any(word.search(other) for other in lines[k + 1 :]):
+                continue
+        kept.append(line)
+    return kept

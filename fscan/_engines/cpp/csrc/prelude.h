@@ -6,6 +6,8 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
+#include <utility>
 #include <vector>
 #include <omp.h>
 
@@ -251,3 +253,27 @@ static FSCAN_INLINE double fscan_flush_f32(double x) { return std::fabs(x) < 0x1
 static FSCAN_INLINE double fscan_range_f32(double x) { return fscan_range(x, 0x1.ffffffp127, 0x1p-150); }
 static FSCAN_INLINE float fscan_range_f16(float x) { return fscan_range(x, 65520.0f, 0x1p-25f); }
 static FSCAN_INLINE float fscan_range_bf16(float x) { return fscan_range(x, 0x1.ffp127f, 0x1p-134f); }
+// The range check as the generated combine calls it: WATCH false, the check itself;
+// WATCH true, x as it is and `outside` set where the check would change it. A loop over
+// a row of lanes runs the watched combine (a compare of |x| with the two bounds, OR-ed
+// across the row, instead of two compares and two selects a value) and runs the row
+// again with the check where `outside` came back set: bit for bit the checked values,
+// since the check changes nothing that is not flagged (NaN is kept by both).
+template <typename T> static FSCAN_INLINE bool fscan_outside(T x, T over, T under) {
+  const T m = std::fabs(x);
+  return (m >= over) | (m <= under);
+}
+// Where a combine is called without a watch (WATCH false: never written).
+static int64_t fscan_unwatched = 0;
+template <bool WATCH> static FSCAN_INLINE double fscan_range_f32(double x, int64_t& outside) {
+  if constexpr (WATCH) { outside |= fscan_outside(x, 0x1.ffffffp127, 0x1p-150); return x; }
+  else return fscan_range_f32(x);
+}
+template <bool WATCH> static FSCAN_INLINE float fscan_range_f16(float x, int64_t& outside) {
+  if constexpr (WATCH) { outside |= fscan_outside(x, 65520.0f, 0x1p-25f); return x; }
+  else return fscan_range_f16(x);
+}
+template <bool WATCH> static FSCAN_INLINE float fscan_range_bf16(float x, int64_t& outside) {
+  if constexpr (WATCH) { outside |= fscan_outside(x, 0x1.ffp127f, 0x1p-134f); return x; }
+  else return fscan_range_bf16(x);
+}

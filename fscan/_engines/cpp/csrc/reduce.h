@@ -13,11 +13,9 @@
 // running value stays in a register across the RB combines (in scan order, so the total
 // is the row-by-row one) and acc is read and written once per RB rows; row by row, acc's
 // store around every combine bounded the loop (add over (4096, 256) dim 0: 1.4x
-// torch.sum; RB = 4: 1.0x; 8: slower). Wider lanes (the affine pair) are bound by their
-// combine's float32 range check (scripts/roofline.py, AVX2, (4096, 256): the same loop
-// standalone read at 3.3x a read with the check, 1.3x without it; this kernel 3.4x), and
-// RB rows of pointers and values spilled: 1.2x slower with RB = 2. Strided rows are
-// gathered one at a time.
+// torch.sum; RB = 4: 1.0x; 8: slower). Wider lanes (the affine pair): RB rows of
+// pointers and values spilled, 1.2x slower with RB = 2; a combine with a range check
+// (RANGED) takes lane_total_watched below instead. Strided rows are gathered one at a time.
 static constexpr int64_t RB = sizeof(Vals) <= 8 ? 4 : 1;
 template <bool GATHER>
 static void lane_total(const In x, const Par p, const Geo& S, int64_t o, int64_t i0, int64_t w,
@@ -58,6 +56,49 @@ static void lane_total(const In x, const Par p, const Geo& S, int64_t o, int64_t
   }
 }
 
+// lane_total for a combine that range-checks a value held wider than its dtype (RANGED:
+// the affine pair's product, float32 in double). The check in the loop bound it (the
+// affine pair over (4096, 256) dim 0 read at 3.4x a read with it, 1.3x without it:
+// scripts/roofline.py, AVX2): here each row runs watched (the checks left out, a flag OR-ed
+// across the row where one would have changed a value) from `cur` into `next`, and runs
+// again checked only where the flag came back set; bit for bit the checked loop's totals
+// (see fscan_range_f32). A row at a time, as lane_total takes wide lanes. Measured
+// (1 thread, thread CPU time, best of 150 calls, 2 shared cores at load 5-12): 519-1148
+// us a call against 923-1419 us with the check in the loop; a lane's running values go
+// through two buffers in turn (L1), as the row may have to run again from the first.
+template <bool GATHER>
+static void lane_total_watched(const In x, const Par p, const Geo& S, int64_t o, int64_t i0, int64_t w,
+                               int64_t s0, int64_t s1, bool rev, const Buf acc, const Buf spare,
+                               const InRow& rows) {
+  const In xc = at(x, S, o, 0, i0);
+  const int64_t e0 = o * S.inner + i0, T = S.T, dt = rev ? -1 : 1;
+  In xs = row(xc, rev ? T - 1 - s0 : s0);
+  {
+    const int64_t t = rev ? T - 1 - s0 : s0;
+    const In xr = GATHER ? gather(xs, rows, w, rev) : xs;
+    fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) { put_all(acc, i, load_i(xr, i, t)); });
+  }
+  Buf cur = acc, next = spare;
+  bool moved = false;  // the totals are in spare
+  for (int64_t s = s0 + 1; s < s1; ++s) {
+    const int64_t t = rev ? T - 1 - s : s;
+    xs = row(xs, dt);
+    const In xr = GATHER ? gather(xs, rows, w, rev) : xs;
+    int64_t outside = 0;
+    fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
+      put_all(next, i, combine<false, true>(get_all(cur, i), load_i(xr, i, t), p, e0 + i, outside));
+    });
+    if (outside) {
+      fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
+        put_all(next, i, combine<false>(get_all(cur, i), load_i(xr, i, t), p, e0 + i));
+      });
+    }
+    std::swap(cur, next);
+    moved = !moved;
+  }
+  if (moved) fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) { put_all(acc, i, get_all(cur, i)); });
+}
+
 static void reduce_lanes(const In x, const Out z, const Par p, const Geo& S, bool rev, int nt) {
   const int64_t outer = S.outer, T = S.T, inner = S.inner;
   const Columns K = lane_columns(outer, T, inner, nt, 1);
@@ -67,13 +108,21 @@ static void reduce_lanes(const In x, const Out z, const Par p, const Geo& S, boo
   const bool dense = unit(x);
   fscan_team(nt, [&] {
     const InRow rows(dense ? 0 : W);
+    Store spare_store(RANGED ? W : 0);
+    const Buf spare = spare_store.buf();
 #pragma omp for schedule(static)
     for (int64_t k = 0; k < ncols * C; ++k) {
       const int64_t col = k / C, c = k % C;
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
       const int64_t s1 = std::min(T, (c + 1) * L);
-      if (dense) lane_total<false>(x, p, S, o, i0, w, c * L, s1, rev, offset(tb, k * W), rows);
-      else lane_total<true>(x, p, S, o, i0, w, c * L, s1, rev, offset(tb, k * W), rows);
+      const Buf acc = offset(tb, k * W);
+      if constexpr (RANGED) {
+        if (dense) lane_total_watched<false>(x, p, S, o, i0, w, c * L, s1, rev, acc, spare, rows);
+        else lane_total_watched<true>(x, p, S, o, i0, w, c * L, s1, rev, acc, spare, rows);
+      } else {
+        if (dense) lane_total<false>(x, p, S, o, i0, w, c * L, s1, rev, acc, rows);
+        else lane_total<true>(x, p, S, o, i0, w, c * L, s1, rev, acc, rows);
+      }
     }
 #pragma omp for schedule(static)
     for (int64_t col = 0; col < ncols; ++col) {
