@@ -151,3 +151,30 @@ def test_reduce_rows_run_again_only_where_needed_stay_exact(reverse, engines):
         assert engines()[-1] == "cpp"
     for g, w in zip(total, want):
         assert_same_range(g, w[-1], torch.float32, lanes)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_reduce_exact_zeros_bit_for_bit(dtype, reverse, engines):
+    """Exact zeros (a gate of 0, a state of +0 or -0 over many rows) are not flagged by the
+    watched rows (a zero is what the check keeps): the reduce's totals are still the
+    forward's last row bit for bit, signs of zero included, on one thread (both walk
+    each lane's rows in order)."""
+    T, W = 300, 40
+    a, b = events(T, W, dtype, [3, 11, 30])
+    a[50, :20] = 0.0  # a zero gate: a * h is 0 on that row
+    a[120:, 25:] = -a[120:, 25:]  # negative gates over a zero state: -0.0 products
+    b[: T // 2, 20:] = 0.0  # a state of exactly 0 (padding): every product is 0
+    b[T // 2 - 1, 24] = -0.0
+    xs = tuple(v.flip(0) if reverse else v for v in (a, b))
+    with torch_threads(1):
+        for _ in range(2):
+            scan = fscan.associative_scan(affine, xs, 0, reverse=reverse)
+            total = fscan.associative_reduce(affine, xs, 0, reverse=reverse)
+        assert engines()[-2:] == ["cpp", "cpp"]
+    for g, s in zip(total, scan):
+        last = s[0] if reverse else s[-1]
+        torch.testing.assert_close(g, last, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(g.signbit() | g.isnan(), last.signbit() | last.isnan())
+    assert (total[1][20:] == 0).any()

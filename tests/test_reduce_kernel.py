@@ -146,3 +146,51 @@ def test_gradients_and_off_take_the_tree(engines):
     with fscan.config.override(cpu_kernel="off"):
         fscan.associative_reduce(torch.add, x.detach(), 0)
     assert engines()[-1] == "tree"
+
+
+def _planted_affine(case: str, shape, reverse: bool):
+    """float32 affine pairs where composing chunk totals meets ``0 * inf`` and the steps
+    do not: ``inf`` state at the first step (in scan order) with gates 0.5 (every later
+    chunk's gate product underflows to 0), or gates 2.0 then 0.5 (the product overflows to
+    inf, then every later chunk's product is 0)."""
+    n = shape[0]
+    a = torch.full(shape, 0.5)
+    b = torch.linspace(-1.0, 1.0, n).reshape(n, *[1] * (len(shape) - 1)).expand(shape).clone()
+    first = n - 1 if reverse else 0
+    if case == "inf_state":
+        b[first] = float("inf")
+    elif case == "-inf_state":
+        b[first] = -float("inf")
+    else:  # "inf_gate": gates 2.0 over the first 400 steps in scan order, no state
+        head = slice(n - 400, n) if reverse else slice(0, 400)
+        a[head] = 2.0
+        b.zero_()
+    return a, b
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize(("shape", "dim"), [((40000,), 0), ((40000, 3), 0), ((40000, 16), 0)])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("case", ["inf_state", "-inf_state", "inf_gate"])
+def test_chunk_join_walks_where_composing_overflows(case, shape, dim, reverse, threads, engines):
+    """A chunked reduce (1-D and 2-column chains, a lane column) joins chunk totals as the
+    sequential scan would walk them: where composing gives NaN from non-NaN totals (a gate
+    product of 0 meeting an infinite carry), the chunk is walked from the carry, as the
+    forward's chunk join does (csrc/forward_lanes.h). Against a float64 loop and the
+    scan's last output on the same data."""
+    a, b = _planted_affine(case, shape, reverse)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = _reduce_twice(affine, (a, b), dim, reverse)
+        assert engines()[-1] == "cpp"
+        scan = fscan.associative_scan(affine, (a, b), dim, reverse=reverse)
+    finally:
+        torch.set_num_threads(previous)
+    want = oracle(affine, (a, b), dim, reverse)
+    last = [s.select(dim, 0 if reverse else -1) for s in scan]
+    for g, w, s in zip(got, want, last):
+        assert not w.isnan().any()
+        torch.testing.assert_close(g, w.float(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g, s, rtol=1e-5, atol=1e-5)

@@ -384,6 +384,7 @@ def reduce_source(dtypes: Sequence[torch.dtype], program: Program) -> str:
         "reduce.cpp.in",
         structs=leaf_structs(dtypes, compute, program, (), ()),
         combine=_combine_function(compute, program),
+        suspect=suspect_check(dtypes, range(len(dtypes))),
         tuning=csrc("tuning.h"),
         reduce=csrc("reduce.h"),
         arguments=", ".join(

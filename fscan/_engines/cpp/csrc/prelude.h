@@ -258,10 +258,12 @@ static FSCAN_INLINE float fscan_range_bf16(float x) { return fscan_range(x, 0x1.
 // a row of lanes runs the watched combine (a compare of |x| with the two bounds, OR-ed
 // across the row, instead of two compares and two selects a value) and runs the row
 // again with the check where `outside` came back set: bit for bit the checked values,
-// since the check changes nothing that is not flagged (NaN is kept by both).
+// since the check changes nothing that is not flagged (NaN is kept by both). Exact zeros
+// are not flagged: the check keeps them as they are (copysign(0, x) is x), and a row
+// whose product is 0 (a gate of 0, a reset written as a zero gate) would run twice.
 template <typename T> static FSCAN_INLINE bool fscan_outside(T x, T over, T under) {
   const T m = std::fabs(x);
-  return (m >= over) | (m <= under);
+  return (m >= over) | ((m <= under) & (m != T(0)));
 }
 // Where a combine is called without a watch (WATCH false: never written).
 static int64_t fscan_unwatched = 0;

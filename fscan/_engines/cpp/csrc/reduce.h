@@ -17,16 +17,26 @@
 // pointers and values spilled, 1.2x slower with RB = 2; a combine with a range check
 // (RANGED) takes lane_total_watched below instead. Strided rows are gathered one at a time.
 static constexpr int64_t RB = sizeof(Vals) <= 8 ? 4 : 1;
+// With a carry (the total of the steps before s0), the total of steps [0, s1) instead:
+// the chunk join walks a chunk that way where composing totals is not what its steps give.
 template <bool GATHER>
 static void lane_total(const In x, const Par p, const Geo& S, int64_t o, int64_t i0, int64_t w,
-                       int64_t s0, int64_t s1, bool rev, const Buf acc, const InRow& rows) {
+                       int64_t s0, int64_t s1, bool rev, const Buf acc, const InRow& rows,
+                       const Buf* carry = nullptr) {
   const In xc = at(x, S, o, 0, i0);
   const int64_t e0 = o * S.inner + i0, T = S.T, dt = rev ? -1 : 1;
   In xs = row(xc, rev ? T - 1 - s0 : s0);
   {
     const int64_t t = rev ? T - 1 - s0 : s0;
     const In xr = GATHER ? gather(xs, rows, w, rev) : xs;
-    fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) { put_all(acc, i, load_i(xr, i, t)); });
+    if (carry) {
+      const Buf left = *carry;
+      fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
+        put_all(acc, i, combine<false>(get_all(left, i), load_i(xr, i, t), p, e0 + i));
+      });
+    } else {
+      fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) { put_all(acc, i, load_i(xr, i, t)); });
+    }
   }
   int64_t s = s0 + 1;
   if (!GATHER && RB > 1) {
@@ -127,14 +137,25 @@ static void reduce_lanes(const In x, const Out z, const Par p, const Geo& S, boo
 #pragma omp for schedule(static)
     for (int64_t col = 0; col < ncols; ++col) {
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
-      const Buf first = offset(tb, col * C * W);
+      // Chunk c's slot takes the total of chunks 0..c. Composing is exact only up to the
+      // floats' range (a gate product underflowed to 0 meeting an inf carry: 0 * inf): where
+      // a lane's join is suspect (csrc/reduce.cpp.in), the chunk is walked from the carry,
+      // as the forward's chunk join does (csrc/forward_lanes.h).
       for (int64_t c = 1; c < C; ++c) {
-        const Buf next = offset(tb, (col * C + c) * W);
-        for (int64_t i = 0; i < w; ++i)
-          put_all(first, i, combine(get_all(first, i), get_all(next, i), p, o * inner + i0 + i));
+        const Buf prev = offset(tb, (col * C + c - 1) * W), cur = offset(tb, (col * C + c) * W);
+        bool walk = false;
+        for (int64_t i = 0; i < w; ++i) {
+          const Vals l = get_all(prev, i), r = get_all(cur, i), v = combine(l, r, p, o * inner + i0 + i);
+          walk |= suspect(l, r, v);
+          put_all(cur, i, v);
+        }
+        const int64_t s1 = std::min(T, (c + 1) * L);
+        if (walk && dense) lane_total<false>(x, p, S, o, i0, w, c * L, s1, rev, cur, rows, &prev);
+        else if (walk) lane_total<true>(x, p, S, o, i0, w, c * L, s1, rev, cur, rows, &prev);
       }
+      const Buf last = offset(tb, (col * C + C - 1) * W);
       const Out zr = at(z, S, o, 0, i0);
-      for (int64_t i = 0; i < w; ++i) store_i(zr, i, get_all(first, i));
+      for (int64_t i = 0; i < w; ++i) store_i(zr, i, get_all(last, i));
     }
   });
 }
@@ -186,7 +207,17 @@ static void reduce_chains(const In x, const Out z, const Par p, const Geo& S, bo
 #pragma omp for schedule(static)
     for (int64_t lane = 0; lane < lanes; ++lane) {
       Vals v = tot[lane * C];
-      for (int64_t c = 1; c < C; ++c) v = combine(v, tot[lane * C + c], p, lane);
+      for (int64_t c = 1; c < C; ++c) {
+        const Vals r = tot[lane * C + c], j = combine(v, r, p, lane);
+        if (!suspect(v, r, j)) {
+          v = j;
+          continue;
+        }
+        // Composing the chunk is not what its steps give (see suspect): walk them from v.
+        const int64_t s = c * L, t0 = rev ? T - 1 - s : s, len = std::min(T, s + L) - s;
+        const In xb = row(at(x, S, lane / inner, 0, lane % inner), t0);
+        for (int64_t k = 0; k < len; ++k) v = combine(v, load_t(xb, k * tstep, t0 + k * tstep), p, lane);
+      }
       store_t(at(z, S, lane / inner, 0, lane % inner), 0, v);
     }
   });
