@@ -60,6 +60,16 @@ static void seg_chains(const In x, const Out y, const Par p, const Flags R, cons
   // (1048576,). A branchless select standalone (vcmpss/vblendvps on the carried pair) ran
   // one chain at 2.1 ns an element, as the branch: latency-bound; it would pay only with
   // chains interleaved, which needs the combine generated as blends.)
+  // (Interleaving cummax's chains, tried on AVX2 (standalone copies of this kernel,
+  // (1048576,), a restart every 97 steps, 1 thread; the walk above: 1.9 ns an element):
+  // the combine and pick as masks in general registers, 1/2/4/8 chains: 5.0/3.7/3.8/4.6
+  // ns (the float <-> integer moves); 8 chains' running pairs side by side in memory,
+  // a step's combine as one loop over the chains: GCC vectorises it only with `GCC
+  // unroll 1` + `ivdep` (unrolled first, its SLP pass gave up; `omp simd` put the
+  // combine's Vals temporaries in simd arrays it could not store), and it ran 3.5 ns
+  // (each step's 8 scalar loads and stores around the blends). What ran faster, by
+  // hand in AVX2 for one dense chain: 8 steps a vector, a log-step scan of (flag,
+  // value, step) in the vector, then the carry: 1.6 ns (scripts: the s32 cummax note).)
   for (int64_t k = 1; k < common; ++k) {
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) walk(g, k);
