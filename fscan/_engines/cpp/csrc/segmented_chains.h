@@ -60,6 +60,21 @@ static void seg_chains(const In x, const Out y, const Par p, const Flags R, cons
   // (1048576,). A branchless select standalone (vcmpss/vblendvps on the carried pair) ran
   // one chain at 2.1 ns an element, as the branch: latency-bound; it would pay only with
   // chains interleaved, which needs the combine generated as blends.)
+  // (Branchless cummax, tried on AVX2 in standalone copies of this kernel ((1048576,),
+  // a restart every 97 steps, 1 thread, thread CPU time, loaded machine; the walk
+  // above 1.8-2.0 ns an element, a branchy inclusive loop as torch's 0.8-1.0): the
+  // combine and pick as masks in general registers, 1/2/4/8 chains interleaved:
+  // 5.0/3.7/3.8/4.6 ns (the float <-> integer moves); 8 chains' running pairs side by
+  // side in memory, each step's combine one loop over the chains: GCC vectorises it
+  // only under `GCC unroll 1` + `ivdep` (unrolled first, its SLP pass gave up; `omp
+  // simd` put the combine's Vals temporaries in simd arrays it could not store), 3.5 ns
+  // (8 scalar loads and stores a step around the blends); by hand, 8 steps of one dense
+  // chain a vector, a log-step scan of (flag, value, step) in the vector and then the
+  // carry, indices widened to int64 at the store: 1.55-1.6 ns, no faster with 2 or 4
+  // chains interleaved (throughput-bound: ~70 instructions a vector), nor as int32
+  // keys with each lane's winner from a table of the steps that take (1.65). None
+  // reaches the inclusive call: it mispredicts almost never, where a restart every 97
+  // steps makes ~5 new maxima a segment.)
   for (int64_t k = 1; k < common; ++k) {
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) walk(g, k);
