@@ -286,12 +286,13 @@ def test_split_column_backward_matches_the_oracle(name, reverse, threads, monkey
 def test_split_column_backward_with_every_cotangent_matches_the_oracle(reverse, threads):
     # The affine pair with both outputs' cotangents: its transfer maps carry two unit
     # cotangents (3 VJPs a step), so the top chunk of a split column is 3 times as long as
-    # the others (csrc/backward.h); 2100 steps split in 2 chunks only (csrc/tuning.h).
+    # the others (csrc/backward.h). 256 lanes: chunks of 64 steps at least (csrc/tuning.h),
+    # so 400 steps split in threads + 1 chunks, 150 in 2.
     gen = torch.Generator().manual_seed(7)
-    for steps in (6000, 2100):
-        a = torch.rand(steps, 16, generator=gen, dtype=torch.float64) * 0.5 + 0.5
-        b = torch.randn(steps, 16, generator=gen, dtype=torch.float64)
-        cots = [torch.randn(steps, 16, generator=gen, dtype=torch.float64) for _ in range(2)]
+    for steps in (400, 150):
+        a = torch.rand(steps, 256, generator=gen, dtype=torch.float64) * 0.5 + 0.5
+        b = torch.randn(steps, 256, generator=gen, dtype=torch.float64)
+        cots = [torch.randn(steps, 256, generator=gen, dtype=torch.float64) for _ in range(2)]
         xs = [a.clone().requires_grad_(), b.clone().requires_grad_()]
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
