@@ -265,10 +265,11 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const PB
   // 2 threads as one thread's scan.
   // A map costs 1 + live VJPs a step (live: the cotangents carried, see lane_transfer)
   // against the scan's one, so the chunks are not equal: the top chunk is 1 + live times
-  // as long as each of the others (top_chunk_steps), so that the first pass's scan and
-  // maps end together and the second pass's chunks are equal. Equal chunks left the other
-  // thread(s) waiting on the maps: 2 threads were no faster than one (add, the affine
-  // pair: 0.8-1.0x one thread's backward; linear_recurrence 1.4x, its quiet bench rows).
+  // as long as each of the others (span below), so that the first pass's scan and maps
+  // end together and the second pass's chunks are equal. With equal chunks the scanning
+  // thread waited on the maps: in a quiet bench (fwd+bwd less fwd, (4096, 256) float32) 2
+  // threads' backward took 0.8x (add), 1.0x (the affine pair), 1.4x (linear_recurrence)
+  // one thread's. (Not yet timed on a quiet machine with this split.)
   const int64_t T = S.T;
   const Columns K = lane_columns(outer, T, inner, nt, 1, 1);
   const int64_t W = K.W, ntiles = K.ntiles, ncols = K.ncols, C = K.C;
