@@ -285,9 +285,9 @@ def test_split_column_backward_matches_the_oracle(name, reverse, threads, monkey
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 def test_split_column_backward_with_every_cotangent_matches_the_oracle(reverse, threads):
     # The affine pair with both outputs' cotangents: its transfer maps carry two unit
-    # cotangents (3 VJPs a step), so the top chunk of a split column is 3 times as long as
-    # the others (csrc/backward.h). 256 lanes: chunks of 64 steps at least (csrc/tuning.h),
-    # so 400 steps split in threads + 1 chunks, 150 in 2.
+    # cotangents, and its split column's chunks are equal (csrc/backward.h; with one, the
+    # top chunk is twice as long: the other split-column test). 256 lanes: chunks of 64
+    # steps at least (csrc/tuning.h), so 400 steps split in threads + 1 chunks, 150 in 2.
     gen = torch.Generator().manual_seed(7)
     for steps in (400, 150):
         a = torch.rand(steps, 256, generator=gen, dtype=torch.float64) * 0.5 + 0.5

@@ -263,20 +263,23 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const PB
   // then chunks 0..C-2 are scanned from their carries. With C = threads + 1, one pass of
   // each: finding every chunk's map first (C = 2 * threads), as before, took as long on
   // 2 threads as one thread's scan.
-  // A map costs 1 + live VJPs a step (live: the cotangents carried, see lane_transfer)
-  // against the scan's one, so the chunks are not equal: the top chunk is 1 + live times
-  // as long as each of the others (span below), so that the first pass's scan and maps
-  // end together and the second pass's chunks are equal. With equal chunks the scanning
-  // thread waited on the maps: in a quiet bench (fwd+bwd less fwd, (4096, 256) float32) 2
-  // threads' backward took 0.8x (add), 1.0x (the affine pair), 1.4x (linear_recurrence)
-  // one thread's. (Not yet timed on a quiet machine with this split.)
+  // The chunks are not equal where one carried cotangent (live == 1: linear_recurrence's
+  // backward, add) makes the maps cost about twice the scan: the top chunk is then twice as
+  // long as each of the others (span below), so that the first pass's scan and maps end
+  // together and the second pass's chunks are equal. Measured (quiet, 2 threads, the
+  // backward alone, wall, float32, dim 0): linear_recurrence's backward 1.83-1.86 -> 1.50-1.52 ms
+  // (4096, 256), 9.6-10.2 -> 6.8-7.3 ms (16384, 256); add the same within noise. The
+  // affine pair with both cotangents (live == 2) keeps equal chunks: its top chunk 3 times
+  // as long (1 + live VJPs a step) took 1.32-1.36 -> 1.57-1.77 ms at (4096, 256), so its
+  // maps cost no more than its scan (they store nothing).
   const int64_t T = S.T;
   const Columns K = lane_columns(outer, T, inner, nt, 1, 1);
   const int64_t W = K.W, ntiles = K.ntiles, ncols = K.ncols, C = K.C;
   int live = 0;
   for (int u = 0; u < NF; ++u) live += !lam_dead(u);
   // Chunk c < C - 1: steps [c * L, (c + 1) * L); the top chunk C - 1: [(C - 1) * L, T).
-  const int64_t L = C > 1 ? std::max<int64_t>(1, T / (C + live)) : T;
+  const int64_t top = live == 1 ? 2 : 1;  // the top chunk's length in the others'
+  const int64_t L = C > 1 ? std::max<int64_t>(1, T / (C - 1 + top)) : T;
   auto span = [&](int64_t c, int64_t& a, int64_t& z) { a = c * L; z = c == C - 1 ? T : std::min(T, a + L); };
   const bool dense = unit(x) && unit(y) && unit(g);
   const int64_t slots = C > 1 ? ncols * C * W : 0;  // per (column, chunk, lane)
