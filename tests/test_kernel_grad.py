@@ -278,3 +278,32 @@ def test_split_column_backward_matches_the_oracle(name, reverse, threads, monkey
         assert (g is None) == (w is None)
         if g is not None:
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_split_column_backward_with_every_cotangent_matches_the_oracle(reverse, threads):
+    # The affine pair with both outputs' cotangents: its transfer maps carry two unit
+    # cotangents, and its split column's chunks are equal (csrc/backward.h; with one, the
+    # top chunk is twice as long: the other split-column test). 256 lanes: chunks of 64
+    # steps at least (csrc/tuning.h), so 400 steps split in threads + 1 chunks, 150 in 2.
+    gen = torch.Generator().manual_seed(7)
+    for steps in (400, 150):
+        a = torch.rand(steps, 256, generator=gen, dtype=torch.float64) * 0.5 + 0.5
+        b = torch.randn(steps, 256, generator=gen, dtype=torch.float64)
+        cots = [torch.randn(steps, 256, generator=gen, dtype=torch.float64) for _ in range(2)]
+        xs = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = fscan.associative_scan(affine, tuple(xs), 0, reverse)
+            got = torch.autograd.grad(out, xs, cots)
+        finally:
+            torch.set_num_threads(before)
+        assert type(out[0].grad_fn).__name__ == "KernelScanBackward"
+        wide = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+        want_out = sequential_scan(affine, tuple(wide), 0, reverse, combine_mode="pointwise")
+        want = torch.autograd.grad(want_out, wide, cots)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)

@@ -263,9 +263,24 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const PB
   // then chunks 0..C-2 are scanned from their carries. With C = threads + 1, one pass of
   // each: finding every chunk's map first (C = 2 * threads), as before, took as long on
   // 2 threads as one thread's scan.
+  // The chunks are not equal where one carried cotangent (live == 1: linear_recurrence's
+  // backward, add) makes the maps cost about twice the scan: the top chunk is then twice as
+  // long as each of the others (span below), so that the first pass's scan and maps end
+  // together and the second pass's chunks are equal. Measured (quiet, 2 threads, the
+  // backward alone, wall, float32, dim 0): linear_recurrence's backward 1.83-1.86 -> 1.50-1.52 ms
+  // (4096, 256), 9.6-10.2 -> 6.8-7.3 ms (16384, 256); add the same within noise. The
+  // affine pair with both cotangents (live == 2) keeps equal chunks: its top chunk 3 times
+  // as long (1 + live VJPs a step) took 1.32-1.36 -> 1.57-1.77 ms at (4096, 256), so its
+  // maps cost no more than its scan (they store nothing).
   const int64_t T = S.T;
   const Columns K = lane_columns(outer, T, inner, nt, 1, 1);
-  const int64_t W = K.W, ntiles = K.ntiles, ncols = K.ncols, C = K.C, L = K.L;
+  const int64_t W = K.W, ntiles = K.ntiles, ncols = K.ncols, C = K.C;
+  int live = 0;
+  for (int u = 0; u < NF; ++u) live += !lam_dead(u);
+  // Chunk c < C - 1: steps [c * L, (c + 1) * L); the top chunk C - 1: [(C - 1) * L, T).
+  const int64_t top = live == 1 ? 2 : 1;  // the top chunk's length in the others'
+  const int64_t L = C > 1 ? std::max<int64_t>(1, T / (C - 1 + top)) : T;
+  auto span = [&](int64_t c, int64_t& a, int64_t& z) { a = c * L; z = c == C - 1 ? T : std::min(T, a + L); };
   const bool dense = unit(x) && unit(y) && unit(g);
   const int64_t slots = C > 1 ? ncols * C * W : 0;  // per (column, chunk, lane)
   std::vector<Lam> outs(slots), ins(slots, lam_zero()), M(slots * NF);
@@ -282,7 +297,9 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const PB
       for (int64_t k = 0; k < ncols * (C - 1); ++k) {
         // j = 0: the top chunk C - 1, scanned; j > 0: chunk j's transfer map.
         const int64_t col = k / (C - 1), j = k % (C - 1), c = j == 0 ? C - 1 : j;
-        const int64_t base = (col * C + c) * W, a = c * L, z = std::min(T, a + L);
+        const int64_t base = (col * C + c) * W;
+        int64_t a, z;
+        span(c, a, z);
         place(col, o, i0, w);
         if (j == 0) {
           Lam* down = &ins[(col * C + C - 2) * W];  // what enters chunk C - 2
@@ -305,8 +322,10 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const PB
           Lam next = outs[slot];
           for (int u = 0; u < NF; ++u) if (!lam_dead(u)) next = lam_axpy(next, M[slot * NF + u], carry, u);
           if (lam_suspect(outs[slot], carry, next)) {
+            int64_t a, z;
+            span(c, a, z);
             const Chunk k{at(x, S, o, 0, i0 + i), at(y, S, o, 0, i0 + i), at(g, S, o, 0, i0 + i),
-                          at(b, S, o, 0, i0 + i), o * inner + i0 + i, c * L, std::min(T, (c + 1) * L)};
+                          at(b, S, o, 0, i0 + i), o * inner + i0 + i, a, z};
             next = walk_down(p, k, T, rev, carry);
           }
           carry = next;
@@ -320,7 +339,8 @@ static void backward(const In x, const In y, const Grad g, const Bar b, const PB
     for (int64_t k = 0; k < ncols * rest; ++k) {
       const int64_t col = k / rest, c = k % rest, base = (col * C + c) * W;
       place(col, o, i0, w);
-      const int64_t a = c * L, z = std::min(T, a + L);
+      int64_t a, z;
+      span(c, a, z);
       const Lam* in = C > 1 ? &ins[base] : nullptr;
       PLam* sums = C > 1 ? &pt[base] : nullptr;
       if (dense) lane_bwd<false>(x, y, g, b, q, p, S, o, i0, w, a, z, rev, in, sums, nullptr, store.buf(), rows);
