@@ -96,12 +96,7 @@ on_clear(drop_in_repeats.clear)
 def repeat_cumulative(op: Any, x: Any, dim: Any, reverse: Any) -> Any:
     """The drop-in of torch's ``op`` on ``x`` by the kernel run an identical call made
     (module doc), or None: the drop-in's checked path then runs."""
-    if type(x) is not torch.Tensor:
-        return None
-    parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)
-    if parts is None:
-        return None
-    run = drop_in_repeats.get((_CUMULATIVE, op, *parts))
+    run = _stored(_CUMULATIVE, op, x, dim, reverse)
     if run is None:
         return None
     out = run_prepared(run, [x], ())
@@ -109,6 +104,15 @@ def repeat_cumulative(op: Any, x: Any, dim: Any, reverse: Any) -> Any:
         return None
     ran("cpp")
     return EXTREMA[op]((out[0], out[1])) if run.positions else out[0]
+
+
+def _stored(kind: str, op: Any, x: Any, dim: Any, reverse: Any) -> Any:
+    """The run stored under ``kind``'s key for a drop-in of ``op`` on ``x`` (a plain tensor
+    whose call :func:`~fscan._routing.repeat_key.call_parts` lets repeat), or None."""
+    if type(x) is not torch.Tensor:
+        return None
+    parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)
+    return None if parts is None else drop_in_repeats.get((kind, op, *parts))
 
 
 def remember_cumulative(
@@ -143,12 +147,7 @@ KernelCall = tuple[Callable[[Any, Any], Any], PyTreeSpec, Sequence[torch.Tensor]
 def repeat_exclusive(op: Any, x: Any, dim: Any, reverse: Any) -> Any:
     """The exclusive drop-in of torch's ``op`` on ``x`` by the kernel run an identical
     call made (module doc), or None: the drop-in's checked path then runs."""
-    if type(x) is not torch.Tensor:
-        return None
-    parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)
-    if parts is None:
-        return None
-    found = drop_in_repeats.get((_EXCLUSIVE, op, *parts))
+    found = _stored(_EXCLUSIVE, op, x, dim, reverse)
     if found is None:
         return None
     out = run_exclusive(found, x)
