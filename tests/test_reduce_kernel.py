@@ -196,12 +196,13 @@ def test_chunk_join_walks_where_composing_overflows(case, shape, dim, reverse, t
         torch.testing.assert_close(g, s, rtol=1e-5, atol=1e-5)
 
 
+BLOCK_SHAPES = [((2, 43), 0), ((9, 43), 0), ((300, 40), 0), ((303, 41), 0), ((2, 307, 24), 1)]
+BLOCK_SHAPES += [((9000, 16), 0)]  # chunked on 2 and 3 threads
+
+
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize(
-    ("shape", "dim"),
-    [((2, 43), 0), ((9, 43), 0), ((300, 40), 0), ((303, 41), 0), ((2, 307, 24), 1), ((9000, 16), 0)],
-)
+@pytest.mark.parametrize(("shape", "dim"), BLOCK_SHAPES)
 @pytest.mark.parametrize("reverse", [False, True])
 def test_float32_blocks_keep_the_order(shape, dim, reverse, threads, engines):
     """float32 add and mul, accumulated in double, take the lane path's blocks of rows
