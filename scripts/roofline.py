@@ -406,6 +406,8 @@ def section_reduce(m, budget: float) -> None:
         "row by row",
     )
     blocks = build_reduce()
+    blocks.add_blocks(True, 8, _p(x), _p(za), T, N)  # the sequential double sum, rounded once
+    assert torch.equal(za, torch.cumsum(x.double(), 0)[-1].float()), "block loop: wrong totals"
     for dbl in (True, False):
         s.add(
             f"add reduce, 8 rows x 4 lanes a block, {'double' if dbl else 'float32'} acc",
