@@ -80,6 +80,19 @@ def build():
     return module
 
 
+def build_reduce():
+    """The reduce section's block loops (scripts/roofline/reduce_loops.cpp), same flags."""
+    from torch.utils.cpp_extension import load
+
+    cflags, ldflags = _flags()
+    return load(
+        name="fscan_roofline_reduce",
+        sources=[str(HERE / "roofline" / "reduce_loops.cpp")],
+        extra_cflags=cflags,
+        extra_ldflags=ldflags,
+    )
+
+
 def _p(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -390,8 +403,18 @@ def section_reduce(m, budget: float) -> None:
         "add reduce loop, double acc",
         lambda: m.lane_scan(ADD, F64, _p(x), 0, _p(za), 0, T, N, False),
         "torch.sum of x",
-        "row by row (the kernel: 4 rows a pass)",
+        "row by row",
     )
+    blocks = build_reduce()
+    blocks.add_blocks(True, 8, _p(x), _p(za), T, N)  # the sequential double sum, rounded once
+    assert torch.equal(za, torch.cumsum(x.double(), 0)[-1].float()), "block loop: wrong totals"
+    for dbl in (True, False):
+        s.add(
+            f"add reduce, 8 rows x 4 lanes a block, {'double' if dbl else 'float32'} acc",
+            lambda dbl=dbl: blocks.add_blocks(dbl, 8, _p(x), _p(za), T, N),
+            "torch.sum of x",
+            "floor (the kernel's blocks, AVX2 intrinsics)" if dbl else "",
+        )
     s.add(
         "fscan add reduce",
         lambda: fscan.associative_reduce(bars.COMBINES["add"], x, 0),

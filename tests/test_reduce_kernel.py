@@ -194,3 +194,38 @@ def test_chunk_join_walks_where_composing_overflows(case, shape, dim, reverse, t
         assert not w.isnan().any()
         torch.testing.assert_close(g, w.float(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(g, s, rtol=1e-5, atol=1e-5)
+
+
+BLOCK_SHAPES = [((2, 43), 0), ((9, 43), 0), ((300, 40), 0), ((303, 41), 0), ((2, 307, 24), 1)]
+BLOCK_SHAPES += [((9000, 16), 0)]  # chunked on 2 and 3 threads
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("shape", "dim"), BLOCK_SHAPES)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_float32_blocks_keep_the_order(shape, dim, reverse, threads, engines):
+    """float32 add and mul, accumulated in double, take the lane path's blocks of rows
+    (csrc/reduce.h, block_rows: 8 rows by 4 lanes in registers): lengths that leave 0 to 7
+    rows behind the blocks, lane counts that leave 1 to 3 lanes behind the 4-lane blocks.
+    Unchunked (1 thread, or columns enough for the threads), the total is the sequential
+    double loop's, rounded once, bit for bit, and the scan's last output; chunked, close."""
+    gen = torch.Generator().manual_seed(shape[dim] * 3 + dim)
+    x = torch.randn(shape, generator=gen)
+    g = torch.rand(shape, generator=gen) * 0.2 + 0.9
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for fn, data in ((torch.add, x), (torch.mul, g)):
+            got = _reduce_twice(fn, data, dim, reverse)
+            assert engines()[-1] == "cpp"
+            last = fscan.associative_scan(fn, data, dim, reverse=reverse).select(
+                dim, 0 if reverse else -1
+            )
+            want = oracle(fn, data, dim, reverse).float()
+            if threads == 1 or shape == (2, 307, 24):
+                assert torch.equal(got, want) and torch.equal(got, last)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    finally:
+        torch.set_num_threads(previous)

@@ -8,15 +8,70 @@
 // and before the generated entry point, which calls reduce().
 
 // The total of steps [s0, s1) (in scan order, s1 > s0) of lanes [i0, i0 + w) of outer
-// index o, into acc (w entries, every leaf). Where a lane holds one compute value
-// (sizeof(Vals) <= 8: add, max, mul of one leaf), dense rows are read RB at a time: the
-// running value stays in a register across the RB combines (in scan order, so the total
-// is the row-by-row one) and acc is read and written once per RB rows; row by row, acc's
-// store around every combine bounded the loop (add over (4096, 256) dim 0: 1.4x
-// torch.sum; RB = 4: 1.0x; 8: slower). Wider lanes (the affine pair): RB rows of
-// pointers and values spilled, 1.2x slower with RB = 2; a combine with a range check
-// (RANGED) takes lane_total_watched below instead. Strided rows are gathered one at a time.
-static constexpr int64_t RB = sizeof(Vals) <= 8 ? 4 : 1;
+// index o, into acc (w entries, every leaf). Where a lane holds one float32 leaf widened
+// to double (BLOCKED: add, mul), dense rows are read RB at a time by block_rows: LB
+// lanes' running values stay in registers across the RB combines (in scan order, so the
+// total is the row-by-row one) and acc is read and written once per RB rows; row by row,
+// acc's load and store around every combine bounded the loop (add over (4096, 256) dim 0:
+// 1.4x torch.sum). Wider lanes (the affine pair) go row by row: block_rows with two leaves stayed
+// scalar (GCC packed neither leaf: the affine pair over (4096, 256) dim 0 took 1.4-2.9 ms
+// with N = 1-8 against 0.45 ms row by row), and two rows a pass of the row loop gained
+// nothing. Strided rows are gathered one at a time.
+static constexpr int64_t RB = 8;
+// Lanes a block: one vector of the running values (4 doubles with AVX2).
+static constexpr int64_t LB = 4;
+// Whether block_rows takes the dense rows: one float32 leaf read into a double running
+// value (add, mul: the widening made the loop vectorizer's code slow, see block_rows).
+// Elsewhere row by row, as the forward's lane path, which the loop vectorizer takes at
+// full width: block_rows leaves a combine with branches (fscan_max) scalar, and so did
+// RB rows a pass of the row loop (max over (4096, 256) dim 0: 575-600 us both ways,
+// 127 us row by row, a float32 column sum 100-130 us).
+static constexpr bool BLOCKED = sizeof(Vals) == 8 && std::is_same_v<decltype(Vals::v0), double> &&
+                                std::is_same_v<decltype(std::declval<In>().x0.p), const float*>;
+// Rows t + j * dt (j < N: row(x0, (j + 1) * dt)) of lanes [0, w) combined into the running
+// values in acc. A block of LB lanes is written out as LB scalar chains that GCC's
+// straight-line (SLP) vectorizer packs into one vector a leaf, its loads converted straight
+// from memory (vcvtps2pd ymm, m128). The asm hides the block index from the loop
+// vectorizer: left to it, it took the whole loop at 8 lanes (float32's width), loaded 8
+// floats and split each load into two halves to widen, and spilled rows' pointers (add
+// over (4096, 256) dim 0, AVX2, the kernel alone: 150 us as fscan_lanes at RB = 4 with
+// the rows in an array; 122 us as an omp simd loop at 8; 93-100 us this way; a float32
+// column sum 85-93 us; blocks of 8 lanes 138 us: not packed). A combine with a range check
+// (RANGED) runs a block watched (see fscan_range_f32) and again checked from acc where a
+// check would have changed a value: bit for bit the checked loop's totals.
+template <int N>
+static FSCAN_INLINE void block_rows(const In x0, int64_t dt, int64_t t, const Par p, int64_t e0, int64_t w,
+                                    const Buf acc) {
+  int64_t i = 0;
+  for (; i + LB <= w; i += LB) {
+    Vals v[LB];
+    int64_t outside = 0;
+#pragma GCC unroll 8
+    for (int k = 0; k < LB; ++k) v[k] = get_all(acc, i + k);
+#pragma GCC unroll 8
+    for (int j = 0; j < N; ++j) {
+      const In xj = row(x0, (j + 1) * dt);
+#pragma GCC unroll 8
+      for (int k = 0; k < LB; ++k) v[k] = combine<false, RANGED>(v[k], load_i(xj, i + k, t + j * dt), p, e0 + i + k, outside);
+    }
+    if (RANGED && outside) {
+#pragma GCC unroll 8
+      for (int k = 0; k < LB; ++k) v[k] = get_all(acc, i + k);
+      for (int j = 0; j < N; ++j) {
+        const In xj = row(x0, (j + 1) * dt);
+        for (int k = 0; k < LB; ++k) v[k] = combine<false>(v[k], load_i(xj, i + k, t + j * dt), p, e0 + i + k);
+      }
+    }
+#pragma GCC unroll 8
+    for (int k = 0; k < LB; ++k) put_all(acc, i + k, v[k]);
+    asm("" : "+r"(i));
+  }
+  for (; i < w; ++i) {
+    Vals v = get_all(acc, i);
+    for (int j = 0; j < N; ++j) v = combine<false>(v, load_i(row(x0, (j + 1) * dt), i, t + j * dt), p, e0 + i);
+    put_all(acc, i, v);
+  }
+}
 // With a carry (the total of the steps before s0), the total of steps [0, s1) instead:
 // the chunk join walks a chunk that way where composing totals is not what its steps give.
 template <bool GATHER>
@@ -39,18 +94,10 @@ static void lane_total(const In x, const Par p, const Geo& S, int64_t o, int64_t
     }
   }
   int64_t s = s0 + 1;
-  if (!GATHER && RB > 1) {
+  if (!GATHER && BLOCKED) {
     for (; s + RB <= s1; s += RB) {
-      const int64_t t = rev ? T - 1 - s : s;
-      In xr[RB];
-      for (int j = 0; j < RB; ++j) xr[j] = row(xs, (j + 1) * dt);
-      xs = xr[RB - 1];
-      fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
-        Vals v = get_all(acc, i);
-#pragma GCC unroll 8
-        for (int j = 0; j < RB; ++j) v = combine<false>(v, load_i(xr[j], i, t + j * dt), p, e0 + i);
-        put_all(acc, i, v);
-      });
+      block_rows<RB>(xs, dt, rev ? T - 1 - s : s, p, e0, w, acc);
+      xs = row(xs, RB * dt);
     }
   }
   // Not flushed (combine<false>), as on the forward's lane path: subnormal products cost
