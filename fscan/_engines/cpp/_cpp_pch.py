@@ -16,14 +16,16 @@ version, Inductor's exact command line for a kernel (its flags plus ``EXTRA_FLAG
 the header's text; the headers it pulled in are recorded (path, mtime, size: from
 ``-MD``) and checked once per process, so an updated system header rebuilds it.
 
-The ``.gch`` (about 70 MB, 2.7 s of CPU) is built in a thread of its own beside the
+The ``.gch`` (about 90 MB, 3-4 s of CPU) is built in a thread of its own beside the
 first kernel build that wants it (which goes on without it: a first call waits no
-longer), under a file lock taken without waiting (xdist workers: one builds, the
-others compile without it meanwhile), written to a temporary name and renamed into
-place. No PCH where the compiler is not GCC (clang's PCH is another format), in
-fbcode's relative-path builds, where the directory cannot be written, or after a
-failed build (once per process): the kernel's source is then exactly what it was
-without this module.
+longer; a process that ends meanwhile waits for it at exit), under a file lock taken
+without waiting (xdist workers: one builds, the others compile without it meanwhile),
+written to a temporary name and renamed into place; a failed build is not tried again
+in that process (kernels parse the header). No include line at all where the compiler
+is not GCC (clang's PCH is another format), in fbcode's relative-path builds, where the
+directory cannot be written, or in a process where a kernel failed to build with it
+and built without it: the kernel's source is then exactly what it was without this
+module.
 """
 
 from __future__ import annotations
@@ -190,7 +192,10 @@ def _prepare(bindings: Any, extra_flags: Sequence[str]) -> _Pch | None:
         if _is_fresh(pch):
             pch.fresh = True
             return pch
-        pch.thread = threading.Thread(target=_build, args=(pch,), name="fscan-pch")
+        # Not a daemon (a thread's default is its creator's: fscan's compile thread is
+        # one): a process that exits meanwhile waits for the .gch (seconds, once per
+        # cache dir) instead of leaving g++ to write a temporary file no one renames.
+        pch.thread = threading.Thread(target=_build, args=(pch,), name="fscan-pch", daemon=False)
         pch.thread.start()
     return pch
 
