@@ -76,6 +76,21 @@ def test_include_line_names_the_header(pch, monkeypatch):
 
 
 @needs_gcc
+def test_built_from_the_second_kernel(tmp_path, monkeypatch):
+    """The first kernel of a process gets the include line but starts no build (a
+    process of one kernel would spend more on the .gch than it saves); the second does."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_cpp_pch, "ENABLED", True)
+    line = _cpp_pch.include_line(_bindings(), EXTRA_FLAGS)
+    (state,) = [p for p in _cpp_pch._by_dir.values() if p.header in line]
+    assert line and Path(state.header).is_file() and state.thread is None
+    assert _cpp_pch.include_line(_bindings(), EXTRA_FLAGS) == line
+    assert state.thread is not None
+    _cpp_pch.wait()
+    assert state.fresh and Path(state.gch).is_file()
+
+
+@needs_gcc
 def test_ignored_when_invalid(pch, tmp_path):
     """A damaged .gch: GCC warns (-Winvalid-pch) and parses the header instead."""
     header = tmp_path / _cpp_pch.HEADER
@@ -96,8 +111,10 @@ def test_stale_is_rebuilt(pch, monkeypatch):
     deps[first][0] -= 1
     Path(pch.deps).write_text(json.dumps(deps))
     monkeypatch.setattr(_cpp_pch, "_by_dir", {})
-    again = _state()
-    assert not again.fresh  # building, in its thread
+    line = _cpp_pch.include_line(_bindings(), EXTRA_FLAGS)  # a first kernel's request
+    (again,) = _cpp_pch._by_dir.values()
+    assert line == f'#include "{again.header}"\n'
+    assert not again.fresh and again.thread is not None  # removed, being built again
     _cpp_pch.wait()
     assert again.fresh and not again.gave_up
     assert json.loads(Path(pch.deps).read_text())[first][0] == deps[first][0] + 1

@@ -17,15 +17,16 @@ the header's text; the headers it pulled in are recorded (path, mtime, size: fro
 ``-MD``) and checked once per process, so an updated system header rebuilds it.
 
 The ``.gch`` (about 90 MB, 3-4 s of CPU) is built in a thread of its own beside the
-first kernel build that wants it (which goes on without it: a first call waits no
-longer; a process that ends meanwhile waits for it at exit), under a file lock taken
-without waiting (xdist workers: one builds, the others compile without it meanwhile),
-written to a temporary name and renamed into place; a failed build is not tried again
-in that process (kernels parse the header). No include line at all where the compiler
-is not GCC (clang's PCH is another format), in fbcode's relative-path builds, where the
-directory cannot be written, or in a process where a kernel failed to build with it
-and built without it: the kernel's source is then exactly what it was without this
-module.
+second kernel build of a process that wants it (which goes on without it: no call
+waits for it; a process that ends meanwhile waits for it at exit; a process that
+builds one kernel, as the tests that each use a fresh cache dir, builds none), under a
+file lock taken without waiting (xdist workers: one builds, the others compile without
+it meanwhile), written to a temporary name and renamed into place; a failed build is
+not tried again in that process (kernels parse the header). No include line at all
+where the compiler is not GCC (clang's PCH is another format), in fbcode's
+relative-path builds, where the directory cannot be written, or in a process where a
+kernel failed to build with it and built without it: the kernel's source is then
+exactly what it was without this module.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class _Pch:
         self.failed = False  # no include line: the header cannot be written, or a kernel failed
         self.gave_up = False  # the .gch failed to build: kernels parse the header
         self.thread: threading.Thread | None = None
+        self.requests = 0  # kernels of this process that asked for it
 
 
 _by_dir: dict[str, _Pch] = {}
@@ -106,7 +108,7 @@ def include_line(bindings: Any, extra_flags: Sequence[str]) -> str:
     if not ENABLED:
         return ""
     try:
-        pch = _prepare(bindings, extra_flags)
+        pch = _prepare(bindings, extra_flags, eager=False)
     except Exception as err:  # the kernel is built as without this module
         logger.debug("fscan: no precompiled header: %s: %s", type(err).__name__, err)
         return ""
@@ -126,7 +128,7 @@ def disable(line: str) -> None:
 
 def pch_state(bindings: Any, extra_flags: Sequence[str]) -> _Pch | None:
     """This process's PCH record for the current cache directory (tests, measurements)."""
-    return _prepare(bindings, extra_flags)
+    return _prepare(bindings, extra_flags, eager=True)
 
 
 def wait(timeout: float | None = None) -> None:
@@ -137,7 +139,11 @@ def wait(timeout: float | None = None) -> None:
         thread.join(timeout)
 
 
-def _prepare(bindings: Any, extra_flags: Sequence[str]) -> _Pch | None:
+def _prepare(bindings: Any, extra_flags: Sequence[str], eager: bool) -> _Pch | None:
+    """This process's record of the PCH for the current cache dir, its header written;
+    the build of its ``.gch`` started if missing or stale, from the second kernel of this
+    process that asks (a process that builds one kernel would spend more on it than
+    it saves), or at once if ``eager``."""
     from torch._inductor import config, cpp_builder
     from torch._inductor.codecache import get_compiler_version_info, pick_vec_isa
     from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -191,6 +197,13 @@ def _prepare(bindings: Any, extra_flags: Sequence[str]) -> _Pch | None:
             return pch
         if _is_fresh(pch):
             pch.fresh = True
+            return pch
+        if os.path.exists(pch.gch):  # stale: no kernel may use it; build it again now
+            with contextlib.suppress(OSError):
+                os.remove(pch.gch)
+            eager = True
+        pch.requests += 1
+        if pch.requests < 2 and not eager:
             return pch
         # Not a daemon (a thread's default is its creator's: fscan's compile thread is
         # one): a process that exits meanwhile waits for the .gch (seconds, once per
