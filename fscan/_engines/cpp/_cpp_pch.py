@@ -172,7 +172,7 @@ def _prepare(bindings: Any, extra_flags: Sequence[str], eager: bool) -> _Pch | N
     identity = [_FORMAT, os.path.realpath(where), get_compiler_version_info(compiler)]
     identity += [kernel_command, text]
     key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:24]
-    directory = os.path.join(cache_dir(), "fscan_pch", key)
+    directory = os.path.join(os.path.abspath(cache_dir()), "fscan_pch", key)
     if any(c in directory for c in '"\\\n'):  # not writable in an #include "..."
         return None
     with _lock:
