@@ -19,6 +19,10 @@ Inductor's precompiled ``cpp_prefix.h`` (ATen's vector headers) is not used:
 it is not needed, is slower to build and clashes with names here. The binding
 releases the GIL while the kernel runs.
 
+A kernel's source starts with the ``#include`` of the precompiled system headers
+(:mod:`._cpp_pch`: a third of a build's CPU was parsing them); a kernel that fails to
+build with it is built once without it (then, if that works, no PCH in this process).
+
 A cached library is verified before it is loaded. Inductor links straight into
 its cache path and loads whatever file is there: a linker killed mid-write or a
 full disk leaves a truncated library, and mapping one kills the process (SIGBUS
