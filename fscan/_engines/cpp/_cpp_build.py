@@ -19,6 +19,10 @@ Inductor's precompiled ``cpp_prefix.h`` (ATen's vector headers) is not used:
 it is not needed, is slower to build and clashes with names here. The binding
 releases the GIL while the kernel runs.
 
+A kernel's source starts with the ``#include`` of the precompiled system headers
+(:mod:`._cpp_pch`: a third of a build's CPU was parsing them); a kernel that fails to
+build with it is built once without it (then, if that works, no PCH in this process).
+
 A cached library is verified before it is loaded. Inductor links straight into
 its cache path and loads whatever file is there: a linker killed mid-write or a
 full disk leaves a truncated library, and mapping one kills the process (SIGBUS
@@ -53,6 +57,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import _cpp_pch
 from ._cpp_mvec import MVEC
 
 __all__ = ["EXTRA_FLAGS", "MANIFEST_SUFFIX", "compiler_problem", "load_kernel"]
@@ -227,6 +232,22 @@ def load_kernel(source: str, argtypes: Sequence[str]) -> Callable[..., None]:
 
 def _load(source: str, argtypes: Sequence[str]) -> Callable[..., None]:
     bindings = _bindings()
+    line = _cpp_pch.include_line(bindings, EXTRA_FLAGS)
+    if not line:
+        return _load_pybinding(bindings, source, argtypes)
+    try:
+        return _load_pybinding(bindings, line + source, argtypes)
+    except _Rebuild:
+        raise
+    except Exception:
+        # Built without the precompiled header: if that works, the PCH was at fault (a
+        # corrupt .gch GCC refused): none in this process. Else the kernel's own error.
+        kernel = _load_pybinding(bindings, source, argtypes)
+        _cpp_pch.disable(line)
+        return kernel
+
+
+def _load_pybinding(bindings: Any, source: str, argtypes: Sequence[str]) -> Callable[..., None]:
     try:
         return bindings.load_pybinding(
             list(argtypes), source, extra_flags=EXTRA_FLAGS, needs_vec_isa=True

@@ -10,6 +10,11 @@
 #include <utility>
 #include <vector>
 #include <omp.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // the tiles' intrinsics below (AVX2, AVX-512): here to be precompiled
+#endif
+// FSCAN_PCH_END: the lines above are system includes only, precompiled once per cache dir
+// with Inductor's binding's includes (_cpp_pch.py); fscan's own code starts below.
 
 #define FSCAN_INLINE __attribute__((always_inline)) inline
 
