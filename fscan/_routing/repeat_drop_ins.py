@@ -8,10 +8,11 @@ The inclusive drop-ins (``fscan.cumsum``, ``cumprod``, ``logcumsumexp``, and
 ``cummax``/``cummin``, whose index leaf the kernel makes: int64 outputs):
 :func:`remember_cumulative` stores the run the drop-ins' router
 (:mod:`fscan._routing.cumulative`) just made on the kernel, under the op (its combine
-is fscan's own, capturing nothing) and :func:`~fscan._routing.repeat_key.call_parts` of
-its input (which holds all the route table reads: dtype, shape, a contiguous layout,
-``dim``, ``reverse``, requires_grad and grad mode; the kernel's thread cap follows from
-the shape), and :func:`repeat_cumulative` answers an identical call with it before the
+is fscan's own, capturing nothing), torch's thread count and
+:func:`~fscan._routing.repeat_key.call_parts` of its input (with the thread count it
+holds all the route table reads: dtype, shape, a contiguous layout, ``dim``,
+``reverse``, requires_grad and grad mode; the kernel's thread cap follows from the
+shape), and :func:`repeat_cumulative` answers an identical call with it before the
 drop-in's checks. Only calls the router ran without ``dtype=``, ``out=``, ``reset=``
 or ``exclusive=`` and without promoting the input (a float input) are stored.
 
@@ -112,7 +113,7 @@ def _stored(kind: str, op: Any, x: Any, dim: Any, reverse: Any) -> Any:
     if type(x) is not torch.Tensor:
         return None
     parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)
-    return None if parts is None else drop_in_repeats.get((kind, op, *parts))
+    return None if parts is None else drop_in_repeats.get((kind, op, _threads(), *parts))
 
 
 def remember_cumulative(
@@ -130,7 +131,7 @@ def remember_cumulative(
     parts = call_parts(LEAF, leaves[:1], dim, reverse, "pointwise", False)
     if parts is None:
         return
-    key = (_CUMULATIVE, op, *parts)
+    key = (_CUMULATIVE, op, _threads(), *parts)
     if key not in drop_in_repeats:  # the lookup the kernel's run made, once per key
         holder = knowledge(memo_reach(combine), spec, "pointwise", leaves)
         run = prepare_run(holder, (), leaves, dim, reverse, threads, positions)
@@ -138,8 +139,11 @@ def remember_cumulative(
             drop_in_repeats.put(key, run)
 
 
-_CUMULATIVE = "cumulative"  # the drop-ins' keys: (this, torch's op, *call_parts)
-_EXCLUSIVE = "exclusive"  # their exclusive form's: (this, torch's op, *call_parts)
+_CUMULATIVE = "cumulative"  # the drop-ins' keys: (this, torch's op, threads, *call_parts)
+_EXCLUSIVE = "exclusive"  # their exclusive form's: (this, torch's op, threads, *call_parts)
+# The route table reads the thread count (cumulative_table.ONE_THREAD_MIN_LENGTH): so do
+# the keys of the runs it picked.
+_threads = torch.get_num_threads
 # A drop-in's kernel call: combine, spec, leaves (the input, then any position leaf), positions
 KernelCall = tuple[Callable[[Any, Any], Any], PyTreeSpec, Sequence[torch.Tensor], tuple[int, ...]]
 
@@ -196,7 +200,7 @@ def remember_exclusive(
     parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)
     if parts is None or x.shape[dim] < 2:
         return
-    key = (_EXCLUSIVE, op, *parts)
+    key = (_EXCLUSIVE, op, _threads(), *parts)
     if key not in drop_in_repeats:
         holder = knowledge(memo_reach(combine), spec, "pointwise", leaves)
         # Reversed, the kernel reads x[1:]: its positions start at 1 (those in x).
