@@ -57,7 +57,7 @@ from .._engines.cpp._kernel_segmented import (
 )
 from .._engines.cpp.cpu_kernel import PreparedRun, fresh_outputs, prepare_run, run_prepared
 from .._knowledge.store import knowledge, on_clear
-from .._memory import advise_huge_pages
+from .._memory import HUGE_MIN_BYTES, advise_huge_pages
 from .._pytree import LEAF
 from .._route_log import ran
 from .cumulative_table import EXTREMA
@@ -166,20 +166,28 @@ def run_exclusive(found: ExclusiveRun, x: torch.Tensor) -> list[torch.Tensor]:
     kernel, _, _, sizes, tail, cap, positions = run
     steps, reverse = sizes[1], sizes[3]
     ys = fresh_outputs([x], positions)
-    for y in ys:
-        advise_huge_pages(y)
+    if x.numel() >= _HUGE_GATE:  # the advice's own reads cost ~20 µs on a cold cache
+        for y in ys:
+            advise_huge_pages(y)
     threads = torch.get_num_threads() if cap is None else min(cap, torch.get_num_threads())
     # The first n - 1 steps in scan order, one step later (as fscan._exclusive.Shift): the
     # kernel reads and writes n - 1 steps from where it is pointed, so only the tensors
-    # that start one step in are narrowed (a view costs ~1.4 µs).
+    # that start one step in are narrowed (a view costs ~1.4 µs; a slice along dim 0 ~0.8).
     if reverse:  # the kernel gives x[1:]'s indices as positions in x (the run's tail)
-        kernel(x.narrow(dim, 1, steps), *ys, *sizes, threads, *tail)
+        kernel(x[1:] if dim == 0 else x.narrow(dim, 1, steps), *ys, *sizes, threads, *tail)
+    elif dim == 0:
+        kernel(x, *[y[1:] for y in ys], *sizes, threads, *tail)
     else:
         kernel(x, *[y.narrow(dim, 1, steps) for y in ys], *sizes, threads, *tail)
     at = steps if reverse else 0
     for y, start in zip(ys, starts):
         y.select(dim, at).fill_(start)
     return ys
+
+
+# Fewer elements than this cannot reach HUGE_MIN_BYTES in any dtype (as the kernel's
+# own runs gate the advice): one integer compare keeps it off smaller calls.
+_HUGE_GATE = HUGE_MIN_BYTES // 16
 
 
 def remember_exclusive(
