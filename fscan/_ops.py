@@ -42,7 +42,7 @@ from ._routing.cumulative import (
     repeat_exclusive,
     repeat_segmented,
 )
-from ._routing.exclusive import exclusive_cumulative
+from ._routing.exclusive import exclusive_cumulative, native_first_exclusive
 from ._sharded.dtensor_ops import is_dtensor, on_dtensor, refuse_dtensor_reset
 
 __all__ = ["cummax", "cummin", "cumprod", "cumsum", "logcumsumexp"]
@@ -236,14 +236,19 @@ def _unchecked(
 ) -> Any:
     """The call on the unchecked arguments where it can skip the checks, else None (the
     checked path): torch's ``op`` where the drop-ins' route table certainly picks it
-    (forward or reversed; ``out=`` forward only), or the kernel run of an identical call
-    (the router's repeat route: inclusive, exclusive, or inclusive with ``reset=``)."""
+    (forward or reversed; ``out=`` forward only; exclusive, on torch's op written one step
+    later), or the kernel run of an identical call (the router's repeat route: inclusive,
+    exclusive, or inclusive with ``reset=``)."""
     if reset is not None:  # torch's op has no reset=: an identical call's segmented run
         plain = exclusive is False and out is None and (reverse is False or reverse is True)
         return repeat_segmented(op, input, dim, reverse, reset) if plain else None
-    if exclusive is not False:  # True: an identical call's kernel run, or the checks
-        plain = exclusive is True and out is None and (reverse is False or reverse is True)
-        return repeat_exclusive(op, input, dim, reverse) if plain else None
+    if exclusive is not False:  # True: torch's op, an identical call's kernel run, or the checks
+        if exclusive is not True or out is not None or not (reverse is False or reverse is True):
+            return None
+        found = native_first_exclusive(op, input, dim, reverse)
+        if found is None:
+            found = repeat_exclusive(op, input, dim, reverse)
+        return found
     if out is None:
         if reverse is False or reverse is True:  # else fscan's error, from the checks
             found = native_first(op, input, dim, reverse)

@@ -324,6 +324,8 @@ def test_routing_table(op, layout, shape, dim, reverse, route, kernel_possible):
     and its result is torch's."""
     x = routed(layout, shape)
     assert x.is_contiguous() == (layout == "contiguous")
+    if torch.get_num_threads() == 1:  # the rows that read the count: tests/test_route_threads.py
+        pytest.skip("the table as on several threads")
     assert router.route(op, x, dim, reverse) == route
     assert router.route(op, x, dim, reverse)[0] == route[0]
     for possible, mode in ((True, "on"), (False, "off"), (False, "on")):

@@ -727,3 +727,37 @@ def test_clear_caches_empties_the_reach_memos():
     assert repeat_key._closed_reach and repeat_key._builtin_reach
     fscan.clear_caches()
     assert not repeat_key._closed_reach and not repeat_key._builtin_reach
+
+
+def test_the_key_asks_fscan_context_where_a_call_runs(served):
+    """call_parts asks fscan._context's questions inline (a transform, a dual level, a
+    dispatch mode): it refuses exactly where they say the call runs elsewhere, and such
+    calls take the full path."""
+    from fscan._context import under_dispatch_mode, under_transform
+
+    x = torch.randn(64)
+    warm(add, x)
+    seen: list[tuple[bool, bool]] = []
+
+    def ask(t: torch.Tensor) -> torch.Tensor:
+        refused = repeat_key.call_parts(LEAF, [x], 0, False, "pointwise", None, True) is None
+        seen.append((refused, under_transform() or under_dispatch_mode()))
+        return t
+
+    class Watching(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    ask(x)
+    torch.func.vmap(ask)(x[None])
+    torch.func.grad(lambda t: ask(t).sum())(x)
+    with torch.autograd.forward_ad.dual_level():
+        ask(x)
+        served.clear()
+        close(fscan.associative_scan(add, x, 0), reference(x, 0, False))
+        assert served == []
+    with Watching():
+        ask(x)
+        close(fscan.associative_scan(add, x, 0), reference(x, 0, False))
+        assert served == []
+    assert seen == [(False, False)] + [(True, True)] * 4

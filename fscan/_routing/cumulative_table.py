@@ -16,7 +16,9 @@ engine       when
              call): on CPU, no gradient wanted, at least 2**15 elements
              (``KERNEL_MIN_NUMEL``), and ``inner >= 8``, in any layout (the kernel
              reads views in place through their strides); with ``inner < 8`` (the
-             innermost ``dim``, say) logcumsumexp over several lanes; over one lane,
+             innermost ``dim``, say) logcumsumexp over several lanes, and on one
+             thread (``torch.get_num_threads() == 1``) at ``n >= 256``
+             (``ONE_THREAD_MIN_LENGTH``) cumsum forward and every op reversed; over one lane,
              logcumsumexp, every op reversed (torch flips twice) and cumsum/cumprod
              forward if contiguous from 2**20 elements; over several lanes not
              contiguous, read in place, reversed (torch copies to flip) or cumsum/
@@ -64,10 +66,12 @@ __all__ = [
     "MIN_NUMEL",
     "MIN_STRIDE",
     "NATIVE_BELOW",
+    "ONE_THREAD_MIN_LENGTH",
     "SPAN_BYTES",
     "SUMS",
     "dtype_refusals",
     "route",
+    "threads_decide",
     "torch_serves",
 ]
 
@@ -109,6 +113,16 @@ CUMSUM_MIN_STRIDE = 1024
 #   flips twice); logcumsumexp 0.4-0.8x over several lanes (compute-bound), and over a
 #   single lane (1-D), its math vectorised since (tiled chains, computed twice by the
 #   chunked scan): 0.20x at 2**20, 0.33x at 2**16, 0.45x at 2**15, 0.63x at 2**20 x[::2].
+# On one thread (torch.get_num_threads() == 1) torch's op has no threads to split the rows
+# over, and the kernel won over several contiguous lanes (the innermost dim; thread CPU
+# time, medians of 21, 1 thread, float32, December 2026; kernel / torch): reversed (torch
+# flips twice), every op at rows of >= 256 steps: cumsum 0.48-0.77, cumprod 0.54-0.86,
+# cummax/cummin 0.59-0.82 ((4096, 256), (2048, 512), (1024, 1024), (256, 4096), (64,
+# 16384), (8, 1024, 256) dim 2); at 128 steps 0.89-1.02, at 32-64 0.73-1.25. Forward,
+# cumsum at >= 256 steps 0.53-0.91 (128: 1.03-1.29; 32-64: 1.2-2.0); cumprod a tie past
+# 512 steps (0.94-1.03), cummax/cummin 1.7-2.3x. On 2 threads those rows stay torch's (see
+# above; the shared machine's wall clock could not settle them).
+ONE_THREAD_MIN_LENGTH = 256
 KERNEL_MIN_NUMEL_ONE_LANE = 2**20  # cumsum/cumprod over one lane: past the ties below
 _KERNEL_INNER = 8  # the kernel's lane path needs this many lanes after dim
 # Not contiguous (the kernel reads strided inputs in place; torch's op walks each lane;
@@ -157,11 +171,13 @@ def route(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, bool
     return _cells(op, x, dim, reverse)
 
 
-def _cells(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, bool]:
-    """:func:`route` outside tracing. The tensor's facts are read once, fewest first for
-    the calls torch's op serves: each read costs about 1-3 µs on a cache cold from the op
-    before. (``is_cpu``, not ``device.type``: making a torch.device slowed the op after it
-    by 2-3%.)"""
+def _cells(
+    op: Any, x: torch.Tensor, dim: int, reverse: bool, threads: int | None = None
+) -> tuple[bool, bool]:
+    """:func:`route` outside tracing (on ``threads`` threads; None: torch's count now).
+    The tensor's facts are read once, fewest first for the calls torch's op serves: each
+    read costs about 1-3 µs on a cache cold from the op before. (``is_cpu``, not
+    ``device.type``: making a torch.device slowed the op after it by 2-3%.)"""
     numel = x.numel()
     if numel < NATIVE_BELOW or not x.is_cpu:
         return _NATIVE
@@ -172,7 +188,8 @@ def _cells(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, boo
         if stride >= _KERNEL_INNER:
             kernel = True  # the lane path
         elif (n := x.size(dim)) != numel:  # several lanes: torch's threads split them
-            kernel = op is torch.logcumsumexp  # compute-bound: the kernel's math wins
+            # logcumsumexp: compute-bound, the kernel's math wins; on one thread, long rows
+            kernel = op is torch.logcumsumexp or _one_thread_rows(op, n, reverse, threads)
         else:  # one lane: torch's walk is serial, and reversed it flips (copies) twice
             large = numel >= _ONE_LANE_KERNEL_FROM.get(op, math.inf)
             kernel = reverse or large
@@ -193,6 +210,23 @@ def _cells(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> tuple[bool, boo
         kernel_bar, parallel_bar = dtype_refusals(op, x.dtype)
         return kernel and kernel_bar is None, parallel and parallel_bar is None
     return _NATIVE
+
+
+def _one_thread_rows(op: Any, n: int, reverse: bool, threads: int | None) -> bool:
+    """The kernel's cells over several contiguous lanes that depend on the thread count
+    (see ``ONE_THREAD_MIN_LENGTH``): on one thread (``threads``, None: torch's count now),
+    rows of at least that many steps, cumsum forward and every op reversed."""
+    if n < ONE_THREAD_MIN_LENGTH or not (reverse or op is torch.cumsum):
+        return False
+    return (torch.get_num_threads() if threads is None else threads) == 1
+
+
+def threads_decide(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> bool:
+    """Whether the thread count keeps the kernel from this call: :func:`route` picks it on
+    one thread and not on this many (``fscan.explain`` and the log say so)."""
+    if _is_compiling() or torch.get_num_threads() == 1:
+        return False
+    return _cells(op, x, dim, reverse, 1)[0] and not _cells(op, x, dim, reverse)[0]
 
 
 def _parallel_wins(op: Any, n: int, stride: int, numel: int, itemsize: int) -> bool:

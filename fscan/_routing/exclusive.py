@@ -10,9 +10,11 @@ logcumsumexp, and for cummax (cummin) the lowest (highest) value of the dtype
 nothing is recorded, the kernel and torch's op (forward) write their results in place
 into the output's later steps, and reversed on torch's op, the flipped input's forward
 exclusive scan is flipped back (:func:`_native_exclusive`), so an exclusive drop-in
-costs what the inclusive one does; a call the kernel served that way is stored for
+costs what the inclusive one does. As for the inclusive drop-ins, the calls the table
+certainly sends to torch's op are served before the drop-in's checks
+(:func:`native_first_exclusive`), and a call the kernel served is stored for
 :mod:`fscan._routing.repeat_drop_ins`, whose exclusive route repeats it for an
-identical call before the drop-in's checks.
+identical call before the checks.
 
 cummax/cummin's indices are positions in the whole input: reversed, the narrowed input
 starts one step later, so its indices are moved by one (by the kernel as it writes them,
@@ -25,14 +27,17 @@ from typing import Any
 
 import torch
 
+from .._context import under_transform
 from .._exclusive import Shift, Steps, exclusive, recorded
 from .._segmented import check_reset
 from .cumulative import engine, kernel_call, kernel_threads, route, segmented
-from .cumulative_table import SUMS
+from .cumulative_table import NATIVE_BELOW, SUMS, torch_serves
 from .repeat_drop_ins import remember_exclusive
 
-__all__ = ["exclusive_cumulative", "identity"]
+__all__ = ["exclusive_cumulative", "identity", "native_first_exclusive"]
 
+_is_compiling = torch.compiler.is_compiling  # bound once: Dynamo folds it by identity
+_STRIDED = torch.strided
 _EXTREMA = {torch.cummax: torch.return_types.cummax, torch.cummin: torch.return_types.cummin}
 
 
@@ -80,34 +85,96 @@ def exclusive_cumulative(
     return _EXTREMA[op](out) if extremum else out[0]
 
 
-def _native_exclusive(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> Any:
-    """The exclusive drop-in on torch's ``op`` where nothing records, written directly:
-    torch's op writes the first ``n - 1`` steps of ``x`` one step later into a fresh
-    buffer, and the identity fills its first step. Reversed, the exclusive scan of ``x``
-    is the forward one of ``x.flip(dim)``, flipped back: a flip, the op and a flip, as
-    the inclusive drop-in reversed. (The route through :func:`exclusive`'s shift flipped
-    the narrowed input, flipped the op's result back and then copied it into the
-    output's later steps: 1.3-1.5x the inclusive call, (4096, 256) float32 dim 1, one
-    thread. Forward, its steps in Python cost ~70 us a call over torch's op, 4 us for
-    the inclusive drop-in: 6% of a (1048576,) cummax.)"""
+def native_first_exclusive(op: Any, x: Any, dim: Any, reverse: bool) -> Any:
+    """The exclusive drop-in of torch's ``op`` for a call with unchecked arguments where
+    the table certainly picks torch's op for the inclusive drop-in on ``x`` (as
+    :func:`~fscan._routing.cumulative.native_first` reads it) and nothing records, on
+    :func:`_native_exclusive`; else None (the checked path). Under 2 steps, or a tensor
+    the checks would refuse or that torch's op cannot take (its error), None too: the
+    checked path answers in fscan's words. (The checked path costs ~25-40 µs a call in
+    Python, (64,) float32 one thread: 5-10x torch's op.)"""
+    if type(dim) is not int or type(x) is not torch.Tensor or _is_compiling():
+        return None
+    if x.layout is not _STRIDED or x.is_nested or x.is_quantized:  # check_dense's refusals
+        return None
+    if (x.requires_grad and torch.is_grad_enabled()) or under_transform():  # recorded()
+        return None
+    try:
+        if x.shape[dim] < 2:  # IndexError where dim is out of range: the checks say so
+            return None
+        if x.numel() < NATIVE_BELOW or torch_serves(op, x, dim, reverse):
+            dtype = x.dtype
+            if op in SUMS and not (x.is_floating_point() or x.is_complex()):
+                dtype = torch.int64  # torch's promotion of integers and bool
+            return _native_exclusive(op, x, dim, reverse, dtype)
+        return None
+    except (IndexError, RuntimeError, NotImplementedError):  # torch's refusals: the checks
+        return None
+
+
+def _native_exclusive(
+    op: Any, x: torch.Tensor, dim: int, reverse: bool, dtype: torch.dtype | None = None
+) -> Any:
+    """The exclusive drop-in on torch's ``op`` where nothing records, written directly
+    (in ``dtype``, default ``x``'s; cumsum/cumprod compute in it): torch's op writes the
+    first ``n - 1`` steps of ``x`` one step later into a fresh buffer, and the identity
+    fills its first step. Reversed, the exclusive scan of ``x`` is the forward one of
+    ``x.flip(dim)``, flipped back: a flip, the op and a flip, as the inclusive drop-in
+    reversed. (The route through :func:`exclusive`'s shift flipped the narrowed input,
+    flipped the op's result back and then copied it into the output's later steps:
+    1.3-1.5x the inclusive call, (4096, 256) float32 dim 1, one thread.) Each view and
+    fill is a torch call of ~1.5-2 µs: along dim 0 the views are slices (~0.6 µs less
+    than ``narrow``), and small outputs start filled (``_FILLED_WHOLE``)."""
     n = x.shape[dim]
+    if dtype is None:
+        dtype = x.dtype
     source = x.flip(dim) if reverse else x
-    part = source.narrow(dim, 0, n - 1)
-    values = torch.empty_like(source)
-    later = values.narrow(dim, 1, n - 1)
-    values.narrow(dim, 0, 1).fill_(identity(op, x.dtype))
+    start = _identities.get((op, dtype))
+    if start is None:
+        start = _identities[op, dtype] = identity(op, dtype)
+    first = dim == 0 or dim == -x.ndim
+    small = x.numel() <= _FILLED_WHOLE
+    if small:  # the start value written everywhere, the op's steps over it
+        values = _filled(source, start, dtype)
+    else:
+        values = torch.empty_like(source, dtype=dtype)
+        values.select(dim, 0).fill_(start)
+    if first:
+        part, later = source[: n - 1], values[1:]
+    else:
+        part, later = source.narrow(dim, 0, n - 1), values.narrow(dim, 1, n - 1)
     if op not in _EXTREMA:
-        op(part, dim, dtype=x.dtype, out=later) if op in SUMS else op(part, dim, out=later)
+        op(part, dim, dtype=dtype, out=later) if op in SUMS else op(part, dim, out=later)
         return values.flip(dim) if reverse else values
-    indices = torch.empty(x.shape, dtype=torch.int64, device=x.device)
-    later_indices = indices.narrow(dim, 1, n - 1)
+    if small:
+        indices = torch.full_like(source, -1, dtype=torch.int64)
+    else:
+        indices = torch.empty_like(source, dtype=torch.int64)
+        indices.select(dim, 0).fill_(-1)
+    later_indices = indices[1:] if first else indices.narrow(dim, 1, n - 1)
     op(part, dim, out=(later, later_indices))
-    indices.narrow(dim, 0, 1).fill_(-1)
     if not reverse:
         return _EXTREMA[op]((values, indices))
     # positions in the flipped input back to positions in `x`, in place (one pass)
-    torch.sub(torch.tensor(n - 1), later_indices, out=later_indices)
+    later_indices.neg_().add_(n - 1)
     return _EXTREMA[op]((values.flip(dim), indices.flip(dim)))
+
+
+def _filled(like: torch.Tensor, start: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh tensor like ``like`` in ``dtype``, filled with ``start`` (the cheapest of
+    torch's calls for it: ~0.6 µs apart at (64,))."""
+    if dtype is not like.dtype:
+        return torch.full_like(like, start, dtype=dtype)
+    return torch.zeros_like(like) if start == 0 else torch.full_like(like, start)
+
+
+# Up to this many elements the first step's start value is written by filling the whole
+# fresh output (`full_like`, ~1 µs over `empty_like` at (64,)) rather than through a view
+# of the first step (a select and a fill: ~3 µs); past it, the extra pass over memory
+# would cost more than the view.
+_FILLED_WHOLE = 4096
+# identity() per (op, dtype): its chain of tests cost ~1 µs of a small exclusive call
+_identities: dict[tuple[Any, torch.dtype], Any] = {}
 
 
 def identity(op: Any, dtype: torch.dtype) -> Any:
@@ -126,7 +193,7 @@ def identity(op: Any, dtype: torch.dtype) -> Any:
     largest = op is torch.cummax
     if dtype == torch.bool:
         return not largest
-    if dtype.is_floating_point:
+    if dtype.is_floating_point or dtype.is_complex:  # complex: torch's op refuses it after
         return float("-inf") if largest else float("inf")
     info = torch.iinfo(dtype)
     return info.min if largest else info.max

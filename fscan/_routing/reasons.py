@@ -22,7 +22,7 @@ from .._engines.cpp.cpu_kernel import KERNEL_MIN_NUMEL
 from .._engines.cpp.refusal import kernel_refusal, kernel_unavailable
 from .._engines.triton import codegen_unavailable
 from .._knowledge.store import Knowledge, known, reach
-from .cumulative_table import dtype_refusals, route
+from .cumulative_table import dtype_refusals, route, threads_decide
 
 __all__ = ["RouteFacts", "cumulative_refusals", "scan_route"]
 
@@ -126,6 +126,11 @@ def cumulative_refusals(op: Any, x: torch.Tensor, dim: int, reverse: bool) -> di
             why["cpp"] = f"fewer than {KERNEL_MIN_NUMEL} elements: torch's op is faster"
         elif x.requires_grad and torch.is_grad_enabled():
             why["cpp"] = "gradients are wanted: the kernel has none here"
+        elif threads_decide(op, x, dim, reverse):
+            why["cpp"] = (
+                f"on {torch.get_num_threads()} threads torch's op splits the rows over them: "
+                "the kernel takes these rows on one thread (the drop-ins' route table)"
+            )
         else:
             layout = "torch's op is faster for this dim and layout (the drop-ins' route table)"
             why["cpp"] = kernel_bar or layout

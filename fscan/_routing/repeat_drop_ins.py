@@ -8,10 +8,11 @@ The inclusive drop-ins (``fscan.cumsum``, ``cumprod``, ``logcumsumexp``, and
 ``cummax``/``cummin``, whose index leaf the kernel makes: int64 outputs):
 :func:`remember_cumulative` stores the run the drop-ins' router
 (:mod:`fscan._routing.cumulative`) just made on the kernel, under the op (its combine
-is fscan's own, capturing nothing) and :func:`~fscan._routing.repeat_key.call_parts` of
-its input (which holds all the route table reads: dtype, shape, a contiguous layout,
-``dim``, ``reverse``, requires_grad and grad mode; the kernel's thread cap follows from
-the shape), and :func:`repeat_cumulative` answers an identical call with it before the
+is fscan's own, capturing nothing), torch's thread count and
+:func:`~fscan._routing.repeat_key.call_parts` of its input (with the thread count it
+holds all the route table reads: dtype, shape, a contiguous layout, ``dim``,
+``reverse``, requires_grad and grad mode; the kernel's thread cap follows from the
+shape), and :func:`repeat_cumulative` answers an identical call with it before the
 drop-in's checks. Only calls the router ran without ``dtype=``, ``out=``, ``reset=``
 or ``exclusive=`` and without promoting the input (a float input) are stored.
 
@@ -56,7 +57,7 @@ from .._engines.cpp._kernel_segmented import (
 )
 from .._engines.cpp.cpu_kernel import PreparedRun, fresh_outputs, prepare_run, run_prepared
 from .._knowledge.store import knowledge, on_clear
-from .._memory import advise_huge_pages
+from .._memory import HUGE_MIN_BYTES, advise_huge_pages
 from .._pytree import LEAF
 from .._route_log import ran
 from .cumulative_table import EXTREMA
@@ -112,7 +113,7 @@ def _stored(kind: str, op: Any, x: Any, dim: Any, reverse: Any) -> Any:
     if type(x) is not torch.Tensor:
         return None
     parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)
-    return None if parts is None else drop_in_repeats.get((kind, op, *parts))
+    return None if parts is None else drop_in_repeats.get((kind, op, _threads(), *parts))
 
 
 def remember_cumulative(
@@ -130,7 +131,7 @@ def remember_cumulative(
     parts = call_parts(LEAF, leaves[:1], dim, reverse, "pointwise", False)
     if parts is None:
         return
-    key = (_CUMULATIVE, op, *parts)
+    key = (_CUMULATIVE, op, _threads(), *parts)
     if key not in drop_in_repeats:  # the lookup the kernel's run made, once per key
         holder = knowledge(memo_reach(combine), spec, "pointwise", leaves)
         run = prepare_run(holder, (), leaves, dim, reverse, threads, positions)
@@ -138,8 +139,11 @@ def remember_cumulative(
             drop_in_repeats.put(key, run)
 
 
-_CUMULATIVE = "cumulative"  # the drop-ins' keys: (this, torch's op, *call_parts)
-_EXCLUSIVE = "exclusive"  # their exclusive form's: (this, torch's op, *call_parts)
+_CUMULATIVE = "cumulative"  # the drop-ins' keys: (this, torch's op, threads, *call_parts)
+_EXCLUSIVE = "exclusive"  # their exclusive form's: (this, torch's op, threads, *call_parts)
+# The route table reads the thread count (cumulative_table.ONE_THREAD_MIN_LENGTH): so do
+# the keys of the runs it picked.
+_threads = torch.get_num_threads
 # A drop-in's kernel call: combine, spec, leaves (the input, then any position leaf), positions
 KernelCall = tuple[Callable[[Any, Any], Any], PyTreeSpec, Sequence[torch.Tensor], tuple[int, ...]]
 
@@ -162,20 +166,28 @@ def run_exclusive(found: ExclusiveRun, x: torch.Tensor) -> list[torch.Tensor]:
     kernel, _, _, sizes, tail, cap, positions = run
     steps, reverse = sizes[1], sizes[3]
     ys = fresh_outputs([x], positions)
-    for y in ys:
-        advise_huge_pages(y)
+    if x.numel() >= _HUGE_GATE:  # the advice's own reads cost ~20 µs on a cold cache
+        for y in ys:
+            advise_huge_pages(y)
     threads = torch.get_num_threads() if cap is None else min(cap, torch.get_num_threads())
     # The first n - 1 steps in scan order, one step later (as fscan._exclusive.Shift): the
     # kernel reads and writes n - 1 steps from where it is pointed, so only the tensors
-    # that start one step in are narrowed (a view costs ~1.4 µs).
+    # that start one step in are narrowed (a view costs ~1.4 µs; a slice along dim 0 ~0.8).
     if reverse:  # the kernel gives x[1:]'s indices as positions in x (the run's tail)
-        kernel(x.narrow(dim, 1, steps), *ys, *sizes, threads, *tail)
+        kernel(x[1:] if dim == 0 else x.narrow(dim, 1, steps), *ys, *sizes, threads, *tail)
+    elif dim == 0:
+        kernel(x, *[y[1:] for y in ys], *sizes, threads, *tail)
     else:
         kernel(x, *[y.narrow(dim, 1, steps) for y in ys], *sizes, threads, *tail)
     at = steps if reverse else 0
     for y, start in zip(ys, starts):
         y.select(dim, at).fill_(start)
     return ys
+
+
+# Fewer elements than this cannot reach HUGE_MIN_BYTES in any dtype (as the kernel's
+# own runs gate the advice): one integer compare keeps it off smaller calls.
+_HUGE_GATE = HUGE_MIN_BYTES // 16
 
 
 def remember_exclusive(
@@ -196,7 +208,7 @@ def remember_exclusive(
     parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)
     if parts is None or x.shape[dim] < 2:
         return
-    key = (_EXCLUSIVE, op, *parts)
+    key = (_EXCLUSIVE, op, _threads(), *parts)
     if key not in drop_in_repeats:
         holder = knowledge(memo_reach(combine), spec, "pointwise", leaves)
         # Reversed, the kernel reads x[1:]: its positions start at 1 (those in x).
