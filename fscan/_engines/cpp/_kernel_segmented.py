@@ -93,8 +93,8 @@ def chains_interleaved(positions: Sequence[int]) -> int:
     over (4096, 256) dim 1: 8 chains 5.2 ms, 4 3.5, 2 3.5, 1 2.5 (torch.cummax without
     resets 2.1), over (1048576,) (one chain: one pass on one thread, no chunk totals):
     2.75 ms, 2.7, 2.1, 2.1 (torch 1.2). The one chain tests its flag before the combine
-    (seg_chains): the drop-in over (1048576,) 2.11 -> 1.79 ms, over (4096, 256) dim 1
-    2.22 -> 1.88 (its inclusive call, torch's: 1.07 and 1.38), medians of 3 alternating
+    (seg_chains): the drop-in over (1048576,) 2.21 -> 1.87 ms, over (4096, 256) dim 1
+    2.33 -> 1.97 (its inclusive call, torch's: 1.12 and 1.45), medians of 3 alternating
     processes, thread CPU time, load 6."""
     return 1 if positions else 4
 
