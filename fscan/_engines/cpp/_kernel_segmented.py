@@ -82,7 +82,7 @@ def chains_tiled(program: Program) -> bool:
 
 def chains_interleaved(positions: Sequence[int]) -> int:
     """Chains the segmented chain path walks interleaved where it does not tile them
-    (``SEG_G``, see csrc/segmented_chains.h): 4, so that an arithmetic combine's latency
+    (``SEG_G``, see csrc/segmented_chains.h): 3, so that an arithmetic combine's latency
     (add's, mul's) hides behind the other chains' while each chain's pointers (input,
     output, flags) stay in registers; 1 where a leaf is a position (cummax/cummin's
     (value, index) pairs), whose combine selects one operand and compiles to a branch, so
@@ -95,8 +95,14 @@ def chains_interleaved(positions: Sequence[int]) -> int:
     2.75 ms, 2.7, 2.1, 2.1 (torch 1.2). The one chain tests its flag before the combine
     (seg_chains): the drop-in over (1048576,) 2.21 -> 1.87 ms, over (4096, 256) dim 1
     2.33 -> 1.97 (its inclusive call, torch's: 1.12 and 1.45), medians of 3 alternating
-    processes, thread CPU time, load 6."""
-    return 1 if positions else 4
+    processes, thread CPU time, load 6. 3 against 4 (the kernel alone through ctypes,
+    warm outputs, medians of 30 calls, thread CPU time, load 3-5), ns an element,
+    forward/reversed: cumsum (1048576,) 0.73/0.73 -> 0.60/0.61, (4096, 256) dim 1
+    0.77/0.77 -> 0.64/0.66; cumprod 0.73/0.70 -> 0.60/0.54, 0.73/0.76 -> 0.66/0.77 (2:
+    0.69, 0.74-0.80 for cumsum). cumsum's flag tested before the combine, as for one
+    chain, ran 0.96-1.03 (a branch the pick does without).
+    Not measured with more than one leaf (the affine pair walked)."""
+    return 1 if positions else 3
 
 
 def segmented_source(

@@ -4,7 +4,7 @@
 // places this after csrc/segmented.h (Flags, pick) and before its segmented().
 // SEG_TILED (generated, per combine and leaf layout): SEG_TW chains go side by side, as the
 // lanes of vector loops, TB steps at a time (a tile, gathered into SoA rows, the flags
-// with them); else SEG_G chains (generated: 4, or 1 where the combine selects) are walked
+// with them); else SEG_G chains (generated: 3, or 1 where the combine selects) are walked
 // interleaved. One chain walked alone (the reduce
 // pass over one lane's chunks, the old split) ran 2-3x the forward's chain path; walked
 // chains kept cummax's and logcumsumexp's combines scalar (7 and 36 ns an element).
@@ -350,7 +350,7 @@ static void seg_transposed_chains(const In x, const Out y, const Par p, const Fl
   }
 }
 
-// Chains per group: SEG_TW where tiled, else SEG_G (generated: 4, or 1 for a combine that
+// Chains per group: SEG_TW where tiled, else SEG_G (generated: 3, or 1 for a combine that
 // selects; see fscan._engines.cpp._kernel_segmented.chains_interleaved).
 static constexpr int SEG_CG = SEG_TILED ? SEG_TW : SEG_G;
 
