@@ -81,8 +81,8 @@ def chains_tiled(program: Program) -> bool:
     (forward/reversed), walked 0.73; (4096, 256) dim 1 1.61/1.34 against 0.97. perf on
     the tiled (1048576,): the flags gathered into the tile's 32-bit rows (a byte load, a
     compare and a scattered store an element) 38% of the path outside seg_tile_scan, and
-    seg_tile_scan (vectorised) a third of the kernel: a vector byte transpose of the
-    flags alone would leave it above the walk."""
+    seg_tile_scan (vectorised) a third of the kernel: by those shares, flags that cost
+    nothing would leave it near 1.1, still above the walk (an estimate, not tried)."""
     return program.expensive
 
 
