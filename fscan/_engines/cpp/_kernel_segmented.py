@@ -76,13 +76,19 @@ def chains_tiled(program: Program) -> bool:
     the (float, int64) pair and ran 4-8x the walked chains. Cumsum/cumprod stay walked:
     transposed tiles for them (the flags of a 1-D mask broadcast a row at a time) ran
     (4096, 256) dim 1 and (1048576,) with restarts at 2.3-3.1x the inclusive call, against
-    0.7-1.8x walked (one A/B round, load 12: a direction, not a figure)."""
+    0.7-1.8x walked (one A/B round, load 12: a direction, not a figure). Again, the kernel
+    alone on warm outputs (load 10): cumsum (1048576,) tiled 1.46/1.70 ns an element
+    (forward/reversed), walked 0.73; (4096, 256) dim 1 1.61/1.34 against 0.97. perf on
+    the tiled (1048576,): the flags gathered into the tile's 32-bit rows (a byte load, a
+    compare and a scattered store an element) 38% of the path outside seg_tile_scan, and
+    seg_tile_scan (vectorised) a third of the kernel: by those shares, flags that cost
+    nothing would leave it near 1.1, still above the walk (an estimate, not tried)."""
     return program.expensive
 
 
 def chains_interleaved(positions: Sequence[int]) -> int:
     """Chains the segmented chain path walks interleaved where it does not tile them
-    (``SEG_G``, see csrc/segmented_chains.h): 4, so that an arithmetic combine's latency
+    (``SEG_G``, see csrc/segmented_chains.h): 3, so that an arithmetic combine's latency
     (add's, mul's) hides behind the other chains' while each chain's pointers (input,
     output, flags) stay in registers; 1 where a leaf is a position (cummax/cummin's
     (value, index) pairs), whose combine selects one operand and compiles to a branch, so
@@ -92,8 +98,17 @@ def chains_interleaved(positions: Sequence[int]) -> int:
     1.15/1.58 with 8 -> 0.93/1.01 with 4, (4096, 256) dim 1 0.99/1.14 -> 0.77/0.88; cummax
     over (4096, 256) dim 1: 8 chains 5.2 ms, 4 3.5, 2 3.5, 1 2.5 (torch.cummax without
     resets 2.1), over (1048576,) (one chain: one pass on one thread, no chunk totals):
-    2.75 ms, 2.7, 2.1, 2.1 (torch 1.2)."""
-    return 1 if positions else 4
+    2.75 ms, 2.7, 2.1, 2.1 (torch 1.2). The one chain tests its flag before the combine
+    (seg_chains): the drop-in over (1048576,) 2.21 -> 1.87 ms, over (4096, 256) dim 1
+    2.33 -> 1.97 (its inclusive call, torch's: 1.12 and 1.45), medians of 3 alternating
+    processes, thread CPU time, load 6. 3 against 4 (the kernel alone through ctypes,
+    warm outputs, medians of 30 calls, thread CPU time, load 3-5), ns an element,
+    forward/reversed: cumsum (1048576,) 0.73/0.73 -> 0.60/0.61, (4096, 256) dim 1
+    0.77/0.77 -> 0.64/0.66; cumprod 0.73/0.70 -> 0.60/0.54, 0.73/0.76 -> 0.66/0.77 (2:
+    0.69, 0.74-0.80 for cumsum). cumsum's flag tested before the combine, as for one
+    chain, ran 0.96-1.03 (a branch the pick does without).
+    Not measured with more than one leaf (the affine pair walked)."""
+    return 1 if positions else 3
 
 
 def segmented_source(

@@ -4,7 +4,7 @@
 // places this after csrc/segmented.h (Flags, pick) and before its segmented().
 // SEG_TILED (generated, per combine and leaf layout): SEG_TW chains go side by side, as the
 // lanes of vector loops, TB steps at a time (a tile, gathered into SoA rows, the flags
-// with them); else SEG_G chains (generated: 4, or 1 where the combine selects) are walked
+// with them); else SEG_G chains (generated: 3, or 1 where the combine selects) are walked
 // interleaved. One chain walked alone (the reduce
 // pass over one lane's chunks, the old split) ran 2-3x the forward's chain path; walked
 // chains kept cummax's and logcumsumexp's combines scalar (7 and 36 ns an element).
@@ -45,7 +45,17 @@ static void seg_chains(const In x, const Out y, const Par p, const Flags R, cons
   auto walk = [&](int g, int64_t k) {
     const int64_t d = k * dt;
     const Vals u = load_t(c[g].x, d, c[g].t0 + d);
-    acc[g] = pick(step(c[g].r, d) != 0, u, combine(acc[g], u, p, lane[g]));
+    if constexpr (SEG_G == 1) {
+      // A combine that selects (cummax/cummin's pairs) compiles to a branch, and so did
+      // the pick after it: the flag tested first, the combine only where it is clear.
+      // With the pick, GCC copied the running pair between two registers and back
+      // every step (vmovaps, mov on the carried value): 1.87 ns an element against
+      // 1.62 so, (1048576,) a restart every 97 steps, the kernel alone, warm outputs.
+      if (step(c[g].r, d) != 0) acc[g] = u;
+      else acc[g] = combine(acc[g], u, p, lane[g]);
+    } else {
+      acc[g] = pick(step(c[g].r, d) != 0, u, combine(acc[g], u, p, lane[g]));
+    }
     store_t(c[g].y, d, acc[g]);
   };
   // (Chains reading one row of flags (a 1-D mask) at the same steps could share each
@@ -340,7 +350,7 @@ static void seg_transposed_chains(const In x, const Out y, const Par p, const Fl
   }
 }
 
-// Chains per group: SEG_TW where tiled, else SEG_G (generated: 4, or 1 for a combine that
+// Chains per group: SEG_TW where tiled, else SEG_G (generated: 3, or 1 for a combine that
 // selects; see fscan._engines.cpp._kernel_segmented.chains_interleaved).
 static constexpr int SEG_CG = SEG_TILED ? SEG_TW : SEG_G;
 
