@@ -153,7 +153,7 @@ CHAIN_LENGTHS = [2, 15, 16, 17, 33, 255, 257]
 @pytest.mark.parametrize("reverse", [False, True])
 def test_chain_path_lengths(name, steps, reverse):
     """37 lanes along the last dim: two whole groups of 16 (tiles, for logcumsumexp) or
-    nine of 4 (walked; cummax's one by one), then lanes one by one; flags at the first and
+    twelve of 3 (walked; cummax's one by one), then the last lane alone; flags at the first and
     last steps, two adjacent ones, and a flag per lane elsewhere."""
     gen = torch.Generator().manual_seed(steps)
     x = torch.randn(37, steps, generator=gen, dtype=torch.float64)
