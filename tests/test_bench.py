@@ -101,6 +101,23 @@ def test_rows_are_built_in_eager_mode_before_any_timing_and_rendered(tmp_path, c
     assert data[0]["ratio"] == pytest.approx(results[0].fscan_s / results[0].base_s)
 
 
+def test_a_row_is_warmed_and_named_on_its_own_thread_count():
+    """The drop-ins' route table reads torch's thread count: a 1-thread row's first call
+    and its engine's name happen on 1 thread, as its timing does, and the count is put
+    back after."""
+    seen: list[int] = []
+    before = torch.get_num_threads()
+    rows = [
+        _rows.Row(
+            "g", f"{n} threads", lambda: seen.append(torch.get_num_threads()), "b", lambda: None, n
+        )
+        for n in (1, 2)
+    ]
+    _rows.run_rows(rows, budget_s=0.002, title="t")
+    assert seen[:4] == [1, 2, 1, 2]  # the first calls, then the calls that name the engine
+    assert torch.get_num_threads() == before
+
+
 def test_a_fresh_output_limit_is_timed_and_shown_beside_the_judged_ratio(tmp_path):
     calls: list[str] = []
     row = _rows.Row(
