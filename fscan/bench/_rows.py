@@ -15,14 +15,13 @@ Only public fscan API is used here, so the rows also run against older checkouts
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-import torch
 from torch.utils.benchmark import Compare, Measurement
+from torch.utils.benchmark.utils.common import set_torch_threads
 
 import fscan
 
@@ -91,7 +90,9 @@ def run_rows(rows: Sequence[Row], budget_s: float, title: str = "rows") -> list[
         progress = Progress(f"{title}: building kernels", len(rows))
         for row in rows:
             progress.step(row.label)
-            with _threads(row.threads):
+            # On the row's thread count, as its Timer times it: the drop-ins' route table
+            # reads the count, so a row is warmed (and named, below) on its timed route.
+            with set_torch_threads(row.threads):
                 warm_up(row.run)
         progress.close()
         built = time.perf_counter() - start
@@ -133,20 +134,8 @@ def run_rows(rows: Sequence[Row], budget_s: float, title: str = "rows") -> list[
     return results
 
 
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    """torch's thread count set to ``n`` (the row's, as its Timer sets it): the drop-ins'
-    route table reads it, so a row is warmed and named on the route it is timed on."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _engine(row: Row) -> str:
-    with _threads(row.threads):
+    with set_torch_threads(row.threads):
         logged = engine_of(row.run, none="", warm=False)  # run_rows made the first call
     extra = row.engine() if row.engine is not None else ""
     return " ".join(part for part in (logged, extra) if part) or "torch"

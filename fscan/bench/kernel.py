@@ -31,6 +31,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.utils.benchmark.utils.common import set_torch_threads
 
 import fscan
 from fscan._engines.cpp import cpu_kernel
@@ -170,14 +171,10 @@ def backward_table() -> Table:
         "backward, float32, dim 0, 1 thread (medians of turns; ratios to copy of the leaves)",
         ["engine", "copy ms", "fwd/copy", "fwd+bwd/copy", "fwd+bwd/fwd", "torch eng fwd+bwd/copy"],
     )
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with set_torch_threads(1):
         for shape in ((4096, 256), (16384, 256)):
             for name in ("add", "linrec", "max", "seg", "logaddexp", "scaled", "gate"):
                 table.add(f"{name} {shape}", _backward_row(name, shape))
-    finally:
-        torch.set_num_threads(previous)
     return table
 
 
