@@ -88,8 +88,12 @@ def chains_tiled(program: Program) -> bool:
     vectorised): cumsum over (4096, 256) dim 1, reset call / inclusive call (which tiles,
     0.5-0.6 ns an element) 1.54-1.87 tiled against 1.15-1.36 walked (alternating fresh
     processes, thread CPU time, load 6-8); the kernel alone, tiled 0.79-1.06 ns an
-    element against 0.74-1.14 walked: no gain, not kept. perf put the tiled path's time
-    outside the scan, in the chains' set-up and the tiles' loads, not in the flags."""
+    element against 0.74-1.14 walked: no gain, not kept. perf (the kernel alone): 40% of
+    the tiled path in the group's loop around tile_in (the rows' pointers built from the
+    chains' and the tiles' loads), 6.5% in seg_tile_scan. Nor did the walk gain from
+    chains sharing a 1-D mask's flags walked a segment at a time without the pick (the
+    kernel alone 0.74-0.86 ns an element, as the walk with it): the flags are not what
+    the walk of cumsum pays for."""
     return program.expensive
 
 
