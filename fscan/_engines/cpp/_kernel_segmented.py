@@ -82,7 +82,18 @@ def chains_tiled(program: Program) -> bool:
     the tiled (1048576,): the flags gathered into the tile's 32-bit rows (a byte load, a
     compare and a scattered store an element) 38% of the path outside seg_tile_scan, and
     seg_tile_scan (vectorised) a third of the kernel: by those shares, flags that cost
-    nothing would leave it near 1.1, still above the walk (an estimate, not tried)."""
+    nothing would leave it near 1.1, still above the walk (an estimate, not tried).
+    Tried since, for a 1-D mask over whole lanes only (the flags read once a row, and a
+    tile without a restart, 5 in 6, scanned without flags, as the forward's tile_scan,
+    vectorised): cumsum over (4096, 256) dim 1, reset call / inclusive call (which tiles,
+    0.5-0.6 ns an element) 1.54-1.87 tiled against 1.15-1.36 walked (alternating fresh
+    processes, thread CPU time, load 6-8); the kernel alone, tiled 0.79-1.06 ns an
+    element against 0.74-1.14 walked: no gain, not kept. perf (the kernel alone): 40% of
+    the tiled path in the group's loop around tile_in (the rows' pointers built from the
+    chains' and the tiles' loads), 6.5% in seg_tile_scan. Nor did the walk gain from
+    chains sharing a 1-D mask's flags walked a segment at a time without the pick (the
+    kernel alone 0.74-0.86 ns an element, as the walk with it): the flags are not what
+    the walk of cumsum pays for."""
     return program.expensive
 
 

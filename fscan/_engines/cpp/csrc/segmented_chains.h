@@ -85,6 +85,16 @@ static void seg_chains(const In x, const Out y, const Par p, const Flags R, cons
   // keys with each lane's winner from a table of the steps that take (1.65). None
   // reaches the inclusive call: it mispredicts almost never, where a restart every 97
   // steps makes ~5 new maxima a segment.)
+  // (Register-transposed tiles of (value, step) pairs, 8 chunks of a 1-D input as the
+  // lanes of AVX2 vectors: 8x8 tiles of values and of flags (bytes widened) transposed
+  // in, a compare and two blends a step (the flag or-ed into the take mask, the first NaN
+  // kept by an ordered compare of the running value), values and int32 steps transposed
+  // out and widened, then each chunk's head fixed up from the chunk before until its
+  // first restart or until unchanged. Standalone (g++ -O3 -march=native, (1048768,), a
+  // restart every 97 steps, thread CPU time, load 7): 1.30-1.61 ns an element, against
+  // 0.84-0.94 for an inclusive branchy walk and 0.65-0.99 for the same traffic copied
+  // (values and flags read, values and int64 indices written): the four transposes (1.5
+  // shuffles an element) cost more than the mispredictions they remove. Not taken on.)
   for (int64_t k = 1; k < common; ++k) {
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) walk(g, k);
