@@ -386,6 +386,8 @@ def reduce_source(dtypes: Sequence[torch.dtype], program: Program) -> str:
         combine=_combine_function(compute, program),
         suspect=suspect_check(dtypes, range(len(dtypes))),
         tuning=csrc("tuning.h"),
+        # Two blocks of chains a tile (WAYS): see tile_total in csrc/reduce.h.
+        tiles=tile_structs(list(range(len(dtypes))) if tiled(st, ()) else None, (), True),
         reduce=csrc("reduce.h"),
         arguments=", ".join(
             _signature(dtypes, program, [f"{st[k]}* z{k}" for k in range(len(dtypes))], ())

@@ -208,15 +208,20 @@ static void reduce_lanes(const In x, const Out z, const Par p, const Geo& S, boo
 }
 
 // NG chunks of chains interleaved: chunk g starts at xb[g] (its first step in scan order),
-// runs len[g] steps tstep (+-1) apart from position t0[g], at element position elem[g].
+// runs len[g] steps tstep (+-1) apart from position t0[g], at element position elem[g],
+// from the carry carry[g] where has (its total then includes the carry).
 template <int NG>
 static FSCAN_INLINE void chain_totals(const In* xb, const Par p, const int64_t* t0, const int64_t* len,
-                                      const int64_t* elem, int64_t tstep, Vals* out) {
+                                      const int64_t* elem, int64_t tstep, Vals* out,
+                                      const Vals* carry = nullptr) {
   Vals acc[NG];
   int64_t common = len[0];
   for (int g = 1; g < NG; ++g) common = std::min(common, len[g]);
 #pragma GCC unroll 8
-  for (int g = 0; g < NG; ++g) acc[g] = load_t(xb[g], 0, t0[g]);
+  for (int g = 0; g < NG; ++g) {
+    const Vals v = load_t(xb[g], 0, t0[g]);
+    acc[g] = carry ? combine(carry[g], v, p, elem[g]) : v;
+  }
   for (int64_t s = 1; s < common; ++s) {
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) acc[g] = combine(acc[g], load_t(xb[g], s * tstep, t0[g] + s * tstep), p, elem[g]);
@@ -227,29 +232,176 @@ static FSCAN_INLINE void chain_totals(const In* xb, const Par p, const int64_t* 
   }
 }
 
+// TW chains' totals side by side, as the lanes of vector loops (float32 leaves, steps
+// dense: TILED and tileable), as the forward's chain path scans them (tile_chains in
+// csrc/forward_chains.h, which a reduce kernel does not include): TB steps of each chain
+// transposed in registers into a tile (InTile: WAYS blocks of TV chains), the chains'
+// running values held in registers across the tile's steps, in scan order; nothing
+// transposed back out. Walked one element at a time (chain_totals: G scalar chains
+// interleaved), add over dim 1 of (4096, 256) read at 2.7-3.8x torch.sum and the
+// affine pair at 9-13x a read (AVX2): every step a scalar load, widening and combine.
+// A reduce kernel's tiles hold two blocks (WAYS = 2, reduce_source): a lone vector of
+// chains waits on each combine's latency (double add: 16 dependent steps a tile).
+#if defined(__GNUC__) && !defined(__clang__)
+#define FSCAN_REDUCE_TILE __attribute__((noinline, optimize("no-tree-pre")))  // see tile_scan
+#else
+#define FSCAN_REDUCE_TILE __attribute__((noinline))
+#endif
+// Steps [K0, TB) of a whole tile (UP: ascending rows) from the running values in acc.
+// Flushed (fscan_flush_f32) at the tile's last step only, as the forward's tile_scan.
+template <bool UP, int64_t K0>
+FSCAN_REDUCE_TILE static void tile_total(const In x, const Par p, const int64_t* elem, const Buf acc,
+                                         const InTile& in) {
+#pragma GCC ivdep
+  for (int g = 0; g < TV; ++g) {
+    Vals a[WAYS];
+    for (int w = 0; w < WAYS; ++w) a[w] = get_all(acc, w * TV + g);
+#pragma GCC unroll 16
+    for (int64_t k = K0; k < TB; ++k) {
+      const int64_t j = UP ? k : TB - 1 - k;
+      for (int w = 0; w < WAYS; ++w) {
+        const Vals v = load_i(tile_row(x, in, w * TB + j), g, 0);
+        const int64_t e = elem[w * TV + g];
+        a[w] = k == TB - 1 ? combine<true>(a[w], v, p, e) : combine<false>(a[w], v, p, e);
+      }
+    }
+    for (int w = 0; w < WAYS; ++w) put_all(acc, w * TV + g, a[w]);
+  }
+}
+// tile_total where a chain holds one float32 leaf widened to double (BLOCKED: add, mul):
+// all TW chains' running values in registers, a step at a time, written as scalar chains
+// that GCC's straight-line vectorizer packs 4 to a vector, each load converted straight
+// from memory (as block_rows). The loop vectorizer took the loop over chains at float32's
+// width, loaded whole rows and split each to widen, and spilled (add over dim 1 of
+// (4096, 256): slower than the scalar chains).
+template <bool UP, int64_t K0>
+FSCAN_REDUCE_TILE static void tile_total_rows(const In x, const Par p, const int64_t* elem, const Buf acc,
+                                              const InTile& in) {
+  Vals a[TW];
+#pragma GCC unroll 16
+  for (int g = 0; g < TW; ++g) a[g] = get_all(acc, g);
+#pragma GCC unroll 16
+  for (int64_t k = K0; k < TB; ++k) {
+    const int64_t j = UP ? k : TB - 1 - k;
+    asm volatile("" ::: "memory");  // keeps each step's loads in their step: see above
+#pragma GCC unroll 16
+    for (int g = 0; g < TW; ++g) {
+      const Vals v = load_i(tile_row(x, in, g / TV * TB + j), g % TV, 0);
+      a[g] = k == TB - 1 ? combine<true>(a[g], v, p, elem[g]) : combine<false>(a[g], v, p, elem[g]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int g = 0; g < TW; ++g) put_all(acc, g, a[g]);
+}
+// Steps [K0, n) of a partial tile (n < TB), a row at a time (as tile_scan_part: a vector
+// loop over the chains only where the steps inside it are a constant count).
+template <bool UP, int64_t K0>
+FSCAN_REDUCE_TILE static void tile_total_part(const In x, const Par p, const int64_t* elem, const Buf acc,
+                                              const InTile& in, int64_t n) {
+  for (int64_t k = K0; k < n; ++k) {
+    const int64_t j = UP ? k : TB - 1 - k;
+    for (int w = 0; w < WAYS; ++w) {
+      const In xr = tile_row(x, in, w * TB + j);
+#pragma GCC ivdep
+#pragma GCC unroll 1
+      for (int g = 0; g < TV; ++g)
+        put_all(acc, w * TV + g, combine<false>(get_all(acc, w * TV + g), load_i(xr, g, 0), p, elem[w * TV + g]));
+    }
+  }
+}
+
+struct ReduceTiles {
+  InTile in;
+  Store acc{TW};
+};
+
+// The totals of TW chains (xb[g]: the lane's step 0; its steps t0[g] on, len[g] of them,
+// in scan order) into out: the steps all chains have in tiles (the last one partial, its
+// rows masked: fscan_tile_in), the rest walked a chain at a time.
+template <bool UP>
+static void tile_totals(const In* xb, const Par p, const int64_t* t0, const int64_t* len,
+                        const int64_t* elem, Vals* out, ReduceTiles& tl) {
+  const Buf acc = tl.acc.buf();
+  int64_t common = len[0];
+  for (int g = 1; g < TW; ++g) common = std::min(common, len[g]);
+  const unsigned all = (1u << TB) - 1;
+  int64_t lo[TW];  // each chain's step at the tile's lowest address
+  for (int64_t s0 = 0; s0 < common; s0 += TB) {
+    const int64_t n = std::min(TB, common - s0);
+    const bool part = n < TB;
+    // The rows a partial tile reads: the first n (UP), or the last n (a reversed chain's
+    // steps descend from the tile's highest address).
+    const unsigned m = !part ? all : (UP ? (1u << n) - 1 : all & ~((1u << (TB - n)) - 1));
+    for (int g = 0; g < TW; ++g) lo[g] = UP ? t0[g] + s0 : t0[g] - s0 - (TB - 1);
+    if (part) tile_in(xb, lo, tl.in, m);
+    else tile_in(xb, lo, tl.in, all);
+    if (s0 == 0) {
+      for (int g = 0; g < TW; ++g)
+        put_all(acc, g, load_i(tile_row(xb[0], tl.in, g / TV * TB + (UP ? 0 : TB - 1)), g % TV, 0));
+      if (part) tile_total_part<UP, 1>(xb[0], p, elem, acc, tl.in, n);
+      else if (BLOCKED) tile_total_rows<UP, 1>(xb[0], p, elem, acc, tl.in);
+      else tile_total<UP, 1>(xb[0], p, elem, acc, tl.in);
+    } else if (part) {
+      tile_total_part<UP, 0>(xb[0], p, elem, acc, tl.in, n);
+    } else if (BLOCKED) {
+      tile_total_rows<UP, 0>(xb[0], p, elem, acc, tl.in);
+    } else {
+      tile_total<UP, 0>(xb[0], p, elem, acc, tl.in);
+    }
+  }
+  const int64_t tstep = UP ? 1 : -1;
+  for (int g = 0; g < TW; ++g) {
+    const int64_t n1 = len[g] - common, t1 = t0[g] + common * tstep;
+    const In xg = row(xb[g], t1);
+    if (common == 0) chain_totals<1>(&xg, p, &t1, &n1, elem + g, tstep, out + g);
+    else if (n1 == 0) out[g] = get_all(acc, g);
+    else {
+      const Vals a = get_all(acc, g);
+      chain_totals<1>(&xg, p, &t1, &n1, elem + g, tstep, out + g, &a);
+    }
+  }
+}
+
+// Chains per group: TW where they may be tiled, else G.
+static constexpr int CG = TILED ? TW : G;
+
 static void reduce_chains(const In x, const Out z, const Par p, const Geo& S, bool rev, int nt) {
   const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
+  const bool tiles = TILED && tileable(x, z);
+  const int cg = tiles ? CG : G;
   int64_t C = 1;  // chunks per lane
-  if (lanes < (int64_t)nt * G) C = std::min<int64_t>(((int64_t)nt * G + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
-  const int64_t L = (T + C - 1) / C;
+  if (lanes < (int64_t)nt * cg) C = std::min<int64_t>(((int64_t)nt * cg + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
+  int64_t L = (T + C - 1) / C;
+  // Tiled chunks of one lane a power of two apart share their lines' L1 sets: skew them
+  // (as the forward's chain_path).
+  if (tiles && C > 1 && inner == 1) L = (L + 15) / 16 * 16 + 16;
   C = (T + L - 1) / L;
-  const int64_t tstep = rev ? -1 : 1, items = lanes * C, groups = (items + G - 1) / G;
+  const int64_t tstep = rev ? -1 : 1, items = lanes * C, groups = (items + cg - 1) / cg;
   std::vector<Vals> tot(items);
   fscan_team(nt, [&] {
-    In xb[G];
-    int64_t t0[G], len[G], elem[G];
+    std::unique_ptr<ReduceTiles> tl(tiles ? new ReduceTiles : nullptr);
+    In xb[CG];
+    int64_t t0[CG], len[CG], elem[CG];
 #pragma omp for schedule(static)
     for (int64_t gi = 0; gi < groups; ++gi) {
-      const int ng = (int)std::min<int64_t>(G, items - gi * G);
+      const int ng = (int)std::min<int64_t>(cg, items - gi * cg);
       for (int g = 0; g < ng; ++g) {
-        const int64_t k = gi * G + g, lane = k / C, c = k % C, s = c * L;
+        const int64_t k = gi * cg + g, lane = k / C, c = k % C, s = c * L;
         t0[g] = rev ? T - 1 - s : s;
-        xb[g] = row(at(x, S, lane / inner, 0, lane % inner), t0[g]);
+        xb[g] = at(x, S, lane / inner, 0, lane % inner);
         len[g] = std::min(T, s + L) - s;
         elem[g] = lane;
       }
-      if (ng == G) chain_totals<G>(xb, p, t0, len, elem, tstep, &tot[gi * G]);
-      else for (int g = 0; g < ng; ++g) chain_totals<1>(xb + g, p, t0 + g, len + g, elem + g, tstep, &tot[gi * G + g]);
+      Vals* out = &tot[gi * cg];
+      if (tiles && ng == CG) {
+        if (rev) tile_totals<false>(xb, p, t0, len, elem, out, *tl);
+        else tile_totals<true>(xb, p, t0, len, elem, out, *tl);
+        continue;
+      }
+      for (int g = 0; g < ng; ++g) xb[g] = row(xb[g], t0[g]);
+      int g = 0;
+      for (; g + G <= ng; g += G) chain_totals<G>(xb + g, p, t0 + g, len + g, elem + g, tstep, out + g);
+      for (; g < ng; ++g) chain_totals<1>(xb + g, p, t0 + g, len + g, elem + g, tstep, out + g);
     }
 #pragma omp for schedule(static)
     for (int64_t lane = 0; lane < lanes; ++lane) {
