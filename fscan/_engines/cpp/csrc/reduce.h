@@ -208,20 +208,18 @@ static void reduce_lanes(const In x, const Out z, const Par p, const Geo& S, boo
 }
 
 // NG chunks of chains interleaved: chunk g starts at xb[g] (its first step in scan order),
-// runs len[g] steps tstep (+-1) apart from position t0[g], at element position elem[g],
-// from the carry carry[g] where has (its total then includes the carry).
+// runs len[g] steps tstep (+-1) apart from position t0[g], at element position elem[g].
+// (GCC packs the NG float32 chains of add into two vectors of doubles: a carry-in
+// chosen per chain at the start, `carry ? combine(carry[g], v) : v`, kept them scalar,
+// 1.6x the time over (1048576,).)
 template <int NG>
 static FSCAN_INLINE void chain_totals(const In* xb, const Par p, const int64_t* t0, const int64_t* len,
-                                      const int64_t* elem, int64_t tstep, Vals* out,
-                                      const Vals* carry = nullptr) {
+                                      const int64_t* elem, int64_t tstep, Vals* out) {
   Vals acc[NG];
   int64_t common = len[0];
   for (int g = 1; g < NG; ++g) common = std::min(common, len[g]);
 #pragma GCC unroll 8
-  for (int g = 0; g < NG; ++g) {
-    const Vals v = load_t(xb[g], 0, t0[g]);
-    acc[g] = carry ? combine(carry[g], v, p, elem[g]) : v;
-  }
+  for (int g = 0; g < NG; ++g) acc[g] = load_t(xb[g], 0, t0[g]);
   for (int64_t s = 1; s < common; ++s) {
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) acc[g] = combine(acc[g], load_t(xb[g], s * tstep, t0[g] + s * tstep), p, elem[g]);
@@ -267,31 +265,6 @@ FSCAN_REDUCE_TILE static void tile_total(const In x, const Par p, const int64_t*
     }
     for (int w = 0; w < WAYS; ++w) put_all(acc, w * TV + g, a[w]);
   }
-}
-// tile_total where a chain holds one float32 leaf widened to double (BLOCKED: add, mul):
-// all TW chains' running values in registers, a step at a time, written as scalar chains
-// that GCC's straight-line vectorizer packs 4 to a vector, each load converted straight
-// from memory (as block_rows). The loop vectorizer took the loop over chains at float32's
-// width, loaded whole rows and split each to widen, and spilled (add over dim 1 of
-// (4096, 256): slower than the scalar chains).
-template <bool UP, int64_t K0>
-FSCAN_REDUCE_TILE static void tile_total_rows(const In x, const Par p, const int64_t* elem, const Buf acc,
-                                              const InTile& in) {
-  Vals a[TW];
-#pragma GCC unroll 16
-  for (int g = 0; g < TW; ++g) a[g] = get_all(acc, g);
-#pragma GCC unroll 16
-  for (int64_t k = K0; k < TB; ++k) {
-    const int64_t j = UP ? k : TB - 1 - k;
-    asm volatile("" ::: "memory");  // keeps each step's loads in their step: see above
-#pragma GCC unroll 16
-    for (int g = 0; g < TW; ++g) {
-      const Vals v = load_i(tile_row(x, in, g / TV * TB + j), g % TV, 0);
-      a[g] = k == TB - 1 ? combine<true>(a[g], v, p, elem[g]) : combine<false>(a[g], v, p, elem[g]);
-    }
-  }
-#pragma GCC unroll 16
-  for (int g = 0; g < TW; ++g) put_all(acc, g, a[g]);
 }
 // Steps [K0, n) of a partial tile (n < TB), a row at a time (as tile_scan_part: a vector
 // loop over the chains only where the steps inside it are a constant count).
@@ -339,35 +312,36 @@ static void tile_totals(const In* xb, const Par p, const int64_t* t0, const int6
       for (int g = 0; g < TW; ++g)
         put_all(acc, g, load_i(tile_row(xb[0], tl.in, g / TV * TB + (UP ? 0 : TB - 1)), g % TV, 0));
       if (part) tile_total_part<UP, 1>(xb[0], p, elem, acc, tl.in, n);
-      else if (BLOCKED) tile_total_rows<UP, 1>(xb[0], p, elem, acc, tl.in);
       else tile_total<UP, 1>(xb[0], p, elem, acc, tl.in);
     } else if (part) {
       tile_total_part<UP, 0>(xb[0], p, elem, acc, tl.in, n);
-    } else if (BLOCKED) {
-      tile_total_rows<UP, 0>(xb[0], p, elem, acc, tl.in);
     } else {
       tile_total<UP, 0>(xb[0], p, elem, acc, tl.in);
     }
   }
   const int64_t tstep = UP ? 1 : -1;
-  for (int g = 0; g < TW; ++g) {
-    const int64_t n1 = len[g] - common, t1 = t0[g] + common * tstep;
-    const In xg = row(xb[g], t1);
-    if (common == 0) chain_totals<1>(&xg, p, &t1, &n1, elem + g, tstep, out + g);
-    else if (n1 == 0) out[g] = get_all(acc, g);
-    else {
-      const Vals a = get_all(acc, g);
-      chain_totals<1>(&xg, p, &t1, &n1, elem + g, tstep, out + g, &a);
-    }
+  for (int g = 0; g < TW; ++g) {  // common > 0: every chunk has a step
+    Vals a = get_all(acc, g);
+    const In xg = row(xb[g], t0[g]);
+    for (int64_t s = common; s < len[g]; ++s) a = combine(a, load_t(xg, s * tstep, t0[g] + s * tstep), p, elem[g]);
+    out[g] = a;
   }
 }
 
-// Chains per group: TW where they may be tiled, else G.
+// Chains per group: TW where they may be tiled, else G. (Walked float32 chains of add
+// are packed by GCC into two vectors of doubles, each step waiting on the last add's
+// latency; 2 G of them were not packed but gathered, 3x the time over (1048576,).)
 static constexpr int CG = TILED ? TW : G;
 
 static void reduce_chains(const In x, const Out z, const Par p, const Geo& S, bool rev, int nt) {
   const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
-  const bool tiles = TILED && tileable(x, z);
+  // Not where a chain holds one float32 leaf widened to double (BLOCKED: add, mul): on
+  // AVX2 (Zen) every element's widening (vcvtps2pd) costs about a torch.sum and the
+  // transposes about as much again, and the tiles ran no faster than the walked chains
+  // (add over dim 1 of (4096, 256): 350-475 us tiled, 333-480 walked; over (1048576,):
+  // 280-390 tiled, 244-268 walked; alternating processes, load 6), with the running
+  // values in registers as here and the steps' loads kept to their step.
+  const bool tiles = TILED && !BLOCKED && tileable(x, z);
   const int cg = tiles ? CG : G;
   int64_t C = 1;  // chunks per lane
   if (lanes < (int64_t)nt * cg) C = std::min<int64_t>(((int64_t)nt * cg + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
