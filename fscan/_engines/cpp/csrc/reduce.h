@@ -245,26 +245,31 @@ static FSCAN_INLINE void chain_totals(const In* xb, const Par p, const int64_t* 
 #else
 #define FSCAN_REDUCE_TILE __attribute__((noinline))
 #endif
-// Steps [K0, TB) of a whole tile (UP: ascending rows) from the running values in acc.
-// Flushed (fscan_flush_f32) at the tile's last step only, as the forward's tile_scan.
-template <bool UP, int64_t K0>
-FSCAN_REDUCE_TILE static void tile_total(const In x, const Par p, const int64_t* elem, const Buf acc,
-                                         const InTile& in) {
+// Steps [K0, TB) of a whole tile (UP: ascending rows) from the running values in `from`
+// into `to` (the same buffer, or another). Flushed (fscan_flush_f32) at the tile's last
+// step only, as the forward's tile_scan. WATCH (a combine with a range check, RANGED):
+// the checks left out, and the return value set where one would have changed a value;
+// tile_totals then runs the tile again checked (see fscan_range_f32 and lane_total_watched).
+template <bool UP, int64_t K0, bool WATCH>
+FSCAN_REDUCE_TILE static int64_t tile_total(const In x, const Par p, const int64_t* elem, const Buf from,
+                                            const Buf to, const InTile& in) {
+  int64_t outside = 0;
 #pragma GCC ivdep
   for (int g = 0; g < TV; ++g) {
     Vals a[WAYS];
-    for (int w = 0; w < WAYS; ++w) a[w] = get_all(acc, w * TV + g);
+    for (int w = 0; w < WAYS; ++w) a[w] = get_all(from, w * TV + g);
 #pragma GCC unroll 16
     for (int64_t k = K0; k < TB; ++k) {
       const int64_t j = UP ? k : TB - 1 - k;
       for (int w = 0; w < WAYS; ++w) {
         const Vals v = load_i(tile_row(x, in, w * TB + j), g, 0);
         const int64_t e = elem[w * TV + g];
-        a[w] = k == TB - 1 ? combine<true>(a[w], v, p, e) : combine<false>(a[w], v, p, e);
+        a[w] = k == TB - 1 ? combine<true, WATCH>(a[w], v, p, e, outside) : combine<false, WATCH>(a[w], v, p, e, outside);
       }
     }
-    for (int w = 0; w < WAYS; ++w) put_all(acc, w * TV + g, a[w]);
+    for (int w = 0; w < WAYS; ++w) put_all(to, w * TV + g, a[w]);
   }
+  return outside;
 }
 // Steps [K0, n) of a partial tile (n < TB), a row at a time (as tile_scan_part: a vector
 // loop over the chains only where the steps inside it are a constant count).
@@ -285,7 +290,7 @@ FSCAN_REDUCE_TILE static void tile_total_part(const In x, const Par p, const int
 
 struct ReduceTiles {
   InTile in;
-  Store acc{TW};
+  Store acc{TW}, spare{RANGED ? TW : 0};
 };
 
 // The totals of TW chains (xb[g]: the lane's step 0; its steps t0[g] on, len[g] of them,
@@ -294,11 +299,22 @@ struct ReduceTiles {
 template <bool UP>
 static void tile_totals(const In* xb, const Par p, const int64_t* t0, const int64_t* len,
                         const int64_t* elem, Vals* out, ReduceTiles& tl) {
-  const Buf acc = tl.acc.buf();
+  Buf acc = tl.acc.buf(), spare = tl.spare.buf();
   int64_t common = len[0];
   for (int g = 1; g < TW; ++g) common = std::min(common, len[g]);
   const unsigned all = (1u << TB) - 1;
   int64_t lo[TW];  // each chain's step at the tile's lowest address
+  // A whole tile's steps [K0, TB), range checks watched where the combine has them (the
+  // affine pair over dim 1 of (4096, 256): see the measurements in docs/reduce.md).
+  auto whole = [&](auto k0) {
+    constexpr int64_t K0 = decltype(k0)::value;
+    if constexpr (RANGED) {
+      if (tile_total<UP, K0, true>(xb[0], p, elem, acc, spare, tl.in)) tile_total<UP, K0, false>(xb[0], p, elem, acc, acc, tl.in);
+      else std::swap(acc, spare);
+    } else {
+      tile_total<UP, K0, false>(xb[0], p, elem, acc, acc, tl.in);
+    }
+  };
   for (int64_t s0 = 0; s0 < common; s0 += TB) {
     const int64_t n = std::min(TB, common - s0);
     const bool part = n < TB;
@@ -312,11 +328,11 @@ static void tile_totals(const In* xb, const Par p, const int64_t* t0, const int6
       for (int g = 0; g < TW; ++g)
         put_all(acc, g, load_i(tile_row(xb[0], tl.in, g / TV * TB + (UP ? 0 : TB - 1)), g % TV, 0));
       if (part) tile_total_part<UP, 1>(xb[0], p, elem, acc, tl.in, n);
-      else tile_total<UP, 1>(xb[0], p, elem, acc, tl.in);
+      else whole(std::integral_constant<int64_t, 1>{});
     } else if (part) {
       tile_total_part<UP, 0>(xb[0], p, elem, acc, tl.in, n);
     } else {
-      tile_total<UP, 0>(xb[0], p, elem, acc, tl.in);
+      whole(std::integral_constant<int64_t, 0>{});
     }
   }
   const int64_t tstep = UP ? 1 : -1;
