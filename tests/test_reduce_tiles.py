@@ -84,9 +84,7 @@ def test_float32_last_dim_is_the_sequential_double_loop(chains, reverse, threads
 
 
 @pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize(
-    "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_non_commuting_combines_keep_the_order(dtype, reverse, threads, engines):
     """The right projection and the affine pair with factors +-1 (exact in every dtype
     here) along the last dim, 1-D and a middle dim: tiles compose each chain's steps in
@@ -125,7 +123,9 @@ def test_views_with_dense_steps(shape, dim, reverse, threads, engines):
     for data, d in ((x, dim), (strided, len(shape) - 1)):
         got = _reduce(torch.add, data, d, reverse)
         assert engines()[-1] == "cpp"
-        torch.testing.assert_close(got, oracle(torch.add, data, d, reverse).float(), rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(
+            got, oracle(torch.add, data, d, reverse).float(), rtol=1e-6, atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("reverse", [False, True])
