@@ -188,3 +188,15 @@ def test_affine_range_check(shape, dim, reverse, threads, engines):
     got = _reduce(affine, (a, b), dim, reverse)
     for g, w in zip(got, oracle(affine, (a, b), dim, reverse)):
         torch.testing.assert_close(g, w.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_captured_tensor_per_chain(reverse, threads, engines):
+    """A captured tensor broadcast over the elements (one bound a lane): each tiled chain
+    reads its own lane's bound (the tiles' element positions), 16 chains and one over."""
+    gen = torch.Generator().manual_seed(9)
+    cap = torch.randn(17, generator=gen)
+    x = torch.randn(17, 35, generator=gen)
+    got = _reduce(lambda left, r: torch.minimum(torch.maximum(left, r), cap), x, 1, reverse)
+    assert engines()[-1] == "cpp"
+    assert torch.equal(got, torch.minimum(x.amax(1), cap))
