@@ -18,16 +18,16 @@ or ``exclusive=`` and without promoting the input (a float input) are stored.
 
 Their exclusive form (``exclusive=True``, no ``dtype=``, ``out=`` or ``reset=``) is
 served the same way, under its own key (the same ``call_parts``, marked exclusive):
-:func:`remember_exclusive` stores an :class:`ExclusiveRun`, the kernel run of the first
-``n - 1`` steps in scan order (the same compiled kernel: its element shape is the
-input's), once the exclusive router (:mod:`fscan._routing.exclusive`) served a call on
-the kernel writing in place (nothing recorded), and :func:`repeat_exclusive` repeats
-it: the kernel reads the narrowed input and writes the output's later ``n - 1`` steps
-in place (reversed cummax/cummin's indices made positions in the whole input by the
-kernel), and the first step is filled with the op's identity (and index -1), as the
-router's path does. A checked call whose input was promoted or cast is stored under
-the dtype the kernel scanned, which an identical later call in that dtype takes as it
-is, so the key fits it too.
+:func:`remember_exclusive` stores an :class:`ExclusiveRun`, the kernel run of all ``n``
+steps with the op's identity as its carry-in (the same compiled kernel: its element
+shape is the input's), once the exclusive router (:mod:`fscan._routing.exclusive`)
+served a call on the kernel writing in place (nothing recorded), and
+:func:`repeat_exclusive` repeats it: one kernel pass writes every step of fresh outputs,
+the first in scan order the identity (and index -1), each later one the scan of the
+input's steps before it (:func:`~fscan._engines.cpp.cpu_kernel.run_exclusive_prepared`).
+A checked call whose input was promoted or cast is stored under the dtype the kernel
+scanned, which an identical later call in that dtype takes as it is, so the key fits
+it too.
 
 Their segmented form (``reset=``, inclusive, no ``dtype=`` or ``out=``) likewise:
 :func:`remember_segmented` stores the segmented kernel's prepared run
@@ -55,9 +55,14 @@ from .._engines.cpp._kernel_segmented import (
     prepare_segmented,
     run_segmented_prepared,
 )
-from .._engines.cpp.cpu_kernel import PreparedRun, fresh_outputs, prepare_run, run_prepared
+from .._engines.cpp.cpu_kernel import (
+    PreparedRun,
+    exclusive_run,
+    prepare_run,
+    run_exclusive_prepared,
+    run_prepared,
+)
 from .._knowledge.store import knowledge, on_clear
-from .._memory import HUGE_MIN_BYTES, advise_huge_pages
 from .._pytree import LEAF
 from .._route_log import ran
 from .cumulative_table import EXTREMA
@@ -77,14 +82,16 @@ __all__ = [
 
 
 class ExclusiveRun(NamedTuple):
-    """An exclusive drop-in's kernel run: ``run`` scans the first ``n - 1`` steps in scan
-    order (its sizes' steps) of a contiguous input along ``dim``, into the outputs' later
-    ``n - 1`` steps; ``starts`` (the op's identity, and index -1 for cummax/cummin) fill
-    the first step."""
+    """An exclusive drop-in's kernel run: ``run`` (an
+    :func:`~fscan._engines.cpp.cpu_kernel.exclusive_run`) scans all ``n`` steps of a
+    contiguous input along ``dim`` in one pass, ``head`` (the op's identity in every lane:
+    ``run`` holds its address) its carry-in; ``starts``: the start value of each output
+    (the identity, and index -1 for cummax/cummin)."""
 
     run: PreparedRun
     dim: int
     starts: tuple[Any, ...]
+    head: torch.Tensor
 
 
 # Keys of drop-in calls served on the kernel (a few ops and shapes, typically).
@@ -161,33 +168,8 @@ def repeat_exclusive(op: Any, x: Any, dim: Any, reverse: Any) -> Any:
 
 def run_exclusive(found: ExclusiveRun, x: torch.Tensor) -> list[torch.Tensor]:
     """``found`` on ``x`` (of the dtype, shape and layout it was stored for): fresh outputs
-    whose later ``n - 1`` steps in scan order the kernel writes, the first the start values."""
-    run, dim, starts = found
-    kernel, _, _, sizes, tail, cap, positions = run
-    steps, reverse = sizes[1], sizes[3]
-    ys = fresh_outputs([x], positions)
-    if x.numel() >= _HUGE_GATE:  # the advice's own reads cost ~20 µs on a cold cache
-        for y in ys:
-            advise_huge_pages(y)
-    threads = torch.get_num_threads() if cap is None else min(cap, torch.get_num_threads())
-    # The first n - 1 steps in scan order, one step later (as fscan._exclusive.Shift): the
-    # kernel reads and writes n - 1 steps from where it is pointed, so only the tensors
-    # that start one step in are narrowed (a view costs ~1.4 µs; a slice along dim 0 ~0.8).
-    if reverse:  # the kernel gives x[1:]'s indices as positions in x (the run's tail)
-        kernel(x[1:] if dim == 0 else x.narrow(dim, 1, steps), *ys, *sizes, threads, *tail)
-    elif dim == 0:
-        kernel(x, *[y[1:] for y in ys], *sizes, threads, *tail)
-    else:
-        kernel(x, *[y.narrow(dim, 1, steps) for y in ys], *sizes, threads, *tail)
-    at = steps if reverse else 0
-    for y, start in zip(ys, starts):
-        y.select(dim, at).fill_(start)
-    return ys
-
-
-# Fewer elements than this cannot reach HUGE_MIN_BYTES in any dtype (as the kernel's
-# own runs gate the advice): one integer compare keeps it off smaller calls.
-_HUGE_GATE = HUGE_MIN_BYTES // 16
+    the kernel writes in one pass, the first step in scan order the start values."""
+    return run_exclusive_prepared(found.run, x, found.dim)
 
 
 def remember_exclusive(
@@ -199,10 +181,10 @@ def remember_exclusive(
     starts: Sequence[Any],
 ) -> None:
     """Store, for :func:`repeat_exclusive`, the kernel run the exclusive router just made
-    for ``op`` (``call`` as for :func:`remember_cumulative`, of the whole input) on its
-    first ``n - 1`` steps in scan order, into the outputs' later steps, on ``threads``
-    threads at most, ``starts`` (one per output) at the first step. A kernel not READY
-    (the call ran elsewhere) stores nothing."""
+    for ``op`` (``call`` as for :func:`remember_cumulative`, of the whole input), as one
+    pass of its kernel over all ``n`` steps with ``starts[0]`` (the identity) as the
+    carry-in of every lane, on ``threads`` threads at most; ``starts``: one per output.
+    A kernel not READY (the call ran elsewhere) stores nothing."""
     combine, spec, leaves, positions = call
     x = leaves[0]
     parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)
@@ -211,14 +193,12 @@ def remember_exclusive(
     key = (_EXCLUSIVE, op, _threads(), *parts)
     if key not in drop_in_repeats:
         holder = knowledge(memo_reach(combine), spec, "pointwise", leaves)
-        # Reversed, the kernel reads x[1:]: its positions start at 1 (those in x).
-        first = int(reverse)
-        run = prepare_run(holder, (), leaves, dim, reverse, threads, positions, first)
+        run = prepare_run(holder, (), leaves, dim, reverse, threads, positions)
         if run is not None and not run.program.params:
-            # The run of all n steps: the narrowed views keep x's strides, one step fewer.
-            outer, n, inner, backwards = run.sizes
-            narrowed = run._replace(sizes=(outer, n - 1, inner, backwards))
-            drop_in_repeats.put(key, ExclusiveRun(narrowed, dim, tuple(starts)))
+            lanes = x.numel() // x.shape[dim]
+            head = torch.full((lanes,), starts[0], dtype=x.dtype)  # every lane's carry-in
+            found = ExclusiveRun(exclusive_run(run, head, reverse), dim, tuple(starts), head)
+            drop_in_repeats.put(key, found)
 
 
 def repeat_segmented(op: Any, x: Any, dim: Any, reverse: Any, reset: Any) -> Any:
