@@ -98,9 +98,11 @@ from ._kernel_registry import captured_occurrences as captured_occurrences
 from ._kernel_registry import leaf_refusal as leaf_refusal
 from ._kernel_run import (
     PreparedRun,
+    exclusive_run,
     fresh_outputs,
     kernel_params,
     prepare_run,
+    run_exclusive_prepared,
     run_kernel,
     run_prepared,
 )
@@ -114,6 +116,7 @@ __all__ = [
     "KernelScan",
     "PreparedRun",
     "counters",
+    "exclusive_run",
     "fresh_outputs",
     "kernel_entries",
     "kernel_grad_scan",
@@ -124,6 +127,7 @@ __all__ = [
     "precompile",
     "prepare_run",
     "reads_in_place",
+    "run_exclusive_prepared",
     "run_prepared",
     "slot_key",
     "strided_layout",

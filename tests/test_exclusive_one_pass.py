@@ -1,0 +1,168 @@
+"""The exclusive drop-ins' repeat route in one kernel pass: the op's identity as the
+kernel's carry-in, the input read one step behind the step written (see
+fscan._engines.cpp._kernel_run.run_exclusive_prepared), against a step-by-step oracle in
+float64, at the lengths and layouts where an off-by-one would show: 2 and 3 steps, around
+the kernel's lane blocks and chunk splits, every dim, both directions. (Where the route
+table sends a call to torch's op instead, the oracle still checks it and nothing is
+served.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fscan
+from fscan._routing import repeat_drop_ins
+from fscan._routing.cumulative import path
+
+IDENTITY = {"cumsum": 0.0, "cumprod": 1.0, "logcumsumexp": -math.inf}
+STEP = {"cumsum": torch.add, "cumprod": torch.mul, "logcumsumexp": torch.logaddexp}
+BETTER = {"cummax": (-math.inf, torch.ge), "cummin": (math.inf, torch.le)}
+OPS = ["cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"]
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """The exclusive runs the repeat route served, as they happen."""
+    runs: list[object] = []
+    run_exclusive = repeat_drop_ins.run_exclusive
+
+    def counted(found, x):
+        runs.append(found)
+        return run_exclusive(found, x)
+
+    monkeypatch.setattr(repeat_drop_ins, "run_exclusive", counted)
+    return runs
+
+
+def oracle(name, x, dim, reverse):
+    """The carry into each step, step by step in float64 (cummax/cummin: values and
+    indices, positions in ``x``, the later element in scan order winning ties)."""
+    xs = x.double().movedim(dim, 0)
+    n = xs.shape[0]
+    start = BETTER[name][0] if name in BETTER else IDENTITY[name]
+    carry = torch.full(xs.shape[1:], start, dtype=torch.float64)
+    at = torch.full(xs.shape[1:], -1, dtype=torch.int64)
+    values, indices = [None] * n, [None] * n
+    for t in range(n - 1, -1, -1) if reverse else range(n):
+        values[t], indices[t] = carry, at
+        if name in BETTER:
+            take = BETTER[name][1](xs[t], carry) | torch.isnan(xs[t])
+            carry, at = torch.where(take, xs[t], carry), torch.where(take, t, at)
+        else:
+            carry = STEP[name](carry, xs[t])
+    return torch.stack(values).movedim(0, dim), torch.stack(indices).movedim(0, dim)
+
+
+def data(name, shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if name in BETTER:  # distinct values: ties cannot hide an index off by one
+        return torch.randperm(math.prod(shape), generator=g).reshape(shape).float()
+    if name == "cumprod":
+        return 1 + 0.01 * torch.randn(shape, generator=g)
+    return torch.randn(shape, generator=g)
+
+
+def check(name, x, dim, reverse, out):
+    values, indices = oracle(name, x, dim, reverse)
+    if name in BETTER:
+        torch.testing.assert_close(out.values.double(), values, rtol=0, atol=0)
+        assert torch.equal(out.indices, indices)
+    else:
+        torch.testing.assert_close(out.double(), values, rtol=1e-4, atol=1e-4)
+
+
+def twice_then(name, x, dim, reverse, served):
+    """Two calls (the first stores the run), then the call the repeat route serves."""
+    op = getattr(fscan, name)
+    for _ in range(2):
+        op(x, dim, reverse=reverse, exclusive=True)
+    served.clear()
+    return op(x, dim, reverse=reverse, exclusive=True)
+
+
+def on_kernel(name, x, dim, reverse):
+    return path(getattr(torch, name), x, dim, reverse) == "cpp"
+
+
+SHAPES = [  # (shape, dim): lengths 2 and 3, odd lane counts, middle and last dims
+    ((4000, 2, 8), 1),
+    ((2000, 3, 17), 1),
+    ((1000, 3, 40), 1),
+    ((257, 600), 0),
+    ((1500, 65, 3), 1),
+    ((60, 9, 300), 2),
+    ((3000, 17), 1),
+]
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reversed"])
+@pytest.mark.parametrize(("shape", "dim"), SHAPES, ids=[f"{s}-{d}" for s, d in SHAPES])
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_pass_matches_the_oracle(served, name, shape, dim, reverse, threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = data(name, shape)
+        before = x.clone()
+        out = twice_then(name, x, dim, reverse, served)
+        check(name, x, dim, reverse, out)
+        assert len(served) == on_kernel(name, x, dim, reverse)
+        assert torch.equal(x, before)
+        first = out.values if name in BETTER else out
+        assert first.is_contiguous()
+        assert first.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reversed"])
+@pytest.mark.parametrize("name", OPS)
+def test_long_split_columns_and_one_lane(served, name, reverse):
+    """Columns split into chunks across 2 threads (the carry-in only in the first chunk),
+    and one lane of 2**16 (the chain path): where the kernel serves them, the oracle."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for shape in [(20000, 8), (2**16,)]:
+            x = data(name, shape, seed=1)
+            out = twice_then(name, x, 0, reverse, served)
+            check(name, x, 0, reverse, out)
+            assert len(served) == on_kernel(name, x, 0, reverse)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_a_contiguous_view_reads_its_own_steps(served):
+    """A view starting one step into a larger tensor: the step before it (forward: the
+    kernel's address one step back) is the larger tensor's, never read."""
+    base = torch.randn(257, 600)
+    base[0] = float("nan")
+    x = base[1:]
+    out = twice_then("cumsum", x, 0, False, served)
+    assert served
+    check("cumsum", x, 0, False, out)
+    assert not out.isnan().any()
+
+
+def test_special_values_at_the_first_step(served):
+    """The identity combined with the first step keeps it: -inf ties cummax's start (the
+    step wins, index 0), NaN propagates, +inf stays; -0.0 summed with 0 is +0.0, as
+    torch.cumsum's running sum gives."""
+    x = torch.randn(512, 256)
+    x[0, :4] = torch.tensor([-math.inf, math.nan, math.inf, -0.0])
+    mx = twice_then("cummax", x, 0, False, served)
+    assert served
+    assert mx.indices[1, :4].tolist() == [0, 0, 0, 0]
+    assert mx.values[1, 0] == -math.inf and mx.values[1, 1].isnan()
+    assert (mx.indices[0] == -1).all() and (mx.values[0] == -math.inf).all()
+    s = twice_then("cumsum", x, 0, False, served)
+    assert served
+    assert s[1, 3] == 0 and math.copysign(1, s[1, 3].item()) == 1.0
+    assert math.copysign(1, torch.cumsum(x[:1, 3], 0).item()) == 1.0
+    lse = twice_then("logcumsumexp", x, 0, False, served)
+    assert served
+    assert lse[1, 0] == -math.inf and lse[1, 1].isnan() and lse[1, 2] == math.inf
