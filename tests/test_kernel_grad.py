@@ -56,6 +56,7 @@ def _grads(fn, xs, dim, reverse, used, cots):
 
 
 def _oracle(fn, xs, dim, reverse, used, cots):
+    """The float64 sequential loop's gradients (autograd through it)."""
     wide = [x.detach().double().requires_grad_() for x in xs]
     outs = sequential_scan(fn, tuple(wide), dim, reverse, combine_mode="pointwise")
     found = torch.autograd.grad(
@@ -63,6 +64,12 @@ def _oracle(fn, xs, dim, reverse, used, cots):
     )
     return [torch.zeros_like(w) if g is None else g for g, w in zip(found, wide)]
 
+
+# The oracle's gradients of test_missing_cotangents_match_the_oracle, per case: its inputs
+# come from a generator seeded by the shape and dim, so the runs on 1 and 2 threads compare
+# with the same loop, run once (on (4200, 16) the loop takes seconds); the inputs are kept
+# and compared, so a cached verdict only serves the inputs it was computed for.
+_ORACLE_GRADS: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
 CASES = [
     (affine, (1,), (0,)),  # a linear RNN: only h is used; the gate products' cotangent dies
@@ -98,7 +105,12 @@ def test_missing_cotangents_match_the_oracle(fn, used, dead, shape, dim, reverse
         got = _grads(fn, xs, dim, reverse, used, cots)
     finally:
         torch.set_num_threads(before)
-    want = _oracle(fn, xs, dim, reverse, used, cots)
+    key = (fn.__name__, used, shape, dim, reverse)
+    if key not in _ORACLE_GRADS:
+        data = [x.detach().clone() for x in (*xs, *cots)]
+        _ORACLE_GRADS[key] = data, _oracle(fn, xs, dim, reverse, used, cots)
+    data, want = _ORACLE_GRADS[key]
+    assert all(torch.equal(d, x) for d, x in zip(data, (*xs, *cots)))  # the same inputs
     scale = max(1.0, *(float(w.abs().max()) for w in want))
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5 * scale)
