@@ -166,3 +166,16 @@ def test_special_values_at_the_first_step(served):
     lse = twice_then("logcumsumexp", x, 0, False, served)
     assert served
     assert lse[1, 0] == -math.inf and lse[1, 1].isnan() and lse[1, 2] == math.inf
+
+
+def test_a_wide_input_keeps_no_carry_in_alive(served):
+    """Past 1 MiB of lanes (one element each) the stored run holds no carry-in tensor:
+    the shifted run and first-step fill serve it, with the same values."""
+    x = data("cumsum", (32, 2**18 + 8))
+    out = twice_then("cumsum", x, 0, False, served)
+    assert on_kernel("cumsum", x, 0, False)
+    assert [found.head for found in served] == [None]
+    check("cumsum", x, 0, False, out)
+    narrow = data("cumsum", (512, 2**10))
+    twice_then("cumsum", narrow, 0, False, served)
+    assert served and served[0].head is not None

@@ -83,6 +83,10 @@ __all__ = [
 ]
 
 
+# The most memory the one-pass exclusive run's stored carry-in (one element a lane) holds.
+_HEAD_MAX_BYTES = 1 << 20
+
+
 class ExclusiveRun(NamedTuple):
     """An exclusive drop-in's kernel run: ``run`` (an
     :func:`~fscan._engines.cpp.cpu_kernel.exclusive_run`) scans all ``n`` steps of a
@@ -221,7 +225,8 @@ def remember_exclusive(
     against 1.08x, (4096, 256) dim 1 1.26x against 1.11x, 1 thread), and the fill is one
     element a lane. So for logcumsumexp, whose combine is costly: the one pass computes
     all ``n`` steps where the shifted run computes ``n - 1`` (on (1024, 8, 64) dim 1,
-    1.13x the inclusive call against 0.90x). A kernel not READY (the call ran elsewhere)
+    1.13x the inclusive call against 0.90x), and where the carry-in (one element a
+    lane, stored with the run) would take more than 1 MiB. A kernel not READY (the call ran elsewhere)
     stores nothing."""
     combine, spec, leaves, positions = call
     x = leaves[0]
@@ -234,14 +239,17 @@ def remember_exclusive(
         run = prepare_run(holder, (), leaves, dim, reverse, threads, positions)
         if run is None or run.program.params:
             return
-        if x.stride(dim) == 1 or op is torch.logcumsumexp:  # see the docstring
+        lanes = x.numel() // x.shape[dim]
+        # The head lives as long as its key (up to 256 keys are stored): past 1 MiB a lane
+        # count this wide would hold memory the call freed; the shifted run needs none.
+        wide = lanes * x.element_size() > _HEAD_MAX_BYTES
+        if x.stride(dim) == 1 or op is torch.logcumsumexp or wide:  # see the docstring
             outer, n, inner, backwards = run.sizes
             shifted = run._replace(sizes=(outer, n - 1, inner, backwards))
             if reverse:  # the kernel reads x[1:]: its positions start at 1 (those in x)
                 shifted = shifted._replace(tail=(*run.tail[:-1], 1) if positions else run.tail)
             drop_in_repeats.put(key, ExclusiveRun(shifted, dim, tuple(starts), None))
             return
-        lanes = x.numel() // x.shape[dim]
         head = torch.full((lanes,), starts[0], dtype=x.dtype)  # every lane's carry-in
         found = ExclusiveRun(exclusive_run(run, head, reverse), dim, tuple(starts), head)
         drop_in_repeats.put(key, found)
