@@ -226,8 +226,8 @@ def remember_exclusive(
     element a lane. So for logcumsumexp, whose combine is costly: the one pass computes
     all ``n`` steps where the shifted run computes ``n - 1`` (on (1024, 8, 64) dim 1,
     1.13x the inclusive call against 0.90x), and where the carry-in (one element a
-    lane, stored with the run) would take more than 1 MiB. A kernel not READY (the call ran elsewhere)
-    stores nothing."""
+    lane, stored with the run) would take more than 1 MiB. A kernel not READY (the call
+    ran elsewhere) stores nothing."""
     combine, spec, leaves, positions = call
     x = leaves[0]
     parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)
