@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import zlib
 
 import pytest
 import torch
@@ -95,7 +96,10 @@ CASES = list(
 @pytest.mark.parametrize(("dim", "reverse", "mask_kind", "gate_kind"), CASES, ids=str)
 @pytest.mark.parametrize("carried", [False, True], ids=["no_initial", "initial"])
 def test_kernel_matches_the_loop(engines, dtype, dim, reverse, mask_kind, gate_kind, carried):
-    gen = torch.Generator().manual_seed(hash((dim, reverse, mask_kind, gate_kind)) % 2**31)
+    # crc32, not hash(): str hashes change per process, and a failure must reproduce.
+    gen = torch.Generator().manual_seed(
+        zlib.crc32(repr((dim, reverse, mask_kind, gate_kind)).encode())
+    )
     b = torch.randn(SHAPE, generator=gen).to(dtype)
     a = make_gates(gate_kind, SHAPE, dim, dtype, gen)
     reset = make_mask(mask_kind, SHAPE, dim, gen)
