@@ -1,8 +1,8 @@
 """The drop-ins' route table reads torch's thread count: over several contiguous lanes (the
 innermost dim) the kernel takes rows of at least ``ONE_THREAD_MIN_LENGTH`` steps on one
-thread (cumsum forward, every op reversed), torch's op on more; the route log names the
-engine taken and, where the thread count kept the kernel away, says so; the drop-ins'
-repeat keys hold the thread count; values are torch's either way."""
+thread (cumsum and cumprod forward, every op reversed), torch's op on more; the route log
+names the engine taken and, where the thread count kept the kernel away, says so; the
+drop-ins' repeat keys hold the thread count; values are torch's either way."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from fscan._routing.cumulative_table import ONE_THREAD_MIN_LENGTH, threads_decid
 ROWS = [
     (torch.cumsum, (4096, 256), 1, False, True),
     (torch.cumsum, (4096, 256), 1, True, True),
-    (torch.cumprod, (4096, 256), 1, False, False),  # a tie past 512 steps: torch's
+    (torch.cumprod, (4096, 256), 1, False, True),
     (torch.cumprod, (4096, 256), 1, True, True),
     (torch.cummax, (4096, 256), 1, False, False),  # torch's branchy walk wins
     (torch.cummax, (4096, 256), 1, True, True),  # ... unless it flips twice

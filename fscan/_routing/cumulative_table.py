@@ -18,11 +18,12 @@ engine       when
              reads views in place through their strides); with ``inner < 8`` (the
              innermost ``dim``, say) logcumsumexp over several lanes, and on one
              thread (``torch.get_num_threads() == 1``) at ``n >= 256``
-             (``ONE_THREAD_MIN_LENGTH``) cumsum forward and every op reversed; over one lane,
-             logcumsumexp, every op reversed (torch flips twice) and cumsum/cumprod
-             forward if contiguous from 2**20 elements; over several lanes not
-             contiguous, read in place, reversed (torch copies to flip) or cumsum/
-             cumprod at ``stride >= 4096`` (torch's walk jumps pages). Not for
+             (``ONE_THREAD_MIN_LENGTH``) cumsum and cumprod forward and every op
+             reversed; over one lane, logcumsumexp, every op reversed (torch flips
+             twice) and cumsum/cumprod forward if contiguous from 2**20 elements;
+             over several lanes not contiguous, read in place, reversed (torch
+             copies to flip) or cumsum/cumprod at ``stride >= 4096`` (torch's walk
+             jumps pages). Not for
              logcumsumexp off float types, cummax/cummin on complex inputs
 ``blocked``  fscan's two-level parallel scan (:mod:`fscan._engines.blocked`), where
              the kernel is not picked or not compiled yet: on CPU, at ``stride >= 64``
@@ -119,8 +120,11 @@ CUMSUM_MIN_STRIDE = 1024
 # flips twice), every op at rows of >= 256 steps: cumsum 0.48-0.77, cumprod 0.54-0.86,
 # cummax/cummin 0.59-0.82 ((4096, 256), (2048, 512), (1024, 1024), (256, 4096), (64,
 # 16384), (8, 1024, 256) dim 2); at 128 steps 0.89-1.02, at 32-64 0.73-1.25. Forward,
-# cumsum at >= 256 steps 0.53-0.91 (128: 1.03-1.29; 32-64: 1.2-2.0); cumprod a tie past
-# 512 steps (0.94-1.03), cummax/cummin 1.7-2.3x. On 2 threads those rows stay torch's (see
+# cumsum at >= 256 steps 0.53-0.91 (128: 1.03-1.29; 32-64: 1.2-2.0); cumprod 0.46-0.98
+# (re-measured on an idle machine, an earlier "tie past 512 steps" having been timed under
+# load: (4096, 256) 0.58-0.63, (2048, 512) 0.49-0.56, (1024, 1024) 0.46-0.97, (256, 4096)
+# 0.46-0.49, (64, 16384) 0.48, (8192, 256) 0.88-0.98; the same values bit for bit);
+# cummax/cummin 1.7-2.3x. On 2 threads those rows stay torch's (see
 # above; the shared machine's wall clock could not settle them).
 ONE_THREAD_MIN_LENGTH = 256
 KERNEL_MIN_NUMEL_ONE_LANE = 2**20  # cumsum/cumprod over one lane: past the ties below
@@ -212,11 +216,14 @@ def _cells(
     return _NATIVE
 
 
+_ONE_THREAD_FORWARD = (torch.cumsum, torch.cumprod)  # forward on one thread: the kernel wins
+
+
 def _one_thread_rows(op: Any, n: int, reverse: bool, threads: int | None) -> bool:
     """The kernel's cells over several contiguous lanes that depend on the thread count
     (see ``ONE_THREAD_MIN_LENGTH``): on one thread (``threads``, None: torch's count now),
-    rows of at least that many steps, cumsum forward and every op reversed."""
-    if n < ONE_THREAD_MIN_LENGTH or not (reverse or op is torch.cumsum):
+    rows of at least that many steps, cumsum and cumprod forward and every op reversed."""
+    if n < ONE_THREAD_MIN_LENGTH or not (reverse or op in _ONE_THREAD_FORWARD):
         return False
     return (torch.get_num_threads() if threads is None else threads) == 1
 
