@@ -77,6 +77,22 @@ def _seeded(request: pytest.FixtureRequest) -> None:
 
 
 @pytest.fixture
+def served_exclusive(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The exclusive runs the drop-ins' repeat route served, as they happen."""
+    from fscan._routing import repeat_drop_ins
+
+    runs: list[object] = []
+    run_exclusive = repeat_drop_ins.run_exclusive
+
+    def counted(found, x):
+        runs.append(found)
+        return run_exclusive(found, x)
+
+    monkeypatch.setattr(repeat_drop_ins, "run_exclusive", counted)
+    return runs
+
+
+@pytest.fixture
 def fresh_eager_kernel():
     """fscan's caches cleared before and after a test, kernels built on their first call
     (``cpu_kernel="eager"``): the repeat-route tests count what a call stored and served."""

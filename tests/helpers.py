@@ -62,6 +62,20 @@ def sequential_scan(
     return optree.tree_unflatten(spec, out_leaves)
 
 
+def sequential_total(fn: Callable, xs: Any, dim: int, reverse: bool, wide: bool = True) -> Any:
+    """The reduce of ``xs`` along ``dim`` by a sequential loop in scan order (floating
+    leaves in float64 where ``wide``): the oracle of ``fscan.associative_reduce``."""
+    leaves, spec = optree.tree_flatten(xs)
+    if wide:
+        leaves = [x.double() if x.is_floating_point() else x for x in leaves]
+    n = leaves[0].shape[dim]
+    acc = None
+    for t in range(n - 1, -1, -1) if reverse else range(n):
+        x = spec.unflatten([w.select(dim, t) for w in leaves])
+        acc = x if acc is None else fn(acc, x)
+    return acc
+
+
 def tolerance(dtype: torch.dtype) -> dict[str, float]:
     """Per-dtype tolerances for comparing a parallel scan with the oracle."""
     table = {

@@ -4,7 +4,7 @@ fscan._engines.cpp._kernel_run.run_exclusive_prepared), against a step-by-step o
 float64, at the lengths and layouts where an off-by-one would show: 2 and 3 steps, around
 the kernel's lane blocks and chunk splits, every dim, both directions. (Where the route
 table sends a call to torch's op instead, the oracle still checks it and nothing is
-served.)"""
+served_exclusive.)"""
 
 from __future__ import annotations
 
@@ -14,27 +14,12 @@ import pytest
 import torch
 
 import fscan
-from fscan._routing import repeat_drop_ins
 from fscan._routing.cumulative import path
 
 IDENTITY = {"cumsum": 0.0, "cumprod": 1.0, "logcumsumexp": -math.inf}
 STEP = {"cumsum": torch.add, "cumprod": torch.mul, "logcumsumexp": torch.logaddexp}
 BETTER = {"cummax": (-math.inf, torch.ge), "cummin": (math.inf, torch.le)}
 OPS = ["cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"]
-
-
-@pytest.fixture
-def served(monkeypatch):
-    """The exclusive runs the repeat route served, as they happen."""
-    runs: list[object] = []
-    run_exclusive = repeat_drop_ins.run_exclusive
-
-    def counted(found, x):
-        runs.append(found)
-        return run_exclusive(found, x)
-
-    monkeypatch.setattr(repeat_drop_ins, "run_exclusive", counted)
-    return runs
 
 
 def oracle(name, x, dim, reverse):
@@ -74,12 +59,12 @@ def check(name, x, dim, reverse, out):
         torch.testing.assert_close(out.double(), values, rtol=1e-4, atol=1e-4)
 
 
-def twice_then(name, x, dim, reverse, served):
+def twice_then(name, x, dim, reverse, served_exclusive):
     """Two calls (the first stores the run), then the call the repeat route serves."""
     op = getattr(fscan, name)
     for _ in range(2):
         op(x, dim, reverse=reverse, exclusive=True)
-    served.clear()
+    served_exclusive.clear()
     return op(x, dim, reverse=reverse, exclusive=True)
 
 
@@ -102,15 +87,15 @@ SHAPES = [  # (shape, dim): lengths 2 and 3, odd lane counts, middle and last di
 @pytest.mark.parametrize(("shape", "dim"), SHAPES, ids=[f"{s}-{d}" for s, d in SHAPES])
 @pytest.mark.parametrize("name", OPS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_one_pass_matches_the_oracle(served, name, shape, dim, reverse, threads):
+def test_one_pass_matches_the_oracle(served_exclusive, name, shape, dim, reverse, threads):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         x = data(name, shape)
         before = x.clone()
-        out = twice_then(name, x, dim, reverse, served)
+        out = twice_then(name, x, dim, reverse, served_exclusive)
         check(name, x, dim, reverse, out)
-        assert len(served) == on_kernel(name, x, dim, reverse)
+        assert len(served_exclusive) == on_kernel(name, x, dim, reverse)
         assert torch.equal(x, before)
         first = out.values if name in BETTER else out
         assert first.is_contiguous()
@@ -121,7 +106,7 @@ def test_one_pass_matches_the_oracle(served, name, shape, dim, reverse, threads)
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reversed"])
 @pytest.mark.parametrize("name", OPS)
-def test_long_split_columns_and_one_lane(served, name, reverse):
+def test_long_split_columns_and_one_lane(served_exclusive, name, reverse):
     """Columns split into chunks across 2 threads (the carry-in only in the first chunk),
     and one lane of 2**16 (the chain path): where the kernel serves them, the oracle."""
     old = torch.get_num_threads()
@@ -129,53 +114,53 @@ def test_long_split_columns_and_one_lane(served, name, reverse):
     try:
         for shape in [(20000, 8), (2**16,)]:
             x = data(name, shape, seed=1)
-            out = twice_then(name, x, 0, reverse, served)
+            out = twice_then(name, x, 0, reverse, served_exclusive)
             check(name, x, 0, reverse, out)
-            assert len(served) == on_kernel(name, x, 0, reverse)
+            assert len(served_exclusive) == on_kernel(name, x, 0, reverse)
     finally:
         torch.set_num_threads(old)
 
 
-def test_a_contiguous_view_reads_its_own_steps(served):
+def test_a_contiguous_view_reads_its_own_steps(served_exclusive):
     """A view starting one step into a larger tensor: the step before it (forward: the
     kernel's address one step back) is the larger tensor's, never read."""
     base = torch.randn(257, 600)
     base[0] = float("nan")
     x = base[1:]
-    out = twice_then("cumsum", x, 0, False, served)
-    assert served
+    out = twice_then("cumsum", x, 0, False, served_exclusive)
+    assert served_exclusive
     check("cumsum", x, 0, False, out)
     assert not out.isnan().any()
 
 
-def test_special_values_at_the_first_step(served):
+def test_special_values_at_the_first_step(served_exclusive):
     """The identity combined with the first step keeps it: -inf ties cummax's start (the
     step wins, index 0), NaN propagates, +inf stays; -0.0 summed with 0 is +0.0, as
     torch.cumsum's running sum gives."""
     x = torch.randn(512, 256)
     x[0, :4] = torch.tensor([-math.inf, math.nan, math.inf, -0.0])
-    mx = twice_then("cummax", x, 0, False, served)
-    assert served
+    mx = twice_then("cummax", x, 0, False, served_exclusive)
+    assert served_exclusive
     assert mx.indices[1, :4].tolist() == [0, 0, 0, 0]
     assert mx.values[1, 0] == -math.inf and mx.values[1, 1].isnan()
     assert (mx.indices[0] == -1).all() and (mx.values[0] == -math.inf).all()
-    s = twice_then("cumsum", x, 0, False, served)
-    assert served
+    s = twice_then("cumsum", x, 0, False, served_exclusive)
+    assert served_exclusive
     assert s[1, 3] == 0 and math.copysign(1, s[1, 3].item()) == 1.0
     assert math.copysign(1, torch.cumsum(x[:1, 3], 0).item()) == 1.0
-    lse = twice_then("logcumsumexp", x, 0, False, served)
-    assert served
+    lse = twice_then("logcumsumexp", x, 0, False, served_exclusive)
+    assert served_exclusive
     assert lse[1, 0] == -math.inf and lse[1, 1].isnan() and lse[1, 2] == math.inf
 
 
-def test_a_wide_input_keeps_no_carry_in_alive(served):
+def test_a_wide_input_keeps_no_carry_in_alive(served_exclusive):
     """Past 1 MiB of lanes (one element each) the stored run holds no carry-in tensor:
     the shifted run and first-step fill serve it, with the same values."""
     x = data("cumsum", (32, 2**18 + 8))
-    out = twice_then("cumsum", x, 0, False, served)
+    out = twice_then("cumsum", x, 0, False, served_exclusive)
     assert on_kernel("cumsum", x, 0, False)
-    assert [found.head for found in served] == [None]
+    assert [found.head for found in served_exclusive] == [None]
     check("cumsum", x, 0, False, out)
     narrow = data("cumsum", (512, 2**10))
-    twice_then("cumsum", narrow, 0, False, served)
-    assert served and served[0].head is not None
+    twice_then("cumsum", narrow, 0, False, served_exclusive)
+    assert served_exclusive and served_exclusive[0].head is not None

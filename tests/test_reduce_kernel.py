@@ -9,6 +9,7 @@ import logging
 import optree
 import pytest
 import torch
+from helpers import sequential_total
 
 import fscan
 from fscan._engines.cpp._cpp_build import compiler_problem
@@ -20,19 +21,6 @@ needs_compiler = pytest.mark.skipif(
 
 def affine(a, b):
     return (a[0] * b[0], a[1] * b[0] + b[1])
-
-
-def oracle(fn, xs, dim: int, reverse: bool):
-    """The total by a sequential loop, floats in float64."""
-    leaves, spec = optree.tree_flatten(xs)
-    wide = [x.double() if x.is_floating_point() else x for x in leaves]
-    n = wide[0].shape[dim]
-    order = range(n - 1, -1, -1) if reverse else range(n)
-    acc = None
-    for t in order:
-        x = spec.unflatten([w.select(dim, t) for w in wide])
-        acc = x if acc is None else fn(acc, x)
-    return acc
 
 
 @pytest.fixture
@@ -70,7 +58,7 @@ def test_matches_the_oracle_on_the_kernel(shape, dim, reverse, threads, engines)
         for fn, xs in ((torch.add, b), (torch.maximum, b), (affine, (a, b))):
             got = _reduce_twice(fn, xs, dim, reverse)
             assert engines()[-1] == "cpp"
-            want = oracle(fn, xs, dim, reverse)
+            want = sequential_total(fn, xs, dim, reverse)
             optree.tree_map(
                 lambda g, w: torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-9), got, want
             )
@@ -111,7 +99,7 @@ def test_row_blocks_keep_the_order(shape, dim, reverse, dtype, engines):
     assert torch.equal(got, x.select(dim, 0 if reverse else -1))
     sign = torch.randint(0, 2, shape, generator=gen).to(dtype) * 2 - 1
     step = torch.randint(-2, 3, shape, generator=gen).to(dtype)
-    want = oracle(affine, (sign, step), dim, reverse)
+    want = sequential_total(affine, (sign, step), dim, reverse)
     assert want[1].abs().max() <= 128  # exact in bfloat16's 8 bits
     got = _reduce_twice(affine, (sign, step), dim, reverse)
     assert engines()[-1] == "cpp"
@@ -188,7 +176,7 @@ def test_chunk_join_walks_where_composing_overflows(case, shape, dim, reverse, t
         scan = fscan.associative_scan(affine, (a, b), dim, reverse=reverse)
     finally:
         torch.set_num_threads(previous)
-    want = oracle(affine, (a, b), dim, reverse)
+    want = sequential_total(affine, (a, b), dim, reverse)
     last = [s.select(dim, 0 if reverse else -1) for s in scan]
     for g, w, s in zip(got, want, last):
         assert not w.isnan().any()
@@ -222,7 +210,7 @@ def test_float32_blocks_keep_the_order(shape, dim, reverse, threads, engines):
             last = fscan.associative_scan(fn, data, dim, reverse=reverse).select(
                 dim, 0 if reverse else -1
             )
-            want = oracle(fn, data, dim, reverse).float()
+            want = sequential_total(fn, data, dim, reverse).float()
             if threads == 1 or shape == (2, 307, 24):
                 assert torch.equal(got, want) and torch.equal(got, last)
             else:

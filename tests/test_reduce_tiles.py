@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 
-import optree
 import pytest
 import torch
+from helpers import sequential_total
 
 import fscan
 from fscan._engines.cpp._cpp_build import compiler_problem
@@ -27,19 +27,6 @@ def affine(a, b):
 
 def right(left, r):
     return r
-
-
-def oracle(fn, xs, dim: int, reverse: bool, wide: bool = True):
-    """The total by a sequential loop (floats in float64 where ``wide``)."""
-    leaves, spec = optree.tree_flatten(xs)
-    if wide:
-        leaves = [x.double() if x.is_floating_point() else x for x in leaves]
-    n = leaves[0].shape[dim]
-    acc = None
-    for t in range(n - 1, -1, -1) if reverse else range(n):
-        x = spec.unflatten([w.select(dim, t) for w in leaves])
-        acc = x if acc is None else fn(acc, x)
-    return acc
 
 
 @pytest.fixture
@@ -80,7 +67,7 @@ def test_float32_last_dim_is_the_sequential_double_loop(chains, reverse, threads
         for fn, data in ((torch.add, x), (torch.mul, g)):
             got = _reduce(fn, data, 1, reverse)
             assert engines()[-1] == "cpp" or data.numel() == 1  # one element: the tree
-            assert torch.equal(got, oracle(fn, data, 1, reverse).float()), (fn, n)
+            assert torch.equal(got, sequential_total(fn, data, 1, reverse).float()), (fn, n)
 
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -100,7 +87,7 @@ def test_non_commuting_combines_keep_the_order(dtype, reverse, threads, engines)
         assert torch.equal(got, x.select(dim, 0 if reverse else -1))
         sign = torch.randint(0, 2, shape, generator=gen).to(dtype) * 2 - 1
         step = torch.randint(-2, 3, shape, generator=gen).to(dtype)
-        want = oracle(affine, (sign, step), dim, reverse)
+        want = sequential_total(affine, (sign, step), dim, reverse)
         if dtype == torch.bfloat16:
             want = [w.float() for w in want]  # sums beyond 256 would round: stay small
             if want[1].abs().max() > 128:
@@ -124,7 +111,7 @@ def test_views_with_dense_steps(shape, dim, reverse, threads, engines):
         got = _reduce(torch.add, data, d, reverse)
         assert engines()[-1] == "cpp"
         torch.testing.assert_close(
-            got, oracle(torch.add, data, d, reverse).float(), rtol=1e-6, atol=1e-5
+            got, sequential_total(torch.add, data, d, reverse).float(), rtol=1e-6, atol=1e-5
         )
 
 
@@ -154,7 +141,7 @@ def test_nan_and_inf(reverse, threads, engines):
     for fn in (torch.add, torch.maximum):
         got = _reduce(fn, x, 1, reverse)
         assert engines()[-1] == "cpp"
-        want = oracle(fn, x, 1, reverse).float()
+        want = sequential_total(fn, x, 1, reverse).float()
         assert torch.equal(got.isnan(), want.isnan())
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5, equal_nan=True)
 
@@ -186,7 +173,7 @@ def test_affine_range_check(shape, dim, reverse, threads, engines):
     a = torch.rand(shape, generator=gen) * 0.2 + 0.9
     b = torch.randn(shape, generator=gen)
     got = _reduce(affine, (a, b), dim, reverse)
-    for g, w in zip(got, oracle(affine, (a, b), dim, reverse)):
+    for g, w in zip(got, sequential_total(affine, (a, b), dim, reverse)):
         torch.testing.assert_close(g, w.float(), rtol=1e-5, atol=1e-5)
 
 

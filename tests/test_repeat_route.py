@@ -397,20 +397,6 @@ STEP = {"cumsum": torch.add, "cumprod": torch.mul, "logcumsumexp": torch.logadde
 EXTREMA = {"cummax": (-math.inf, torch.ge), "cummin": (math.inf, torch.le)}
 
 
-@pytest.fixture
-def served_exclusive(monkeypatch):
-    """The exclusive runs the repeat shortcut served, as they happen."""
-    runs: list[object] = []
-    run_exclusive = repeat_drop_ins.run_exclusive
-
-    def counted(found, x):
-        runs.append(found)
-        return run_exclusive(found, x)
-
-    monkeypatch.setattr(repeat_drop_ins, "run_exclusive", counted)
-    return runs
-
-
 def exclusive_reference(name, x, dim, reverse):
     """The exclusive drop-in step by step in float64: the carry into each step."""
     xs = x.double().movedim(dim, 0)
