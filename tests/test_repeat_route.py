@@ -112,7 +112,7 @@ def test_a_lone_tensor_and_a_tree_of_one_have_keys_of_their_own(served):
     close(out[0], reference(x, 0, False))
     key = repeat_key.call_parts(flatten([x])[1], [x], 0, False, "pointwise", None)
     assert key is not None and key[0] == flatten([x])[1]
-    assert repeat_key.call_parts(LEAF, [x], 0, False, "pointwise", None)[0] == repeat_key._ONE_LEAF
+    assert repeat_key.call_parts(LEAF, [x], 0, False, "pointwise", None)[0] == repeat_key.ONE_LEAF
 
 
 def _rebuilt(code, module="tests.test_repeat_route", **kwargs):
