@@ -37,7 +37,6 @@ __all__ = [
     "ENGINES",
     "Engine",
     "Route",
-    "gathering",
     "logger",
     "logs_route",
     "quiet",
@@ -109,21 +108,18 @@ ran._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def quiet() -> bool:
-    """Whether a public call made now gathers no record: eager, and DEBUG off as logging
-    last answered (its memo; unanswered: False). A door may then take a route ahead of
-    :func:`logs_route`'s wrapper, which would only call through (~0.3 µs of a 6 µs call:
-    the wrapper's frame and its ``*args, **kwargs``); where this is False, the wrapper's
-    way. ``is_compiling`` first, as in the wrapper: Dynamo folds it, and reads no memo."""
-    return not _is_compiling() and _enabled.get(_DEBUG) is False
-
-
-def gathering() -> bool:
-    """Whether a record is being gathered for the current public call (a route is open:
-    :func:`ran` notes into it)."""
-    return _route.get() is not None
-
-
-gathering._dynamo_marked_constant = True  # type: ignore[attr-defined]  # as ran (False there)
+    """Whether a public call made now gathers no record: eager, and DEBUG off. A door may
+    then take a route ahead of :func:`logs_route`'s wrapper, which would only call through
+    (~0.3 µs of a 6 µs call: the wrapper's frame and its ``*args, **kwargs``); where this
+    is False, the wrapper's way. ``is_compiling`` first, as in the wrapper: Dynamo folds
+    it and reads no memo. Logging's memo answers (asked where it is empty, which fills
+    it), so two calls with no level changed between give one answer."""
+    if _is_compiling():
+        return False
+    enabled = _enabled.get(_DEBUG)
+    if enabled is None:
+        enabled = logger.isEnabledFor(_DEBUG)
+    return enabled is False
 
 
 def logs_route(api: str) -> Callable[[_F], _F]:

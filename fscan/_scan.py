@@ -11,7 +11,7 @@ from ._call import SCAN_API, ScanCall
 from ._entry import checked_call, run_scan
 from ._exclusive import refuse_sharded_exclusive
 from ._pytree import flatten
-from ._route_log import gathering, logs_route, quiet
+from ._route_log import logs_route, quiet
 from ._routing.repeat import repeat_scan
 from ._sharded.dtensor import any_dtensor, dtensor_scan
 
@@ -133,8 +133,8 @@ def _logged_scan(
     exclusive: bool = False,
 ) -> Any:
     """:func:`associative_scan` under the route log's wrapper (its record, where one is
-    gathered: the repeat is tried here only then, as quiet() calls tried it already)."""
-    if reset is None and initial is None and exclusive is False and gathering():
+    gathered); the repeat is tried here where the door did not try it (not quiet())."""
+    if reset is None and initial is None and exclusive is False and not quiet():
         out = repeat_scan(combine_fn, xs, dim, reverse, combine_mode, validate)
         if out is not None:
             return out
