@@ -12,9 +12,9 @@ engine is the kernel, noted as ``cpp`` like any route (the ``"fscan"`` log and
 ``fscan.explain`` read the same state the full route would have read, and name the
 same engine). Where no record is gathered (:func:`fscan._route_log.quiet`) the door asks
 ahead of the log's wrapper, else inside it; a lone tensor's key is built by one function
-(:func:`~fscan._routing.repeat_key.lone_parts`). A repeated (64,) add costs ~6 µs end
-to end, ~1.1 µs of it allocating the output and ~0.5 µs in the kernel; the rest is the
-key's checks (~1.8 µs), the lookup (~0.8 µs) and the calls between.
+(:func:`~fscan._routing.repeat_key.lone_parts`). A repeated (64,) add costs ~6.5 µs end
+to end (thread CPU), ~1.2 µs of it allocating the output and ~0.5 µs in the kernel; the
+rest: the key's checks (~1.8 µs), the lookup (~0.8 µs) and the calls between.
 
 A call that wants gradients is repeated the same way where the full route served it on
 the kernel's ``adjoint`` route (:func:`~fscan._engines.cpp._kernel_grad.kernel_grad_scan`:
