@@ -64,7 +64,7 @@ from ._cpp_structs import (
     param_ctype,
     param_dtype,
 )
-from ._cpp_tiles import tile_structs, tiled
+from ._cpp_tiles import prefix_op, prefix_structs, tile_structs, tiled
 
 __all__ = [
     "backward_argtypes",
@@ -215,8 +215,13 @@ def forward_source(
         combine=_combine_function(compute, program),
         suspect=suspect_check(dtypes, kept),
         tuning=csrc("tuning.h"),
-        tiles=tile_structs(read_idx if tiled(st, positions) else None, kept, program.expensive),
-        forward=csrc("forward_lanes.h") + csrc("forward_chains.h") + csrc("forward.h"),
+        tiles=tile_structs(read_idx if tiled(st, positions) else None, kept, program.expensive)
+        + "\n"
+        + prefix_structs(prefix_op(program, st, positions, dropped)),
+        forward=csrc("forward_lanes.h")
+        + csrc("forward_prefix.h")
+        + csrc("forward_chains.h")
+        + csrc("forward.h"),
         arguments=", ".join(
             _signature(dtypes, program, [f"{st[k]}* y{k}" for k in kept], positions)
         ),

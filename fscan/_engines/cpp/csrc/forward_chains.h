@@ -203,6 +203,10 @@ template <bool WRITE>
 static void chain_group(const In* xb, const Out* yb, const Par p, int ng, const int64_t* t0,
                         const int64_t* len, const int64_t* elem, int64_t tstep, const Vals* carry,
                         const bool* has, Vals* last, const In* hb, const bool* head, Tiles& tl) {
+  if (PREFIX_ON && prefixable(xb[0], yb[0])) {  // a chain at a time, by prefix scans (forward_prefix.h)
+    prefix_group<WRITE>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, last, hb, head);
+    return;
+  }
   if (ng == CG) {
     bool heads = false;
     for (int g = 0; g < ng; ++g) heads |= head[g];
@@ -225,8 +229,10 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
                        const Heads& H) {
   const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
   int64_t C = 1;  // chunks per lane
-  if (lanes < (int64_t)nt * CG) {
-    C = std::min<int64_t>(((int64_t)nt * CG + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
+  // Prefix chains (forward_prefix.h) go one at a time: chunked only for the threads.
+  const int64_t cg = PREFIX_ON && prefixable(x, y) ? 1 : CG;
+  if (lanes < (int64_t)nt * cg) {
+    C = std::min<int64_t>(((int64_t)nt * cg + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
     if (C >= CG) C = C / CG * CG;
   }
   int64_t L = (T + C - 1) / C;

@@ -1,0 +1,132 @@
+// The forward scan's third chain kind: one chain at a time, its steps in vectors of TV (8)
+// consecutive steps, each vector scanned in registers by log steps (no transposes), then
+// combined with the running value, broadcast. Placed by fscan._engines.cpp._cpp_source after
+// forward_lanes.h and before forward_chains.h, whose chain_group sends chains here where
+// PREFIX is set (see prefix_structs in _cpp_tiles.py: one float32 leaf, its running value
+// float32, a combine with a vector form: torch.maximum / torch.minimum, exact in float32)
+// and prefixable(x, y) holds (the steps dense in memory: T stride 1, in and out).
+// Why: on AVX2 the tiles' 8 x 8 transposes alone cost 2.7-3.3x a copy; max over (4096,
+// 256) dim 1 ran 3.4x a copy tiled (4.6 reversed), 1-D 5.0 (two passes: chunk totals for
+// the tiles' 8 chains, then the scan); see docs/performance.md, "Floors".
+// Only associativity is used (the left operand is always the earlier steps), as the walk
+// and the chunked chain path assume: torch.maximum's NaN (the first one sticks) and its ties
+// (-0.0 against +0.0: the later step wins) come out bit for bit as the walk gives them.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+static constexpr bool PREFIX_ON = PREFIX != 0;
+// combine(l, r) on 8 lanes: fscan_max / fscan_min (prelude.h). vmaxps gives l > r ? l : r
+// (r where either is NaN, r on ties), vminps l < r ? l : r: fscan_max / fscan_min exactly
+// but where l is NaN, which NANS keeps (a compare and a blend more: where neither operand
+// can be NaN, they are left out, see prefix_chain).
+template <bool NANS = true> static FSCAN_INLINE __m256 prefix_combine(__m256 l, __m256 r) {
+  const __m256 m = PREFIX == 1 ? _mm256_max_ps(l, r) : _mm256_min_ps(l, r);
+  return NANS ? _mm256_blendv_ps(m, l, _mm256_cmp_ps(l, l, _CMP_UNORD_Q)) : m;
+}
+// The inclusive scan of a vector's 8 steps (Hillis-Steele: at distance k = 1, 2, 4 each
+// step takes combine(the step k earlier, itself)). UP: steps in ascending lanes; else in
+// descending lanes (a reversed chain read from its lowest address).
+template <bool UP, bool NANS = true> static FSCAN_INLINE __m256 prefix_vector(__m256 v) {
+  const __m256i s1 = UP ? _mm256_setr_epi32(0, 0, 1, 2, 3, 4, 5, 6) : _mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 7);
+  const __m256i s2 = UP ? _mm256_setr_epi32(0, 0, 0, 1, 2, 3, 4, 5) : _mm256_setr_epi32(2, 3, 4, 5, 6, 7, 7, 7);
+  v = _mm256_blend_ps(v, prefix_combine<NANS>(_mm256_permutevar8x32_ps(v, s1), v), UP ? 0xfe : 0x7f);
+  v = _mm256_blend_ps(v, prefix_combine<NANS>(_mm256_permutevar8x32_ps(v, s2), v), UP ? 0xfc : 0x3f);
+  // Halves swapped: lane i takes lane i -+ 4 (the other lanes are blended away).
+  return _mm256_blend_ps(v, prefix_combine<NANS>(_mm256_permute2f128_ps(v, v, 0x01), v), UP ? 0xf0 : 0x0f);
+}
+// The last step of a scanned vector in every lane.
+template <bool UP> static FSCAN_INLINE __m256 prefix_last(__m256 v) {
+  return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(UP ? 7 : 0));
+}
+// Lanes [lo, hi) set: the steps a vector holds at a chain's ends (maskload/maskstore touch
+// no other element: a reversed chain's last vector starts below its lane).
+static FSCAN_INLINE __m256i prefix_mask(int lo, int hi) {
+  const __m256i i = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(hi), i), _mm256_cmpgt_epi32(i, _mm256_set1_epi32(lo - 1)));
+}
+
+// One chain: xb/yb the lane, len steps from t0, UP ascending (else descending) memory;
+// carry (if has) its inclusive carry-in; hb (if head) the element its first step reads
+// instead of x. WRITE: every output; else only the final value, into *last.
+template <bool WRITE, bool UP>
+static void prefix_chain(const In xb, const Out yb, const Par p, int64_t t0, int64_t len,
+                         int64_t elem, const Vals& carry, bool has, Vals* last, const In hb,
+                         bool head) {
+  const float* xs = prefix_in(row(xb, t0));
+  float* ys = prefix_out(row(yb, t0));
+  // Vector b holds steps [8b, 8b + n) (n < 8: the chain's last, partial), at addresses
+  // xs + 8b (UP) or xs - 8b - 7 (its steps in descending lanes).
+  auto scan = [&](__m256 v, const __m256* c) {
+    v = prefix_vector<UP>(v);
+    return c ? prefix_combine(*c, v) : v;
+  };
+  int64_t b = 0;
+  __m256 c;
+  {  // the first vector: the head element, the carry-in
+    const int n = (int)std::min<int64_t>(TV, len);
+    const __m256i m = UP ? prefix_mask(0, n) : prefix_mask(TV - n, TV);
+    const float* src = UP ? xs : xs - (TV - 1);
+    __m256 v = n == TV ? _mm256_loadu_ps(src) : _mm256_maskload_ps(src, m);
+    if (head) v = _mm256_blend_ps(v, _mm256_set1_ps(prefix_get(load_t(hb, 0, t0))), UP ? 0x01 : 0x80);
+    const __m256 cin = _mm256_set1_ps(has ? prefix_get(carry) : 0.0f);
+    v = scan(v, has ? &cin : nullptr);
+    if (WRITE) {
+      float* dst = UP ? ys : ys - (TV - 1);
+      if (n == TV) _mm256_storeu_ps(dst, v);
+      else _mm256_maskstore_ps(dst, m, v);
+    }
+    if (n < TV) {  // the whole chain in one vector
+      alignas(32) float l[TV];
+      _mm256_store_ps(l, v);
+      if (!WRITE) *last = prefix_put(l[UP ? n - 1 : TV - n]);
+      (void)p; (void)elem;
+      return;
+    }
+    c = prefix_last<UP>(v);
+    b = TV;
+  }
+  // The running value's chain is one combine a vector: the next carry is combine(carry,
+  // the vector's own last step), not the last step of the combined vector (a permute more).
+  // A vector whose steps and carry are not NaN (one compare) is scanned without the NaN
+  // blends: 14 vector operations instead of 22.
+  for (; b + TV <= len; b += TV) {
+    const __m256 x = _mm256_loadu_ps(UP ? xs + b : xs - b - (TV - 1));
+    const __m256 nan = _mm256_cmp_ps(x, c, _CMP_UNORD_Q);
+    __m256 out;
+    if (_mm256_testz_ps(nan, nan)) {
+      const __m256 v = prefix_vector<UP, false>(x);
+      out = prefix_combine<false>(c, v);
+      c = prefix_combine<false>(c, prefix_last<UP>(v));
+    } else {
+      const __m256 v = prefix_vector<UP>(x);
+      out = prefix_combine(c, v);
+      c = prefix_combine(c, prefix_last<UP>(v));
+    }
+    if (WRITE) _mm256_storeu_ps(UP ? ys + b : ys - b - (TV - 1), out);
+  }
+  if (b < len) {  // the partial last vector
+    const int n = (int)(len - b);
+    const __m256i m = UP ? prefix_mask(0, n) : prefix_mask(TV - n, TV);
+    const __m256 v = scan(_mm256_maskload_ps(UP ? xs + b : xs - b - (TV - 1), m), &c);
+    if (WRITE) _mm256_maskstore_ps(UP ? ys + b : ys - b - (TV - 1), m, v);
+    alignas(32) float l[TV];
+    _mm256_store_ps(l, v);
+    c = _mm256_set1_ps(l[UP ? n - 1 : TV - n]);
+  }
+  if (!WRITE) *last = prefix_put(_mm256_cvtss_f32(c));
+}
+#else
+static constexpr bool PREFIX_ON = false;
+template <bool WRITE, bool UP>
+static void prefix_chain(const In, const Out, const Par, int64_t, int64_t, int64_t, const Vals&,
+                         bool, Vals*, const In, bool) {}
+#endif
+
+// ng chains by prefix_chain (see chain_group in forward_chains.h).
+template <bool WRITE>
+static void prefix_group(const In* xb, const Out* yb, const Par p, int ng, const int64_t* t0,
+                         const int64_t* len, const int64_t* elem, int64_t tstep, const Vals* carry,
+                         const bool* has, Vals* last, const In* hb, const bool* head) {
+  if (tstep > 0)
+    for (int g = 0; g < ng; ++g) prefix_chain<WRITE, true>(xb[g], yb[g], p, t0[g], len[g], elem[g], carry[g], has[g], last + g, hb[g], head[g]);
+  else  // reversed chains read downwards: the group's from the last, so that memory is read in a descending stream
+    for (int g = ng - 1; g >= 0; --g) prefix_chain<WRITE, false>(xb[g], yb[g], p, t0[g], len[g], elem[g], carry[g], has[g], last + g, hb[g], head[g]);
+}
