@@ -110,13 +110,14 @@ def test_one_dim_chunks_match_the_oracle(name, length, reverse, threads):
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("name", sorted(COMBINES))
 def test_nan_at_every_offset_of_a_vector_sticks(name, reverse):
-    # Row r has a NaN at step r (steps 0-23: every lane of the first three vectors), the
-    # rest +-inf and finite values: the first NaN in scan order sticks, bit for bit.
-    steps = 29
-    x = _data((24, steps), 7)
+    # Row r has a NaN at step r (every lane of the first vector, of a pair of vectors, of
+    # a last whole vector and of a partial one), row 37 none, the rest +-inf and finite
+    # values: the first NaN in scan order sticks, bit for bit.
+    steps = 37
+    x = _data((38, steps), 7)
     x[:, 3] = float("inf")
     x[:, 11] = float("-inf")
-    for r in range(24):
+    for r in range(steps):
         x[r, r] = float("nan")
     _check(name, x, 1, reverse)
     # A NaN in the carry only: the first vector's NaN reaches the later vectors.

@@ -299,7 +299,9 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
         }
     }
 #pragma omp for schedule(static)
-    for (int64_t gi = 0; gi < groups; ++gi) {
+    for (int64_t gj = 0; gj < groups; ++gj) {
+      // Reversed prefix chains read memory downwards: their groups from the last too.
+      const int64_t gi = rev && cg == 1 ? groups - 1 - gj : gj;
       const int ng = (int)std::min<int64_t>(CG, items - gi * CG);
       Item it = item(gi * CG);
       for (int g = 0; g < ng; ++g, next(it)) {
