@@ -55,47 +55,32 @@ static void prefix_chain(const In xb, const Out yb, const Par p, int64_t t0, int
                          bool head) {
   const float* xs = prefix_in(row(xb, t0));
   float* ys = prefix_out(row(yb, t0));
-  // Vector b holds steps [8b, 8b + n) (n < 8: the chain's last, partial), at addresses
-  // xs + 8b (UP) or xs - 8b - 7 (its steps in descending lanes).
-  auto scan = [&](__m256 v, const __m256* c) {
-    v = prefix_vector<UP>(v);
-    return c ? prefix_combine(*c, v) : v;
-  };
-  int64_t b = 0;
-  __m256 c;
-  {  // the first vector: the head element, the carry-in
-    const int n = (int)std::min<int64_t>(TV, len);
-    const __m256i m = UP ? prefix_mask(0, n) : prefix_mask(TV - n, TV);
-    const float* src = UP ? xs : xs - (TV - 1);
-    __m256 v = n == TV ? _mm256_loadu_ps(src) : _mm256_maskload_ps(src, m);
-    if (head) v = _mm256_blend_ps(v, _mm256_set1_ps(prefix_get(load_t(hb, 0, t0))), UP ? 0x01 : 0x80);
-    const __m256 cin = _mm256_set1_ps(has ? prefix_get(carry) : 0.0f);
-    v = scan(v, has ? &cin : nullptr);
-    if (WRITE) {
-      float* dst = UP ? ys : ys - (TV - 1);
-      if (n == TV) _mm256_storeu_ps(dst, v);
-      else _mm256_maskstore_ps(dst, m, v);
-    }
-    if (n < TV) {  // the whole chain in one vector
-      alignas(32) float l[TV];
-      _mm256_store_ps(l, v);
-      if (!WRITE) *last = prefix_put(l[UP ? n - 1 : TV - n]);
-      (void)p; (void)elem;
-      return;
-    }
-    c = prefix_last<UP>(v);
-    b = TV;
-  }
-  // The running value's chain is one combine a vector: the next carry is combine(carry,
-  // the vector's own last step), not the last step of the combined vector (a permute more).
+  (void)p; (void)elem;
+  // Vector k holds steps [k, k + 8) (fewer: the chain's last, partial), at xs + k (UP) or
+  // from xs - k - 7 (its steps in descending lanes).
   auto at = [&](int64_t k) { return UP ? k : -k - (TV - 1); };  // vector k's lowest address
+  // The running value, from the carry-in or else the combine's identity (fscan_max(-inf,
+  // v) is v, bit for bit, NaN and -0.0 too; fscan_min's: +inf), so that the first vector
+  // is scanned as any other. Its own chain is one combine a vector: the next is
+  // combine(c, the vector's own last step), not the combined vector's last (a permute more).
+  const float id = (PREFIX == 1 ? -1 : 1) * std::numeric_limits<float>::infinity();
+  __m256 c = _mm256_set1_ps(has ? prefix_get(carry) : id);
   auto step = [&](__m256 x, int64_t k, auto nans) {
     const __m256 v = prefix_vector<UP, decltype(nans)::value>(x);
     if (WRITE) _mm256_storeu_ps(ys + at(k), prefix_combine<decltype(nans)::value>(c, v));
     c = prefix_combine<decltype(nans)::value>(c, prefix_last<UP>(v));
   };
+  // The head element (a carry-in's) replaces the first step: its lane.
+  auto with_head = [&](__m256 x) {
+    return _mm256_blend_ps(x, _mm256_set1_ps(prefix_get(load_t(hb, 0, t0))), UP ? 0x01 : 0x80);
+  };
   // A NaN running value is every later output (fscan_max keeps a NaN left operand).
   auto stuck = [&] { const float f = _mm256_cvtss_f32(c); return f != f; };
+  int64_t b = 0;
+  if (head && len >= TV) {
+    step(with_head(_mm256_loadu_ps(xs + at(0))), 0, std::true_type{});
+    b = TV;
+  }
   // Two vectors whose steps are not NaN (one compare of the two: the running value is not
   // NaN here) are scanned without the NaN blends: with a compare of each vector and the
   // carry, max over (4096, 256) dim 1 ran 1.58x a copy in scripts/roofline.py's loop,
@@ -122,13 +107,18 @@ static void prefix_chain(const In xb, const Out yb, const Par p, int64_t t0, int
     return;
   }
   if (b + TV <= len) {  // a last whole vector
-    step(_mm256_loadu_ps(xs + at(b)), b, std::true_type{});
+    const __m256 x = _mm256_loadu_ps(xs + at(b));
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    if (_mm256_testz_ps(nan, nan)) step(x, b, std::false_type{});
+    else step(x, b, std::true_type{});
     b += TV;
   }
-  if (b < len) {  // the partial last vector
+  if (b < len) {  // the partial last vector (masked: no element beyond the chain is touched)
     const int n = (int)(len - b);
     const __m256i m = UP ? prefix_mask(0, n) : prefix_mask(TV - n, TV);
-    const __m256 v = scan(_mm256_maskload_ps(xs + at(b), m), &c);
+    __m256 x = _mm256_maskload_ps(xs + at(b), m);
+    if (head && b == 0) x = with_head(x);
+    const __m256 v = prefix_combine(c, prefix_vector<UP>(x));
     if (WRITE) _mm256_maskstore_ps(ys + at(b), m, v);
     alignas(32) float l[TV];
     _mm256_store_ps(l, v);
