@@ -376,7 +376,7 @@ def _prefix_max(m, s: Section, shape: tuple[int, ...]) -> None:
     rows, L = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0])
     for checked in (False, True):
         s.add(
-            f"max: in-register prefix, float32{', NaN check' if checked else ''}",
+            f"max: in-register prefix, float32{', NaN check (pairs)' if checked else ''}",
             lambda checked=checked: m.prefix_max(checked, _p(x), _p(y), rows, L),
             base,
             "floor" if checked else "",

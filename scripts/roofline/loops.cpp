@@ -284,26 +284,30 @@ static void prefix_rows(const float* x, float* y, int64_t rows, int64_t L, const
 // shuffles, then the low half's last into the high half; steps with none k earlier are
 // maxed with themselves, which leaves them as they are), then maxed with the running
 // value, whose own chain is one max a vector. CHECKED: torch.maximum's NaN rule as the
-// kernel keeps it, a compare of each vector and the running value for NaN (never found
-// here: the loop is the kernel's fast path); else bare vmaxps (no NaN rule).
+// kernel keeps it, a compare of each pair of vectors for NaN (never found here: the loop
+// is the kernel's NaN-free path); else bare vmaxps (no NaN rule). L: a multiple of 16.
+static FSCAN_INLINE void prefix_max8(const float* x, float* y, __m256& c) {
+  const __m256i h = _mm256_setr_epi32(0, 1, 2, 3, 3, 3, 3, 3), last = _mm256_set1_epi32(7);
+  __m256 v = _mm256_loadu_ps(x);
+  v = _mm256_max_ps(_mm256_permute_ps(v, 0x90), v);
+  v = _mm256_max_ps(_mm256_permute_ps(v, 0x44), v);
+  v = _mm256_max_ps(_mm256_permutevar8x32_ps(v, h), v);
+  _mm256_storeu_ps(y, _mm256_max_ps(c, v));
+  c = _mm256_max_ps(c, _mm256_permutevar8x32_ps(v, last));
+}
 template <bool CHECKED>
 static void prefix_max_rows(const float* x, float* y, int64_t rows, int64_t L) {
-  const __m256i h = _mm256_setr_epi32(0, 1, 2, 3, 3, 3, 3, 3), last = _mm256_set1_epi32(7);
   for (int64_t g = 0; g < rows; ++g) {
     const float* xr = x + g * L;
     float* yr = y + g * L;
     __m256 c = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t s = 0; s < L; s += 8) {
-      __m256 v = _mm256_loadu_ps(xr + s);
+    for (int64_t s = 0; s < L; s += 16) {
       if (CHECKED) {
-        const __m256 nan = _mm256_cmp_ps(v, c, _CMP_UNORD_Q);
+        const __m256 nan = _mm256_cmp_ps(_mm256_loadu_ps(xr + s), _mm256_loadu_ps(xr + s + 8), _CMP_UNORD_Q);
         if (!_mm256_testz_ps(nan, nan)) __builtin_trap();
       }
-      v = _mm256_max_ps(_mm256_permute_ps(v, 0x90), v);
-      v = _mm256_max_ps(_mm256_permute_ps(v, 0x44), v);
-      v = _mm256_max_ps(_mm256_permutevar8x32_ps(v, h), v);
-      _mm256_storeu_ps(yr + s, _mm256_max_ps(c, v));
-      c = _mm256_max_ps(c, _mm256_permutevar8x32_ps(v, last));
+      prefix_max8(xr + s, yr + s, c);
+      prefix_max8(xr + s + 8, yr + s + 8, c);
     }
   }
 }
