@@ -6,7 +6,8 @@ and scratch buffers (``Buf``), with loads, stores (:mod:`._cpp_structs`) and
 ``combine``. The algorithms are fixed C++ written once against those names, in
 files shipped with the package (``fscan/_engines/cpp/csrc``): ``prelude.h`` (ops as
 torch computes them, strided pointers), ``tuning.h`` (the constants),
-``forward.h`` (with ``forward_lanes.h`` and ``forward_chains.h``, its two paths) and
+``forward.h`` (with ``forward_lanes.h`` and ``forward_chains.h``, its two paths, and
+``forward_prefix.h``, the chain path's prefix chains) and
 ``backward.h`` (the scans); each kernel is a template
 (``forward.cpp.in``, ``backward.cpp.in``, ``step.cpp.in``, with ``combine.cpp.in``)
 whose ``${name}`` holes this module fills. The files' text is part of the source
@@ -36,7 +37,10 @@ compiled kernel serves every shape and layout.
   combine), as the lanes of vector loops: 16 steps of each are transposed into a tile
   in registers, scanned with each
   chain's running value in a register, and transposed back (``tile_chains``; the
-  steps after the last whole tile make a partial tile, masked). Other
+  steps after the last whole tile make a partial tile, masked). ``torch.maximum`` /
+  ``torch.minimum`` of one float32 leaf (AVX2) go a chain at a time instead, 8 steps
+  to a vector scanned in registers, no transposes (``prefix_chain`` in
+  ``forward_prefix.h``; see :func:`._cpp_tiles.prefix_op`). Other
   leaves: 8 chains run interleaved (instruction-level parallelism), each walking its
   steps (long ones 16 steps apart, off one cache set).
 * Either path splits T into chunks when there are too few columns or chains

@@ -233,7 +233,7 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
   const int64_t cg = PREFIX_ON && prefixable(x, y) ? 1 : CG;
   if (lanes < (int64_t)nt * cg) {
     C = std::min<int64_t>(((int64_t)nt * cg + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
-    if (C >= CG) C = C / CG * CG;
+    if (C >= cg) C = C / cg * cg;
   }
   int64_t L = (T + C - 1) / C;
   // Interleaved chunks of one lane at power-of-two distances share cache sets: skew them.
