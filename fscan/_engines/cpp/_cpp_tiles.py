@@ -116,11 +116,11 @@ def prefix_op(
     """The combine's vector form for the prefix chains (csrc/forward_prefix.h), or None:
     ``"max"``/``"min"`` where it is ``torch.maximum``/``torch.minimum`` of one float32 leaf
     (running value float32, exact: no double accumulation to keep), no position leaf.
-    1 thread, AVX2, over (4096, 256) dim 1 they ran 1.8-2.2x a copy so, 3.4 tiled (4.6
-    reversed); add, mul and the affine pair stay tiled: their running values are double
-    (torch.cumsum's error), and the prefix scan of doubles, 4 to a vector, does twice the
-    vectors and a widening, measured no faster than the tiles (see docs/performance.md,
-    "Floors")."""
+    1 thread, AVX2, over (4096, 256) dim 1 max ran 1.7-2.1x a copy so, 3.4 tiled (4.6
+    reversed). add, mul and the affine pair stay tiled: their running values are double
+    (torch.cumsum's error), and add by a prefix scan of doubles (4 to a vector: twice the
+    vectors, and a widening) ran 4.2-4.7x a copy in scripts/roofline.py's loop, against
+    3.7 for the tiles' (see docs/performance.md, "Floors")."""
     if positions or dropped or list(storage) != ["float"] or program.wide or program.params:
         return None
     found = _PREFIX_BODY.fullmatch(program.body)

@@ -5,9 +5,12 @@
 // PREFIX is set (see prefix_structs in _cpp_tiles.py: one float32 leaf, its running value
 // float32, a combine with a vector form: torch.maximum / torch.minimum, exact in float32)
 // and prefixable(x, y) holds (the steps dense in memory: T stride 1, in and out).
-// Why: on AVX2 the tiles' 8 x 8 transposes alone cost 2.7-3.3x a copy; max over (4096,
+// Why: on AVX2 the tiles' 8 x 8 transposes alone cost 2.4-3.3x a copy; max over (4096,
 // 256) dim 1 ran 3.4x a copy tiled (4.6 reversed), 1-D 5.0 (two passes: chunk totals for
-// the tiles' 8 chains, then the scan); see docs/performance.md, "Floors".
+// the tiles' 8 chains, then the scan); by prefix chains 1.7-2.1 and 1.4-2.1 (1 thread,
+// scripts/roofline.py, load 5-9; its bare loop 1.1-1.2, with this NaN check 1.2-1.3); see
+// docs/performance.md, "Floors". add, mul and the affine pair keep the tiles: their
+// running values are double, and a double prefix (4 steps a vector) ran slower than them.
 // Only associativity is used (the left operand is always the earlier steps), as the walk
 // and the chunked chain path assume: torch.maximum's NaN (the first one sticks) and its ties
 // (-0.0 against +0.0: the later step wins) come out bit for bit as the walk gives them.
@@ -27,8 +30,8 @@ template <bool NANS = true> static FSCAN_INLINE __m256 prefix_combine(__m256 l, 
 // lanes; else in descending lanes (a reversed chain read from its lowest address). The
 // steps with none k earlier are combined with themselves instead of blended back:
 // fscan_max(a, a) is a, bit for bit (NaN and -0.0 too), so each level is a shuffle and a
-// combine (with blends, 13 vector operations a vector in all instead of 10: 0.43 ns an
-// element over (1048576,), 1 thread).
+// combine (blended back, max over (1048576,) ran 0.43 ns an element, 1 thread; so, 0.30,
+// before the NaN check went to pairs of vectors).
 template <bool UP, bool NANS = true> static FSCAN_INLINE __m256 prefix_vector(__m256 v) {
   v = prefix_combine<NANS>(_mm256_permute_ps(v, UP ? 0x90 : 0xf9), v);  // (0,0,1,2) / (1,2,3,3)
   v = prefix_combine<NANS>(_mm256_permute_ps(v, UP ? 0x44 : 0xee), v);  // (0,1,0,1) / (2,3,2,3)
