@@ -218,6 +218,31 @@ def test_strided_inputs_and_masks():
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(
+    "shape,mask_shape,dim",
+    [
+        ((3, 301, 40), (3, 301, 1), 1),  # a (batch, T) mask over features: a flag a row
+        ((301, 40), (301, 1), 0),
+        ((4, 301, 5, 8), (4, 301, 5, 1), 1),  # shared by some lanes only
+        ((3, 301, 40), (3, 301, 80), 1),  # every other lane of a wider mask: strided flags
+    ],
+)
+def test_masks_shared_by_lanes_or_strided_on_the_lane_path(threads, shape, mask_shape, dim):
+    """Masks broadcast over the lanes of each outer index (one flag for a row's lanes,
+    R.si == 0, whatever the outer strides) and masks whose lanes are strided (gathered into
+    adjacent bytes a row at a time), on the lane path, split into chunks on threads."""
+    gen = torch.Generator().manual_seed(threads + len(shape) + mask_shape[-1])
+    x = torch.randn(shape, dtype=torch.float64, generator=gen)
+    reset = torch.rand(mask_shape, generator=gen) < 0.05
+    if mask_shape[-1] == 2 * shape[-1]:
+        reset = reset[..., ::2]
+    with torch_threads(threads):
+        for reverse in (False, True):
+            for name in ("cumsum", "cummax"):
+                check(name, x, dim, reset, reverse, threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("shape,dim", [((9001,), 0), ((37, 301), 1), ((5, 4099), 1)])
 def test_cummax_chains_walked_alone_ties_and_nan(threads, shape, dim):
     """cummax's chains (a position leaf) are walked one at a time, 1-D in one pass on

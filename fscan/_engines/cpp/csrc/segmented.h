@@ -9,21 +9,42 @@
 // combine, suspect) and before the generated entry point, which calls segmented().
 
 using Flags = Ptr<const uint8_t>;
-// How a row's flags are read: ROW, one flag for the whole row (a 1-D mask); UNIT, a
-// flag per lane, lanes adjacent; LANES, a flag per lane, strided.
-enum { ROW = 0, UNIT = 1, LANES = 2 };
+// How a row's flags are read: ROW, one flag for every lane of the row (R.si == 0: a 1-D
+// mask, or one broadcast over the lanes, as a (batch, T) mask over (batch, T, features));
+// LANE, a flag per lane, read from adjacent bytes: the mask's own where its lanes are
+// adjacent, else the row's flags gathered into `gathered` first (a third mode reading
+// them through their stride in the loop doubled the lane path's instantiations: a
+// segmented kernel took 8.2 s of CPU to build with it, against 5.3 without).
+enum { ROW = 0, LANE = 1 };
+
+// Row t's flags as LANE reads them: w adjacent bytes. Gathered in the order opposite to
+// the one the row's loop reads them in (fscan_lanes: down, from the top block), so that
+// the loop's first vector loads find their bytes stored long before, not in the store
+// buffer (gathered ascending, reversed scans over (8, 1024, 256) dim 1 with every other
+// lane of a wider mask ran 1.7-2x their forward ones).
+static FSCAN_INLINE Flags lane_flags(const Flags rc, int64_t t, int64_t w, bool down,
+                                     uint8_t* gathered) {
+  const Flags rr = row(rc, t);
+  if (rr.si == 1) return rr;
+  if (down) {
+    for (int64_t i = w - 1; i >= 0; --i) gathered[i] = rr.p[i * rr.si];
+  } else {
+    for (int64_t i = 0; i < w; ++i) gathered[i] = rr.p[i * rr.si];
+  }
+  return Flags{gathered, 0, 0, 0, 1};
+}
 
 // Steps [s0, s1) (in scan order) of lanes [i0, i0 + w) of outer index o, as lane_run in
 // forward_lanes.h, restarting where flagged. carry (or nullptr) holds the inclusive result
 // before s0. !WRITE: a chunk total in acc, and seen[i] set where lane i restarts in the
 // chunk (its total then owes nothing to the chunks before). ALL with WRITE: the outputs
 // written and the total kept, every leaf (a split column's first chunk, whose total no
-// carry precedes: seen is not kept).
+// carry precedes: seen is not kept). gathered: W bytes (LANE with strided flags).
 template <bool WRITE, bool GATHER, int MODE, bool ALL = !WRITE>
 static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, const Geo& S,
                          int64_t o, int64_t i0, int64_t w, int64_t s0, int64_t s1, bool rev,
                          const Buf* carry, const Buf acc, uint8_t* seen, const InRow& rows,
-                         const OutRow& orows) {
+                         const OutRow& orows, uint8_t* gathered) {
   const In xc = at(x, S, o, 0, i0);
   const Out yc = at(y, S, o, 0, i0);
   const Flags rc = shift(R, o, S.nb, 0, i0);
@@ -36,7 +57,7 @@ static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, co
     if (s > s0) { xs = row(xs, dt); ys = row(ys, dt); }
     const In xr = GATHER ? gather(xs, rows, w, rev) : xs;
     const Out yr = GATHER ? buffered(ys, orows) : ys;
-    const Flags rr = row(rc, t);
+    const Flags rr = MODE == LANE ? lane_flags(rc, t, w, rev, gathered) : row(rc, t);
     const bool first = s == s0 && carry == nullptr;
     if (MODE == ROW && (first || rr.p[0])) {  // the whole row restarts: a copy
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
@@ -54,7 +75,7 @@ static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, co
         // included) is dropped, as torch.where drops it on the (flag, value) pairs.
         // pick selects field by field: `flag ? u : c` on the structs went through
         // memory (a select of addresses), 20 ns an element on the chain path.
-        const Vals v = MODE != ROW ? pick(lane<MODE == UNIT>(rr, i) != 0, u, c) : c;
+        const Vals v = MODE != ROW ? pick(rr.p[i] != 0, u, c) : c;
         put_as<ALL>(acc, i, v);
         if (WRITE) store_i(yr, i, v);
       });
@@ -66,7 +87,7 @@ static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, co
       });
     }
     if (MODE != ROW && !WRITE) {
-      for (int64_t i = 0; i < w; ++i) seen[i] |= lane<MODE == UNIT>(rr, i);
+      for (int64_t i = 0; i < w; ++i) seen[i] |= rr.p[i];
     }
     if (WRITE && GATHER) scatter(ys, orows, w, rev);
   }
@@ -76,9 +97,10 @@ template <bool WRITE, int MODE, bool ALL = !WRITE>
 static FSCAN_INLINE void seg_lanes(bool dense, const In x, const Out y, const Par p, const Flags R,
                                    const Geo& S, int64_t o, int64_t i0, int64_t w, int64_t s0,
                                    int64_t s1, bool rev, const Buf* carry, const Buf acc,
-                                   uint8_t* seen, const InRow& rows, const OutRow& orows) {
-  if (dense) seg_lane_run<WRITE, false, MODE, ALL>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows);
-  else seg_lane_run<WRITE, true, MODE, ALL>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows);
+                                   uint8_t* seen, const InRow& rows, const OutRow& orows,
+                                   uint8_t* gathered) {
+  if (dense) seg_lane_run<WRITE, false, MODE, ALL>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows, gathered);
+  else seg_lane_run<WRITE, true, MODE, ALL>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows, gathered);
 }
 
 // lane_path (forward_lanes.h) with flags: columns of W lanes; where there are fewer columns
@@ -103,14 +125,16 @@ static void seg_lane_path(const In x, const Out y, const Par p, const Flags R, c
     const bool dense = unit(x) && unit(y);
     const InRow rows(dense ? 0 : W);
     const OutRow orows(dense ? 0 : W);
+    std::vector<uint8_t> flags(MODE == LANE && R.si != 1 ? W : 0);
+    uint8_t* const gathered = flags.data();
     if (C > 1) {
 #pragma omp for schedule(static)
       for (int64_t k = 0; k < ncols * (C - 1); ++k) {
         const int64_t col = k / (C - 1), c = k % (C - 1);
         const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
         const Buf total = offset(tb, k * W);
-        if (c == 0) seg_lanes<true, MODE, true>(dense, x, y, p, R, S, o, i0, w, 0, L, rev, nullptr, total, nullptr, rows, orows);
-        else seg_lanes<false, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, total, seen.data() + k * W, rows, orows);
+        if (c == 0) seg_lanes<true, MODE, true>(dense, x, y, p, R, S, o, i0, w, 0, L, rev, nullptr, total, nullptr, rows, orows, gathered);
+        else seg_lanes<false, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, total, seen.data() + k * W, rows, orows, gathered);
       }
 #pragma omp for schedule(static)
       for (int64_t col = 0; col < ncols; ++col) {
@@ -126,7 +150,7 @@ static void seg_lane_path(const In x, const Out y, const Par p, const Flags R, c
             put_all(cur, i, v);
           }
           // Composing is not what the steps give (see suspect): walk the chunk.
-          if (walk) seg_lanes<false, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, (c + 1) * L, rev, &prev, cur, seen.data() + k * W, rows, orows);
+          if (walk) seg_lanes<false, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, (c + 1) * L, rev, &prev, cur, seen.data() + k * W, rows, orows, gathered);
         }
       }
     }
@@ -143,7 +167,7 @@ static void seg_lane_path(const In x, const Out y, const Par p, const Flags R, c
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
       const Buf carry = c > 0 ? offset(tb, (col * (C - 1) + c - 1) * W) : tb;
       const int64_t s1 = std::min(T, (c + 1) * L);
-      seg_lanes<true, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, nullptr, rows, orows);
+      seg_lanes<true, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, nullptr, rows, orows, gathered);
     }
   });
 }
@@ -158,9 +182,8 @@ static void segmented(const In x, const Out y, const Par p, const Flags R, const
   const int64_t total = S.outer * S.T * S.inner;
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, total / PER_THREAD));
   if (S.inner >= VEC_MIN && !along(x) && !along(y)) {
-    if (R.sa == 0 && R.sb == 0 && R.si == 0) seg_lane_path<ROW>(x, y, p, R, S, rev, nt);
-    else if (R.si == 1) seg_lane_path<UNIT>(x, y, p, R, S, rev, nt);
-    else seg_lane_path<LANES>(x, y, p, R, S, rev, nt);
+    if (R.si == 0) seg_lane_path<ROW>(x, y, p, R, S, rev, nt);
+    else seg_lane_path<LANE>(x, y, p, R, S, rev, nt);
   } else {
     seg_chain_path(x, y, p, R, S, rev, nt);
   }
