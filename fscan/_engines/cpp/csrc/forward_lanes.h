@@ -10,7 +10,9 @@
 // the gather's pointer select in the same loop cost seg 1.45x).
 // Outputs of other inner strides than 1 are written, a row at a time, into orows and
 // scattered from there (GATHER only: the dense instantiation has unit outputs too).
-// H: a carry-in (if H.any): step 0 (in scan order) reads the head element instead of x.
+// H: a carry-in (if H.any): step 0 (in scan order) reads the head element instead of x;
+// EXCL: the heads' first element, every lane's running value before step 0 (see scan).
+// EXCL (with WRITE): output step t is the running value before step t's input is combined.
 // !WRITE: a chunk total, kept with every leaf in acc (and carry), since the carries
 // composed from it read its leaves as a right operand (see get_all). ALL with WRITE: the
 // outputs written and the total kept (the first chunk of a split column, see lane_path).
@@ -23,7 +25,7 @@
 // and add, about 15 cycles a row) with two vectors in flight, where a row at a time
 // overlaps the whole row's lanes; rows in halves interleaved (four in flight) still
 // ran 2.15x, and the rows' pointers spilled.
-template <bool WRITE, bool GATHER, bool ALL = !WRITE>
+template <bool WRITE, bool GATHER, bool ALL = !WRITE, bool EXCL = false>
 static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t o, int64_t i0,
                      int64_t w, int64_t s0, int64_t s1, bool rev, const Buf* carry, const Buf acc,
                      const InRow& rows, const OutRow& orows, const Heads& H) {
@@ -31,7 +33,11 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
   const Out yc = at(y, S, o, 0, i0);
   const int64_t e0 = o * S.inner + i0, T = S.T, dt = rev ? -1 : 1;
   int64_t sb = s0;  // the first step read from x
-  if (s0 == 0 && H.any && s1 > 0) {  // peeled: the loop below stays as it was
+  if (EXCL && s0 == 0 && H.any) {  // the start value, position -1, then every step read
+    const Vals h = load_t(head_at(x, H, 0), 0, -1);
+    fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) { put_as<ALL>(acc, i, h); });
+    carry = &acc;
+  } else if (s0 == 0 && H.any && s1 > 0) {  // peeled: the loop below stays as it was
     const int64_t t = rev ? T - 1 : 0;
     const In hr = head_at(x, H, e0);
     const Out yr = GATHER ? buffered(row(yc, t), orows) : row(yc, t);
@@ -65,15 +71,17 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
         // Not flushed: subnormal products cost nothing measurable in these vector loops
         // (the affine pair, (4096, 256) dim 0, half its steps subnormal: 1.7x a copy
         // either way), and the flush cost 30%.
-        const Vals v = combine<false>(get_as<ALL>(left, i), load_i(xr, i, t), p, e0 + i);
+        const Vals l = get_as<ALL>(left, i);
+        const Vals v = combine<false>(l, load_i(xr, i, t), p, e0 + i);
         put_as<ALL>(acc, i, v);
-        if (WRITE) store_i(yr, i, v);
+        if (WRITE) store_i(yr, i, EXCL ? l : v);
       });
     }
     if (WRITE && GATHER) scatter(ys, orows, w, rev);
   }
 }
 
+template <bool EXCL>
 static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool rev, int nt,
                       const Heads& H) {
   const int64_t outer = S.outer, T = S.T, inner = S.inner;
@@ -99,8 +107,8 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
         const int64_t col = k / (C - 1), c = k % (C - 1);
         const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
         const Buf total = offset(tb, k * W);
-        if (c == 0 && dense) lane_run<true, false, true>(x, y, p, S, o, i0, w, 0, L, rev, nullptr, total, rows, orows, H);
-        else if (c == 0) lane_run<true, true, true>(x, y, p, S, o, i0, w, 0, L, rev, nullptr, total, rows, orows, H);
+        if (c == 0 && dense) lane_run<true, false, true, EXCL>(x, y, p, S, o, i0, w, 0, L, rev, nullptr, total, rows, orows, H);
+        else if (c == 0) lane_run<true, true, true, EXCL>(x, y, p, S, o, i0, w, 0, L, rev, nullptr, total, rows, orows, H);
         else if (dense) lane_run<false, false>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, total, rows, orows, H);
         else lane_run<false, true>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, total, rows, orows, H);
       }
@@ -132,8 +140,8 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
       const Buf carry = c > 0 ? offset(tb, (col * (C - 1) + c - 1) * W) : tb;
       const int64_t s1 = std::min(T, (c + 1) * L);
-      if (dense) lane_run<true, false>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H);
-      else lane_run<true, true>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H);
+      if (dense) lane_run<true, false, false, EXCL>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H);
+      else lane_run<true, true, false, EXCL>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H);
     }
   });
 }
