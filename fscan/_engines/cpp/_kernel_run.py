@@ -208,26 +208,29 @@ def run_prepared(
     return ys
 
 
-def exclusive_run(run: PreparedRun, start: torch.Tensor) -> PreparedRun:
+def exclusive_run(run: PreparedRun, start: torch.Tensor, fold: bool = True) -> PreparedRun:
     """``run`` (a drop-in's :class:`PreparedRun` of one read leaf) as the exclusive scan
-    the kernel writes in one pass (its exclusive bit, ``_EXCLUSIVE``, in the reverse
+    the kernel writes in one pass (its exclusive bits, ``_EXCLUSIVE``, in the reverse
     argument: see ``scan`` in csrc/forward.h): output step ``t`` is the running value
     before step ``t``'s input is combined, ``start`` (one element, the start value of
     every lane; kept alive by the caller while the run is) at the first step in scan
-    order, combined with that step as a carry-in, and a position leaf (cummax/cummin's
-    index) -1 there, in both directions."""
+    order, and a position leaf (cummax/cummin's index) -1 there, in both directions.
+    ``fold``: ``start`` is combined with the first step (a carry-in); else the first
+    step's input alone starts the running value (the same values for a start ``e`` with
+    ``combine(e, x) == x`` exactly, without that combine)."""
     tail = list(run.tail)
     at = len(tail) - 1 - bool(run.positions)  # the read leaf's carry-in address
     tail[at] = start.data_ptr()
     if run.positions:
         tail[-1] = 0  # positions in the input itself
     outer, steps, inner, reverse = run.sizes
-    sizes = (outer, steps, inner, (reverse & 1) | _EXCLUSIVE)
+    sizes = (outer, steps, inner, (reverse & 1) | _EXCLUSIVE | (0 if fold else _UNFOLDED))
     return run._replace(sizes=sizes, tail=tuple(tail))
 
 
-# The kernel's reverse argument: bit 0 reversed, this bit the exclusive scan.
-_EXCLUSIVE = 2
+# The kernel's reverse argument: bit 0 reversed, these the exclusive scan and its start
+# value not combined with the first step.
+_EXCLUSIVE, _UNFOLDED = 2, 4
 
 
 def run_exclusive_prepared(run: PreparedRun, x: torch.Tensor) -> list[torch.Tensor]:

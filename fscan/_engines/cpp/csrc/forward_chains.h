@@ -8,8 +8,9 @@
 // carry[g] (if has[g]) is its inclusive carry-in.
 // WRITE: store every output; else only the final values, into last[g].
 // head[g]: the chain's first step reads hb[g] (a carry-in's head element) instead of x.
-// EXCL (has[g] true for every chain: chain_path makes the exclusive scan's start value the
-// first chunk's carry): output step t is the running value before step t is combined.
+// EXCL: output step t is the running value before step t is combined; step 0's is carry[g]
+// whether or not has[g] (chain_path gives the first chunk of a lane the exclusive scan's
+// start value there, has[g] where it is folded in).
 template <int NG, bool WRITE, bool EXCL = false>
 static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const int64_t* t0,
                                 const int64_t* len, const int64_t* elem, int64_t tstep,
@@ -229,10 +230,11 @@ static void chain_group(const In* xb, const Out* yb, const Par p, int ng, const 
 }
 
 // EXCL: the exclusive scan (see scan in forward.h): its start value (the heads' first
-// element, position -1) is every lane's first chunk's carry, so that chunk may be tiled.
+// element, position -1) is every lane's first chunk's carry (has where fold), so that
+// chunk may be tiled.
 template <bool EXCL>
 static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool rev, int nt,
-                       const Heads& H) {
+                       const Heads& H, bool fold = true) {
   const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
   int64_t C = 1;  // chunks per lane
   if (lanes < (int64_t)nt * CG) {
@@ -287,8 +289,8 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
         Item it = item(gi * CG);
         for (int g = 0; g < ng; ++g, next(it)) {
           describe(it, xb[g], yb[g], t0[g], len[g], elem[g], hb[g], head[g]);
-          has[g] = EXCL && it.c == 0;
-          if (has[g]) carry[g] = start;
+          has[g] = EXCL && it.c == 0 && fold;
+          if (EXCL && it.c == 0) carry[g] = start;
         }
         chain_group<false>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, tot.data() + gi * CG, hb, head, tl);
       }
@@ -314,7 +316,7 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
       Item it = item(gi * CG);
       for (int g = 0; g < ng; ++g, next(it)) {
         describe(it, xb[g], yb[g], t0[g], len[g], elem[g], hb[g], head[g]);
-        has[g] = EXCL || it.c != 0;
+        has[g] = it.c != 0 || (EXCL && fold);
         if (it.c != 0) carry[g] = tot[gi * CG + g - 1];
         else if (EXCL) carry[g] = start;
       }
