@@ -265,3 +265,23 @@ def test_non_contiguous_inputs(served_exclusive, name):
             for reverse in [False, True]:
                 out = twice_then(name, x, dim, reverse, served_exclusive)
                 check(name, x, dim, reverse, out)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_first_exclusive_call_after_the_inclusive_one(fresh_eager_kernel, monkeypatch, name):
+    """Once the inclusive call compiled the kernel, the first exclusive call of the shape
+    runs the kernel's exclusive mode too (not the shift): the oracle, both directions."""
+    from fscan._routing import exclusive as router
+
+    runs = []
+    run_exclusive = router.run_exclusive
+    monkeypatch.setattr(router, "run_exclusive", lambda f, x: runs.append(f) or run_exclusive(f, x))
+    for shape, dim in [((512, 64), 0), ((300, 40), 1)]:
+        for reverse in [False, True]:
+            x = data(name, shape, seed=3)
+            op = getattr(fscan, name)
+            op(x, dim, reverse=reverse)
+            before = len(runs)
+            out = op(x, dim, reverse=reverse, exclusive=True)
+            check(name, x, dim, reverse, out)
+            assert len(runs) == before + on_kernel(name, x, dim, reverse)

@@ -14,7 +14,10 @@ costs what the inclusive one does. As for the inclusive drop-ins, the calls the 
 certainly sends to torch's op are served before the drop-in's checks
 (:func:`native_first_exclusive`), and a call the kernel served is stored for
 :mod:`fscan._routing.repeat_drop_ins`, whose exclusive route repeats it for an
-identical call before the checks.
+identical call before the checks: one pass of the kernel's exclusive mode, which writes
+the exclusive scan itself. A call the kernel takes whose kernel is READY already (an
+inclusive call of the shape compiled it) runs that mode at once; the shift serves the
+rest (the kernel's first build, ``reset=``, recorded, traced or non-contiguous calls).
 
 cummax/cummin's indices are positions in the whole input: reversed, the narrowed input
 starts one step later, so its indices are moved by one (by the kernel as it writes them,
