@@ -183,7 +183,7 @@ static void tile_chains(const In* xb, const Out* yb, const Par p, const int64_t*
   for (int g = 1; g < TW; ++g) common = std::min(common, len[g]);
   // The steps every chain has, in tiles, the last one partial where TB does not divide
   // them: walking those steps a chain at a time ran (4096, 255) dim 1 1.6x slower than
-  // (4096, 256) (the exclusive logcumsumexp's repeat route scans n - 1 steps).
+  // (4096, 256) (the exclusive drop-ins' repeat route then scanned n - 1 steps).
   for (int64_t s0 = 0; s0 < common; s0 += TB)
     tile_step<WRITE, UP, EXCL>(xb, yb, p, t0, elem, carry, has, s0, std::min(TB, common - s0), tl);
   // Chains longer than the shortest walk their remaining steps, a chain at a time
