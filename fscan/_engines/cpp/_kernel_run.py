@@ -220,9 +220,7 @@ def exclusive_run(run: PreparedRun, start: torch.Tensor, fold: bool = True) -> P
     ``combine(e, x) == x`` exactly, without that combine)."""
     tail = list(run.tail)
     at = len(tail) - 1 - bool(run.positions)  # the read leaf's carry-in address
-    tail[at] = start.data_ptr()
-    if run.positions:
-        tail[-1] = 0  # positions in the input itself
+    tail[at] = start.data_ptr()  # (a position leaf's first position: 0, as prepared)
     outer, steps, inner, reverse = run.sizes
     sizes = (outer, steps, inner, (reverse & 1) | _EXCLUSIVE | (0 if fold else _UNFOLDED))
     return run._replace(sizes=sizes, tail=tuple(tail))
