@@ -11,7 +11,7 @@ from ._call import SCAN_API, ScanCall
 from ._entry import checked_call, run_scan
 from ._exclusive import refuse_sharded_exclusive
 from ._pytree import flatten
-from ._route_log import logs_route
+from ._route_log import logs_route, quiet
 from ._routing.repeat import repeat_scan
 from ._sharded.dtensor import any_dtensor, dtensor_scan
 
@@ -20,7 +20,6 @@ __all__ = ["associative_scan"]
 _API = SCAN_API
 
 
-@logs_route(_API)
 def associative_scan(
     combine_fn: Callable[[Any, Any], Any],
     xs: Any,
@@ -101,7 +100,41 @@ def associative_scan(
         >>> fscan.associative_scan(torch.add, torch.ones(3), 0, initial=10.0, exclusive=True)
         tensor([10., 11., 12.])
     """
-    if reset is None and initial is None and exclusive is False:  # a repeat the kernel served
+    # A repeat the kernel served, ahead of the route log's wrapper where it gathers no
+    # record (it would only call through); else in the wrapper, which notes its route.
+    if reset is None and initial is None and exclusive is False and quiet():
+        out = repeat_scan(combine_fn, xs, dim, reverse, combine_mode, validate)
+        if out is not None:
+            return out
+    return _logged_scan(
+        combine_fn,
+        xs,
+        dim,
+        reverse,
+        combine_mode,
+        validate=validate,
+        reset=reset,
+        initial=initial,
+        exclusive=exclusive,
+    )
+
+
+@logs_route(_API)
+def _logged_scan(
+    combine_fn: Callable[[Any, Any], Any],
+    xs: Any,
+    dim: int,
+    reverse: bool = False,
+    combine_mode: str = "pointwise",
+    *,
+    validate: bool | None = None,
+    reset: torch.Tensor | None = None,
+    initial: Any = None,
+    exclusive: bool = False,
+) -> Any:
+    """:func:`associative_scan` under the route log's wrapper (its record, where one is
+    gathered); the repeat is tried here where the door did not try it (not quiet())."""
+    if reset is None and initial is None and exclusive is False and not quiet():
         out = repeat_scan(combine_fn, xs, dim, reverse, combine_mode, validate)
         if out is not None:
             return out

@@ -13,7 +13,8 @@ Sections: copies (and the fresh-output clone of a 32 MiB output); the lane loop 
 with float32, double and double + range-checked running values; logaddexp's
 elementwise cost and its scans; the chain path (last dim, 1-D) as the kernel's register
 transposes alone (``fscan_tile_in``/``fscan_tile_out`` of csrc/prelude.h), with a float32
-and with a double scan, and an add by in-register prefix sums without transposes; the
+and with a double scan, an add by in-register prefix sums without transposes and a max
+by in-register prefix scans, a row at a time (the kernel's prefix chains); the
 reduce; and 2 threads.
 
 Run (about 2-3 minutes; the first run also builds the loops and fscan's kernels):
@@ -333,6 +334,7 @@ def section_chains(m, budget: float) -> None:
                 "floor",
             )
         s.add(f"fscan {name} dim 1 (last)", _fscan_row(name, shape, 1), base, "bar row")
+    _prefix_max(m, s, shape)
     s.run(budget)
     s = Section(
         "chain path: (1048576,) cut into 2048 chains of 512 (totals, carries, scan), "
@@ -359,7 +361,28 @@ def section_chains(m, budget: float) -> None:
                 "floor",
             )
         s.add(f"fscan {name} (1048576,)", _fscan_row(name, (2**20,), 0), base, "bar row")
+    _prefix_max(m, s, (2**20,))
     s.run(budget)
+
+
+def _prefix_max(m, s: Section, shape: tuple[int, ...]) -> None:
+    """max (float32, exact) by in-register prefix scans, a row at a time (the kernel's
+    prefix chains, csrc/forward_prefix.h), bare and with the NaN check, and fscan's row."""
+    x, _ = _leaves("max", shape)
+    y = torch.empty_like(x)
+    base = "copy of max's leaves"
+    s.add(base, _copy(x), base, "")
+    s.keep += [x, y]
+    rows, L = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0])
+    for checked in (False, True):
+        s.add(
+            f"max: in-register prefix, float32{', NaN check (pairs)' if checked else ''}",
+            lambda checked=checked: m.prefix_max(checked, _p(x), _p(y), rows, L),
+            base,
+            "floor" if checked else "",
+        )
+    dim = len(shape) - 1
+    s.add(f"fscan max {shape} dim {dim}", _fscan_row("max", shape, dim), base, "bar row")
 
 
 def section_chains_large(m, budget: float) -> None:
@@ -550,6 +573,9 @@ def check(m) -> None:
         close(yc, torch.cumsum(rows.double(), 1).float())
         m.prefix_add(dbl, _p(rows), _p(yc), 4, 32 * 288 // 4, 2)
         close(yc.flatten(), torch.cumsum(rows.flatten().double(), 0).float())
+        for checked in (False, True):
+            m.prefix_max(checked, _p(rows), _p(yc), 32, 288)
+            torch.testing.assert_close(yc, torch.cummax(rows, 1).values, rtol=0, atol=0)
     y = torch.empty_like(x)
     m.copy(_p(y), _p(x), x.numel())
     close(y, x)

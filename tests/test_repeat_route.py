@@ -112,7 +112,7 @@ def test_a_lone_tensor_and_a_tree_of_one_have_keys_of_their_own(served):
     close(out[0], reference(x, 0, False))
     key = repeat_key.call_parts(flatten([x])[1], [x], 0, False, "pointwise", None)
     assert key is not None and key[0] == flatten([x])[1]
-    assert repeat_key.call_parts(LEAF, [x], 0, False, "pointwise", None)[0] == repeat_key._ONE_LEAF
+    assert repeat_key.call_parts(LEAF, [x], 0, False, "pointwise", None)[0] == repeat_key.ONE_LEAF
 
 
 def _rebuilt(code, module="tests.test_repeat_route", **kwargs):
@@ -285,6 +285,129 @@ def test_the_log_names_the_engine(served, caplog):
     [record] = [r for r in caplog.records if hasattr(r, "fscan_engine")]
     assert record.fscan_engine == "cpp" == before.engine
     assert record.fscan_refused == dict(before.refused)
+
+
+# ---- the small call's fast path (a lone tensor, ahead of the log's wrapper) ---------
+
+
+def _two_keys(x, dim=0, reverse=False, grads=True):
+    """A lone tensor's key by its own function and by call_parts: one recipe."""
+    lone = repeat_key.lone_parts(repeat_key.ONE_LEAF, x, dim, reverse, "pointwise", None, grads)
+    return lone, repeat_key.call_parts(LEAF, [x], dim, reverse, "pointwise", None, grads)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(64),
+        lambda: torch.randn(5, 7, 3, dtype=torch.float64),
+        lambda: torch.randn(64, requires_grad=True),
+        lambda: torch.randn(128)[::2],  # strided: refused by both
+        lambda: torch._neg_view(torch.randn(64)),  # the negative bit: refused by both
+        lambda: torch.randn(64, device="meta"),  # another device: refused by both
+        lambda: torch.randint(0, 9, (4, 16)),
+    ],
+    ids=["f32", "f64-3d", "requires-grad", "strided", "neg-bit", "meta", "int64"],
+)
+def test_a_lone_tensor_keys_as_call_parts_does(make):
+    x = make()
+    for dim, reverse in [(0, False), (-1, True)]:
+        for grads in (True, False):
+            lone, parts = _two_keys(x, dim, reverse, grads)
+            assert lone == parts
+            with torch.no_grad():
+                assert _two_keys(x, dim, reverse, grads)[0] == _two_keys(x, dim, reverse, grads)[1]
+    refused = not x.is_contiguous() or x.is_neg() or not x.is_cpu
+    assert (_two_keys(x)[0] is None) == refused
+
+
+def test_each_key_part_misses_on_the_fast_path(served):
+    """A lone tensor's call that differs from a served one in one part of the key (dtype,
+    shape, strides, dim, reverse, grad mode, requires_grad, combine_fn, a captured value,
+    validate) is not served by its run; the same call again is."""
+    x = torch.randn(8, 8)
+    warm(add, x, 0)
+    mul = lambda a, b: a * b
+    flag = True
+    captures = lambda a, b: a + b if flag else a * b
+    calls = {
+        "dtype": lambda: fscan.associative_scan(add, x.double(), 0),
+        "shape": lambda: fscan.associative_scan(add, torch.randn(8, 9), 0),
+        "strides": lambda: fscan.associative_scan(add, x.t(), 0),
+        "dim": lambda: fscan.associative_scan(add, x, 1),
+        "reverse": lambda: fscan.associative_scan(add, x, 0, reverse=True),
+        "grad-mode": lambda: _no_grad(lambda: fscan.associative_scan(add, x, 0)),
+        "requires-grad": lambda: fscan.associative_scan(add, x.clone().requires_grad_(), 0),
+        "combine-fn": lambda: fscan.associative_scan(mul, x, 0),
+        "captured": lambda: fscan.associative_scan(captures, x, 0),
+        "validate": lambda: fscan.associative_scan(add, x, 0, validate=False),
+    }
+    for part, call in calls.items():
+        served.clear()
+        call()
+        assert served == [], part
+    served.clear()
+    close(fscan.associative_scan(add, x, 0), reference(x, 0, False))
+    assert len(served) == 1
+    warm(captures, x)
+    flag = False  # a captured value changed: the key (the walk's) is another
+    served.clear()
+    torch.testing.assert_close(fscan.associative_scan(captures, x, 0), x.cumprod(0))
+    assert served == []
+
+
+def _no_grad(call):
+    with torch.no_grad():
+        return call()
+
+
+def test_threads_are_read_on_every_call_not_keyed(served):
+    """The scan's route does not depend on the thread count: the kernel reads it on each
+    call (at most the run's cap), as the full path's kernel call does."""
+    x = torch.randn(4, 4096)
+    threads = torch.get_num_threads()
+    warm(add, x, 1)
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            served.clear()
+            close(fscan.associative_scan(add, x, 1), reference(x, 1, False))
+            assert len(served) == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_fast_path_logs_like_any_route(served, caplog):
+    """With DEBUG on, every repeat is served inside the log's wrapper and gives a record
+    naming the kernel; with it off, no record, and the same run serves the call."""
+    from fscan._route_log import quiet
+
+    x = torch.randn(64)
+    warm(add, x)
+    caplog.set_level(logging.DEBUG, logger="fscan")
+    for _ in range(2):
+        served.clear()
+        close(fscan.associative_scan(add, x, 0), reference(x, 0, False))
+        assert len(served) == 1
+    records = [r for r in caplog.records if hasattr(r, "fscan_engine")]
+    assert [r.fscan_engine for r in records] == ["cpp", "cpp"]
+    assert not quiet()
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="fscan")  # logging's memo emptied: quiet() asks
+    served.clear()
+    close(fscan.associative_scan(add, x, 0), reference(x, 0, False))
+    assert len(served) == 1 and not [r for r in caplog.records if hasattr(r, "fscan_engine")]
+    assert quiet()
+
+
+def test_the_fast_path_under_torch_compile_takes_the_traced_path(served):
+    x = torch.randn(64)
+    warm(add, x)
+    served.clear()
+    scan = lambda t: fscan.associative_scan(add, t, 0)
+    compiled = torch.compile(scan, backend="eager", fullgraph=True)  # no break at quiet()
+    close(compiled(x), reference(x, 0, False))
+    assert served == []
 
 
 # ---- the drop-ins' kernel path ------------------------------------------------------

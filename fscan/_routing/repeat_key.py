@@ -42,7 +42,7 @@ from .._knowledge.reach_keys import code_names, unbound
 from .._knowledge.store import Reach, on_clear, reach
 from .._pytree import LEAF, flatten
 
-__all__ = ["call_parts", "mask_kind", "memo_reach", "stored_run"]
+__all__ = ["ONE_LEAF", "call_parts", "lone_parts", "mask_kind", "memo_reach", "stored_run"]
 
 _is_compiling = torch.compiler.is_compiling
 _STRIDED = torch.strided
@@ -97,15 +97,13 @@ def call_parts(
     may not be repeated (cheapest tests first: a call that fails them pays no walk).
     ``grads``: the caller serves calls that want gradients (a leaf requiring grad in grad
     mode; its requires_grad and grad mode are in the key either way)."""
-    if type(dim) is not int or (reverse is not False and reverse is not True):
-        return None
-    if (validate is not None and validate is not False) or combine_mode != "pointwise":
-        return None
-    if config._cpu_kernel == "off" or not leaves or _is_compiling():
-        return None  # ("on" and "eager" serve a READY kernel alike)
-    # under_transform() or under_dispatch_mode() (fscan._context), asked inline: the two
-    # calls cost ~0.3 µs of a 7 µs scan of 64 elements (test_repeat_route checks they agree)
-    if _peek_transform() is not None or _forward_ad._current_level >= 0 or _dispatch_modes():
+    if len(leaves) == 1:  # one leaf: its own function, the small call's (see lone_parts)
+        # A lone tensor's structure keyed by a token: optree hashes a PyTreeSpec afresh on
+        # every lookup (~0.7 µs of a 64-element scan); the token equals no spec, so a key
+        # holding it fits exactly the calls whose structure is LEAF (a lone plain tensor).
+        tree = ONE_LEAF if spec is LEAF else spec
+        return lone_parts(tree, leaves[0], dim, reverse, combine_mode, validate, grads)
+    if not leaves or not _repeatable(dim, reverse, combine_mode, validate):
         return None
     ndim = leaves[0].ndim
     if not -ndim <= dim < ndim:
@@ -125,20 +123,70 @@ def call_parts(
             or _is_batched(x)
         ):
             return None
-    if len(leaves) == 1:  # the key below, without a list to build and unpack
-        x = leaves[0]
-        # A lone tensor's structure keyed by a token: optree hashes a PyTreeSpec afresh on
-        # every lookup (~0.7 µs of a 64-element scan); the token equals no spec, so a key
-        # holding it fits exactly the calls whose structure is LEAF (a lone plain tensor).
-        # Its kind (dtype, shape, requires_grad) unnested: the tuple cost ~0.1 µs a call.
-        tree = _ONE_LEAF if spec is LEAF else spec
-        dtype, shape, wants = x.dtype, x.shape, x.requires_grad
-        return (tree, dim % ndim, reverse, validate, config._validate, grad, dtype, shape, wants)
     kinds = [(x.dtype, x.shape, x.requires_grad) for x in leaves]
     return (spec, dim % ndim, reverse, validate, config._validate, grad, *kinds)
 
 
-_ONE_LEAF = "<one leaf>"
+def lone_parts(
+    tree: Hashable,
+    x: Any,
+    dim: Any,
+    reverse: Any,
+    combine_mode: Any,
+    validate: Any,
+    grads: bool = False,
+) -> tuple[Hashable, ...] | None:
+    """:func:`call_parts` of a call with one leaf ``x`` whose structure ``tree`` stands for
+    (:data:`ONE_LEAF` for a lone tensor): the same tests and the same key, written out in
+    one function (no list, no generator, no helper calls: each Python call costs ~0.1 µs of
+    a 6 µs scan of 64 elements), so the repeat route of a lone tensor asks it directly.
+    Keep the two in step (test_repeat_route checks they give one key)."""
+    if type(dim) is not int or (reverse is not False and reverse is not True):
+        return None
+    if (validate is not None and validate is not False) or combine_mode != "pointwise":
+        return None
+    if config._cpu_kernel == "off" or _is_compiling():
+        return None  # ("on" and "eager" serve a READY kernel alike)
+    # under_transform() or under_dispatch_mode() (fscan._context), asked inline: the two
+    # calls cost ~0.3 µs of a 7 µs scan of 64 elements (test_repeat_route checks they agree)
+    if _peek_transform() is not None or _forward_ad._current_level >= 0 or _dispatch_modes():
+        return None
+    if type(x) is not torch.Tensor:
+        return None
+    ndim = x.ndim
+    if not -ndim <= dim < ndim:
+        return None
+    grad = torch.is_grad_enabled()
+    wants = x.requires_grad
+    if (
+        not x.is_cpu
+        or x.layout is not _STRIDED
+        or x.is_nested
+        or not x.is_contiguous()
+        or x.is_neg()
+        or (wants and grad and not grads)  # requiring grad: only where gradients are served
+        or _is_wrapped(x)
+        or _is_batched(x)
+    ):
+        return None
+    # Its kind (dtype, shape, requires_grad) unnested: the tuple cost ~0.1 µs a call.
+    return (tree, dim % ndim, reverse, validate, config._validate, grad, x.dtype, x.shape, wants)
+
+
+def _repeatable(dim: Any, reverse: Any, combine_mode: Any, validate: Any) -> bool:
+    """:func:`call_parts`'s tests of the arguments and of the context (not of the leaves)."""
+    if type(dim) is not int or (reverse is not False and reverse is not True):
+        return False
+    if (validate is not None and validate is not False) or combine_mode != "pointwise":
+        return False
+    if config._cpu_kernel == "off" or _is_compiling():
+        return False  # ("on" and "eager" serve a READY kernel alike)
+    return not (
+        _peek_transform() is not None or _forward_ad._current_level >= 0 or _dispatch_modes()
+    )
+
+
+ONE_LEAF = "<one leaf>"  # the structure part of a lone tensor's key (call_parts)
 
 
 # fscan._context's questions (see call_parts), bound once.
@@ -163,23 +211,26 @@ def memo_reach(combine_fn: Any) -> Reach:
         # No cells, defaults or names loaded (``lambda a, b: a + b``): nothing the walk
         # follows, so its reach is a function of the code and of whether the module is a
         # library's (which keys it by identity instead), and the memo is keyed on both.
-        # What makes a function qualify is read on every call (``__code__`` and the rest
-        # can be reassigned); code_names is the walk's own (cached) reading of the code.
-        code = combine_fn.__code__
+        # What makes a function qualify is read on every call (``__closure__`` and the
+        # rest can be reassigned), but for the names its code loads (code_names, the
+        # walk's own cached reading of the code): only codes that load none are stored,
+        # and a code object cannot change, so a hit needs no code_names (~0.1 µs a call).
         if (
             combine_fn.__closure__ is None
             and combine_fn.__defaults__ is None
             and not combine_fn.__kwdefaults__
-            and not code_names(code)
         ):
+            code = combine_fn.__code__
             memo = (code, combine_fn.__module__)
             found = _closed_reach.get(memo)
-            if found is None:
-                found = reach(combine_fn)
-                if found.key is code:  # the walk's own key for such a function: keep it
-                    if len(_closed_reach) >= 64:
-                        _closed_reach.clear()
-                    _closed_reach[memo] = found
+            if found is not None:
+                return found
+            found = reach(combine_fn)
+            # the walk's own key for such a function: keep it
+            if not code_names(code) and found.key is code:
+                if len(_closed_reach) >= 64:
+                    _closed_reach.clear()
+                _closed_reach[memo] = found
             return found
         return reach(combine_fn)
     if kind is _BUILTIN:

@@ -279,6 +279,39 @@ static void prefix_rows(const float* x, float* y, int64_t rows, int64_t L, const
 }
 #endif
 
+// A max scan along contiguous steps, a row at a time (as the kernel's prefix chains,
+// csrc/forward_prefix.h): each vector of 8 steps scanned in registers (k = 1, 2 by in-lane
+// shuffles, then the low half's last into the high half; steps with none k earlier are
+// maxed with themselves, which leaves them as they are), then maxed with the running
+// value, whose own chain is one max a vector. CHECKED: torch.maximum's NaN rule as the
+// kernel keeps it, a compare of each pair of vectors for NaN (never found here: the loop
+// is the kernel's NaN-free path); else bare vmaxps (no NaN rule). L: a multiple of 16.
+static FSCAN_INLINE void prefix_max8(const float* x, float* y, __m256& c) {
+  const __m256i h = _mm256_setr_epi32(0, 1, 2, 3, 3, 3, 3, 3), last = _mm256_set1_epi32(7);
+  __m256 v = _mm256_loadu_ps(x);
+  v = _mm256_max_ps(_mm256_permute_ps(v, 0x90), v);
+  v = _mm256_max_ps(_mm256_permute_ps(v, 0x44), v);
+  v = _mm256_max_ps(_mm256_permutevar8x32_ps(v, h), v);
+  _mm256_storeu_ps(y, _mm256_max_ps(c, v));
+  c = _mm256_max_ps(c, _mm256_permutevar8x32_ps(v, last));
+}
+template <bool CHECKED>
+static void prefix_max_rows(const float* x, float* y, int64_t rows, int64_t L) {
+  for (int64_t g = 0; g < rows; ++g) {
+    const float* xr = x + g * L;
+    float* yr = y + g * L;
+    __m256 c = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t s = 0; s < L; s += 16) {
+      if (CHECKED) {
+        const __m256 nan = _mm256_cmp_ps(_mm256_loadu_ps(xr + s), _mm256_loadu_ps(xr + s + 8), _CMP_UNORD_Q);
+        if (!_mm256_testz_ps(nan, nan)) __builtin_trap();
+      }
+      prefix_max8(xr + s, yr + s, c);
+      prefix_max8(xr + s + 8, yr + s + 8, c);
+    }
+  }
+}
+
 // rows x L (rows a multiple of 4, L of 8), each row scanned (mode 1), or one row of
 // rows * L steps cut into `rows` segments (mode 2): their totals first (a read: sums of 4
 // partial vectors in double), their carries in order, then the prefix pass from them.
@@ -407,6 +440,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::gil_scoped_release nogil;
     if (dbl) prefix_scan_t<true>(x0, y0, rows, L, mode);
     else prefix_scan_t<false>(x0, y0, rows, L, mode);
+  });
+  m.def("prefix_max", [](bool checked, uintptr_t x0, uintptr_t y0, int64_t rows, int64_t L) {
+    py::gil_scoped_release nogil;
+#ifdef __AVX2__
+    if (checked) prefix_max_rows<true>((const float*)x0, (float*)y0, rows, L);
+    else prefix_max_rows<false>((const float*)x0, (float*)y0, rows, L);
+#endif
   });
   m.def("copy", &copy_loop);
   m.def("log1p_exp", &log1p_exp_loop);

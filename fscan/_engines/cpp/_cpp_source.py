@@ -6,7 +6,8 @@ and scratch buffers (``Buf``), with loads, stores (:mod:`._cpp_structs`) and
 ``combine``. The algorithms are fixed C++ written once against those names, in
 files shipped with the package (``fscan/_engines/cpp/csrc``): ``prelude.h`` (ops as
 torch computes them, strided pointers), ``tuning.h`` (the constants),
-``forward.h`` (with ``forward_lanes.h`` and ``forward_chains.h``, its two paths) and
+``forward.h`` (with ``forward_lanes.h`` and ``forward_chains.h``, its two paths, and
+``forward_prefix.h``, the chain path's prefix chains) and
 ``backward.h`` (the scans); each kernel is a template
 (``forward.cpp.in``, ``backward.cpp.in``, ``step.cpp.in``, with ``combine.cpp.in``)
 whose ``${name}`` holes this module fills. The files' text is part of the source
@@ -36,7 +37,10 @@ compiled kernel serves every shape and layout.
   combine), as the lanes of vector loops: 16 steps of each are transposed into a tile
   in registers, scanned with each
   chain's running value in a register, and transposed back (``tile_chains``; the
-  steps after the last whole tile make a partial tile, masked). Other
+  steps after the last whole tile make a partial tile, masked). ``torch.maximum`` /
+  ``torch.minimum`` of one float32 leaf (AVX2) go a chain at a time instead, 8 steps
+  to a vector scanned in registers, no transposes (``prefix_chain`` in
+  ``forward_prefix.h``; see :func:`._cpp_tiles.prefix_op`). Other
   leaves: 8 chains run interleaved (instruction-level parallelism), each walking its
   steps (long ones 16 steps apart, off one cache set).
 * Either path splits T into chunks when there are too few columns or chains
@@ -64,7 +68,7 @@ from ._cpp_structs import (
     param_ctype,
     param_dtype,
 )
-from ._cpp_tiles import tile_structs, tiled
+from ._cpp_tiles import prefix_op, prefix_structs, tile_structs, tiled
 
 __all__ = [
     "backward_argtypes",
@@ -215,8 +219,13 @@ def forward_source(
         combine=_combine_function(compute, program),
         suspect=suspect_check(dtypes, kept),
         tuning=csrc("tuning.h"),
-        tiles=tile_structs(read_idx if tiled(st, positions) else None, kept, program.expensive),
-        forward=csrc("forward_lanes.h") + csrc("forward_chains.h") + csrc("forward.h"),
+        tiles=tile_structs(read_idx if tiled(st, positions) else None, kept, program.expensive)
+        + "\n"
+        + prefix_structs(prefix_op(program, st, positions, dropped)),
+        forward=csrc("forward_lanes.h")
+        + csrc("forward_prefix.h")
+        + csrc("forward_chains.h")
+        + csrc("forward.h"),
         arguments=", ".join(
             _signature(dtypes, program, [f"{st[k]}* y{k}" for k in kept], positions)
         ),

@@ -4,14 +4,19 @@ Where chains are tiled, TB steps of TW chains of each leaf are transposed in reg
 into a tile and scanned as the lane path scans rows; :func:`tiled` says where (by the
 leaves' storage), :func:`tile_structs` writes the tile types and their transposes for one
 leaf layout (stubs where chains are walked instead), and how many vectors of TV chains a
-tile holds (by the combine's cost).
+tile holds (by the combine's cost). Where the combine has a vector form (:func:`prefix_op`),
+chains take a third kind instead, a chain at a time by in-register prefix scans
+(csrc/forward_prefix.h); :func:`prefix_structs` writes what it reads.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
-__all__ = ["tile_structs", "tiled"]
+from ._cpp_ops import Program
+
+__all__ = ["prefix_op", "prefix_structs", "tile_structs", "tiled"]
 
 
 def tiled(storage: Sequence[str], positions: Sequence[int]) -> bool:
@@ -92,5 +97,59 @@ def tile_structs(read: Sequence[int] | None, kept: Sequence[int], expensive: boo
             "static FSCAN_INLINE Out tile_row(const Out y, OutTile& b, int64_t j) { Out r = y; "
             + " ".join(f"r.{f} = Ptr<float>{{b.{f} + j * TV, 0, 0, 0, 1}};" for f in ys)
             + " return r; }",
+        ]
+    )
+
+
+# The body the translator writes for torch.maximum / torch.minimum of one float32 leaf.
+_PREFIX_BODY = re.compile(
+    r"const float v0 = static_cast<float>\(fscan_(max|min)\(static_cast<float>\(l0\), "
+    r"static_cast<float>\(r0\)\)\);\no0 = static_cast<float>\(v0\);"
+)
+# The vector forms csrc/forward_prefix.h has (its PREFIX values).
+_PREFIX_OPS = {"max": 1, "min": 2}
+
+
+def prefix_op(
+    program: Program, storage: Sequence[str], positions: Sequence[int], dropped: Sequence[int]
+) -> str | None:
+    """The combine's vector form for the prefix chains (csrc/forward_prefix.h), or None:
+    ``"max"``/``"min"`` where it is ``torch.maximum``/``torch.minimum`` of one float32 leaf
+    (running value float32, exact: no double accumulation to keep), no position leaf.
+    1 thread, AVX2, over (4096, 256) dim 1 max ran 1.7-2.1x a copy so, 3.4 tiled (4.6
+    reversed). add, mul and the affine pair stay tiled: their running values are double
+    (torch.cumsum's error), and add by a prefix scan of doubles (4 to a vector: twice the
+    vectors, and a widening) ran 4.2-4.7x a copy in scripts/roofline.py's loop, against
+    3.7 for the tiles' (see docs/performance.md, "Floors")."""
+    if positions or dropped or list(storage) != ["float"] or program.wide or program.params:
+        return None
+    found = _PREFIX_BODY.fullmatch(program.body)
+    return found.group(1) if found else None
+
+
+def prefix_structs(op: str | None) -> str:
+    """What csrc/forward_prefix.h reads for one leaf layout: ``PREFIX`` (0: no prefix
+    chains), whether a chain's steps are dense in and out (``prefixable``), its addresses
+    and its value as a float."""
+    if op is None:
+        return "\n".join(
+            [
+                "static constexpr int PREFIX = 0;",
+                "static FSCAN_INLINE bool prefixable(const In, const Out) { return false; }",
+                "static FSCAN_INLINE const float* prefix_in(const In) { return nullptr; }",
+                "static FSCAN_INLINE float* prefix_out(const Out) { return nullptr; }",
+                "static FSCAN_INLINE float prefix_get(const Vals&) { return 0; }",
+                "static FSCAN_INLINE Vals prefix_put(float) { return Vals{}; }",
+            ]
+        )
+    return "\n".join(
+        [
+            f"static constexpr int PREFIX = {_PREFIX_OPS[op]};  // {op}",
+            "static FSCAN_INLINE bool prefixable(const In x, const Out y) "
+            "{ return x.x0.st == 1 && y.y0.st == 1; }",
+            "static FSCAN_INLINE const float* prefix_in(const In x) { return x.x0.p; }",
+            "static FSCAN_INLINE float* prefix_out(const Out y) { return y.y0.p; }",
+            "static FSCAN_INLINE float prefix_get(const Vals& v) { return v.v0; }",
+            "static FSCAN_INLINE Vals prefix_put(float f) { Vals v; v.v0 = f; return v; }",
         ]
     )

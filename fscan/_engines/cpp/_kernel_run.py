@@ -188,24 +188,37 @@ def run_prepared(
     on ``torch.get_num_threads()`` threads (at most ``run.threads``); None where the
     captured tensors do not broadcast to one element (the caller's full route then decides).
     ``params``: :func:`kernel_params` of ``captured``, where the caller worked them out."""
+    # Written for the small call (a 64-element scan runs ~0.5 µs in the kernel and ~1.1 µs
+    # allocating its output): no min(), no empty params unpacked (each ~0.05 µs).
     if params is None:
-        params = kernel_params(run.program, captured, run.element) if run.program.params else ()
-        if params is None:
-            return None
-    threads = torch.get_num_threads()
-    if run.threads is not None:
-        threads = min(run.threads, threads)
+        if run.program.params:
+            params = kernel_params(run.program, captured, run.element)
+            if params is None:
+                return None
+        else:
+            params = ()
+    threads = _get_num_threads()
+    if run.threads is not None and run.threads < threads:
+        threads = run.threads
     if len(leaves) == 1 and not run.positions:  # no lists to build: ~0.3 µs of a 5 µs scan of 64
-        y = torch.empty_like(leaves[0])
+        x = leaves[0]
+        y = _empty_like(x)
         if y.numel() >= _HUGE_GATE:
             advise_huge_pages(y)
-        run.kernel(leaves[0], y, *params, *run.sizes, threads, *run.tail)
+        if params:
+            run.kernel(x, y, *params, *run.sizes, threads, *run.tail)
+        else:
+            run.kernel(x, y, *run.sizes, threads, *run.tail)
         return [y]
     ys = fresh_outputs(leaves, run.positions)
     if ys[0].numel() >= _HUGE_GATE:
         _advise(ys)
     run.kernel(*leaves, *ys, *params, *run.sizes, threads, *run.tail)
     return ys
+
+
+# Bound once: a module attribute read costs ~40 ns of the small call's 6 µs.
+_get_num_threads, _empty_like = torch.get_num_threads, torch.empty_like
 
 
 def exclusive_run(run: PreparedRun, start: torch.Tensor, fold: bool = True) -> PreparedRun:

@@ -211,6 +211,11 @@ template <bool WRITE, bool EXCL = false>
 static void chain_group(const In* xb, const Out* yb, const Par p, int ng, const int64_t* t0,
                         const int64_t* len, const int64_t* elem, int64_t tstep, const Vals* carry,
                         const bool* has, Vals* last, const In* hb, const bool* head, Tiles& tl) {
+  // A chain at a time, by prefix scans (forward_prefix.h), which have no exclusive mode.
+  if (PREFIX_ON && !EXCL && prefixable(xb[0], yb[0])) {
+    prefix_group<WRITE>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, last, hb, head);
+    return;
+  }
   if (ng == CG) {
     bool heads = false;
     for (int g = 0; g < ng; ++g) heads |= head[g];
@@ -237,9 +242,11 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
                        const Heads& H, bool fold = true) {
   const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
   int64_t C = 1;  // chunks per lane
-  if (lanes < (int64_t)nt * CG) {
-    C = std::min<int64_t>(((int64_t)nt * CG + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
-    if (C >= CG) C = C / CG * CG;
+  // Prefix chains (forward_prefix.h) go one at a time: chunked only for the threads.
+  const int64_t cg = PREFIX_ON && prefixable(x, y) ? 1 : CG;
+  if (lanes < (int64_t)nt * cg) {
+    C = std::min<int64_t>(((int64_t)nt * cg + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
+    if (C >= cg) C = C / cg * cg;
   }
   int64_t L = (T + C - 1) / C;
   // Interleaved chunks of one lane at power-of-two distances share cache sets: skew them.
@@ -311,7 +318,9 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
         }
     }
 #pragma omp for schedule(static)
-    for (int64_t gi = 0; gi < groups; ++gi) {
+    for (int64_t gj = 0; gj < groups; ++gj) {
+      // Reversed prefix chains read memory downwards: their groups from the last too.
+      const int64_t gi = rev && cg == 1 ? groups - 1 - gj : gj;
       const int ng = (int)std::min<int64_t>(CG, items - gi * CG);
       Item it = item(gi * CG);
       for (int g = 0; g < ng; ++g, next(it)) {
