@@ -361,7 +361,9 @@ def test_kernel_writes_the_exclusive_drop_in_in_place(name, case):
         _close(g, w, g.dtype)
     if _kernel_compiled() and path(getattr(torch, name), x, dim, reverse) == "cpp":
         wrote = counters.in_place - before[0]
-        assert wrote == len(got)  # straight into the output's later steps
+        # the shift straight into the output's later steps, or (the kernel compiled by an
+        # earlier call) the kernel's exclusive mode into fresh outputs: no shift at all
+        assert wrote in (0, len(got))
         assert (counters.copies, counters.out_copies) == before[1:]
 
 

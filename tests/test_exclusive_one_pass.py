@@ -1,10 +1,11 @@
-"""The exclusive drop-ins' repeat route in one kernel pass: the op's identity as the
-kernel's carry-in, the input read one step behind the step written (see
-fscan._engines.cpp._kernel_run.run_exclusive_prepared), against a step-by-step oracle in
-float64, at the lengths and layouts where an off-by-one would show: 2 and 3 steps, around
-the kernel's lane blocks and chunk splits, every dim, both directions. (Where the route
-table sends a call to torch's op instead, the oracle still checks it and nothing is
-served_exclusive.)"""
+"""The exclusive drop-ins' repeat route in one kernel pass: the kernel's exclusive mode
+from the op's identity (see fscan._engines.cpp._kernel_run.exclusive_run and scan in
+csrc/forward.h), against a step-by-step oracle in float64, at the lengths and layouts
+where an off-by-one would show: 1, 2 and 3 steps, around the kernel's lane blocks, tiles
+(16 steps) and chunk splits, every dim, both directions, every path of the kernel (lanes,
+chains, register-transposed tiles, split columns, chunked 1-D) on 1 and 2 threads. (Where
+the route table sends a drop-in call to torch's op instead, the oracle still checks it
+and nothing is served_exclusive.)"""
 
 from __future__ import annotations
 
@@ -153,14 +154,134 @@ def test_special_values_at_the_first_step(served_exclusive):
     assert lse[1, 0] == -math.inf and lse[1, 1].isnan() and lse[1, 2] == math.inf
 
 
-def test_a_wide_input_keeps_no_carry_in_alive(served_exclusive):
-    """Past 1 MiB of lanes (one element each) the stored run holds no carry-in tensor:
-    the shifted run and first-step fill serve it, with the same values."""
+def test_a_wide_input_keeps_one_start_element(served_exclusive):
+    """Past 1 MiB of lanes the stored run holds one start element, as every run does
+    (the kernel's exclusive mode shares it across lanes): the same values."""
     x = data("cumsum", (32, 2**18 + 8))
     out = twice_then("cumsum", x, 0, False, served_exclusive)
     assert on_kernel("cumsum", x, 0, False)
-    assert [found.head for found in served_exclusive] == [None]
+    assert [found.start.numel() for found in served_exclusive] == [1]
     check("cumsum", x, 0, False, out)
-    narrow = data("cumsum", (512, 2**10))
-    twice_then("cumsum", narrow, 0, False, served_exclusive)
-    assert served_exclusive and served_exclusive[0].head is not None
+
+
+def kernel_exclusive(name, x, dim, reverse, threads):
+    """The kernel's exclusive mode on ``x`` directly (whatever the route table picks), as
+    the repeat route runs it: the inclusive call's kernel, its exclusive bit set."""
+    from fscan._engines.cpp.cpu_kernel import (
+        exclusive_run,
+        kernel_scan,
+        prepare_run,
+        run_exclusive_prepared,
+    )
+    from fscan._knowledge.store import knowledge
+    from fscan._routing.cumulative import kernel_call
+    from fscan._routing.exclusive import identity
+    from fscan._routing.repeat_key import memo_reach
+
+    op = getattr(torch, name)
+    combine, spec, leaves, positions = kernel_call(op, x)
+    cap = 1 if x.shape[dim] == x.numel() and threads == 1 else None
+    with fscan.config.override(cpu_kernel="eager"):
+        found = kernel_scan("test", combine, spec, leaves, dim, reverse, positions=positions)
+    assert found is not None
+    holder = knowledge(memo_reach(combine), spec, "pointwise", leaves)
+    run = prepare_run(holder, (), leaves, dim, reverse, cap, positions)
+    assert run is not None
+    start = torch.full((1,), identity(op, x.dtype), dtype=x.dtype)
+    ys = run_exclusive_prepared(exclusive_run(run, start), x)
+    return torch.return_types.cummax(ys) if name in BETTER else ys[0]
+
+
+LENGTHS = [1, 2, 3, 16, 17, 33]
+KERNEL_SHAPES = [  # (shape with T for the scanned dim, dim): every path of the kernel
+    ((None, 40), 0),  # lanes (dim 0)
+    ((5, None, 24), 1),  # lanes (a middle dim)
+    ((40, None), 1),  # chains, tiled (float32, 16 and more lanes)
+    ((3, None), 1),  # chains one by one
+    ((None,), 0),  # one lane
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reversed"])
+@pytest.mark.parametrize(("shape", "dim"), KERNEL_SHAPES, ids=[str(s) for s, _ in KERNEL_SHAPES])
+@pytest.mark.parametrize("name", OPS)
+def test_kernel_exclusive_mode_at_tile_and_block_edges(name, shape, dim, reverse, threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in LENGTHS:
+            x = data(name, tuple(n if s is None else s for s in shape), seed=n)
+            for dtype in [torch.float32, torch.float64]:
+                xd = x.to(dtype)
+                before = xd.clone()
+                check(name, xd, dim, reverse, kernel_exclusive(name, xd, dim, reverse, threads))
+                assert torch.equal(xd, before)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reversed"])
+@pytest.mark.parametrize("name", OPS)
+def test_kernel_exclusive_mode_in_chunks_on_two_threads(name, reverse):
+    """Chunked 1-D (the chain path's chunks and their carries), split lane-path columns
+    and a few tiled lanes split into chunks, on 2 threads: the start value only in the
+    first chunk of each lane."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for shape, dim in [((2**15 + 17,), 0), ((20001, 8), 0), ((4, 9000), 1), ((16, 5000), 1)]:
+            x = data(name, shape, seed=2)
+            check(name, x, dim, reverse, kernel_exclusive(name, x, dim, reverse, 2))
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_special_values_at_the_first_step_of_every_path():
+    """NaN, inf and -0.0 at the first step in scan order, on the lanes, the tiles and the
+    chains: the identity combined with them, as the drop-in's checked path gives."""
+    for shape, dim in [((64, 256), 0), ((256, 64), 1), ((64,), 0)]:
+        for reverse in [False, True]:
+            x = torch.randn(shape)
+            first = x.narrow(dim, shape[dim] - 1 if reverse else 0, 1).reshape(-1)
+            first[:4] = torch.tensor([-math.inf, math.nan, math.inf, -0.0])[: first.numel()]
+            for name in OPS:
+                got = kernel_exclusive(name, x, dim, reverse, 1)
+                want = getattr(fscan, name)(x.clone(), dim, reverse=reverse, exclusive=True)
+                if name in BETTER:
+                    assert torch.equal(got.indices, want.indices)
+                    got, want = got.values, want.values
+                torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-5, atol=1e-5)
+                assert torch.equal(got.signbit(), want.signbit())
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_non_contiguous_inputs(served_exclusive, name):
+    """Transposed and sliced inputs (not the repeat route's: it takes contiguous ones),
+    every dim, both directions: the oracle."""
+    base = data(name, (70, 33, 20))
+    for x in [base.transpose(0, 2), base[:, ::2], base[1:, :, 3:]]:
+        for dim in range(3):
+            for reverse in [False, True]:
+                out = twice_then(name, x, dim, reverse, served_exclusive)
+                check(name, x, dim, reverse, out)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_first_exclusive_call_after_the_inclusive_one(fresh_eager_kernel, monkeypatch, name):
+    """Once the inclusive call compiled the kernel, the first exclusive call of the shape
+    runs the kernel's exclusive mode too (not the shift): the oracle, both directions."""
+    from fscan._routing import exclusive as router
+
+    runs = []
+    run_exclusive = router.run_exclusive
+    monkeypatch.setattr(router, "run_exclusive", lambda f, x: runs.append(f) or run_exclusive(f, x))
+    for shape, dim in [((512, 64), 0), ((300, 40), 1)]:
+        for reverse in [False, True]:
+            x = data(name, shape, seed=3)
+            op = getattr(fscan, name)
+            op(x, dim, reverse=reverse)
+            before = len(runs)
+            out = op(x, dim, reverse=reverse, exclusive=True)
+            check(name, x, dim, reverse, out)
+            assert len(runs) == before + on_kernel(name, x, dim, reverse)

@@ -14,7 +14,10 @@ costs what the inclusive one does. As for the inclusive drop-ins, the calls the 
 certainly sends to torch's op are served before the drop-in's checks
 (:func:`native_first_exclusive`), and a call the kernel served is stored for
 :mod:`fscan._routing.repeat_drop_ins`, whose exclusive route repeats it for an
-identical call before the checks.
+identical call before the checks: one pass of the kernel's exclusive mode, which writes
+the exclusive scan itself. A call the kernel takes whose kernel is READY already (an
+inclusive call of the shape compiled it) runs that mode at once; the shift serves the
+rest (the kernel's first build, ``reset=``, recorded, traced or non-contiguous calls).
 
 cummax/cummin's indices are positions in the whole input: reversed, the narrowed input
 starts one step later, so its indices are moved by one (by the kernel as it writes them,
@@ -29,10 +32,11 @@ import torch
 
 from .._context import under_transform
 from .._exclusive import Shift, Steps, exclusive, recorded
+from .._route_log import ran
 from .._segmented import check_reset
 from .cumulative import engine, kernel_call, kernel_threads, route, segmented
 from .cumulative_table import NATIVE_BELOW, SUMS, torch_serves
-from .repeat_drop_ins import remember_exclusive
+from .repeat_drop_ins import remember_exclusive, run_exclusive
 
 __all__ = ["exclusive_cumulative", "identity", "native_first_exclusive"]
 
@@ -79,8 +83,15 @@ def exclusive_cumulative(
     if extremum:
         outputs.append((x.shape, torch.int64))
         starts.append(-1)
+    if cells[0] and reset is None:  # the kernel's exclusive mode, where it is READY
+        threads = kernel_threads(x, dim)
+        found = remember_exclusive(op, kernel_call(op, x), dim, reverse, threads, starts)
+        if found is not None:  # (an identical call repeats it, before the checks)
+            out = run_exclusive(found, x)
+            ran("cpp")
+            return _EXTREMA[op](out) if extremum else out[0]
     out = exclusive(shift, inclusive, outputs, x.device, starts, [x], reset)
-    if cells[0] and reset is None:  # the kernel's: an identical call repeats it
+    if cells[0] and reset is None:  # the kernel built by this call: an identical call repeats it
         remember_exclusive(op, kernel_call(op, x), dim, reverse, kernel_threads(x, dim), starts)
     return _EXTREMA[op](out) if extremum else out[0]
 

@@ -18,13 +18,16 @@ or ``exclusive=`` and without promoting the input (a float input) are stored.
 
 Their exclusive form (``exclusive=True``, no ``dtype=``, ``out=`` or ``reset=``) is
 served the same way, under its own key (the same ``call_parts``, marked exclusive):
-:func:`remember_exclusive` stores an :class:`ExclusiveRun`, the kernel run of all ``n``
-steps with the op's identity as its carry-in (the same compiled kernel: its element
-shape is the input's), once the exclusive router (:mod:`fscan._routing.exclusive`)
-served a call on the kernel writing in place (nothing recorded), and
-:func:`repeat_exclusive` repeats it: one kernel pass writes every step of fresh outputs,
-the first in scan order the identity (and index -1), each later one the scan of the
-input's steps before it (:func:`~fscan._engines.cpp.cpu_kernel.run_exclusive_prepared`).
+:func:`remember_exclusive` stores an :class:`ExclusiveRun`, the kernel's exclusive run
+of all ``n`` steps from the op's identity (the same compiled kernel as the inclusive
+call's, its exclusive bit set: see
+:func:`~fscan._engines.cpp.cpu_kernel.exclusive_run`), once the exclusive router
+(:mod:`fscan._routing.exclusive`) served a call on the kernel writing in place (nothing
+recorded), and :func:`repeat_exclusive` repeats it: one kernel pass writes every step of
+fresh outputs, the first in scan order the identity (and index -1), each later one the
+scan of the identity and the input's steps before it
+(:func:`~fscan._engines.cpp.cpu_kernel.run_exclusive_prepared`), on every path of the
+kernel (lanes, chains, tiles, split columns and chunks).
 A checked call whose input was promoted or cast is stored under the dtype the kernel
 scanned, which an identical later call in that dtype takes as it is, so the key fits
 it too.
@@ -58,13 +61,11 @@ from .._engines.cpp._kernel_segmented import (
 from .._engines.cpp.cpu_kernel import (
     PreparedRun,
     exclusive_run,
-    fresh_outputs,
     prepare_run,
     run_exclusive_prepared,
     run_prepared,
 )
 from .._knowledge.store import knowledge, on_clear
-from .._memory import HUGE_MIN_BYTES, advise_huge_pages
 from .._pytree import LEAF
 from .._route_log import ran
 from .cumulative_table import EXTREMA
@@ -83,23 +84,14 @@ __all__ = [
 ]
 
 
-# The most memory the one-pass exclusive run's stored carry-in (one element a lane) holds.
-_HEAD_MAX_BYTES = 1 << 20
-
-
 class ExclusiveRun(NamedTuple):
     """An exclusive drop-in's kernel run: ``run`` (an
-    :func:`~fscan._engines.cpp.cpu_kernel.exclusive_run`) scans all ``n`` steps of a
-    contiguous input along ``dim`` in one pass, ``head`` (the op's identity in every lane:
-    ``run`` holds its address) its carry-in; ``starts``: the start value of each output
-    (the identity, and index -1 for cummax/cummin). Along the last dim (``head`` None):
-    ``run`` scans the first ``n - 1`` steps in scan order into the outputs' later steps,
-    and ``starts`` fill the first (see :func:`remember_exclusive`)."""
+    :func:`~fscan._engines.cpp.cpu_kernel.exclusive_run`) writes the exclusive scan of all
+    ``n`` steps of a contiguous input in one pass from ``start`` (the op's identity, one
+    element: ``run`` holds its address)."""
 
     run: PreparedRun
-    dim: int
-    starts: tuple[Any, ...]
-    head: torch.Tensor | None
+    start: torch.Tensor
 
 
 # Keys of drop-in calls served on the kernel (a few ops and shapes, typically).
@@ -177,34 +169,7 @@ def repeat_exclusive(op: Any, x: Any, dim: Any, reverse: Any) -> Any:
 def run_exclusive(found: ExclusiveRun, x: torch.Tensor) -> list[torch.Tensor]:
     """``found`` on ``x`` (of the dtype, shape and layout it was stored for): fresh outputs
     the kernel writes in one pass, the first step in scan order the start values."""
-    if found.head is not None:
-        return run_exclusive_prepared(found.run, x, found.dim)
-    run, dim, starts, _ = found
-    kernel, _, _, sizes, tail, cap, positions = run
-    steps, reverse = sizes[1], sizes[3]
-    ys = fresh_outputs([x], positions)
-    if x.numel() >= _HUGE_GATE:  # the advice's own reads cost ~20 µs on a cold cache
-        for y in ys:
-            advise_huge_pages(y)
-    threads = torch.get_num_threads() if cap is None else min(cap, torch.get_num_threads())
-    # The first n - 1 steps in scan order, one step later (as fscan._exclusive.Shift): the
-    # kernel reads and writes n - 1 steps from where it is pointed, so only the tensors
-    # that start one step in are narrowed (a view costs ~1.4 µs; a slice along dim 0 ~0.8).
-    if reverse:  # the kernel gives x[1:]'s indices as positions in x (the run's tail)
-        kernel(x[1:] if dim == 0 else x.narrow(dim, 1, steps), *ys, *sizes, threads, *tail)
-    elif dim == 0:
-        kernel(x, *[y[1:] for y in ys], *sizes, threads, *tail)
-    else:
-        kernel(x, *[y.narrow(dim, 1, steps) for y in ys], *sizes, threads, *tail)
-    at = steps if reverse else 0
-    for y, start in zip(ys, starts):
-        y.select(dim, at).fill_(start)
-    return ys
-
-
-# Fewer elements than this cannot reach HUGE_MIN_BYTES in any dtype (as the kernel's
-# own runs gate the advice): one integer compare keeps it off smaller calls.
-_HUGE_GATE = HUGE_MIN_BYTES // 16
+    return run_exclusive_prepared(found.run, x)
 
 
 def remember_exclusive(
@@ -214,45 +179,36 @@ def remember_exclusive(
     reverse: bool,
     threads: int | None,
     starts: Sequence[Any],
-) -> None:
-    """Store, for :func:`repeat_exclusive`, the kernel run the exclusive router just made
-    for ``op`` (``call`` as for :func:`remember_cumulative`, of the whole input), as one
-    pass of its kernel over all ``n`` steps with ``starts[0]`` (the identity) as the
-    carry-in of every lane, on ``threads`` threads at most; ``starts``: one per output.
-    Along the last dim (steps next to each other: the chain path) the run of the first
-    ``n - 1`` steps into the outputs' later steps, the first step filled after: there the
-    carry-in made the one-pass run slower (1-D (1048576,) cumsum 1.20x the inclusive call
-    against 1.08x, (4096, 256) dim 1 1.26x against 1.11x, 1 thread), and the fill is one
-    element a lane. So for logcumsumexp, whose combine is costly: the one pass computes
-    all ``n`` steps where the shifted run computes ``n - 1`` (on (1024, 8, 64) dim 1,
-    1.13x the inclusive call against 0.90x), and where the carry-in (one element a
-    lane, stored with the run) would take more than 1 MiB. A kernel not READY (the call
-    ran elsewhere) stores nothing."""
+) -> ExclusiveRun | None:
+    """Store, for :func:`repeat_exclusive`, the kernel run the exclusive router makes for
+    ``op`` (``call`` as for :func:`remember_cumulative`, of the whole input), as one
+    exclusive pass of its kernel over all ``n`` steps from ``starts[0]`` (the identity;
+    ``starts``: one per output, the index's -1 the kernel's own), on ``threads`` threads
+    at most; the run stored (or found stored), for the router's own call too. A kernel
+    not READY, or a call the repeat route would not take, stores nothing (None). (Until the kernel
+    wrote the exclusive scan itself, the chain path (the last dim, 1-D), logcumsumexp and
+    inputs of over 1 MiB of lanes kept a run of ``n - 1`` steps into the outputs' later
+    steps and a fill of the first: see :func:`~fscan._engines.cpp.cpu_kernel.exclusive_run`.)"""
     combine, spec, leaves, positions = call
     x = leaves[0]
     parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)
     if parts is None or x.shape[dim] < 2:
-        return
+        return None
     key = (_EXCLUSIVE, op, _threads(), *parts)
-    if key not in drop_in_repeats:
+    found = drop_in_repeats.get(key)
+    if found is None:
         holder = knowledge(memo_reach(combine), spec, "pointwise", leaves)
         run = prepare_run(holder, (), leaves, dim, reverse, threads, positions)
         if run is None or run.program.params:
-            return
-        lanes = x.numel() // x.shape[dim]
-        # The head lives as long as its key (up to 256 keys are stored): past 1 MiB a lane
-        # count this wide would hold memory the call freed; the shifted run needs none.
-        wide = lanes * x.element_size() > _HEAD_MAX_BYTES
-        if x.stride(dim) == 1 or op is torch.logcumsumexp or wide:  # see the docstring
-            outer, n, inner, backwards = run.sizes
-            shifted = run._replace(sizes=(outer, n - 1, inner, backwards))
-            if reverse:  # the kernel reads x[1:]: its positions start at 1 (those in x)
-                shifted = shifted._replace(tail=(*run.tail[:-1], 1) if positions else run.tail)
-            drop_in_repeats.put(key, ExclusiveRun(shifted, dim, tuple(starts), None))
-            return
-        head = torch.full((lanes,), starts[0], dtype=x.dtype)  # every lane's carry-in
-        found = ExclusiveRun(exclusive_run(run, head, reverse), dim, tuple(starts), head)
+            return None
+        start = torch.full((1,), starts[0], dtype=x.dtype)  # every lane's start value
+        # Combined with the first step for cumsum only: 0 + -0.0 is +0.0, as torch.cumsum
+        # gives; for the others combine(identity, x) is x (and logcumsumexp's -inf met
+        # float32 subnormals in logaddexp: 1.10x the inclusive call, (1024, 8, 64) dim 1).
+        fold = op is torch.cumsum
+        found = ExclusiveRun(exclusive_run(run, start, fold), start)
         drop_in_repeats.put(key, found)
+    return found  # type: ignore[return-value]
 
 
 def repeat_segmented(op: Any, x: Any, dim: Any, reverse: Any, reset: Any) -> Any:

@@ -8,7 +8,6 @@ memory; :func:`kernel_params` evaluates the prologue of the translated combine
 
 from __future__ import annotations
 
-import ctypes
 import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
@@ -222,58 +221,45 @@ def run_prepared(
 _get_num_threads, _empty_like = torch.get_num_threads, torch.empty_like
 
 
-def exclusive_run(run: PreparedRun, head: torch.Tensor, reverse: bool) -> PreparedRun:
-    """``run`` (a drop-in's :class:`PreparedRun` of one read leaf, all ``n`` steps) as the
-    one-pass exclusive scan :func:`run_exclusive_prepared` makes: ``head`` (the start value
-    of every lane, contiguous, one element of the input; kept alive by the caller while
-    the run is) is the kernel's carry-in, read at the first step in scan order instead of
-    the input, and a position leaf (cummax/cummin's index) counts from the step before
-    the one the kernel reads (``-1``; reversed ``+1``: see :func:`run_exclusive_prepared`)."""
+def exclusive_run(run: PreparedRun, start: torch.Tensor, fold: bool = True) -> PreparedRun:
+    """``run`` (a drop-in's :class:`PreparedRun` of one read leaf) as the exclusive scan
+    the kernel writes in one pass (its exclusive bits, ``_EXCLUSIVE``, in the reverse
+    argument: see ``scan`` in csrc/forward.h): output step ``t`` is the running value
+    before step ``t``'s input is combined, ``start`` (one element, the start value of
+    every lane; kept alive by the caller while the run is) at the first step in scan
+    order, and a position leaf (cummax/cummin's index) -1 there, in both directions.
+    ``fold``: ``start`` is combined with the first step (a carry-in); else the first
+    step's input alone starts the running value (the same values for a start ``e`` with
+    ``combine(e, x) == x`` exactly, without that combine)."""
     tail = list(run.tail)
     at = len(tail) - 1 - bool(run.positions)  # the read leaf's carry-in address
-    tail[at] = head.data_ptr()
-    if run.positions:
-        tail[-1] = 1 if reverse else -1
-    return run._replace(tail=tuple(tail))
+    tail[at] = start.data_ptr()  # (a position leaf's first position: 0, as prepared)
+    outer, steps, inner, reverse = run.sizes
+    sizes = (outer, steps, inner, (reverse & 1) | _EXCLUSIVE | (0 if fold else _UNFOLDED))
+    return run._replace(sizes=sizes, tail=tuple(tail))
 
 
-def run_exclusive_prepared(run: PreparedRun, x: torch.Tensor, dim: int) -> list[torch.Tensor]:
-    """The exclusive drop-in of a contiguous ``x`` (``n >= 2`` steps along ``dim``) by an
-    :func:`exclusive_run`, in one kernel pass over fresh outputs laid out as the inclusive
-    call's: output step ``t`` is the inclusive scan of the carry-in (the start value)
-    and the input's steps before ``t`` in scan order, so the kernel reads the input one
-    step behind the step it writes (forward: from the step before ``x``'s first, an
-    address never read, since the carry-in replaces that step; reversed: from ``x``'s
-    second step). Reversed, the position leaf's first step in scan order (the last) is
-    ``n``, not -1 (positions grow with the step): that step of the index output is
-    filled with -1. (The former route scanned the first ``n - 1`` steps into the
-    outputs' later steps and then filled the first step: a second, strided pass over
-    the outputs' memory that cost 1.15-1.4x the inclusive call on (1024, 8, 64) dim 1.)"""
+# The kernel's reverse argument: bit 0 reversed, these the exclusive scan and its start
+# value not combined with the first step.
+_EXCLUSIVE, _UNFOLDED = 2, 4
+
+
+def run_exclusive_prepared(run: PreparedRun, x: torch.Tensor) -> list[torch.Tensor]:
+    """The exclusive drop-in of a contiguous ``x`` (of the shape it was prepared for) by
+    an :func:`exclusive_run`: one kernel pass reads every step of ``x`` and writes every
+    step of fresh outputs laid out as the inclusive call's. (Before the kernel wrote the
+    exclusive scan itself this route read the input one step behind the output, or scanned
+    ``n - 1`` steps into the outputs' later steps and filled the first after: a second,
+    strided pass over the outputs that cost 1.15-1.4x the inclusive call on (1024, 8, 64)
+    dim 1.)"""
     ys = fresh_outputs([x], run.positions)
     if x.numel() >= _HUGE_GATE:
         _advise(ys)
     threads = torch.get_num_threads()
     if run.threads is not None:
         threads = min(run.threads, threads)
-    reverse = run.sizes[3]
-    n = x.shape[dim]
-    source = _step_before(x, dim) if not reverse else x[1:] if dim == 0 else x.narrow(dim, 1, n - 1)
-    run.kernel(source, *ys, *run.sizes, threads, *run.tail)
-    if reverse and run.positions:
-        ys[1].select(dim, n - 1).fill_(-1)
+    run.kernel(x, *ys, *run.sizes, threads, *run.tail)
     return ys
-
-
-def _step_before(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """A tensor whose data pointer is one step along ``dim`` before ``x``'s first element:
-    what the kernel's binding reads of it (its address only; no tensor can view memory
-    before its storage). Never dereferenced there: the kernel's carry-in replaces that
-    step. (~2.3 us: a ctypes view at the address and ``torch.frombuffer``, as a view costs.)"""
-    address = x.data_ptr() - x.stride(dim) * x.element_size()
-    return torch.frombuffer(_BYTE.from_address(address), dtype=torch.uint8)
-
-
-_BYTE = ctypes.c_char * 1  # a one-byte ctypes array type, made once (~0.2 us a call)
 
 
 def fresh_outputs(leaves: Sequence[torch.Tensor], positions: tuple[int, ...]) -> list[torch.Tensor]:

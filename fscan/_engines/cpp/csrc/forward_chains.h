@@ -8,7 +8,10 @@
 // carry[g] (if has[g]) is its inclusive carry-in.
 // WRITE: store every output; else only the final values, into last[g].
 // head[g]: the chain's first step reads hb[g] (a carry-in's head element) instead of x.
-template <int NG, bool WRITE>
+// EXCL: output step t is the running value before step t is combined; step 0's is carry[g]
+// whether or not has[g] (chain_path gives the first chunk of a lane the exclusive scan's
+// start value there, has[g] where it is folded in).
+template <int NG, bool WRITE, bool EXCL = false>
 static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const int64_t* t0,
                                 const int64_t* len, const int64_t* elem, int64_t tstep,
                                 const Vals* carry, const bool* has, Vals* last,
@@ -23,12 +26,14 @@ static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const 
     xp[g] = row(xb[g], t0[g]);
     yp[g] = row(yb[g], t0[g]);
     const Vals v = head[g] ? load_t(hb[g], 0, t0[g]) : load_t(xp[g], 0, t0[g]);
+    if (WRITE && EXCL) store_t(yp[g], 0, carry[g]);
     acc[g] = has[g] ? combine(carry[g], v, p, elem[g]) : v;
-    if (WRITE) store_t(yp[g], 0, acc[g]);
+    if (WRITE && !EXCL) store_t(yp[g], 0, acc[g]);
   }
   auto walk = [&](int g, int64_t s) {
+    if (WRITE && EXCL) store_t(yp[g], s * tstep, acc[g]);
     acc[g] = combine(acc[g], load_t(xp[g], s * tstep, t0[g] + s * tstep), p, elem[g]);
-    if (WRITE) store_t(yp[g], s * tstep, acc[g]);
+    if (WRITE && !EXCL) store_t(yp[g], s * tstep, acc[g]);
   };
   // Lanes a multiple of 4 KiB apart (T a power of two, inner 1) walked in step put every
   // chain's current lines in one L1 set: (64, 16384) over the last dim ran 17 ns an
@@ -89,7 +94,7 @@ struct Tiles {
 #else
 #define FSCAN_TILE_SCAN __attribute__((noinline))  // GCC's optimize attribute: GCC only
 #endif
-template <bool WRITE, bool UP, int64_t K0>
+template <bool WRITE, bool UP, int64_t K0, bool EXCL>
 FSCAN_TILE_SCAN static void tile_scan(const In x, const Out y, const Par p, const int64_t* elem, const Buf acc, Tiles& tl) {
 #pragma GCC ivdep
   for (int g = 0; g < TV; ++g) {
@@ -101,8 +106,9 @@ FSCAN_TILE_SCAN static void tile_scan(const In x, const Out y, const Par p, cons
       for (int w = 0; w < WAYS; ++w) {
         const Vals v = load_i(tile_row(x, tl.in, w * TB + j), g, 0);
         const int64_t e = elem[w * TV + g];
+        if (WRITE && EXCL) store_i(tile_row(y, tl.out, w * TB + j), g, a[w]);
         a[w] = k == TB - 1 ? combine<true>(a[w], v, p, e) : combine<false>(a[w], v, p, e);
-        if (WRITE) store_i(tile_row(y, tl.out, w * TB + j), g, a[w]);
+        if (WRITE && !EXCL) store_i(tile_row(y, tl.out, w * TB + j), g, a[w]);
       }
     }
     for (int w = 0; w < WAYS; ++w) put_all(acc, w * TV + g, a[w]);
@@ -113,7 +119,7 @@ FSCAN_TILE_SCAN static void tile_scan(const In x, const Out y, const Par p, cons
 // tile's chains, their running values in acc: GCC vectorises the loop over chains only
 // where the steps inside it are a constant count (with n steps inside, it ran scalar). Not
 // unrolled: GCC unrolled a cheap combine's 16 chains (add) before vectorising, into scalars.
-template <bool WRITE, bool UP, int64_t K0>
+template <bool WRITE, bool UP, int64_t K0, bool EXCL>
 FSCAN_TILE_SCAN static void tile_scan_part(const In x, const Out y, const Par p, const int64_t* elem, const Buf acc, Tiles& tl, int64_t n) {
   for (int64_t k = K0; k < n; ++k) {
     const int64_t j = UP ? k : TB - 1 - k;
@@ -123,9 +129,10 @@ FSCAN_TILE_SCAN static void tile_scan_part(const In x, const Out y, const Par p,
 #pragma GCC ivdep
 #pragma GCC unroll 1
       for (int g = 0; g < TV; ++g) {
-        const Vals v = combine<false>(get_all(acc, w * TV + g), load_i(xr, g, 0), p, elem[w * TV + g]);
+        const Vals l = get_all(acc, w * TV + g);
+        const Vals v = combine<false>(l, load_i(xr, g, 0), p, elem[w * TV + g]);
         put_all(acc, w * TV + g, v);
-        if (WRITE) store_i(yr, g, v);
+        if (WRITE) store_i(yr, g, EXCL ? l : v);
       }
     }
   }
@@ -134,7 +141,7 @@ FSCAN_TILE_SCAN static void tile_scan_part(const In x, const Out y, const Par p,
 // The steps [s0, s0 + n) (n <= TB) of a tile's chains: transposed in, scanned from acc (or,
 // at s0 = 0, from the carry-in, if any), transposed out. A partial tile (n < TB) reads and
 // writes its n steps only (masked: see fscan_tile_in).
-template <bool WRITE, bool UP>
+template <bool WRITE, bool UP, bool EXCL>
 static FSCAN_INLINE void tile_step(const In* xb, const Out* yb, const Par p, const int64_t* t0,
                                    const int64_t* elem, const Vals* carry, const bool* has,
                                    int64_t s0, int64_t n, Tiles& tl) {
@@ -151,22 +158,23 @@ static FSCAN_INLINE void tile_step(const In* xb, const Out* yb, const Par p, con
     for (int g = 0; g < TW; ++g) {
       const int64_t j = g / TV * TB + (UP ? 0 : TB - 1);
       const Vals v = load_i(tile_row(xb[0], tl.in, j), g % TV, 0);
+      if (WRITE && EXCL) store_i(tile_row(yb[0], tl.out, j), g % TV, carry[g]);
       put_all(acc, g, has[g] ? combine(carry[g], v, p, elem[g]) : v);
-      if (WRITE) store_i(tile_row(yb[0], tl.out, j), g % TV, get_all(acc, g));
+      if (WRITE && !EXCL) store_i(tile_row(yb[0], tl.out, j), g % TV, get_all(acc, g));
     }
-    if (part) tile_scan_part<WRITE, UP, 1>(xb[0], yb[0], p, elem, acc, tl, n);
-    else tile_scan<WRITE, UP, 1>(xb[0], yb[0], p, elem, acc, tl);
+    if (part) tile_scan_part<WRITE, UP, 1, EXCL>(xb[0], yb[0], p, elem, acc, tl, n);
+    else tile_scan<WRITE, UP, 1, EXCL>(xb[0], yb[0], p, elem, acc, tl);
   } else if (part) {
-    tile_scan_part<WRITE, UP, 0>(xb[0], yb[0], p, elem, acc, tl, n);
+    tile_scan_part<WRITE, UP, 0, EXCL>(xb[0], yb[0], p, elem, acc, tl, n);
   } else {
-    tile_scan<WRITE, UP, 0>(xb[0], yb[0], p, elem, acc, tl);
+    tile_scan<WRITE, UP, 0, EXCL>(xb[0], yb[0], p, elem, acc, tl);
   }
   if (!WRITE) return;
   if (part) tile_out(yb, lo, tl.out, m);
   else tile_out(yb, lo, tl.out, all);
 }
 
-template <bool WRITE, bool UP>
+template <bool WRITE, bool UP, bool EXCL>
 static void tile_chains(const In* xb, const Out* yb, const Par p, const int64_t* t0,
                         const int64_t* len, const int64_t* elem, const Vals* carry,
                         const bool* has, Vals* last, const In* hb, const bool* head, Tiles& tl) {
@@ -175,22 +183,22 @@ static void tile_chains(const In* xb, const Out* yb, const Par p, const int64_t*
   for (int g = 1; g < TW; ++g) common = std::min(common, len[g]);
   // The steps every chain has, in tiles, the last one partial where TB does not divide
   // them: walking those steps a chain at a time ran (4096, 255) dim 1 1.6x slower than
-  // (4096, 256) (the exclusive logcumsumexp's repeat route scans n - 1 steps).
+  // (4096, 256) (the exclusive drop-ins' repeat route then scanned n - 1 steps).
   for (int64_t s0 = 0; s0 < common; s0 += TB)
-    tile_step<WRITE, UP>(xb, yb, p, t0, elem, carry, has, s0, std::min(TB, common - s0), tl);
+    tile_step<WRITE, UP, EXCL>(xb, yb, p, t0, elem, carry, has, s0, std::min(TB, common - s0), tl);
   // Chains longer than the shortest walk their remaining steps, a chain at a time
   // (interleaving G of them here ran slower: add over (4096, 5) dim 1, 2.4 ns an element,
   // one by one 1.7; the affine pair 9.6, 2.8).
   const int64_t tstep = UP ? 1 : -1;
   for (int g = 0; g < TW; ++g) {
     if (common == 0) {
-      chains<1, WRITE>(xb + g, yb + g, p, t0 + g, len + g, elem + g, tstep, carry + g, has + g, last + g, hb + g, head + g);
+      chains<1, WRITE, EXCL>(xb + g, yb + g, p, t0 + g, len + g, elem + g, tstep, carry + g, has + g, last + g, hb + g, head + g);
       continue;
     }
     const Vals a = get_all(acc, g);
     const int64_t t1 = t0[g] + common * tstep, n1 = len[g] - common;
     const bool yes = true, no = false;
-    if (n1 > 0) chains<1, WRITE>(xb + g, yb + g, p, &t1, &n1, elem + g, tstep, &a, &yes, last + g, hb + g, &no);
+    if (n1 > 0) chains<1, WRITE, EXCL>(xb + g, yb + g, p, &t1, &n1, elem + g, tstep, &a, &yes, last + g, hb + g, &no);
     else if (!WRITE) last[g] = a;
   }
 }
@@ -199,11 +207,12 @@ static void tile_chains(const In* xb, const Out* yb, const Par p, const int64_t*
 static constexpr int CG = TILED ? TW : G;
 
 // ng chains: tiled, or G at a time interleaved, or (fewer than a group) one by one.
-template <bool WRITE>
+template <bool WRITE, bool EXCL = false>
 static void chain_group(const In* xb, const Out* yb, const Par p, int ng, const int64_t* t0,
                         const int64_t* len, const int64_t* elem, int64_t tstep, const Vals* carry,
                         const bool* has, Vals* last, const In* hb, const bool* head, Tiles& tl) {
-  if (PREFIX_ON && prefixable(xb[0], yb[0])) {  // a chain at a time, by prefix scans (forward_prefix.h)
+  // A chain at a time, by prefix scans (forward_prefix.h), which have no exclusive mode.
+  if (PREFIX_ON && !EXCL && prefixable(xb[0], yb[0])) {
     prefix_group<WRITE>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, last, hb, head);
     return;
   }
@@ -211,22 +220,26 @@ static void chain_group(const In* xb, const Out* yb, const Par p, int ng, const 
     bool heads = false;
     for (int g = 0; g < ng; ++g) heads |= head[g];
     if (TILED && !heads && tileable(xb[0], yb[0])) {
-      if (tstep > 0) tile_chains<WRITE, true>(xb, yb, p, t0, len, elem, carry, has, last, hb, head, tl);
-      else tile_chains<WRITE, false>(xb, yb, p, t0, len, elem, carry, has, last, hb, head, tl);
+      if (tstep > 0) tile_chains<WRITE, true, EXCL>(xb, yb, p, t0, len, elem, carry, has, last, hb, head, tl);
+      else tile_chains<WRITE, false, EXCL>(xb, yb, p, t0, len, elem, carry, has, last, hb, head, tl);
       return;
     }
     for (int h = 0; h < ng; h += G)
-      chains<G, WRITE>(xb + h, yb + h, p, t0 + h, len + h, elem + h, tstep, carry + h, has + h,
+      chains<G, WRITE, EXCL>(xb + h, yb + h, p, t0 + h, len + h, elem + h, tstep, carry + h, has + h,
                        last + h, hb + h, head + h);
     return;
   }
   for (int g = 0; g < ng; ++g)
-    chains<1, WRITE>(xb + g, yb + g, p, t0 + g, len + g, elem + g, tstep, carry + g, has + g,
-                     last + g, hb + g, head + g);
+    chains<1, WRITE, EXCL>(xb + g, yb + g, p, t0 + g, len + g, elem + g, tstep, carry + g, has + g,
+                           last + g, hb + g, head + g);
 }
 
+// EXCL: the exclusive scan (see scan in forward.h): its start value (the heads' first
+// element, position -1) is every lane's first chunk's carry (has where fold), so that
+// chunk may be tiled.
+template <bool EXCL>
 static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool rev, int nt,
-                       const Heads& H) {
+                       const Heads& H, bool fold = true) {
   const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
   int64_t C = 1;  // chunks per lane
   // Prefix chains (forward_prefix.h) go one at a time: chunked only for the threads.
@@ -263,10 +276,12 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
     yb = at(y, S, it.o, 0, it.i);
     len = std::min(T, s + L) - s;
     elem = it.lane;
-    head = H.any && it.c == 0;  // the scan's first step: from the carry-in's head element
+    head = !EXCL && H.any && it.c == 0;  // the scan's first step: from the carry-in's head element
     if (head) hb = head_at(x, H, it.lane);
   };
   std::vector<Vals> tot(C > 1 ? items : 0);
+  Vals start{};  // EXCL: the first chunk's carry
+  if (EXCL && H.any) start = load_t(head_at(x, H, 0), 0, -1);
   fscan_team(nt, [&] {
     Tiles tl;
     In xb[CG], hb[CG];
@@ -279,7 +294,11 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
       for (int64_t gi = 0; gi < groups; ++gi) {
         const int ng = (int)std::min<int64_t>(CG, items - gi * CG);
         Item it = item(gi * CG);
-        for (int g = 0; g < ng; ++g, next(it)) { describe(it, xb[g], yb[g], t0[g], len[g], elem[g], hb[g], head[g]); has[g] = false; }
+        for (int g = 0; g < ng; ++g, next(it)) {
+          describe(it, xb[g], yb[g], t0[g], len[g], elem[g], hb[g], head[g]);
+          has[g] = EXCL && it.c == 0 && fold;
+          if (EXCL && it.c == 0) carry[g] = start;
+        }
         chain_group<false>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, tot.data() + gi * CG, hb, head, tl);
       }
 #pragma omp for schedule(static)
@@ -306,10 +325,11 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
       Item it = item(gi * CG);
       for (int g = 0; g < ng; ++g, next(it)) {
         describe(it, xb[g], yb[g], t0[g], len[g], elem[g], hb[g], head[g]);
-        has[g] = it.c != 0;
-        if (has[g]) carry[g] = tot[gi * CG + g - 1];
+        has[g] = it.c != 0 || (EXCL && fold);
+        if (it.c != 0) carry[g] = tot[gi * CG + g - 1];
+        else if (EXCL) carry[g] = start;
       }
-      chain_group<true>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, nullptr, hb, head, tl);
+      chain_group<true, EXCL>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, nullptr, hb, head, tl);
     }
   });
 }

@@ -10,7 +10,10 @@
 // the gather's pointer select in the same loop cost seg 1.45x).
 // Outputs of other inner strides than 1 are written, a row at a time, into orows and
 // scattered from there (GATHER only: the dense instantiation has unit outputs too).
-// H: a carry-in (if H.any): step 0 (in scan order) reads the head element instead of x.
+// H: a carry-in (if H.any): step 0 (in scan order) reads the head element instead of x;
+// EXCL: the heads' first element, every lane's output at step 0, combined with that step
+// where fold, else that step's input the running value after it (see scan).
+// EXCL (with WRITE): output step t is the running value before step t's input is combined.
 // !WRITE: a chunk total, kept with every leaf in acc (and carry), since the carries
 // composed from it read its leaves as a right operand (see get_all). ALL with WRITE: the
 // outputs written and the total kept (the first chunk of a split column, see lane_path).
@@ -23,15 +26,31 @@
 // and add, about 15 cycles a row) with two vectors in flight, where a row at a time
 // overlaps the whole row's lanes; rows in halves interleaved (four in flight) still
 // ran 2.15x, and the rows' pointers spilled.
-template <bool WRITE, bool GATHER, bool ALL = !WRITE>
+template <bool WRITE, bool GATHER, bool ALL = !WRITE, bool EXCL = false>
 static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t o, int64_t i0,
                      int64_t w, int64_t s0, int64_t s1, bool rev, const Buf* carry, const Buf acc,
-                     const InRow& rows, const OutRow& orows, const Heads& H) {
+                     const InRow& rows, const OutRow& orows, const Heads& H, bool fold = true) {
   const In xc = at(x, S, o, 0, i0);
   const Out yc = at(y, S, o, 0, i0);
   const int64_t e0 = o * S.inner + i0, T = S.T, dt = rev ? -1 : 1;
   int64_t sb = s0;  // the first step read from x
-  if (s0 == 0 && H.any && s1 > 0) {  // peeled: the loop below stays as it was
+  if (EXCL && s0 == 0 && H.any && fold) {  // the start value (position -1), folded in
+    const Vals h = load_t(head_at(x, H, 0), 0, -1);
+    fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) { put_as<ALL>(acc, i, h); });
+    carry = &acc;
+  } else if (EXCL && s0 == 0 && H.any) {  // the start value written, step 0 read after it
+    const Vals h = load_t(head_at(x, H, 0), 0, -1);
+    const int64_t t = rev ? T - 1 : 0;
+    const In xr = GATHER ? gather(row(xc, t), rows, w, rev) : row(xc, t);
+    const Out yr = GATHER ? buffered(row(yc, t), orows) : row(yc, t);
+    fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
+      put_as<ALL>(acc, i, load_i(xr, i, t));
+      if (WRITE) store_i(yr, i, h);
+    });
+    if (WRITE && GATHER) scatter(row(yc, t), orows, w, rev);
+    carry = &acc;
+    sb = 1;
+  } else if (s0 == 0 && H.any && s1 > 0) {  // peeled: the loop below stays as it was
     const int64_t t = rev ? T - 1 : 0;
     const In hr = head_at(x, H, e0);
     const Out yr = GATHER ? buffered(row(yc, t), orows) : row(yc, t);
@@ -45,6 +64,11 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
     sb = 1;
   }
   if (sb >= s1) return;
+  // EXCL: the scan's last step (in scan order) is written, not combined: nothing reads its
+  // result (the inclusive scan's n combines, where the shifted n - 1 step scan this mode
+  // replaced computed n - 1: logcumsumexp over (1024, 8, 64) dim 1 ran 1.17x the inclusive
+  // call combining it).
+  const int64_t last = EXCL && WRITE && !ALL && s1 == T ? T - 1 : -1;
   // The rows' pointers step along (recomputing them from t cost 10% on 8-step columns).
   In xs = row(xc, rev ? T - 1 - sb : sb);
   Out ys = row(yc, rev ? T - 1 - sb : sb);
@@ -59,23 +83,28 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
         put_as<ALL>(acc, i, v);
         if (WRITE) store_i(yr, i, v);
       });
+    } else if (EXCL && s == last) {
+      const Buf left = s == sb ? *carry : acc;
+      fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) { store_i(yr, i, get_as<ALL>(left, i)); });
     } else {
       const Buf left = s == sb ? *carry : acc;
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
         // Not flushed: subnormal products cost nothing measurable in these vector loops
         // (the affine pair, (4096, 256) dim 0, half its steps subnormal: 1.7x a copy
         // either way), and the flush cost 30%.
-        const Vals v = combine<false>(get_as<ALL>(left, i), load_i(xr, i, t), p, e0 + i);
+        const Vals l = get_as<ALL>(left, i);
+        const Vals v = combine<false>(l, load_i(xr, i, t), p, e0 + i);
         put_as<ALL>(acc, i, v);
-        if (WRITE) store_i(yr, i, v);
+        if (WRITE) store_i(yr, i, EXCL ? l : v);
       });
     }
     if (WRITE && GATHER) scatter(ys, orows, w, rev);
   }
 }
 
+template <bool EXCL>
 static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool rev, int nt,
-                      const Heads& H) {
+                      const Heads& H, bool fold = true) {
   const int64_t outer = S.outer, T = S.T, inner = S.inner;
   // A split column's first chunk is scanned (outputs written, total kept) while the
   // threads take the totals of its next chunks; then the rest are scanned from their
@@ -99,8 +128,8 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
         const int64_t col = k / (C - 1), c = k % (C - 1);
         const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
         const Buf total = offset(tb, k * W);
-        if (c == 0 && dense) lane_run<true, false, true>(x, y, p, S, o, i0, w, 0, L, rev, nullptr, total, rows, orows, H);
-        else if (c == 0) lane_run<true, true, true>(x, y, p, S, o, i0, w, 0, L, rev, nullptr, total, rows, orows, H);
+        if (c == 0 && dense) lane_run<true, false, true, EXCL>(x, y, p, S, o, i0, w, 0, L, rev, nullptr, total, rows, orows, H, fold);
+        else if (c == 0) lane_run<true, true, true, EXCL>(x, y, p, S, o, i0, w, 0, L, rev, nullptr, total, rows, orows, H, fold);
         else if (dense) lane_run<false, false>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, total, rows, orows, H);
         else lane_run<false, true>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, total, rows, orows, H);
       }
@@ -132,8 +161,8 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
       const Buf carry = c > 0 ? offset(tb, (col * (C - 1) + c - 1) * W) : tb;
       const int64_t s1 = std::min(T, (c + 1) * L);
-      if (dense) lane_run<true, false>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H);
-      else lane_run<true, true>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H);
+      if (dense) lane_run<true, false, false, EXCL>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H, fold);
+      else lane_run<true, true, false, EXCL>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H, fold);
     }
   });
 }
