@@ -285,3 +285,20 @@ def test_first_exclusive_call_after_the_inclusive_one(fresh_eager_kernel, monkey
             out = op(x, dim, reverse=reverse, exclusive=True)
             check(name, x, dim, reverse, out)
             assert len(runs) == before + on_kernel(name, x, dim, reverse)
+
+
+def test_only_the_drop_ins_kernels_compile_the_exclusive_mode():
+    """One read leaf and no params (the exclusive drop-ins' kernels) compile the exclusive
+    mode; a pair's kernel, or one with captured params, is built without its paths, and
+    exclusive_run refuses a run whose kernel has none (it would scan inclusively)."""
+    from types import SimpleNamespace
+
+    from fscan._engines.cpp._cpp_source import compiles_exclusive
+    from fscan._engines.cpp.cpu_kernel import PreparedRun, exclusive_run
+
+    assert compiles_exclusive(1, SimpleNamespace(params=()))
+    assert not compiles_exclusive(2, SimpleNamespace(params=()))
+    assert not compiles_exclusive(1, SimpleNamespace(params=(object(),)))
+    run = PreparedRun(None, SimpleNamespace(params=(object(),)), (), (1, 4, 1, 0), (0, 0))
+    with pytest.raises(ValueError, match="no exclusive mode"):
+        exclusive_run(run, torch.zeros(1))

@@ -73,6 +73,7 @@ from ._cpp_tiles import prefix_op, prefix_structs, tile_structs, tiled
 __all__ = [
     "backward_argtypes",
     "backward_source",
+    "compiles_exclusive",
     "csrc",
     "forward_argtypes",
     "forward_source",
@@ -222,6 +223,7 @@ def forward_source(
         tiles=tile_structs(read_idx if tiled(st, positions) else None, kept, program.expensive)
         + "\n"
         + prefix_structs(prefix_op(program, st, positions, dropped)),
+        exclusive="true" if compiles_exclusive(len(read_idx), program) else "false",
         forward=csrc("forward_lanes.h")
         + csrc("forward_prefix.h")
         + csrc("forward_chains.h")
@@ -236,6 +238,14 @@ def forward_source(
         params=_param_names(program),
         head_init="".join(heads) + (f"h{read_idx[0]} != 0" if read_idx else "false"),
     )
+
+
+def compiles_exclusive(read_leaves: int, program: Program) -> bool:
+    """Whether a forward kernel compiles its exclusive mode (``EXCLUSIVE_MODE``, see
+    ``scan`` in csrc/forward.h): the exclusive drop-ins' kernels, one read leaf (and
+    cummax/cummin's position leaf) and no params. Their paths doubled the lane and chain
+    paths' instantiations, so every other kernel is built without them."""
+    return read_leaves == 1 and not program.params
 
 
 def suspect_check(dtypes: Sequence[torch.dtype], kept: Sequence[int]) -> str:

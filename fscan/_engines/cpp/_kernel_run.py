@@ -17,7 +17,7 @@ import torch
 from ..._knowledge.store import Knowledge
 from ..._memory import HUGE_MIN_BYTES, advise_huge_pages
 from ._cpp_codegen import Program
-from ._cpp_source import param_dtype
+from ._cpp_source import compiles_exclusive, param_dtype
 from ._kernel_entry import Entry, is_ready, slot_key
 from ._kernel_layout import counters, strided_layout, strided_view
 
@@ -231,6 +231,8 @@ def exclusive_run(run: PreparedRun, start: torch.Tensor, fold: bool = True) -> P
     ``fold``: ``start`` is combined with the first step (a carry-in); else the first
     step's input alone starts the running value (the same values for a start ``e`` with
     ``combine(e, x) == x`` exactly, without that combine)."""
+    if not compiles_exclusive(1, run.program):  # its kernel has no exclusive mode
+        raise ValueError("exclusive_run: a kernel with params compiles no exclusive mode")
     tail = list(run.tail)
     at = len(tail) - 1 - bool(run.positions)  # the read leaf's carry-in address
     tail[at] = start.data_ptr()  # (a position leaf's first position: 0, as prepared)

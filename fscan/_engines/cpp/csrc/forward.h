@@ -21,16 +21,20 @@
 // used to run the inclusive scan with the input read one step behind the output, or n - 1
 // steps into shifted outputs and a strided fill of the first step: the latter a second
 // pass over memory, the former no tiles on the chain path, where heads disable them.)
+// EXCLUSIVE_MODE (generated: fscan._engines.cpp._cpp_source.compiles_exclusive): only the
+// kernels the exclusive drop-ins use compile the exclusive paths (one read leaf, no
+// params); in every kernel they made a forward build 50-70% dearer (float32 add 4.2 ->
+// 6.6 CPU-s). Elsewhere excl is never asked for (cpu_kernel.exclusive_run checks).
 static void scan(const In x, const Out y, const Par p, const Geo& S, bool rev, bool excl,
                  bool fold, int threads, const Heads& H) {
   if (S.T <= 0 || S.outer <= 0 || S.inner <= 0) return;
   const int64_t total = S.outer * S.T * S.inner;
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, total / PER_THREAD));
   if (S.inner >= VEC_MIN && !along(x) && !along(y)) {
-    if (excl) lane_path<true>(x, y, p, S, rev, nt, H, fold);
-    else lane_path<false>(x, y, p, S, rev, nt, H);
+    if constexpr (EXCLUSIVE_MODE) if (excl) return lane_path<true>(x, y, p, S, rev, nt, H, fold);
+    lane_path<false>(x, y, p, S, rev, nt, H);
   } else {
-    if (excl) chain_path<true>(x, y, p, S, rev, nt, H, fold);
-    else chain_path<false>(x, y, p, S, rev, nt, H);
+    if constexpr (EXCLUSIVE_MODE) if (excl) return chain_path<true>(x, y, p, S, rev, nt, H, fold);
+    chain_path<false>(x, y, p, S, rev, nt, H);
   }
 }
