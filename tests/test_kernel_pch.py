@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import operator
+import os
 import shlex
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import optree
@@ -111,6 +113,9 @@ def test_stale_is_rebuilt(pch, monkeypatch):
     deps[first][0] -= 1
     Path(pch.deps).write_text(json.dumps(deps))
     monkeypatch.setattr(_cpp_pch, "_by_dir", {})
+    # Beside it, another key's directory unused for a month and one used an hour ago:
+    # the rebuild (a new .gch) removes the first only.
+    unused, used = _sibling(pch, "unused", days=30), _sibling(pch, "used", days=1 / 24)
     line = _cpp_pch.include_line(_bindings(), EXTRA_FLAGS)  # a first kernel's request
     (again,) = _cpp_pch._by_dir.values()
     assert line == f'#include "{again.header}"\n'
@@ -118,6 +123,43 @@ def test_stale_is_rebuilt(pch, monkeypatch):
     _cpp_pch.wait()
     assert again.fresh and not again.gave_up
     assert json.loads(Path(pch.deps).read_text())[first][0] == deps[first][0] + 1
+    assert not unused.exists() and (used / _cpp_pch.HEADER).is_file()
+    assert time.time() - (Path(pch.directory) / "last_used").stat().st_mtime < 600
+
+
+def _sibling(pch: _cpp_pch._Pch, name: str, days: float, stamp: bool = True) -> Path:
+    """A directory beside ``pch``'s, as another key's: a header, a .gch and (``stamp``)
+    its last-used stamp, all ``days`` old."""
+    other = Path(pch.directory).parent / name
+    other.mkdir()
+    files = [_cpp_pch.HEADER, _cpp_pch.HEADER + ".gch"] + ["last_used"] * stamp
+    old = time.time() - days * 86400
+    for f in files:
+        (other / f).write_text("x")
+        os.utime(other / f, (old, old))
+    os.utime(other, (old, old))
+    return other
+
+
+def test_sweep_keeps_what_was_used_lately(tmp_path):
+    """The sweep judges a sibling by its stamp, else its .gch, else the directory; keeps
+    its own directory, recent siblings and files; removes what is older than STALE_DAYS."""
+    own = _cpp_pch._Pch(str(tmp_path / "fscan_pch" / "own"), "own", "")
+    Path(own.directory).mkdir(parents=True)
+    days = _cpp_pch.STALE_DAYS
+    old_stamp = _sibling(own, "old_stamp", days + 1)
+    new_stamp_old_gch = _sibling(own, "new_stamp", days + 1)
+    os.utime(new_stamp_old_gch / "last_used")
+    old_gch = _sibling(own, "old_gch", days + 1, stamp=False)
+    _sibling(own, "new_gch", days - 1, stamp=False)
+    bare = Path(own.directory).parent / "bare"
+    bare.mkdir()
+    (Path(own.directory).parent / "a_file").write_text("x")
+    removed = _cpp_pch._sweep(own, time.time())
+    assert sorted(removed) == sorted(map(str, (old_stamp, old_gch)))
+    left = sorted(p.name for p in Path(own.directory).parent.iterdir())
+    assert left == ["a_file", "bare", "new_gch", "new_stamp", "own"]
+    assert _cpp_pch._sweep(own, time.time() + (days + 1) * 86400) != []  # all age
 
 
 def _kernel_scan(fn, x):

@@ -16,6 +16,13 @@ version, Inductor's exact command line for a kernel (its flags plus ``EXTRA_FLAG
 the header's text; the headers it pulled in are recorded (path, mtime, size: from
 ``-MD``) and checked once per process, so an updated system header rebuilds it.
 
+Each key has a directory of its own, so a new fscan, torch or compiler (a new key) leaves
+the old one behind: a process stamps the directory it uses (``last_used``, once per
+process), and a process that builds a new ``.gch`` removes the sibling directories no
+process stamped for :data:`STALE_DAYS` days (another venv sharing the cache dir keeps
+its own fresh by using it; a process that still held a removed one sees its include fail
+and builds without it, as above).
+
 The ``.gch`` (about 90 MB, 3-4 s of CPU) is built in a thread of its own beside the
 second kernel build of a process that wants it (which goes on without it: no call
 waits for it; a process that ends meanwhile waits for it at exit; a process that
@@ -41,17 +48,20 @@ import shlex
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from ._cpp_source import csrc
 
-__all__ = ["ENABLED", "HEADER", "disable", "include_line", "pch_state", "wait"]
+__all__ = ["ENABLED", "HEADER", "STALE_DAYS", "disable", "include_line", "pch_state", "wait"]
 
 ENABLED = True  # False: kernels are built without a PCH (measurements, tests)
 HEADER = "scan_std.h"
 _END = "// FSCAN_PCH_END"
 _FORMAT = 1  # bump when the layout of the directory changes
+_STAMP = "last_used"  # touched once per process that uses the directory
+STALE_DAYS = 14  # a sibling directory unused this long is removed by a new build
 
 logger = logging.getLogger("fscan")
 
@@ -196,7 +206,7 @@ def _prepare(bindings: Any, extra_flags: Sequence[str], eager: bool) -> _Pch | N
         if pch.failed or pch.fresh or pch.gave_up or building:
             return pch
         if _is_fresh(pch):
-            pch.fresh = True
+            _mark_fresh(pch)
             return pch
         if os.path.exists(pch.gch):  # stale: no kernel may use it; build it again now
             with contextlib.suppress(OSError):
@@ -273,9 +283,49 @@ def _build(pch: _Pch) -> None:
         logger.debug("fscan: building the precompiled header failed: %s", err)
 
 
+def _mark_fresh(pch: _Pch) -> None:
+    """The ``.gch`` is fresh: this process uses it from now on; stamp its directory."""
+    pch.fresh = True
+    stamp = os.path.join(pch.directory, _STAMP)
+    with contextlib.suppress(OSError):
+        with open(stamp, "a", encoding="utf-8"):
+            pass
+        os.utime(stamp)
+
+
+def _sweep(pch: _Pch, now: float) -> list[str]:
+    """Remove the directories beside ``pch``'s that no process stamped for
+    :data:`STALE_DAYS` days (their ``last_used``, else their ``.gch``, else the
+    directory's own time); the removed paths."""
+    parent = os.path.dirname(pch.directory)
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        other = os.path.join(parent, name)
+        if other == pch.directory or not os.path.isdir(other):
+            continue
+        for mark in (_STAMP, HEADER + ".gch", ""):
+            try:
+                used = os.stat(os.path.join(other, mark) if mark else other).st_mtime
+                break
+            except OSError:
+                continue
+        else:
+            continue
+        if now - used > STALE_DAYS * 86400:
+            shutil.rmtree(other, ignore_errors=True)
+            removed.append(other)
+    if removed:
+        logger.debug("fscan: removed unused precompiled headers: %s", removed)
+    return removed
+
+
 def _build_locked(pch: _Pch) -> None:
     if _is_fresh(pch):
-        pch.fresh = True
+        _mark_fresh(pch)
         return
     for stale in glob.glob(os.path.join(glob.escape(pch.directory), "*.tmp*")):
         with contextlib.suppress(OSError):
@@ -302,7 +352,8 @@ def _build_locked(pch: _Pch) -> None:
             json.dump(recorded, f)
         os.replace(tmp_json, pch.deps)
         os.replace(tmp_gch, pch.gch)
-        pch.fresh = True
+        _mark_fresh(pch)
+        _sweep(pch, time.time())
     finally:
         for tmp in (tmp_gch, tmp_deps):
             with contextlib.suppress(OSError):
