@@ -116,6 +116,7 @@ __all__ = [
     "KernelScan",
     "PreparedRun",
     "counters",
+    "exclusive_ready",
     "exclusive_run",
     "fresh_outputs",
     "kernel_entries",
@@ -228,6 +229,37 @@ def kernel_scan(
         outs,
         first_position,
     )
+
+
+def exclusive_ready(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    positions: tuple[int, ...] = (),
+) -> bool:
+    """Whether the kernel's exclusive variant for scans like this one is READY (then
+    :func:`prepare_run` with ``exclusive=True`` finds it), after counting this call and,
+    per ``fscan.config.cpu_kernel``, building the variant now (``"eager"``) or queueing its
+    build, as :func:`kernel_scan` does for the ordinary kernel; False also where no kernel
+    can serve the leaves (one debug log why). For a drop-in's combine (fscan's own: one
+    read leaf, no params, nothing captured; see
+    :func:`~._cpp_source.compiles_exclusive`): the variant compiles only the exclusive
+    scan's paths (see ``scan`` in csrc/forward.h), so an exclusive call never pays for the
+    inclusive ones, nor an inclusive call for these."""
+    if config.cpu_kernel == "off":
+        return False
+    lookup = serving_lookup(combine_fn, spec, leaves, None, None, gradients=False)
+    if lookup is None:
+        return False
+    holder, aliases, captured = lookup
+    element = element_shape(leaves, dim)
+    slot = slot_key(aliases, element, positions, (), False, False, True)
+    if is_ready(kernel_slots(holder).get(slot)):
+        return True
+    dtypes = tuple([x.dtype for x in leaves])
+    call = BuildCall(combine_fn, spec, dtypes, element, captured, positions)
+    return ready_entry(holder, aliases, call, leaves[0].numel(), False, exclusive=True) is not None
 
 
 def combine_step(

@@ -211,10 +211,13 @@ template <bool WRITE, bool EXCL = false>
 static void chain_group(const In* xb, const Out* yb, const Par p, int ng, const int64_t* t0,
                         const int64_t* len, const int64_t* elem, int64_t tstep, const Vals* carry,
                         const bool* has, Vals* last, const In* hb, const bool* head, Tiles& tl) {
-  // A chain at a time, by prefix scans (forward_prefix.h), which have no exclusive mode.
-  if (PREFIX_ON && !EXCL && prefixable(xb[0], yb[0])) {
-    prefix_group<WRITE>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, last, hb, head);
-    return;
+  // A chain at a time, by prefix scans (forward_prefix.h), which have no exclusive mode
+  // (constexpr: the exclusive variant compiles none).
+  if constexpr (!EXCL) {
+    if (PREFIX_ON && prefixable(xb[0], yb[0])) {
+      prefix_group<WRITE>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, last, hb, head);
+      return;
+    }
   }
   if (ng == CG) {
     bool heads = false;
@@ -243,7 +246,7 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
   const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
   int64_t C = 1;  // chunks per lane
   // Prefix chains (forward_prefix.h) go one at a time: chunked only for the threads.
-  const int64_t cg = PREFIX_ON && prefixable(x, y) ? 1 : CG;
+  const int64_t cg = !EXCL && PREFIX_ON && prefixable(x, y) ? 1 : CG;
   if (lanes < (int64_t)nt * cg) {
     C = std::min<int64_t>(((int64_t)nt * cg + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
     if (C >= cg) C = C / cg * cg;
