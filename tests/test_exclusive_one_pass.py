@@ -70,7 +70,7 @@ def twice_then(name, x, dim, reverse, served_exclusive):
 
 
 def on_kernel(name, x, dim, reverse):
-    return path(getattr(torch, name), x, dim, reverse) == "cpp"
+    return path(getattr(torch, name), x, dim, reverse, exclusive=True) == "cpp"
 
 
 SHAPES = [  # (shape, dim): lengths 2 and 3, odd lane counts, middle and last dims
