@@ -236,6 +236,21 @@ def test_kernel_exclusive_mode_in_chunks_on_two_threads(name, reverse):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("name", ["cumsum", "cummax"])
+def test_kernel_exclusive_mode_on_long_skewed_chains(name):
+    """8 chains of 8200 steps on one thread (float64, and cummax's pair: walked, not tiled),
+    each walking SKEW steps ahead of the last (csrc/forward_chains.h: chains), their stores
+    one step ahead of their inputs (the exclusive walk): the oracle, both directions."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = data(name, (8, 8200), seed=4).double()
+        for reverse in [False, True]:
+            check(name, x, 1, reverse, kernel_exclusive(name, x, 1, reverse, 1))
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_special_values_at_the_first_step_of_every_path():
     """NaN, inf and -0.0 at the first step in scan order, on the lanes, the tiles and the
     chains: the identity combined with them, as the drop-in's checked path gives."""

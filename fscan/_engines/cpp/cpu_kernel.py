@@ -16,7 +16,9 @@ contiguous, as torch's scans return them, or written in place into a caller's
 memory of any strides (``out=``: see :func:`kernel_scan`); outputs a caller drops (``keep=``)
 are neither allocated nor stored (a kernel per pattern of kept outputs, in the
 slot key), and a carry-in (``head=``: the first element in scan order, replaced)
-is a runtime argument of every forward kernel. The entries live
+is a runtime argument of every forward kernel. The exclusive drop-ins run a variant of
+the forward kernel of their own (:func:`exclusive_ready`: it compiles only the exclusive
+scan's paths, as the ordinary kernel only the inclusive ones), in the slot key too. The entries live
 in ``Knowledge.kernels``: bounded with the knowledge cache, cleared by
 ``fscan.clear_caches()``.
 
