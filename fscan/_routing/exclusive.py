@@ -96,7 +96,8 @@ def exclusive_cumulative(
             ran("cpp")
             return _EXTREMA[op](out) if extremum else out[0]
         combine, spec, leaves, positions = call
-        if x.is_contiguous() and not kernel_ready(combine, spec, leaves, dim, positions):
+        variant = x.is_contiguous() and not _is_compiling()  # a call the variant would take
+        if variant and not kernel_ready(combine, spec, leaves, dim, positions):
             # The variant is counted or being built for this call: meanwhile the shift runs
             # on the engine the table passes over to (the route of a kernel still to be
             # built), so that no inclusive kernel is built for exclusive calls alone.
