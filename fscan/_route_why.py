@@ -79,7 +79,11 @@ def _dropin(noted: str | None, args: tuple, kwargs: dict, route: Route) -> tuple
     refused = cumulative_refusals(op, x, dim, reverse)
     if "cpp" not in refused:  # the table picks the kernel: it did not serve
         combine, spec, leaves, positions = kernel_call(op, x)
-        why = kernel_refusal(combine, spec, leaves, dim % x.ndim, positions=positions)
+        # An exclusive call of a contiguous input waits for the kernel's exclusive variant.
+        exclusive = kwargs.get("exclusive") is True and x.is_contiguous()
+        why = kernel_refusal(
+            combine, spec, leaves, dim % x.ndim, positions=positions, exclusive=exclusive
+        )
         refused = {"cpp": why or _NOT_READY, **refused}
     if engine == "blocked":
         refused.pop("blocked", None)

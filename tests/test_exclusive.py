@@ -359,7 +359,7 @@ def test_kernel_writes_the_exclusive_drop_in_in_place(name, case):
     want = _shifted_reference(name, x, dim, reverse)
     for g, w in zip(got, want):
         _close(g, w, g.dtype)
-    if _kernel_compiled() and path(getattr(torch, name), x, dim, reverse) == "cpp":
+    if _kernel_compiled() and path(getattr(torch, name), x, dim, reverse, exclusive=True) == "cpp":
         wrote = counters.in_place - before[0]
         # the shift straight into the output's later steps, or (the kernel compiled by an
         # earlier call) the kernel's exclusive mode into fresh outputs: no shift at all

@@ -70,7 +70,7 @@ def twice_then(name, x, dim, reverse, served_exclusive):
 
 
 def on_kernel(name, x, dim, reverse):
-    return path(getattr(torch, name), x, dim, reverse) == "cpp"
+    return path(getattr(torch, name), x, dim, reverse, exclusive=True) == "cpp"
 
 
 SHAPES = [  # (shape, dim): lengths 2 and 3, odd lane counts, middle and last dims
@@ -166,10 +166,10 @@ def test_a_wide_input_keeps_one_start_element(served_exclusive):
 
 def kernel_exclusive(name, x, dim, reverse, threads):
     """The kernel's exclusive mode on ``x`` directly (whatever the route table picks), as
-    the repeat route runs it: the inclusive call's kernel, its exclusive bit set."""
+    the repeat route runs it: the kernel's exclusive variant."""
     from fscan._engines.cpp.cpu_kernel import (
+        exclusive_ready,
         exclusive_run,
-        kernel_scan,
         prepare_run,
         run_exclusive_prepared,
     )
@@ -182,10 +182,9 @@ def kernel_exclusive(name, x, dim, reverse, threads):
     combine, spec, leaves, positions = kernel_call(op, x)
     cap = 1 if x.shape[dim] == x.numel() and threads == 1 else None
     with fscan.config.override(cpu_kernel="eager"):
-        found = kernel_scan("test", combine, spec, leaves, dim, reverse, positions=positions)
-    assert found is not None
+        assert exclusive_ready(combine, spec, leaves, dim, positions)
     holder = knowledge(memo_reach(combine), spec, "pointwise", leaves)
-    run = prepare_run(holder, (), leaves, dim, reverse, cap, positions)
+    run = prepare_run(holder, (), leaves, dim, reverse, cap, positions, exclusive=True)
     assert run is not None
     start = torch.full((1,), identity(op, x.dtype), dtype=x.dtype)
     ys = run_exclusive_prepared(exclusive_run(run, start), x)
@@ -237,6 +236,21 @@ def test_kernel_exclusive_mode_in_chunks_on_two_threads(name, reverse):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("name", ["cumsum", "cummax"])
+def test_kernel_exclusive_mode_on_long_skewed_chains(name):
+    """8 chains of 8200 steps on one thread (float64, and cummax's pair: walked, not tiled),
+    each walking SKEW steps ahead of the last (csrc/forward_chains.h: chains), their stores
+    one step ahead of their inputs (the exclusive walk): the oracle, both directions."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = data(name, (8, 8200), seed=4).double()
+        for reverse in [False, True]:
+            check(name, x, 1, reverse, kernel_exclusive(name, x, 1, reverse, 1))
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_special_values_at_the_first_step_of_every_path():
     """NaN, inf and -0.0 at the first step in scan order, on the lanes, the tiles and the
     chains: the identity combined with them, as the drop-in's checked path gives."""
@@ -268,9 +282,10 @@ def test_non_contiguous_inputs(served_exclusive, name):
 
 
 @pytest.mark.parametrize("name", OPS)
-def test_first_exclusive_call_after_the_inclusive_one(fresh_eager_kernel, monkeypatch, name):
-    """Once the inclusive call compiled the kernel, the first exclusive call of the shape
-    runs the kernel's exclusive mode too (not the shift): the oracle, both directions."""
+def test_first_exclusive_call_runs_the_variant(fresh_eager_kernel, monkeypatch, name):
+    """In mode "eager" the first exclusive call of a shape builds the kernel's exclusive
+    variant and runs it (not the shift), after an inclusive call or without one: the
+    oracle, both directions."""
     from fscan._routing import exclusive as router
 
     runs = []
@@ -278,27 +293,33 @@ def test_first_exclusive_call_after_the_inclusive_one(fresh_eager_kernel, monkey
     monkeypatch.setattr(router, "run_exclusive", lambda f, x: runs.append(f) or run_exclusive(f, x))
     for shape, dim in [((512, 64), 0), ((300, 40), 1)]:
         for reverse in [False, True]:
-            x = data(name, shape, seed=3)
-            op = getattr(fscan, name)
-            op(x, dim, reverse=reverse)
-            before = len(runs)
-            out = op(x, dim, reverse=reverse, exclusive=True)
-            check(name, x, dim, reverse, out)
-            assert len(runs) == before + on_kernel(name, x, dim, reverse)
+            for inclusive_first in [True, False]:
+                fscan.clear_caches()
+                x = data(name, shape, seed=3)
+                op = getattr(fscan, name)
+                if inclusive_first:
+                    op(x, dim, reverse=reverse)
+                before = len(runs)
+                out = op(x, dim, reverse=reverse, exclusive=True)
+                check(name, x, dim, reverse, out)
+                assert len(runs) == before + on_kernel(name, x, dim, reverse)
 
 
 def test_only_the_drop_ins_kernels_compile_the_exclusive_mode():
-    """One read leaf and no params (the exclusive drop-ins' kernels) compile the exclusive
-    mode; a pair's kernel, or one with captured params, is built without its paths, and
-    exclusive_run refuses a run whose kernel has none (it would scan inclusively)."""
+    """One read leaf and no params (the exclusive drop-ins' kernels) may be built as the
+    exclusive variant; a pair's kernel, or one with captured params, may not
+    (forward_source refuses), and exclusive_run refuses a run of an ordinary kernel (it
+    would scan inclusively)."""
     from types import SimpleNamespace
 
-    from fscan._engines.cpp._cpp_source import compiles_exclusive
+    from fscan._engines.cpp._cpp_source import compiles_exclusive, forward_source
     from fscan._engines.cpp.cpu_kernel import PreparedRun, exclusive_run
 
     assert compiles_exclusive(1, SimpleNamespace(params=()))
     assert not compiles_exclusive(2, SimpleNamespace(params=()))
     assert not compiles_exclusive(1, SimpleNamespace(params=(object(),)))
-    run = PreparedRun(None, SimpleNamespace(params=(object(),)), (), (1, 4, 1, 0), (0, 0))
-    with pytest.raises(ValueError, match="no exclusive mode"):
+    with pytest.raises(ValueError, match="exclusive"):
+        forward_source((torch.float32,) * 2, SimpleNamespace(params=()), exclusive=True)
+    run = PreparedRun(None, SimpleNamespace(params=()), (), (1, 4, 1, 0), (0, 0))
+    with pytest.raises(ValueError, match="exclusive variant"):
         exclusive_run(run, torch.zeros(1))

@@ -596,7 +596,7 @@ def test_a_repeated_exclusive_drop_in_is_served_and_right(
     served_exclusive.clear()
     out = exclusive(name, x, dim, reverse)
     # cumsum/cumprod forward over one lane of 2**15: torch's op (the table's), never stored
-    on_kernel = path(getattr(torch, name), x, dim % x.ndim, reverse) == "cpp"
+    on_kernel = path(getattr(torch, name), x, dim % x.ndim, reverse, exclusive=True) == "cpp"
     assert on_kernel == (x.ndim > 1 or reverse or name == "logcumsumexp")
     assert len(served_exclusive) == on_kernel
     close(out, exclusive_reference(name, x, dim, reverse))

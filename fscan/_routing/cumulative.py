@@ -355,9 +355,11 @@ def _inner_scan(inner: Op, x: torch.Tensor, dim: int, reverse: bool) -> torch.Te
 # ---- what the table says, for the benchmarks (the log's reasons: fscan._routing.reasons) ----
 
 
-def path(op: Any, x: torch.Tensor, dim: int, reverse: bool = False) -> str:
+def path(op: Any, x: torch.Tensor, dim: int, reverse: bool = False, exclusive: bool = False) -> str:
     """The engine a drop-in for torch's ``op`` takes on ``x`` now: ``"cpp"`` (the compiled
-    kernel, once loaded), ``"blocked"`` (fscan's parallel scan) or ``"native"`` (torch's).
+    kernel, once loaded; ``exclusive``: its exclusive variant, which an exclusive drop-in
+    of a contiguous ``x`` runs), ``"blocked"`` (fscan's parallel scan) or ``"native"``
+    (torch's).
 
     Example:
         >>> path(torch.cumsum, torch.ones(4096, 256), 1)
@@ -366,6 +368,6 @@ def path(op: Any, x: torch.Tensor, dim: int, reverse: bool = False) -> str:
     kernel, parallel = route(op, x, dim, reverse)
     if kernel:
         combine, spec, leaves, positions = kernel_call(op, x)
-        if kernel_ready(combine, spec, leaves, dim, positions):
+        if kernel_ready(combine, spec, leaves, dim, positions, exclusive):
             return "cpp"
     return "blocked" if parallel else "native"

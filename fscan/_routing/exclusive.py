@@ -14,10 +14,14 @@ costs what the inclusive one does. As for the inclusive drop-ins, the calls the 
 certainly sends to torch's op are served before the drop-in's checks
 (:func:`native_first_exclusive`), and a call the kernel served is stored for
 :mod:`fscan._routing.repeat_drop_ins`, whose exclusive route repeats it for an
-identical call before the checks: one pass of the kernel's exclusive mode, which writes
-the exclusive scan itself. A call the kernel takes whose kernel is READY already (an
-inclusive call of the shape compiled it) runs that mode at once; the shift serves the
-rest (the kernel's first build, ``reset=``, recorded, traced or non-contiguous calls).
+identical call before the checks: one pass of the kernel's exclusive variant, which
+writes the exclusive scan itself (a kernel of its own, built for exclusive calls only:
+:func:`~fscan._engines.cpp.cpu_kernel.exclusive_ready`; mode ``"eager"`` builds it on
+the first call and runs it). The shift serves the rest: ``reset=``, recorded, traced or
+non-contiguous calls (those on the ordinary kernel, where the table picks it), and calls
+while the variant is still to be built (mode ``"on"``: counted, or building in the
+background), there on the engine the table passes over to unless the ordinary kernel is
+READY already, so that exclusive calls alone never build it.
 
 cummax/cummin's indices are positions in the whole input: reversed, the narrowed input
 starts one step later, so its indices are moved by one (by the kernel as it writes them,
@@ -31,6 +35,7 @@ from typing import Any
 import torch
 
 from .._context import under_transform
+from .._engines.cpp.cpu_kernel import kernel_ready
 from .._exclusive import Shift, Steps, exclusive, recorded
 from .._route_log import ran
 from .._segmented import check_reset
@@ -83,16 +88,21 @@ def exclusive_cumulative(
     if extremum:
         outputs.append((x.shape, torch.int64))
         starts.append(-1)
-    if cells[0] and reset is None:  # the kernel's exclusive mode, where it is READY
-        threads = kernel_threads(x, dim)
-        found = remember_exclusive(op, kernel_call(op, x), dim, reverse, threads, starts)
+    if cells[0] and reset is None:  # the kernel's exclusive variant, where it is READY
+        call = kernel_call(op, x)
+        found = remember_exclusive(op, call, dim, reverse, kernel_threads(x, dim), starts)
         if found is not None:  # (an identical call repeats it, before the checks)
             out = run_exclusive(found, x)
             ran("cpp")
             return _EXTREMA[op](out) if extremum else out[0]
+        combine, spec, leaves, positions = call
+        variant = x.is_contiguous() and not _is_compiling()  # a call the variant would take
+        if variant and not kernel_ready(combine, spec, leaves, dim, positions):
+            # The variant is counted or being built for this call: meanwhile the shift runs
+            # on the engine the table passes over to (the route of a kernel still to be
+            # built), so that no inclusive kernel is built for exclusive calls alone.
+            cells = (False, cells[1])
     out = exclusive(shift, inclusive, outputs, x.device, starts, [x], reset)
-    if cells[0] and reset is None:  # the kernel built by this call: an identical call repeats it
-        remember_exclusive(op, kernel_call(op, x), dim, reverse, kernel_threads(x, dim), starts)
     return _EXTREMA[op](out) if extremum else out[0]
 
 

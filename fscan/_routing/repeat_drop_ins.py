@@ -19,10 +19,10 @@ or ``exclusive=`` and without promoting the input (a float input) are stored.
 Their exclusive form (``exclusive=True``, no ``dtype=``, ``out=`` or ``reset=``) is
 served the same way, under its own key (the same ``call_parts``, marked exclusive):
 :func:`remember_exclusive` stores an :class:`ExclusiveRun`, the kernel's exclusive run
-of all ``n`` steps from the op's identity (the same compiled kernel as the inclusive
-call's, its exclusive bit set: see
+of all ``n`` steps from the op's identity (on the kernel's exclusive variant, built for
+exclusive calls alone: see :func:`~fscan._engines.cpp.cpu_kernel.exclusive_ready` and
 :func:`~fscan._engines.cpp.cpu_kernel.exclusive_run`), once the exclusive router
-(:mod:`fscan._routing.exclusive`) served a call on the kernel writing in place (nothing
+(:mod:`fscan._routing.exclusive`) finds that variant READY for a call (nothing
 recorded), and :func:`repeat_exclusive` repeats it: one kernel pass writes every step of
 fresh outputs, the first in scan order the identity (and index -1), each later one the
 scan of the identity and the input's steps before it
@@ -60,6 +60,7 @@ from .._engines.cpp._kernel_segmented import (
 )
 from .._engines.cpp.cpu_kernel import (
     PreparedRun,
+    exclusive_ready,
     exclusive_run,
     prepare_run,
     run_exclusive_prepared,
@@ -184,11 +185,14 @@ def remember_exclusive(
     ``op`` (``call`` as for :func:`remember_cumulative`, of the whole input), as one
     exclusive pass of its kernel over all ``n`` steps from ``starts[0]`` (the identity;
     ``starts``: one per output, the index's -1 the kernel's own), on ``threads`` threads
-    at most; the run stored (or found stored), for the router's own call too. A kernel
-    not READY, or a call the repeat route would not take, stores nothing (None). (Until the kernel
-    wrote the exclusive scan itself, the chain path (the last dim, 1-D), logcumsumexp and
-    inputs of over 1 MiB of lanes kept a run of ``n - 1`` steps into the outputs' later
-    steps and a fill of the first: see :func:`~fscan._engines.cpp.cpu_kernel.exclusive_run`.)"""
+    at most; the run stored (or found stored), for the router's own call too. The run is
+    of the kernel's exclusive variant, a kernel of its own (see
+    :func:`~fscan._engines.cpp.cpu_kernel.exclusive_ready`), which this counts, builds or
+    queues as the mode says; until it is READY, or for a call the repeat route would not
+    take, nothing is stored (None). (Until the kernel wrote the exclusive scan itself, the
+    chain path (the last dim, 1-D), logcumsumexp and inputs of over 1 MiB of lanes kept a
+    run of ``n - 1`` steps into the outputs' later steps and a fill of the first: see
+    :func:`~fscan._engines.cpp.cpu_kernel.exclusive_run`.)"""
     combine, spec, leaves, positions = call
     x = leaves[0]
     parts = call_parts(LEAF, [x], dim, reverse, "pointwise", False)
@@ -197,9 +201,11 @@ def remember_exclusive(
     key = (_EXCLUSIVE, op, _threads(), *parts)
     found = drop_in_repeats.get(key)
     if found is None:
+        if not exclusive_ready(combine, spec, leaves, dim, positions):
+            return None
         holder = knowledge(memo_reach(combine), spec, "pointwise", leaves)
-        run = prepare_run(holder, (), leaves, dim, reverse, threads, positions)
-        if run is None or run.program.params:
+        run = prepare_run(holder, (), leaves, dim, reverse, threads, positions, exclusive=True)
+        if run is None:
             return None
         start = torch.full((1,), starts[0], dtype=x.dtype)  # every lane's start value
         # Combined with the first step for cumsum only: 0 + -0.0 is +0.0, as torch.cumsum

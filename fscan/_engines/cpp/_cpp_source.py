@@ -188,6 +188,7 @@ def forward_source(
     program: Program,
     positions: Sequence[int] = (),
     dropped: Sequence[int] = (),
+    exclusive: bool = False,
 ) -> str:
     """The complete forward kernel:
     ``kernel(x.., y.., p.., outer, T, inner, rev, threads, nb, x strides.., y strides..,
@@ -205,7 +206,11 @@ def forward_source(
     never stored. ``heads``: per input, the address of one element (contiguous, in the
     leaf's dtype) that replaces the scan's first element in scan order (the last for
     ``rev``), or 0 for none (all or none): a carry-in folded into that element, read
-    without copying the leaves."""
+    without copying the leaves. ``exclusive``: the exclusive scan's variant instead (see
+    ``scan`` in csrc/forward.h; only where :func:`compiles_exclusive`, else ValueError):
+    the start value at the heads' first element, every lane's."""
+    if exclusive and not compiles_exclusive(len(dtypes) - len(set(positions)), program):
+        raise ValueError("forward_source: only one read leaf and no params compile exclusive")
     compute = [compute_ctype(d, program.wide) for d in dtypes]
     R = range(len(dtypes))
     st = [STORAGE[d] for d in dtypes]
@@ -223,7 +228,7 @@ def forward_source(
         tiles=tile_structs(read_idx if tiled(st, positions) else None, kept, program.expensive)
         + "\n"
         + prefix_structs(prefix_op(program, st, positions, dropped)),
-        exclusive="true" if compiles_exclusive(len(read_idx), program) else "false",
+        exclusive="true" if exclusive else "false",
         forward=csrc("forward_lanes.h")
         + csrc("forward_prefix.h")
         + csrc("forward_chains.h")
@@ -241,10 +246,9 @@ def forward_source(
 
 
 def compiles_exclusive(read_leaves: int, program: Program) -> bool:
-    """Whether a forward kernel compiles its exclusive mode (``EXCLUSIVE_MODE``, see
-    ``scan`` in csrc/forward.h): the exclusive drop-ins' kernels, one read leaf (and
-    cummax/cummin's position leaf) and no params. Their paths doubled the lane and chain
-    paths' instantiations, so every other kernel is built without them."""
+    """Whether a forward kernel may be built as the exclusive scan's variant
+    (``EXCLUSIVE_MODE``, see ``scan`` in csrc/forward.h): the exclusive drop-ins' kernels,
+    one read leaf (and cummax/cummin's position leaf) and no params."""
     return read_leaves == 1 and not program.params
 
 

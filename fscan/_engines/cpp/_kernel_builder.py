@@ -54,7 +54,9 @@ def _translate(entry: Entry, call: BuildCall) -> bool:
             entry.floats, entry.dead = tuple(floats), tuple(dead)
         else:
             program = translate_combine(call.trace_input())
-            entry.source = forward_source(call.dtypes, program, call.positions, call.dropped)
+            entry.source = forward_source(
+                call.dtypes, program, call.positions, call.dropped, entry.exclusive
+            )
             entry.argtypes = tuple(
                 forward_argtypes(call.dtypes, program, call.positions, call.dropped)
             )

@@ -53,6 +53,7 @@ class Entry:
     """One compiled kernel (or why there is none) for one key."""
 
     backward: bool = False  # the VJP kernel of the forward entry of the same key
+    exclusive: bool = False  # the forward kernel's exclusive variant (csrc/forward.h: scan)
     param_grads: bool = False  # backward: also the cotangents of the float params
     state: State = State.NEW
     calls: int = 0
@@ -84,11 +85,15 @@ def slot_key(
     dropped: tuple[int, ...],
     backward: bool,
     param_grads: bool,
+    exclusive: bool = False,
 ) -> Hashable:
     """The key of a kernel entry within its knowledge entry: the generated source depends
     on all of it (and on the knowledge entry's key), on no length, dim, layout or thread
-    count. The one place that spells it (lookups of READY entries build it directly)."""
-    return (aliases, element, positions, dropped, backward, param_grads)
+    count. The one place that spells it (lookups of READY entries build it directly).
+    ``exclusive``: the forward kernel's exclusive variant, a kernel of its own (it compiles
+    only the exclusive scan's paths, the ordinary one only the inclusive ones), so neither
+    key finds the other's kernel."""
+    return (aliases, element, positions, dropped, backward, param_grads, exclusive)
 
 
 class BuildCall(NamedTuple):
@@ -109,18 +114,22 @@ class BuildCall(NamedTuple):
         """What the translation traces (made per build, not per call)."""
         return TraceInput(self.combine_fn, self.spec, self.dtypes, self.element, self.captured)
 
-    def slot(self, aliases: Hashable, backward: bool, param_grads: bool = False) -> Hashable:
+    def slot(
+        self, aliases: Hashable, backward: bool, param_grads: bool = False, exclusive: bool = False
+    ) -> Hashable:
         """This call's :func:`slot_key`."""
-        return slot_key(aliases, self.element, self.positions, self.dropped, backward, param_grads)
+        return slot_key(
+            aliases, self.element, self.positions, self.dropped, backward, param_grads, exclusive
+        )
 
 
 def kernel_slots(holder: Knowledge) -> BoundedCache[Entry]:
     """The kernel entries of a knowledge entry, by (aliasing of the captured tensors,
-    element shape, backward). The trace is exact for one element shape only (Python
-    code may read sizes: a slice over a whole dimension traces as an alias), so each
-    shape gets its own entry; shapes that translate to the same source share one
-    compiled library (Inductor's cache is keyed by source), so a new shape costs a
-    trace (about 0.1-0.2 s), not a compile."""
+    element shape, backward, the exclusive variant: see :func:`slot_key`). The trace is
+    exact for one element shape only (Python code may read sizes: a slice over a whole
+    dimension traces as an alias), so each shape gets its own entry; shapes that
+    translate to the same source share one compiled library (Inductor's cache is keyed by
+    source), so a new shape costs a trace (about 0.1-0.2 s), not a compile."""
     slots = holder.kernels.get("cpp")
     if slots is None:
         with holder.lock:

@@ -57,9 +57,11 @@ def kernel_ready(
     leaves: Sequence[torch.Tensor],
     dim: int,
     positions: tuple[int, ...] = (),
+    exclusive: bool = False,
 ) -> bool:
     """Whether a compiled kernel for scans like this one is loaded (counts no call and
-    builds nothing: for benchmarks and tests that report which engine ran)."""
+    builds nothing: for benchmarks and tests that report which engine ran); ``exclusive``:
+    its exclusive variant."""
     if config.cpu_kernel == "off" or unavailable(leaves) is not None:
         return False
     lookup = lookup_kernels(combine_fn, spec, leaves, None, None)
@@ -68,7 +70,7 @@ def kernel_ready(
     holder, aliases, captured = lookup
     dtypes = tuple(x.dtype for x in leaves)
     call = BuildCall(combine_fn, spec, dtypes, element_shape(leaves, dim), captured, positions)
-    entry = kernel_slots(holder).get(call.slot(aliases, False))
+    entry = kernel_slots(holder).get(call.slot(aliases, False, False, exclusive))
     return entry is not None and entry.state is State.READY
 
 
@@ -135,12 +137,14 @@ def ready_entry(
     numel: int,
     backward: bool,
     param_grads: bool = False,
+    exclusive: bool = False,
 ) -> Entry | None:
     """The READY kernel entry, or None after counting the call and, per the mode,
-    building it now or queueing its build."""
+    building it now or queueing its build. ``exclusive``: the forward kernel's exclusive
+    variant (see :func:`~._kernel_entry.slot_key`), counted and built as any kernel."""
     entry = kernel_slots(holder).get_or_compute(
-        call.slot(aliases, backward, param_grads),
-        lambda: Entry(backward=backward, param_grads=param_grads),
+        call.slot(aliases, backward, param_grads, exclusive),
+        lambda: Entry(backward=backward, param_grads=param_grads, exclusive=exclusive),
     )
     eager = config.cpu_kernel == "eager"
     if entry.state is State.NEW or (eager and entry.state is State.PENDING):

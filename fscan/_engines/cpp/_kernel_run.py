@@ -17,7 +17,7 @@ import torch
 from ..._knowledge.store import Knowledge
 from ..._memory import HUGE_MIN_BYTES, advise_huge_pages
 from ._cpp_codegen import Program
-from ._cpp_source import compiles_exclusive, param_dtype
+from ._cpp_source import param_dtype
 from ._kernel_entry import Entry, is_ready, slot_key
 from ._kernel_layout import counters, strided_layout, strided_view
 
@@ -141,6 +141,7 @@ class PreparedRun(NamedTuple):
     tail: tuple[int, ...]  # blocks, strides, null carry-in addresses (, the first position)
     threads: int | None = None  # at most this many (None: torch.get_num_threads())
     positions: tuple[int, ...] = ()  # position leaves: not read, their outputs int64
+    exclusive: bool = False  # the kernel's exclusive variant: run it by exclusive_run only
 
 
 def prepare_run(
@@ -152,15 +153,18 @@ def prepare_run(
     threads: int | None = None,
     positions: tuple[int, ...] = (),
     first_position: int = 0,
+    exclusive: bool = False,
 ) -> PreparedRun | None:
     """The :class:`PreparedRun` of the READY forward kernel in ``holder`` for non-empty
     ``leaves`` of one shape scanned along ``dim`` (non-negative), those not in
     ``positions`` contiguous (see :func:`~.cpu_kernel.kernel_scan` for ``positions`` and
-    ``first_position``), on ``threads`` threads at most (as :func:`run_kernel`'s), else None."""
+    ``first_position``), on ``threads`` threads at most (as :func:`run_kernel`'s), else None.
+    ``exclusive``: of the kernel's exclusive variant (READY: see
+    :func:`~.cpu_kernel.exclusive_ready`), for :func:`exclusive_run`."""
     shape = leaves[0].shape
     element = tuple(shape[:dim] + shape[dim + 1 :])
     entry = holder.kernels.get("cpp")
-    slot = slot_key(aliases, element, positions, (), False, False)
+    slot = slot_key(aliases, element, positions, (), False, False, exclusive)
     entry = None if entry is None else entry.peek(slot)
     read = [x for k, x in enumerate(leaves) if k not in positions]
     if not is_ready(entry) or not all(x.is_contiguous() and x.shape == shape for x in read):
@@ -174,7 +178,8 @@ def prepare_run(
     strides = contiguous_strides(steps, inner, n_read) + _dense_strides(1, steps, inner, n)
     tail = (1, *strides, *(0,) * n_read, *(first_position,) * bool(positions))
     sizes = (outer, steps, inner, int(reverse))
-    return PreparedRun(entry.kernel, entry.program, element, sizes, tail, threads, positions)
+    run = PreparedRun(entry.kernel, entry.program, element, sizes, tail, threads, positions)
+    return run._replace(exclusive=True) if exclusive else run
 
 
 def run_prepared(
@@ -222,38 +227,39 @@ _get_num_threads, _empty_like = torch.get_num_threads, torch.empty_like
 
 
 def exclusive_run(run: PreparedRun, start: torch.Tensor, fold: bool = True) -> PreparedRun:
-    """``run`` (a drop-in's :class:`PreparedRun` of one read leaf) as the exclusive scan
-    the kernel writes in one pass (its exclusive bits, ``_EXCLUSIVE``, in the reverse
-    argument: see ``scan`` in csrc/forward.h): output step ``t`` is the running value
-    before step ``t``'s input is combined, ``start`` (one element, the start value of
-    every lane; kept alive by the caller while the run is) at the first step in scan
-    order, and a position leaf (cummax/cummin's index) -1 there, in both directions.
-    ``fold``: ``start`` is combined with the first step (a carry-in); else the first
-    step's input alone starts the running value (the same values for a start ``e`` with
-    ``combine(e, x) == x`` exactly, without that combine)."""
-    if not compiles_exclusive(1, run.program):  # its kernel has no exclusive mode
-        raise ValueError("exclusive_run: a kernel with params compiles no exclusive mode")
+    """``run`` (a drop-in's :class:`PreparedRun` of one read leaf, of the kernel's
+    exclusive variant: ``prepare_run(..., exclusive=True)``) with what the exclusive scan
+    the kernel writes in one pass reads at run time (see ``scan`` in csrc/forward.h):
+    output step ``t`` is the running value before step ``t``'s input is combined,
+    ``start`` (one element, the start value of every lane; kept alive by the caller while
+    the run is) at the first step in scan order, and a position leaf (cummax/cummin's
+    index) -1 there, in both directions. ``fold``: ``start`` is combined with the first
+    step (a carry-in); else the first step's input alone starts the running value (the
+    same values for a start ``e`` with ``combine(e, x) == x`` exactly, without that
+    combine). ValueError for a run of an ordinary kernel (it would scan inclusively)."""
+    if not run.exclusive:
+        raise ValueError("exclusive_run: the run is not of the kernel's exclusive variant")
     tail = list(run.tail)
     at = len(tail) - 1 - bool(run.positions)  # the read leaf's carry-in address
     tail[at] = start.data_ptr()  # (a position leaf's first position: 0, as prepared)
     outer, steps, inner, reverse = run.sizes
-    sizes = (outer, steps, inner, (reverse & 1) | _EXCLUSIVE | (0 if fold else _UNFOLDED))
+    sizes = (outer, steps, inner, (reverse & 1) | (0 if fold else _UNFOLDED))
     return run._replace(sizes=sizes, tail=tuple(tail))
 
 
-# The kernel's reverse argument: bit 0 reversed, these the exclusive scan and its start
+# The kernel's reverse argument: bit 0 reversed, this (the exclusive variant) its start
 # value not combined with the first step.
-_EXCLUSIVE, _UNFOLDED = 2, 4
+_UNFOLDED = 4
 
 
 def run_exclusive_prepared(run: PreparedRun, x: torch.Tensor) -> list[torch.Tensor]:
     """The exclusive drop-in of a contiguous ``x`` (of the shape it was prepared for) by
-    an :func:`exclusive_run`: one kernel pass reads every step of ``x`` and writes every
-    step of fresh outputs laid out as the inclusive call's. (Before the kernel wrote the
-    exclusive scan itself this route read the input one step behind the output, or scanned
-    ``n - 1`` steps into the outputs' later steps and filled the first after: a second,
-    strided pass over the outputs that cost 1.15-1.4x the inclusive call on (1024, 8, 64)
-    dim 1.)"""
+    an :func:`exclusive_run`: one pass of the kernel's exclusive variant reads every step
+    of ``x`` and writes every step of fresh outputs laid out as the inclusive call's.
+    (Before the kernel wrote the exclusive scan itself this route read the input one step
+    behind the output, or scanned ``n - 1`` steps into the outputs' later steps and filled
+    the first after: a second, strided pass over the outputs that cost 1.15-1.4x the
+    inclusive call on (1024, 8, 64) dim 1.)"""
     ys = fresh_outputs([x], run.positions)
     if x.numel() >= _HUGE_GATE:
         _advise(ys)

@@ -16,7 +16,9 @@ contiguous, as torch's scans return them, or written in place into a caller's
 memory of any strides (``out=``: see :func:`kernel_scan`); outputs a caller drops (``keep=``)
 are neither allocated nor stored (a kernel per pattern of kept outputs, in the
 slot key), and a carry-in (``head=``: the first element in scan order, replaced)
-is a runtime argument of every forward kernel. The entries live
+is a runtime argument of every forward kernel. The exclusive drop-ins run a variant of
+the forward kernel of their own (:func:`exclusive_ready`: it compiles only the exclusive
+scan's paths, as the ordinary kernel only the inclusive ones), in the slot key too. The entries live
 in ``Knowledge.kernels``: bounded with the knowledge cache, cleared by
 ``fscan.clear_caches()``.
 
@@ -116,6 +118,7 @@ __all__ = [
     "KernelScan",
     "PreparedRun",
     "counters",
+    "exclusive_ready",
     "exclusive_run",
     "fresh_outputs",
     "kernel_entries",
@@ -228,6 +231,37 @@ def kernel_scan(
         outs,
         first_position,
     )
+
+
+def exclusive_ready(
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    positions: tuple[int, ...] = (),
+) -> bool:
+    """Whether the kernel's exclusive variant for scans like this one is READY (then
+    :func:`prepare_run` with ``exclusive=True`` finds it), after counting this call and,
+    per ``fscan.config.cpu_kernel``, building the variant now (``"eager"``) or queueing its
+    build, as :func:`kernel_scan` does for the ordinary kernel; False also where no kernel
+    can serve the leaves (one debug log why). For a drop-in's combine (fscan's own: one
+    read leaf, no params, nothing captured; see
+    :func:`~._cpp_source.compiles_exclusive`): the variant compiles only the exclusive
+    scan's paths (see ``scan`` in csrc/forward.h), so an exclusive call never pays for the
+    inclusive ones, nor an inclusive call for these."""
+    if config.cpu_kernel == "off":
+        return False
+    lookup = serving_lookup(combine_fn, spec, leaves, None, None, gradients=False)
+    if lookup is None:
+        return False
+    holder, aliases, captured = lookup
+    element = element_shape(leaves, dim)
+    slot = slot_key(aliases, element, positions, (), False, False, True)
+    if is_ready(kernel_slots(holder).get(slot)):
+        return True
+    dtypes = tuple([x.dtype for x in leaves])
+    call = BuildCall(combine_fn, spec, dtypes, element, captured, positions)
+    return ready_entry(holder, aliases, call, leaves[0].numel(), False, exclusive=True) is not None
 
 
 def combine_step(

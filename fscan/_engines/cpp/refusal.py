@@ -35,11 +35,13 @@ def kernel_refusal(
     dropped: tuple[int, ...] = (),
     backward: int = 0,
     segmented: bool = False,
+    exclusive: bool = False,
 ) -> str | None:
     """Why the C++ kernel would not serve a scan like this now, or None if it would (read
     as ``fscan._engines.cpp.cpu_kernel`` decides, without its side effects). ``backward``: 0 the
     forward kernel, 1 the gradient kernel, 2 that with captured tensors' gradients.
-    ``segmented``: the segmented kernel (``reset=``), built once the forward kernel is."""
+    ``segmented``: the segmented kernel (``reset=``), built once the forward kernel is.
+    ``exclusive``: the forward kernel's exclusive variant (an exclusive drop-in's)."""
     static = kernel_unavailable(leaves)
     if static is not None:
         return static
@@ -55,9 +57,11 @@ def kernel_refusal(
         return "combine_fn reaches tensors in no fixed order (a set): no kernel is cached"
     slots = None if holder is None else holder.kernels.get("cpp")
     element = tuple(leaves[0].shape[:dim] + leaves[0].shape[dim + 1 :])
-    key = slot_key(aliases, element, positions, dropped, backward > 0, backward > 1)
+    key = slot_key(aliases, element, positions, dropped, backward > 0, backward > 1, exclusive)
     entry = None if slots is None else slots.peek(key)
     what = "the gradient kernel" if backward else "the kernel"
+    if exclusive:
+        what = "the kernel's exclusive variant"
     if segmented and entry is not None and entry.state is State.READY:
         entry = slots.peek(("segmented", key))
         what = "the segmented kernel"

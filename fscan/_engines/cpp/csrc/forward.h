@@ -9,32 +9,33 @@
 // The lane path wants lanes next to each other in memory (SIMD over them); where an
 // input or output is laid out along T instead (a transpose: T stride below the inner
 // stride), the chain path walks each lane along its contiguous steps.
-// excl: the exclusive scan, written in the same pass: output step t is the running value
-// before step t's input is combined, the carry-in at the first step in scan order. Its
-// carry-in is the heads' FIRST element, shared by every lane (the start value: the
-// drop-ins' identity; a position leaf starts at -1 there, in both directions), and is
-// combined with the first step where fold (a true carry-in, not a replacement of that step
-// as the inclusive scan's heads are), else only written there, the first step's input
-// starting the running value (for an identity e with combine(e, x) == x exactly, the same
-// values without the combine: logcumsumexp's -inf start took float32 subnormal assists in
-// logaddexp, 1.10x the inclusive call over (1024, 8, 64) dim 1); excl needs heads. (The exclusive drop-ins' repeat route
-// used to run the inclusive scan with the input read one step behind the output, or n - 1
-// steps into shifted outputs and a strided fill of the first step: the latter a second
-// pass over memory, the former no tiles on the chain path, where heads disable them.)
-// EXCLUSIVE_MODE (generated: fscan._engines.cpp._cpp_source.compiles_exclusive): only the
-// kernels the exclusive drop-ins use compile the exclusive paths (one read leaf, no
-// params); in every kernel they made a forward build 50-70% dearer (float32 add 4.2 ->
-// 6.6 CPU-s). Elsewhere excl is never asked for (cpu_kernel.exclusive_run checks).
-static void scan(const In x, const Out y, const Par p, const Geo& S, bool rev, bool excl,
-                 bool fold, int threads, const Heads& H) {
+// The exclusive scan (the kernel's EXCLUSIVE_MODE), written in one pass: output step t
+// is the running value before step t's input is combined, the carry-in at the first step
+// in scan order. Its carry-in is the heads' FIRST element, shared by every lane (the start
+// value: the drop-ins' identity; a position leaf starts at -1 there, in both directions),
+// and is combined with the first step where fold (a true carry-in, not a replacement of
+// that step as the inclusive scan's heads are), else only written there, the first step's
+// input starting the running value (for an identity e with combine(e, x) == x exactly, the
+// same values without the combine: logcumsumexp's -inf start took float32 subnormal assists
+// in logaddexp, 1.10x the inclusive call over (1024, 8, 64) dim 1); it needs heads. (The
+// exclusive drop-ins' repeat route used to run the inclusive scan with the input read one
+// step behind the output, or n - 1 steps into shifted outputs and a strided fill of the
+// first step: the latter a second pass over memory, the former no tiles on the chain path,
+// where heads disable them.)
+// EXCLUSIVE_MODE (generated: forward_source's exclusive) picks the instantiations: a kernel
+// compiles either the exclusive paths or the inclusive ones, never both. Both made every
+// one-leaf kernel's build twice as dear (float32 add: 6.7 CPU-s of g++, 3.6 with one), so
+// the exclusive scan is a kernel variant of its own (an entry of its own: the slot key's
+// last field), built only where an exclusive drop-in asks for it. (A runtime select between
+// the two stores in the row loop built 25-30% faster but kept the lane add from
+// vectorising: ~6x slower.)
+static void scan(const In x, const Out y, const Par p, const Geo& S, bool rev, bool fold,
+                 int threads, const Heads& H) {
   if (S.T <= 0 || S.outer <= 0 || S.inner <= 0) return;
   const int64_t total = S.outer * S.T * S.inner;
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, total / PER_THREAD));
-  if (S.inner >= VEC_MIN && !along(x) && !along(y)) {
-    if constexpr (EXCLUSIVE_MODE) if (excl) return lane_path<true>(x, y, p, S, rev, nt, H, fold);
-    lane_path<false>(x, y, p, S, rev, nt, H);
-  } else {
-    if constexpr (EXCLUSIVE_MODE) if (excl) return chain_path<true>(x, y, p, S, rev, nt, H, fold);
-    chain_path<false>(x, y, p, S, rev, nt, H);
-  }
+  if (S.inner >= VEC_MIN && !along(x) && !along(y))
+    lane_path<EXCLUSIVE_MODE>(x, y, p, S, rev, nt, H, fold);
+  else
+    chain_path<EXCLUSIVE_MODE>(x, y, p, S, rev, nt, H, fold);
 }

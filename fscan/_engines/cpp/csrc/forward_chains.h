@@ -16,24 +16,33 @@ static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const 
                                 const int64_t* len, const int64_t* elem, int64_t tstep,
                                 const Vals* carry, const bool* has, Vals* last,
                                 const In* hb, const bool* head) {
+  constexpr int64_t X = WRITE && EXCL;  // steps walked: each chain's len - X (see walk)
   Vals acc[NG];
   In xp[NG];  // each chain's inputs and outputs at its first step
   Out yp[NG];
-  int64_t common = len[0];
-  for (int g = 1; g < NG; ++g) common = std::min(common, len[g]);
+  int64_t common = len[0] - X;
+  for (int g = 1; g < NG; ++g) common = std::min(common, len[g] - X);
 #pragma GCC unroll 8
   for (int g = 0; g < NG; ++g) {
     xp[g] = row(xb[g], t0[g]);
     yp[g] = row(yb[g], t0[g]);
     const Vals v = head[g] ? load_t(hb[g], 0, t0[g]) : load_t(xp[g], 0, t0[g]);
-    if (WRITE && EXCL) store_t(yp[g], 0, carry[g]);
+    if (X) store_t(yp[g], 0, carry[g]);
     acc[g] = has[g] ? combine(carry[g], v, p, elem[g]) : v;
-    if (WRITE && !EXCL) store_t(yp[g], 0, acc[g]);
+    if (WRITE) {
+      if (!X) store_t(yp[g], 0, acc[g]);
+      else if (len[g] > 1) store_t(yp[g], tstep, acc[g]);
+    }
   }
+  // X: step s's result is stored as output s + 1 as soon as it is computed (as the
+  // inclusive walk stores it), and the last step's input is never combined: nothing reads
+  // it. (Stored as output s before step s was combined, the old and the new running value
+  // were live at once: cummax's (value, index) pair over 8 chains spilled more (57 moves in
+  // the loop against the inclusive walk's 42), and reversed over (4096, 256) dim 1 ran
+  // 1.2-1.27x the inclusive call, (1048576,) 1.12-1.19x.)
   auto walk = [&](int g, int64_t s) {
-    if (WRITE && EXCL) store_t(yp[g], s * tstep, acc[g]);
     acc[g] = combine(acc[g], load_t(xp[g], s * tstep, t0[g] + s * tstep), p, elem[g]);
-    if (WRITE && !EXCL) store_t(yp[g], s * tstep, acc[g]);
+    if (WRITE) store_t(yp[g], (s + X) * tstep, acc[g]);
   };
   // Lanes a multiple of 4 KiB apart (T a power of two, inner 1) walked in step put every
   // chain's current lines in one L1 set: (64, 16384) over the last dim ran 17 ns an
@@ -51,7 +60,7 @@ static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const 
     for (int g = 0; g < NG; ++g) walk(g, at[g] + s);
   }
   for (int g = 0; g < NG; ++g) {
-    for (int64_t s = at[g] + std::max<int64_t>(n, 0); s < len[g]; ++s) walk(g, s);
+    for (int64_t s = at[g] + std::max<int64_t>(n, 0); s < len[g] - X; ++s) walk(g, s);
     if (!WRITE) last[g] = acc[g];
   }
 }
@@ -211,10 +220,13 @@ template <bool WRITE, bool EXCL = false>
 static void chain_group(const In* xb, const Out* yb, const Par p, int ng, const int64_t* t0,
                         const int64_t* len, const int64_t* elem, int64_t tstep, const Vals* carry,
                         const bool* has, Vals* last, const In* hb, const bool* head, Tiles& tl) {
-  // A chain at a time, by prefix scans (forward_prefix.h), which have no exclusive mode.
-  if (PREFIX_ON && !EXCL && prefixable(xb[0], yb[0])) {
-    prefix_group<WRITE>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, last, hb, head);
-    return;
+  // A chain at a time, by prefix scans (forward_prefix.h), which have no exclusive mode
+  // (constexpr: the exclusive variant compiles none).
+  if constexpr (!EXCL) {
+    if (PREFIX_ON && prefixable(xb[0], yb[0])) {
+      prefix_group<WRITE>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, last, hb, head);
+      return;
+    }
   }
   if (ng == CG) {
     bool heads = false;
@@ -243,7 +255,7 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
   const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
   int64_t C = 1;  // chunks per lane
   // Prefix chains (forward_prefix.h) go one at a time: chunked only for the threads.
-  const int64_t cg = PREFIX_ON && prefixable(x, y) ? 1 : CG;
+  const int64_t cg = !EXCL && PREFIX_ON && prefixable(x, y) ? 1 : CG;
   if (lanes < (int64_t)nt * cg) {
     C = std::min<int64_t>(((int64_t)nt * cg + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
     if (C >= cg) C = C / cg * cg;
