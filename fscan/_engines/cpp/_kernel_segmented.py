@@ -106,7 +106,11 @@ def chains_tiled(program: Program) -> bool:
     runs. So an arithmetic combine of float32 leaves tiles where whole lanes read a 1-D
     mask (SEG_TILE_ROWS), and walks otherwise. What is left over the forward: the
     transposes' spills in the tile loop and the restarted tiles' blends (~4%): scanning
-    those without the blend too ran 1.14x."""
+    those without the blend too ran 1.14x. The walked rows pay a little for the tiles'
+    code beside them: over (1048576,) (chunks, walked), against the forward's kernel,
+    cumsum 0.96/0.92x (fwd/rev) where it ran 0.93/0.87x before, cumprod reversed 0.86x
+    (0.81x); 1.04-1.06x while the gathering tiles, which SEG_TILE_ROWS never reaches,
+    were compiled in too."""
     return program.expensive
 
 

@@ -388,7 +388,7 @@ static void seg_chain_group(const In x, const Out y, const Par p, const Flags R,
     if (TILED && tileable(x, y)) {
       if (rev) seg_transposed_chains<false>(x, y, p, R, S, lane, s0, s1, carry, rows, tl.t);
       else seg_transposed_chains<true>(x, y, p, R, S, lane, s0, s1, carry, rows, tl.t);
-    } else {
+    } else if (SEG_TILED) {  // (SEG_TILE_ROWS tiles only where tileable: not compiled there)
       seg_tile_chains(x, y, p, R, S, rev, lane, s0, s1, carry, tl);
     }
     return;
