@@ -1,7 +1,9 @@
 """The segmented chain path's register-transposed tiles (float32, steps dense: csrc/
 segmented_chains.h, seg_transposed_chains): chain lengths around the tiles' 16 steps,
 a restart at every offset inside a tile, both directions, 1-3 threads (chunks of
-unequal lengths, carries composed), row and element flags, against a float64 walk."""
+unequal lengths, carries composed), row and element flags, against a float64 walk.
+logcumsumexp tiles every group of chains; cumsum and cumprod only whole lanes reading a
+1-D mask (each tile's restarts as bits: SEG_TILE_ROWS), the rest walked."""
 
 from __future__ import annotations
 
@@ -11,11 +13,26 @@ from helpers import torch_threads
 from test_segmented_kernel import mask, oracle, run
 
 
-def check32(x, dim, reset, reverse, threads=None):
-    got = run("logcumsumexp", x, dim, reset, reverse, threads)
-    values, _ = oracle("logcumsumexp", x, dim, reset, reverse)
+def check32(x, dim, reset, reverse, threads=None, name="logcumsumexp"):
+    if name == "cumprod":
+        x = x * 0.1 + 1.0
+    got = run(name, x, dim, reset, reverse, threads)
+    values, _ = oracle(name, x, dim, reset, reverse)
     assert got[0].dtype == torch.float32
     torch.testing.assert_close(got[0].double(), values, rtol=2e-6, atol=2e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", ["cumsum", "cumprod", "logcumsumexp"])
+@pytest.mark.parametrize("steps", [1, 2, 15, 16, 17, 31, 33, 48, 50])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_row_flags_around_the_tiles(name, steps, reverse):
+    """21 lanes (two whole groups of 8 chains, or one of 16, then lanes walked), a 1-D
+    mask: restarts at the first and last steps, two adjacent, one about every 7 steps."""
+    x = torch.randn(21, steps, generator=torch.Generator().manual_seed(steps))
+    reset = torch.arange(steps) % 7 == 3
+    reset[0] = reset[-1] = True
+    reset[steps // 2 : steps // 2 + 2] = True
+    check32(x, 1, reset, reverse, name=name)
 
 
 @pytest.mark.parametrize("steps", list(range(1, 36)))
@@ -35,12 +52,14 @@ def test_chain_lengths_around_the_tiles(steps, reverse):
 @pytest.mark.parametrize("flags", ["row", "element"])
 def test_a_restart_at_every_offset_in_a_tile(offset, reverse, flags):
     """A restart at one offset of every tile (a whole tile's rows and the partial tile's),
-    shared by every lane (a 1-D mask) or on every other lane."""
+    shared by every lane (a 1-D mask) or on every other lane; cumsum with a 1-D mask too."""
     x = torch.randn(32, 16 * 3 + 7, generator=torch.Generator().manual_seed(offset))
     n = x.shape[1]
     row = torch.arange(n) % 16 == offset
     reset = row if flags == "row" else (row[None, :] & (torch.arange(32)[:, None] % 2 == 0))
     check32(x, 1, reset, reverse)
+    if flags == "row":
+        check32(x, 1, reset, reverse, name="cumsum")
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -60,6 +79,8 @@ def test_chunks_and_threads(threads, shape, dim, flags, reverse):
         reset = torch.zeros(n, dtype=torch.bool)
     with torch_threads(threads):
         check32(x, dim, reset, reverse, threads)
+        if flags == "row":  # cumsum: tiled on whole lanes ((40, 301): 1-3 threads), else walked
+            check32(x, dim, reset, reverse, threads, name="cumsum")
 
 
 def test_inf_and_nan_stay_in_their_segment():

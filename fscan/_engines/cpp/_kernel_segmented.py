@@ -93,7 +93,24 @@ def chains_tiled(program: Program) -> bool:
     chains' and the tiles' loads), 6.5% in seg_tile_scan. Nor did the walk gain from
     chains sharing a 1-D mask's flags walked a segment at a time without the pick (the
     kernel alone 0.74-0.86 ns an element, as the walk with it): the flags are not what
-    the walk of cumsum pays for."""
+    the walk of cumsum pays for.
+    Why those tiles lost (s36, valgrind's instruction counts and standalone builds of the
+    generated source, cumsum over (4096, 256) dim 1, the kernel alone into one output at
+    16 offsets mod 4 KiB, thread CPU time, load 4-7): seg_transposed_chains was inlined
+    into seg_chain_path's team lambda, where GCC spilled the transposes' registers (328
+    vector stores to the stack against 64 in the forward's chain_path): 1.67x the
+    forward's kernel, against 1.32-1.38x walked. A function of its own (noinline), each
+    tile's restarts as bits read once a call (not a tile's 16 flags per group of chains),
+    a tile without one scanned as the forward's tile_scan and one with one by a blend on
+    a broadcast row bit: 1.16-1.18x (reversed 1.11-1.18x), walked 1.21-1.34x in the same
+    runs. So an arithmetic combine of float32 leaves tiles where whole lanes read a 1-D
+    mask (SEG_TILE_ROWS), and walks otherwise. What is left over the forward: the
+    transposes' spills in the tile loop and the restarted tiles' blends (~4%): scanning
+    those without the blend too ran 1.14x. The walked rows pay a little for the tiles'
+    code beside them: over (1048576,) (chunks, walked), against the forward's kernel,
+    cumsum 0.96/0.92x (fwd/rev) where it ran 0.93/0.87x before, cumprod reversed 0.86x
+    (0.81x); 1.04-1.06x while the gathering tiles, which SEG_TILE_ROWS never reaches,
+    were compiled in too."""
     return program.expensive
 
 
@@ -134,8 +151,9 @@ def segmented_source(
     read_idx = [k for k in every if k not in positions]
     read = [f"x{k}" for k in read_idx]
     # The chain tiles transpose in registers where the forward's would (float32, no
-    # positions) and the segmented chains tile at all (see chains_tiled).
-    transposed = chains_tiled(program) and tiled(st, positions)
+    # positions): every group of chains where they tile at all (chains_tiled), else groups
+    # that share a 1-D mask's rows (SEG_TILE_ROWS, see chains_tiled).
+    transposed = tiled(st, positions)
     written = [f"y{k}" for k in every]
     return _kernel(
         "segmented.cpp.in",
@@ -147,6 +165,7 @@ def segmented_source(
         segmented=csrc("segmented.h"),
         segmented_chains=csrc("segmented_chains.h"),
         seg_tiled="true" if chains_tiled(program) else "false",
+        seg_tile_rows="true" if transposed else "false",
         seg_interleave=str(chains_interleaved(positions)),
         pick="".join(f"  o.v{k} = f ? a.v{k} : b.v{k};\n" for k in every),
         arguments=", ".join(

@@ -5,7 +5,8 @@
 // SEG_TILED (generated, per combine and leaf layout): SEG_TW chains go side by side, as the
 // lanes of vector loops, TB steps at a time (a tile, gathered into SoA rows, the flags
 // with them); else SEG_G chains (generated: 3, or 1 where the combine selects) are walked
-// interleaved. One chain walked alone (the reduce
+// interleaved, but where SEG_TILE_ROWS (float32 leaves, no positions: cumsum, cumprod)
+// and whole lanes read a 1-D mask, tiled as the forward's. One chain walked alone (the reduce
 // pass over one lane's chunks, the old split) ran 2-3x the forward's chain path; walked
 // chains kept cummax's and logcumsumexp's combines scalar (7 and 36 ns an element).
 
@@ -241,11 +242,18 @@ struct SegTiles {
   alignas(64) int32_t flag[TB * TW];  // (w * TB + j) * TV + g: as the tile's rows
 };
 
-// Steps [K0, TB) (in scan order; UP: ascending rows) of a whole tile, the running values
+// How a tile's restarts are read: NO_FLAGS, none in the tile (scanned as the forward's
+// tile_scan, without the flags' loads, widenings and blends: cumsum over (4096, 256) dim 1,
+// 260 instructions a tile of 8 chains with them, 154 without); ROW_BITS, restarts shared
+// by every chain (a 1-D mask): bit k of `rows` for step k, a blend of a broadcast mask;
+// LANE_FLAGS, each chain's own, from the tile's flags (tl.flag).
+enum { NO_FLAGS = 0, ROW_BITS = 1, LANE_FLAGS = 2 };
+
+// The TB steps (in scan order; UP: ascending rows) of a whole tile, the running values
 // in registers (see tile_scan in forward_chains.h for why a function of its own).
-template <bool UP, int64_t K0>
+template <bool UP, int FLAGS>
 SEG_TILE_SCAN static void seg_tile_scan(const In x, const Out y, const Par p, const int64_t* elem,
-                                        const Buf acc, SegTiles& tl) {
+                                        const Buf acc, SegTiles& tl, unsigned rows) {
   const int32_t* const fl = tl.flag;
 #pragma GCC ivdep
   for (int g = 0; g < TV; ++g) {
@@ -253,14 +261,16 @@ SEG_TILE_SCAN static void seg_tile_scan(const In x, const Out y, const Par p, co
 #pragma GCC unroll 4
     for (int w = 0; w < WAYS; ++w) a[w] = get_all(acc, w * TV + g);
 #pragma GCC unroll 16
-    for (int64_t k = K0; k < TB; ++k) {
+    for (int64_t k = 0; k < TB; ++k) {
       const int64_t j = UP ? k : TB - 1 - k;
 #pragma GCC unroll 4
       for (int w = 0; w < WAYS; ++w) {
         const Vals v = load_i(tile_row(x, tl.in, w * TB + j), g, 0);
         const int64_t e = elem[w * TV + g];
         const Vals c = k == TB - 1 ? combine<true>(a[w], v, p, e) : combine<false>(a[w], v, p, e);
-        a[w] = pick(fl[(w * TB + j) * TV + g] != 0, v, c);
+        if (FLAGS == ROW_BITS) a[w] = pick(((rows >> k) & 1u) != 0, v, c);
+        else if (FLAGS == LANE_FLAGS) a[w] = pick(fl[(w * TB + j) * TV + g] != 0, v, c);
+        else a[w] = c;
         store_i(tile_row(y, tl.out, w * TB + j), g, a[w]);
       }
     }
@@ -269,11 +279,11 @@ SEG_TILE_SCAN static void seg_tile_scan(const In x, const Out y, const Par p, co
   }
 }
 
-// Steps [K0, n) of a partial tile (n < TB), a row at a time (see tile_scan_part).
-template <bool UP, int64_t K0>
+// The n steps of a partial tile (n < TB), a row at a time (see tile_scan_part).
+template <bool UP>
 SEG_TILE_SCAN static void seg_tile_scan_part(const In x, const Out y, const Par p, const int64_t* elem,
                                              const Buf acc, SegTiles& tl, int64_t n) {
-  for (int64_t k = K0; k < n; ++k) {
+  for (int64_t k = 0; k < n; ++k) {
     const int64_t j = UP ? k : TB - 1 - k;
     for (int w = 0; w < WAYS; ++w) {
       const In xr = tile_row(x, tl.in, w * TB + j);
@@ -291,10 +301,16 @@ SEG_TILE_SCAN static void seg_tile_scan_part(const In x, const Out y, const Par 
   }
 }
 
+// rows: where every chain starts at step 0 without a carry and reads a 1-D mask's flags,
+// each tile's restarts (bit k of rows[k0 / TB]: step k0 + k), else nullptr. A function of
+// its own: inlined into seg_chain_path, GCC spilled the transposes' registers (328 vector
+// stores to the stack there against 64 in the forward's chain_path) and the tiles ran
+// 1.67x the forward's, 1.34x so (cumsum over (4096, 256) dim 1, the kernel alone).
 template <bool UP>
-static void seg_transposed_chains(const In x, const Out y, const Par p, const Flags R, const Geo& S,
-                                  const int64_t* lane, const int64_t* s0, const int64_t* s1,
-                                  const Vals* const* carry, SegTiles& tl) {
+__attribute__((noinline)) static void seg_transposed_chains(
+    const In x, const Out y, const Par p, const Flags R, const Geo& S, const int64_t* lane,
+    const int64_t* s0, const int64_t* s1, const Vals* const* carry, const uint32_t* rows,
+    SegTiles& tl) {
   constexpr bool rev = !UP;
   const int64_t dt = UP ? 1 : -1;
   SegChain c[SEG_TW];
@@ -308,9 +324,6 @@ static void seg_transposed_chains(const In x, const Out y, const Par p, const Fl
     yb[g] = at(y, S, o, 0, i);
     common = std::min(common, s1[g] - s0[g]);
   }
-  // A 1-D mask read by chains at the same steps: each row's flag read once for the tile.
-  bool shared = R.sa == 0 && R.sb == 0 && R.si == 0;
-  for (int g = 1; g < SEG_TW; ++g) shared &= s0[g] == s0[0];
   const Buf acc = tl.acc.buf();
   int32_t* const fl = tl.flag;
   for (int64_t k0 = 0; k0 < common; k0 += TB) {
@@ -321,33 +334,33 @@ static void seg_transposed_chains(const In x, const Out y, const Par p, const Fl
     for (int g = 0; g < SEG_TW; ++g) lo[g] = UP ? c[g].t0 + k0 : c[g].t0 - k0 - (TB - 1);
     if (part) tile_in(xb, lo, tl.in, m);
     else tile_in(xb, lo, tl.in, all);
-    if (shared) {  // a 1-D mask, the chains at the same steps: a flag per row, broadcast
-      for (int64_t k = 0; k < n; ++k) {
-        const int32_t f = step(c[0].r, (k0 + k) * dt) != 0;
-        const int64_t j = UP ? k : TB - 1 - k;
-        for (int w = 0; w < WAYS; ++w)
-          for (int g = 0; g < TV; ++g) fl[(w * TB + j) * TV + g] = f;
+    if (rows != nullptr) {
+      // The first step restarts too: each chain's element (acc, not yet set, is dropped).
+      const unsigned r = rows[k0 / TB] | (k0 == 0 ? 1u : 0u);
+      if (part) {  // a row at a time, from the flags (once a group at most)
+        for (int64_t k = 0; k < n; ++k)
+          for (int w = 0; w < WAYS; ++w)
+            for (int g = 0; g < TV; ++g) fl[(w * TB + (UP ? k : TB - 1 - k)) * TV + g] = (r >> k) & 1u;
+        seg_tile_scan_part<UP>(x, y, p, lane, acc, tl, n);
+      } else if (r != 0) {
+        seg_tile_scan<UP, ROW_BITS>(x, y, p, lane, acc, tl, r);
+      } else {
+        seg_tile_scan<UP, NO_FLAGS>(x, y, p, lane, acc, tl, 0);
       }
     } else {
       for (int g = 0; g < SEG_TW; ++g) {
         int32_t* f = fl + (g / TV * TB) * TV + g % TV;
         for (int64_t k = 0; k < n; ++k) f[(UP ? k : TB - 1 - k) * TV] = step(c[g].r, (k0 + k) * dt) != 0;
       }
-    }
-    if (k0 == 0) {  // each chain's first step: from its carry, or its element
-      for (int g = 0; g < SEG_TW; ++g) {
-        const int64_t j = g / TV * TB + (UP ? 0 : TB - 1);
-        const Vals u = load_i(tile_row(x, tl.in, j), g % TV, 0);
-        const Vals v = carry[g] == nullptr ? u : pick(fl[j * TV + g % TV] != 0, u, combine(*carry[g], u, p, lane[g]));
-        put_all(acc, g, v);
-        store_i(tile_row(y, tl.out, j), g % TV, v);
+      // Each chain's first step: from its carry (the running value), else its element (a
+      // restart there). So the scans start at step 0 in every tile: the instantiations
+      // from step 1 (a third of the tile scans' build) are not needed.
+      for (int g = 0; k0 == 0 && g < SEG_TW; ++g) {
+        if (carry[g] != nullptr) put_all(acc, g, *carry[g]);
+        else fl[(g / TV * TB + (UP ? 0 : TB - 1)) * TV + g % TV] = 1;
       }
-      if (part) seg_tile_scan_part<UP, 1>(x, y, p, lane, acc, tl, n);
-      else seg_tile_scan<UP, 1>(x, y, p, lane, acc, tl);
-    } else if (part) {
-      seg_tile_scan_part<UP, 0>(x, y, p, lane, acc, tl, n);
-    } else {
-      seg_tile_scan<UP, 0>(x, y, p, lane, acc, tl);
+      if (part) seg_tile_scan_part<UP>(x, y, p, lane, acc, tl, n);
+      else seg_tile_scan<UP, LANE_FLAGS>(x, y, p, lane, acc, tl, 0);
     }
     if (part) tile_out(yb, lo, tl.out, m);
     else tile_out(yb, lo, tl.out, all);
@@ -361,18 +374,21 @@ static void seg_transposed_chains(const In x, const Out y, const Par p, const Fl
 }
 
 // Chains per group: SEG_TW where tiled, else SEG_G (generated: 3, or 1 for a combine that
-// selects; see fscan._engines.cpp._kernel_segmented.chains_interleaved).
-static constexpr int SEG_CG = SEG_TILED ? SEG_TW : SEG_G;
+// selects; see fscan._engines.cpp._kernel_segmented.chains_interleaved). SEG_GMAX: the
+// larger, the size of a group's arrays.
+static constexpr int SEG_GMAX = SEG_TW > SEG_G ? SEG_TW : SEG_G;
 
-// ng chains written: a whole group tiled, or SEG_G at a time interleaved; fewer, one by one.
+// ng chains written: a whole group of SEG_TW tiled (where `tiled`), or SEG_G at a time
+// interleaved; fewer, one by one.
 static void seg_chain_group(const In x, const Out y, const Par p, const Flags R, const Geo& S,
-                            bool rev, int ng, const int64_t* lane, const int64_t* s0,
-                            const int64_t* s1, const Vals* const* carry, SegTile& tl) {
-  if (ng == SEG_CG && SEG_TILED) {
+                            bool rev, bool tiled, int ng, const int64_t* lane, const int64_t* s0,
+                            const int64_t* s1, const Vals* const* carry, const uint32_t* rows,
+                            SegTile& tl) {
+  if (tiled && ng == SEG_TW) {
     if (TILED && tileable(x, y)) {
-      if (rev) seg_transposed_chains<false>(x, y, p, R, S, lane, s0, s1, carry, tl.t);
-      else seg_transposed_chains<true>(x, y, p, R, S, lane, s0, s1, carry, tl.t);
-    } else {
+      if (rev) seg_transposed_chains<false>(x, y, p, R, S, lane, s0, s1, carry, rows, tl.t);
+      else seg_transposed_chains<true>(x, y, p, R, S, lane, s0, s1, carry, rows, tl.t);
+    } else if (SEG_TILED) {  // (SEG_TILE_ROWS tiles only where tileable: not compiled there)
       seg_tile_chains(x, y, p, R, S, rev, lane, s0, s1, carry, tl);
     }
     return;
@@ -400,23 +416,39 @@ static void seg_total_group(const In x, const Out y, const Par p, const Flags R,
 static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, const Geo& S,
                            bool rev, int nt) {
   const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
-  int64_t C = 1;  // chunks per lane
-  if (lanes < (int64_t)nt * SEG_CG) {
-    C = std::min<int64_t>(((int64_t)nt * SEG_CG + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
-    if (C >= SEG_CG) C = C / SEG_CG * SEG_CG;
-  }
+  auto chunks = [&](int64_t cg) {  // chunks per lane, for groups of cg chains
+    if (lanes >= (int64_t)nt * cg) return (int64_t)1;
+    const int64_t c = std::min<int64_t>(((int64_t)nt * cg + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
+    return c >= cg ? c / cg * cg : c;
+  };
+  // Tiled: every group where SEG_TILED; else (SEG_TILE_ROWS: an arithmetic combine of
+  // float32 leaves) where the tiles transpose in registers and every chain of a group
+  // reads one row of flags at the same steps (a 1-D mask, whole lanes): 5 tiles in 6 then
+  // scan without flags, as the forward's (cumsum over (4096, 256) dim 1, a restart every
+  // 97 steps: see fscan._engines.cpp._kernel_segmented.chains_tiled).
+  bool tiled = SEG_TILED;
+  if (!SEG_TILED && SEG_TILE_ROWS && TILED && tileable(x, y))
+    tiled = R.sa == 0 && R.sb == 0 && R.si == 0 && chunks(SEG_TW) == 1;
+  const int64_t cg = tiled ? SEG_TW : SEG_G;
+  int64_t C = chunks(cg);
   int64_t L = (T + C - 1) / C;
   // Chunks of one lane at power-of-two distances share cache sets: skew them.
   if (C > 1 && inner == 1) L = (L + 15) / 16 * 16 + 16;
   C = (T + L - 1) / L;
-  const int64_t items = lanes * C, groups = (items + SEG_CG - 1) / SEG_CG;
+  const int64_t items = lanes * C, groups = (items + cg - 1) / cg;
   std::vector<Vals> tot(C > 1 ? items : 0);
   std::vector<uint8_t> seen(tot.size());
+  // Tiled whole lanes reading a 1-D mask: each tile's restarts as bits, read once here
+  // (each group reading its tiles' flags cost 5% of cumsum over (4096, 256) dim 1).
+  std::vector<uint32_t> bits(tiled && C == 1 && R.sa == 0 && R.sb == 0 && R.si == 0 ? (T + TB - 1) / TB : 0);
+  for (int64_t s = 0; s < (bits.empty() ? 0 : T); ++s)
+    bits[s / TB] |= (uint32_t)(step(R, rev ? T - 1 - s : s) != 0) << (s % TB);
+  const uint32_t* const rows = bits.empty() ? nullptr : bits.data();
   fscan_team(nt, [&] {
     SegTiles tiles;
     SegTile tl(tiles);
-    int64_t lane[SEG_CG], s0[SEG_CG], s1[SEG_CG];
-    const Vals* carry[SEG_CG];
+    int64_t lane[SEG_GMAX], s0[SEG_GMAX], s1[SEG_GMAX];
+    const Vals* carry[SEG_GMAX];
     auto describe = [&](int g, int64_t k, bool write) {
       const int64_t c = k % C;
       lane[g] = k / C;
@@ -427,11 +459,11 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
     if (C > 1) {  // every chunk's total but each lane's last
 #pragma omp for schedule(static)
       for (int64_t gi = 0; gi < groups; ++gi) {
-        int64_t ks[SEG_CG];
-        Vals last[SEG_CG];
-        uint8_t restarts[SEG_CG];
+        int64_t ks[SEG_GMAX];
+        Vals last[SEG_GMAX];
+        uint8_t restarts[SEG_GMAX];
         int ng = 0;
-        for (int64_t k = gi * SEG_CG; k < std::min(items, (gi + 1) * SEG_CG); ++k)
+        for (int64_t k = gi * cg; k < std::min(items, (gi + 1) * cg); ++k)
           if (k % C != C - 1) { ks[ng] = k; describe(ng++, k, false); }
         seg_total_group(x, y, p, R, S, rev, ng, lane, s0, s1, carry, last, restarts);
         for (int g = 0; g < ng; ++g) { tot[ks[g]] = last[g]; seen[ks[g]] = restarts[g]; }
@@ -458,9 +490,9 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
     }
 #pragma omp for schedule(static)
     for (int64_t gi = 0; gi < groups; ++gi) {
-      const int ng = (int)std::min<int64_t>(SEG_CG, items - gi * SEG_CG);
-      for (int g = 0; g < ng; ++g) describe(g, gi * SEG_CG + g, true);
-      seg_chain_group(x, y, p, R, S, rev, ng, lane, s0, s1, carry, tl);
+      const int ng = (int)std::min<int64_t>(cg, items - gi * cg);
+      for (int g = 0; g < ng; ++g) describe(g, gi * cg + g, true);
+      seg_chain_group(x, y, p, R, S, rev, tiled, ng, lane, s0, s1, carry, rows, tl);
     }
   });
 }
