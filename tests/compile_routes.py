@@ -41,6 +41,11 @@ def other_routes(a, b, m, r, w):
     return rows, mats_reset, *ops, linear
 
 
+def every_route(a, b, m, r, w):
+    """core_routes and other_routes in one graph (scripts/inductor_every_route.py)."""
+    return *core_routes(a, b, m, r, w), *other_routes(a, b, m, r, w)
+
+
 def route_inputs(n, requires_grad=True):
     g = torch.Generator().manual_seed(n)
     a = torch.rand(n, 3, dtype=F64, generator=g) + 0.5
