@@ -1,7 +1,8 @@
 """Every traced route in one graph under Inductor, against eager: outputs and float64 gradients.
 
-Too slow to compile for the test suite (2-10 minutes on 2 cores per mode), which runs
-this function under aot_eager and the core routes under Inductor instead.
+Too slow to compile for the test suite (2-10 minutes on 2 cores per mode), which runs its
+parts apart: other_routes under aot_eager (tests/test_compile.py), core_routes under
+Inductor (tests/test_compile_inductor.py).
 
     PYTHONPATH=. python scripts/inductor_every_route.py static    # or: dynamic
 """
@@ -16,7 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import test_compile as routes  # the tests' route functions and helpers
+import compile_routes as routes  # the tests' route functions and helpers
+from test_compile_inductor import TWO_THREADS
 
 
 def main(mode: str) -> int:
@@ -24,7 +26,7 @@ def main(mode: str) -> int:
     dynamic = mode == "dynamic"
     lengths = (11, 21) if dynamic else (11,)
     start, failures = time.perf_counter(), 0
-    with torch._inductor.config.patch(routes.TWO_THREADS):
+    with torch._inductor.config.patch(TWO_THREADS):
         compiled = torch.compile(routes.every_route, dynamic=dynamic, fullgraph=True)
         for n in lengths:
             args = routes.route_inputs(n)

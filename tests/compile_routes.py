@@ -1,5 +1,6 @@
 """The routes that tests/test_compile.py and tests/test_compile_inductor.py compile and
-compare with eager, values and gradients, with the inputs they take."""
+compare with eager, values and gradients, with the inputs they take: core_routes through
+Inductor (Dynamo and AOT autograd included), other_routes without its codegen."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ def core_routes(a, b, m, r, w):
     return h, prod, prod_rev, decayed, mats, segments
 
 
-def every_route(a, b, m, r, w):
-    """core_routes and the rest: per-row and generic reset=, the drop-in ops (torch's own
-    ops when traced) and linear_recurrence."""
+def other_routes(a, b, m, r, w):
+    """The routes core_routes leaves out: per-row and generic reset=, the drop-in ops (torch's
+    own ops when traced) and linear_recurrence (``w`` is core_routes' closure: unused here)."""
     rows = fscan.associative_scan(torch.maximum, b, 0, reverse=True, reset=b > 1)
     mats_reset = fscan.associative_scan(torch.matmul, m, 0, combine_mode="generic", reset=r)
     ops = (
@@ -37,7 +38,12 @@ def every_route(a, b, m, r, w):
         fscan.logcumsumexp(b, 0, reverse=True),
     )
     linear = fscan.linear_recurrence(a * 0.9, b, 0, reset=r)
-    return *core_routes(a, b, m, r, w), rows, mats_reset, *ops, linear
+    return rows, mats_reset, *ops, linear
+
+
+def every_route(a, b, m, r, w):
+    """core_routes and other_routes in one graph (scripts/inductor_every_route.py)."""
+    return *core_routes(a, b, m, r, w), *other_routes(a, b, m, r, w)
 
 
 def route_inputs(n, requires_grad=True):
@@ -56,7 +62,9 @@ def outputs_and_gradients(fn, args):
     outs = fn(*args)
     wrt = [t for t in args if t.requires_grad]
     cot = [torch.linspace(-1, 1, o.numel(), dtype=F64).reshape(o.shape) for o in outs]
-    return [o.detach() for o in outs], torch.autograd.grad(outs, wrt, cot)
+    # Zeros for an input a route set leaves unused (other_routes' w).
+    grads = torch.autograd.grad(outs, wrt, cot, materialize_grads=True)
+    return [o.detach() for o in outs], grads
 
 
 def assert_matches_eager(compiled, routes, lengths):

@@ -157,7 +157,7 @@ def test_dead_cotangent_meets_no_inf():
     ("shape", "dim", "gate"),
     [
         ((40, 9), 0, "full"),
-        ((5, 40, 9), 1, "full"),
+        ((2, 40, 9), 1, "full"),  # 2 rows (was 5): one thread either way, 6x less gradcheck
         ((6, 40), 1, "full"),
         ((3000,), 0, "full"),
         ((40, 9), 0, "per-step"),
@@ -190,7 +190,9 @@ def test_linear_recurrence_backward_against_the_oracle(
     def f(a, b, h0=None):
         return fscan.linear_recurrence(a, b, dim, initial=h0, reverse=reverse)
 
-    assert torch.autograd.gradcheck(f, inputs)
+    # The chain's full Jacobian is 6000 forward and 3000 backward calls, about 10 s a case
+    # on 2 cores; fast mode checks a random projection of it, on the same inputs and path.
+    assert torch.autograd.gradcheck(f, inputs, fast_mode=b.numel() >= 3000)
     # The one pass serves the lane path (8 elements or more after dim); chains walk.
     lanes = math.prod(shape[dim + 1 :])
     assert served and all((found is not None) == (lanes >= 8) for found in served)

@@ -62,9 +62,29 @@ def _kernel(name: str, x: torch.Tensor, dim: int, reverse: bool, threads: int = 
     return out[0]
 
 
-def _check(name: str, x: torch.Tensor, dim: int, reverse: bool, threads: int = 1) -> None:
+# A one-lane case's oracle results, kept until its runs on every thread count took them:
+# the same data, and the loop over up to 70001 steps cost more than the kernel.
+CHUNK_THREADS = (1, 2, 3)
+_SHARED: dict[tuple, list] = {}
+
+
+def _oracle(name: str, x: torch.Tensor, dim: int, reverse: bool, key: tuple | None):
+    if key is None:
+        return sequential_scan(ORACLES[name], x, dim, reverse)
+    found = _SHARED.setdefault(key, [None, len(CHUNK_THREADS)])
+    if found[0] is None:
+        found[0] = sequential_scan(ORACLES[name], x, dim, reverse)
+    found[1] -= 1
+    if found[1] == 0:
+        del _SHARED[key]
+    return found[0]
+
+
+def _check(name: str, x: torch.Tensor, dim: int, reverse: bool, threads: int = 1, key=None):
+    """The kernel's scan of ``x`` against the oracle's, bit for bit; ``key`` names ``x``
+    where its runs on CHUNK_THREADS share the oracle's results."""
     got = _kernel(name, x, dim, reverse, threads)
-    ref = sequential_scan(ORACLES[name], x, dim, reverse)
+    ref = _oracle(name, x, dim, reverse, key)
     assert got.dtype == torch.float32 and got.shape == x.shape
     assert torch.equal(_bits(got), _bits(ref))
 
@@ -96,7 +116,7 @@ def test_every_length_to_35_matches_the_oracle(name, reverse):
         _check(name, _data((13, steps), steps), 1, reverse)
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("threads", CHUNK_THREADS)
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("length", [7, 8, 9, 2047, 4096, 2048 * 3 + 5, 70001])
 @pytest.mark.parametrize("name", sorted(COMBINES))
@@ -104,7 +124,7 @@ def test_one_dim_chunks_match_the_oracle(name, length, reverse, threads):
     # One lane: chunked for the threads (totals, carries, then the scan), else one chain.
     x = _data((length,), length)
     x[length // 3] = float("nan") if length > 100 else x[length // 3]
-    _check(name, x, 0, reverse, threads)
+    _check(name, x, 0, reverse, threads, key=(name, length, reverse))
 
 
 @pytest.mark.parametrize("reverse", [False, True])
