@@ -85,10 +85,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     class HeavyFilesFirst(LoadFileScheduling):
         def _assign_work_unit(self, node):
             if not getattr(self, "_heavy_first", False):  # the queue is full by the first call
-                for scope in reversed(HEAVY_FEW_TEST_FILES):
-                    if scope in self.workqueue:
-                        self.workqueue.move_to_end(scope, last=False)
                 self._heavy_first = True
+                # xdist's internals (an OrderedDict of scopes): where another version has
+                # none, its own order stands.
+                queue = getattr(self, "workqueue", None)
+                for scope in reversed(HEAVY_FEW_TEST_FILES):
+                    if hasattr(queue, "move_to_end") and scope in queue:
+                        queue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
 
     return HeavyFilesFirst(config, log)
