@@ -256,6 +256,11 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
   int64_t C = 1;  // chunks per lane
   // Prefix chains (forward_prefix.h) go one at a time: chunked only for the threads.
   const int64_t cg = !EXCL && PREFIX_ON && prefixable(x, y) ? 1 : CG;
+  // ... and only from 3 threads: chunked, a chain is read twice (the chunks' totals, then
+  // the scan), so on 2 threads the longer thread's path is a whole pass again, plus the
+  // team and both threads sharing memory bandwidth: max over (1048576,) float32 took
+  // 401-423 us on 2 threads against 220-229 us on one (quiet machine, wall-clock medians).
+  if (cg == 1 && lanes < nt && nt < 3) nt = 1;
   if (lanes < (int64_t)nt * cg) {
     C = std::min<int64_t>(((int64_t)nt * cg + lanes - 1) / lanes, std::max<int64_t>(1, T / MIN_CHUNK));
     if (C >= cg) C = C / cg * cg;
