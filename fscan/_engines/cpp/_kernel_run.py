@@ -178,8 +178,9 @@ def prepare_run(
     strides = contiguous_strides(steps, inner, n_read) + _dense_strides(1, steps, inner, n)
     tail = (1, *strides, *(0,) * n_read, *(first_position,) * bool(positions))
     sizes = (outer, steps, inner, int(reverse))
-    run = PreparedRun(entry.kernel, entry.program, element, sizes, tail, threads, positions)
-    return run._replace(exclusive=True) if exclusive else run
+    return PreparedRun(
+        entry.kernel, entry.program, element, sizes, tail, threads, positions, exclusive
+    )
 
 
 def run_prepared(

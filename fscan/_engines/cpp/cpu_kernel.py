@@ -49,7 +49,7 @@ from the files in ``csrc/``), :mod:`._cpp_build` (compile and load).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -206,15 +206,11 @@ def kernel_scan(
     lookup = serving_lookup(combine_fn, spec, leaves, found, entry, gradients=False)
     if lookup is None:
         return None
-    holder, aliases, captured = lookup
+    captured = lookup[2]
     element = element_shape(leaves, dim)
-    kernel = kernel_slots(holder).get(slot_key(aliases, element, positions, dropped, False, False))
-    if not is_ready(kernel):  # counted, built or queued
-        dtypes = tuple([x.dtype for x in leaves])
-        call = BuildCall(combine_fn, spec, dtypes, element, captured, positions, dropped)
-        kernel = ready_entry(holder, aliases, call, leaves[0].numel(), backward=False)
-        if kernel is None:
-            return None
+    kernel = _forward_entry(lookup, combine_fn, spec, leaves, element, positions, dropped)
+    if kernel is None:
+        return None
     heads = None if head is None else checked_heads(head, leaves, element, positions)
     if outs is not None and captured:
         check_disjoint(outs, [(f"captured tensor {i}", t) for i, t in enumerate(captured)])
@@ -254,14 +250,32 @@ def exclusive_ready(
     lookup = serving_lookup(combine_fn, spec, leaves, None, None, gradients=False)
     if lookup is None:
         return False
-    holder, aliases, captured = lookup
     element = element_shape(leaves, dim)
-    slot = slot_key(aliases, element, positions, (), False, False, True)
-    if is_ready(kernel_slots(holder).get(slot)):
-        return True
+    variant = _forward_entry(lookup, combine_fn, spec, leaves, element, positions, (), True)
+    return variant is not None
+
+
+def _forward_entry(
+    lookup: tuple[Knowledge, Hashable, tuple[torch.Tensor, ...]],
+    combine_fn: Callable[[Any, Any], Any],
+    spec: PyTreeSpec,
+    leaves: Sequence[torch.Tensor],
+    element: tuple[int, ...],
+    positions: tuple[int, ...],
+    dropped: tuple[int, ...],
+    exclusive: bool = False,
+) -> Entry | None:
+    """The READY forward kernel entry (``exclusive``: its exclusive variant) of a
+    :func:`serving_lookup`, or None after counting the call and building or queueing it
+    (:func:`ready_entry`); a READY one is found without making the build's record."""
+    holder, aliases, captured = lookup
+    slot = slot_key(aliases, element, positions, dropped, False, False, exclusive)
+    kernel = kernel_slots(holder).get(slot)
+    if is_ready(kernel):
+        return kernel
     dtypes = tuple([x.dtype for x in leaves])
-    call = BuildCall(combine_fn, spec, dtypes, element, captured, positions)
-    return ready_entry(holder, aliases, call, leaves[0].numel(), False, exclusive=True) is not None
+    call = BuildCall(combine_fn, spec, dtypes, element, captured, positions, dropped)
+    return ready_entry(holder, aliases, call, leaves[0].numel(), False, exclusive=exclusive)
 
 
 def combine_step(
