@@ -46,7 +46,12 @@ static FSCAN_INLINE void seg_extremum_step(V& a, const V& u, bool restart) {
     }
   }
   const bool keep = EXT > 0 ? a.v0 > u.v0 : a.v0 < u.v0;
-  a.v1 = keep ? a.v1 : u.v1;
+  if constexpr (std::is_floating_point_v<T>) {
+    a.v1 = keep ? a.v1 : u.v1;
+  } else {
+    // As a mask: `keep ? a.v1 : u.v1` became a branch beside the value's vpmaxsd.
+    a.v1 ^= (a.v1 ^ u.v1) & -(int64_t)!keep;
+  }
   a.v0 = keep ? a.v0 : u.v0;
 }
 
