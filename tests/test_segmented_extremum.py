@@ -1,11 +1,11 @@
 """cummax/cummin's segmented walk without branches on the data (``SEG_EXTREMUM``:
 ``seg_extremum_step`` in fscan/_engines/cpp/csrc/segmented_chains.h): the combine is
-recognised from its translation, and the walk (a restart as the identity, a max/min and
-a conditional move, NaN on a branch of its own) gives what torch's ``>=`` / ``<=`` and
-NaN rules give: ties to the later step (+0/-0 included, by the sign), a NaN kept until
-the next restart (a later NaN taking its index), the identity itself (-inf / +inf, an
-integer type's extremes) as data, restarts at the first step, at every step or nowhere,
-both directions, 1-3 threads (the chain path's chunks), every dtype the kernel takes."""
+recognised from its translation, and the walk (a max/min and a conditional move or mask,
+NaN on a branch of its own) gives what torch's ``>=`` / ``<=`` and NaN rules give: ties to
+the later step (+0/-0 included, by the sign), a NaN kept until the next restart (a later
+NaN taking its index), each type's extremes (-inf / +inf, an integer type's lowest and
+highest) as data, restarts at the first step, at every step or nowhere, both
+directions, 1-3 threads (the chain path's chunks), every dtype the kernel takes."""
 
 from __future__ import annotations
 
