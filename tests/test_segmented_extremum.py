@@ -1,0 +1,207 @@
+"""cummax/cummin's segmented walk without branches on the data (``SEG_EXTREMUM``:
+``seg_extremum_step`` in fscan/_engines/cpp/csrc/segmented_chains.h): the combine is
+recognised from its translation, and the walk (a max/min and a conditional move or mask,
+NaN on a branch of its own) gives what torch's ``>=`` / ``<=`` and NaN rules give: ties to
+the later step (+0/-0 included, by the sign), a NaN kept until the next restart (a later
+NaN taking its index), each type's extremes (-inf / +inf, an integer type's lowest and
+highest) as data, restarts at the first step, at every step or nowhere, both
+directions, 1-3 threads (the chain path's chunks), every dtype the kernel takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import torch_threads
+from test_segmented_kernel import mask, oracle
+
+import fscan
+from fscan._engines.cpp._cpp_codegen import TraceInput, translate_combine
+from fscan._engines.cpp._kernel_segmented import extremum, kernel_segmented, segmented_source
+from fscan._routing.cumulative import kernel_call
+
+EXTREMA = {"cummax": torch.cummax, "cummin": torch.cummin}
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+
+
+def run(name, x, dim, reset, reverse, threads=None):
+    combine, spec, leaves, positions = kernel_call(EXTREMA[name], x)
+    if reset.ndim == 1:
+        reset = reset.reshape([-1 if d == dim else 1 for d in range(x.ndim)])
+    with fscan.config.override(cpu_kernel="eager"):
+        got = kernel_segmented(
+            combine, spec, leaves, dim, reverse, reset.expand(x.shape), positions, threads
+        )
+    assert got is not None
+    return got
+
+
+def walked(name, x, dim, reset, reverse):
+    """The walk along ``dim`` in x's own dtype, a step at a time (torch's compares: no
+    rounding through float64, so an integer type's extremes stay apart)."""
+    x = x.movedim(dim, 0)
+    n = x.shape[0]
+    flags = reset.expand(x.movedim(0, dim).shape).movedim(dim, 0) if reset.ndim > 1 else reset
+    values, indices = torch.empty_like(x), torch.zeros(x.shape, dtype=torch.int64)
+    acc = idx = None
+    for step, t in enumerate(range(n - 1, -1, -1) if reverse else range(n)):
+        restart = flags[t] if flags.ndim > 1 else flags[t].expand(x.shape[1:])
+        if step == 0:
+            acc, idx = x[t].clone(), torch.full(x.shape[1:], t)
+        else:
+            beats = x[t] >= acc if name == "cummax" else x[t] <= acc
+            take = restart | beats | torch.isnan(x[t])
+            acc, idx = torch.where(take, x[t], acc), torch.where(take, t, idx)
+        values[t], indices[t] = acc, idx
+    return values.movedim(0, dim), indices.movedim(0, dim)
+
+
+def same(got, want):
+    """Values bit for bit but NaN's payload (a zero's sign included), indices exactly."""
+    values, indices = want
+    torch.testing.assert_close(got[1], indices, rtol=0, atol=0)
+    g, w = got[0], values.to(got[0].dtype)
+    if g.is_floating_point():
+        nan = torch.isnan(g)
+        assert torch.equal(nan, torch.isnan(w))
+        assert torch.equal(torch.signbit(g[~nan]), torch.signbit(w[~nan]))
+        g, w = g[~nan], w[~nan]
+    assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_extremum_recognises_the_drop_ins_combines(dtype):
+    x = torch.zeros(4, dtype=dtype)
+    for name, sign in (("cummax", 1), ("cummin", -1)):
+        combine, spec, leaves, positions = kernel_call(EXTREMA[name], x)
+        dtypes = [leaf.dtype for leaf in leaves]
+        program = translate_combine(TraceInput(combine, spec, dtypes, (), ()))
+        assert extremum(program, positions) == sign
+        assert f"SEG_EXTREMUM = {sign};" in segmented_source(dtypes, program, positions)
+
+
+def _strict_max(left, right):  # earlier ties win: not torch's cummax
+    take = (right[0] > left[0]) | torch.isnan(right[0])
+    return torch.where(take, right[0], left[0]), torch.where(take, right[1], left[1])
+
+
+def _no_nan_rule(left, right):  # NaN not taken over
+    take = right[0] >= left[0]
+    return torch.where(take, right[0], left[0]), torch.where(take, right[1], left[1])
+
+
+def _index_first(left, right):  # (index, value): the pair the other way round
+    take = (right[1] >= left[1]) | torch.isnan(right[1])
+    return torch.where(take, right[0], left[0]), torch.where(take, right[1], left[1])
+
+
+def test_extremum_refuses_other_combines():
+    """Selects that are not torch's cummax/cummin walk with the combine itself."""
+    x = torch.zeros(4)
+    combine, spec, _, positions = kernel_call(torch.cummax, x)
+    f32 = [torch.float32, torch.int64]
+    for fn in (_strict_max, _no_nan_rule):
+        program = translate_combine(TraceInput(fn, spec, f32, (), ()))
+        assert extremum(program, positions) == 0
+    program = translate_combine(
+        TraceInput(_index_first, spec, [torch.int64, torch.float32], (), ())
+    )
+    assert extremum(program, (0,)) == 0
+    program = translate_combine(TraceInput(combine, spec, f32, (), ()))
+    assert extremum(program, ()) == 0  # the index read, not made by the kernel
+    _, spec1, _, _ = kernel_call(torch.cumsum, x)
+    program = translate_combine(TraceInput(torch.maximum, spec1, [torch.float32], (), ()))
+    assert extremum(program, ()) == 0
+
+
+def _data(dtype, shape, seed):
+    """Few distinct values (ties), and each type's extremes and specials among them."""
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=gen) < 0.3
+    x = torch.randint(-3, 4, shape, generator=gen)
+    if dtype == torch.uint8:
+        x = x + 3
+    x = x.to(dtype)
+    flat, n = x.view(-1), x.numel()
+    if dtype.is_floating_point:
+        pick = torch.randint(0, n, (max(1, n // 40),), generator=gen)
+        specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])
+        flat[pick] = specials[torch.arange(pick.numel()) % 5].to(dtype)
+    else:
+        info = torch.iinfo(dtype)
+        pick = torch.randint(0, n, (max(1, n // 30),), generator=gen)
+        flat[pick] = torch.tensor([info.min, info.max])[torch.arange(pick.numel()) % 2].to(dtype)
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["cummax", "cummin"])
+def test_walk_matches_torch_rules_every_dtype(dtype, name):
+    """1-D and lanes along T (the chain path), both directions, restarts every few steps,
+    at every step, at none; the first and last steps flagged."""
+    for seed, (shape, dim) in enumerate([((301,), 0), ((7, 67), 1), ((67, 3), 0)]):
+        x = _data(dtype, shape, seed)
+        n = shape[dim]
+        resets = [
+            mask(n, 0.15, seed) | (torch.arange(n) == 0) | (torch.arange(n) == n - 1),
+            mask(shape, 0.1, seed),
+            torch.ones(n, dtype=torch.bool),
+            torch.zeros(n, dtype=torch.bool),
+        ]
+        for reset in resets:
+            for reverse in (False, True):
+                got = run(name, x, dim, reset, reverse)
+                same(got, walked(name, x, dim, reset, reverse))
+
+
+@pytest.mark.parametrize("name", ["cummax", "cummin"])
+def test_nan_and_signed_zeros_at_heads_and_restarts(name):
+    """NaN at a chain's first step, just after and just before a restart, two NaN in a row
+    (the later one's index), the identity (-inf for cummax, +inf for cummin) right after a
+    restart and as the first element; +0 then -0 (the later sign)."""
+    nan, inf = float("nan"), float("inf")
+    big = inf if name == "cummin" else -inf
+    rows = [
+        ([nan, 1.0, 2.0, nan, 5.0, nan, nan, 0.0], [0, 0, 1, 0, 1, 0, 0, 0]),
+        ([1.0, nan, 3.0, 2.0, big, big, 0.0, big], [0, 0, 1, 0, 1, 0, 1, 0]),
+        ([big, big, 0.0, -0.0, 0.0, -0.0, nan, 1.0], [0, 0, 0, 0, 1, 0, 0, 1]),
+        ([-0.0, 0.0, -0.0, 1.0, nan, inf, -inf, nan], [0, 0, 1, 0, 0, 0, 0, 0]),
+    ]
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        for values, flags in rows:
+            x = torch.tensor(values, dtype=dtype)
+            reset = torch.tensor(flags, dtype=torch.bool)
+            for reverse in (False, True):
+                same(run(name, x, 0, reset, reverse), walked(name, x, 0, reset, reverse))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n", [32767, 40960, 40961, 65537])
+@pytest.mark.parametrize("name", ["cummax", "cummin"])
+def test_chunked_lanes_around_chunk_sizes(threads, n, name):
+    """One long lane, on 1-3 threads (split into chunks of at least 2048 steps, skewed by
+    16, whose totals compose): restarts at the chunks' edges, a chunk without any, ties and
+    NaN across the edges; the float64 padded-table oracle (cummin: cummax of -x)."""
+    gen = torch.Generator().manual_seed(n + threads)
+    x = torch.randint(-3, 4, (n,), generator=gen).float()
+    x[torch.rand(n, generator=gen) < 0.001] = float("nan")
+    t = torch.arange(n)
+    reset = ((t % 2048 == 0) | (t % 2048 == 2047) | (t % 97 == 13)) & ((t < 8192) | (t > 20000))
+    with torch_threads(threads):
+        for reverse in (False, True):
+            got = run(name, x, 0, reset, reverse, threads)
+            sign = 1.0 if name == "cummax" else -1.0
+            values, indices = oracle("cummax", sign * x, 0, reset, reverse)
+            torch.testing.assert_close(got[1], indices, rtol=0, atol=0)
+            torch.testing.assert_close(got[0].double(), sign * values, equal_nan=True)
