@@ -301,16 +301,71 @@ SEG_TILE_SCAN static void seg_tile_scan_part(const In x, const Out y, const Par 
   }
 }
 
-// rows: where every chain starts at step 0 without a carry and reads a 1-D mask's flags,
-// each tile's restarts (bit k of rows[k0 / TB]: step k0 + k), else nullptr. A function of
-// its own: inlined into seg_chain_path, GCC spilled the transposes' registers (328 vector
-// stores to the stack there against 64 in the forward's chain_path) and the tiles ran
-// 1.67x the forward's, 1.34x so (cumsum over (4096, 256) dim 1, the kernel alone).
+// A partial tile's restarts, bit k for step k, as the flags seg_tile_scan_part reads.
+template <bool UP>
+static FSCAN_INLINE void seg_row_flags(SegTiles& tl, unsigned r, int64_t n) {
+  for (int64_t k = 0; k < n; ++k)
+    for (int w = 0; w < WAYS; ++w)
+      for (int g = 0; g < TV; ++g) tl.flag[(w * TB + (UP ? k : TB - 1 - k)) * TV + g] = (r >> k) & 1u;
+}
+
+// SEG_TW whole lanes from lane0 on (steps [0, T), no carry) that read one 1-D mask, its
+// restarts bit k of rows[k0 / TB] for step k0 + k: shaped as the forward's tile_chains
+// (forward_chains.h). The lanes' bases are stepped from lane0 (one division a group, not
+// two a chain), and every chain is at the same step, so a tile's rows are each lane's
+// base plus one offset. A tile without a restart is scanned as the forward's tile_scan
+// (NO_FLAGS), one with some by a blend on the row's bit (ROW_BITS). (Through
+// seg_transposed_chains, each chain described apart, the group's set-up divided 2-3
+// times a chain (its item, its lane's (o, i)): with the tiles' row pointers rebuilt from
+// the chains each tile, 9% of cumsum's segmented kernel over (4096, 256) dim 1, where
+// the forward's chain_path spends 6%: see fscan._engines.cpp._kernel_segmented.chains_tiled.)
+template <bool UP>
+__attribute__((noinline)) static void seg_row_tiles(const In x, const Out y, const Par p, const Geo& S,
+                                                    int64_t lane0, const uint32_t* rows, SegTiles& tl) {
+  In xb[SEG_TW];
+  Out yb[SEG_TW];
+  int64_t elem[SEG_TW];
+  int64_t o = lane0 / S.inner, i = lane0 - o * S.inner;
+  for (int g = 0; g < SEG_TW; ++g) {
+    xb[g] = at(x, S, o, 0, i);
+    yb[g] = at(y, S, o, 0, i);
+    elem[g] = lane0 + g;
+    if (++i == S.inner) { i = 0; ++o; }
+  }
+  const int64_t T = S.T;
+  const Buf acc = tl.acc.buf();
+  for (int64_t k0 = 0; k0 < T; k0 += TB) {
+    const int64_t n = std::min(TB, T - k0);
+    const bool part = n < TB;
+    const unsigned all = (1u << TB) - 1, m = !part ? all : (UP ? (1u << n) - 1 : all & ~((1u << (TB - n)) - 1));
+    int64_t lo[SEG_TW];  // each chain's step at the tile's lowest address: one for all
+    for (int g = 0; g < SEG_TW; ++g) lo[g] = UP ? k0 : T - 1 - k0 - (TB - 1);
+    if (part) tile_in(xb, lo, tl.in, m);
+    else tile_in(xb, lo, tl.in, all);
+    // The first step restarts too: each chain's element (acc, not yet set, is dropped).
+    const unsigned r = rows[k0 / TB] | (k0 == 0 ? 1u : 0u);
+    if (part) {
+      seg_row_flags<UP>(tl, r, n);
+      seg_tile_scan_part<UP>(x, y, p, elem, acc, tl, n);
+    } else if (r != 0) {
+      seg_tile_scan<UP, ROW_BITS>(x, y, p, elem, acc, tl, r);
+    } else {
+      seg_tile_scan<UP, NO_FLAGS>(x, y, p, elem, acc, tl, 0);
+    }
+    if (part) tile_out(yb, lo, tl.out, m);
+    else tile_out(yb, lo, tl.out, all);
+  }
+}
+
+// SEG_TW chains, each its own flags (any mask layout) or carry: TB steps a tile, each
+// chain's flags gathered into the tile's rows (LANE_FLAGS). A function of its own:
+// inlined into seg_chain_path, GCC spilled the transposes' registers (328 vector stores
+// to the stack there against 64 in the forward's chain_path) and the tiles ran 1.67x the
+// forward's, 1.34x so (cumsum over (4096, 256) dim 1, the kernel alone).
 template <bool UP>
 __attribute__((noinline)) static void seg_transposed_chains(
     const In x, const Out y, const Par p, const Flags R, const Geo& S, const int64_t* lane,
-    const int64_t* s0, const int64_t* s1, const Vals* const* carry, const uint32_t* rows,
-    SegTiles& tl) {
+    const int64_t* s0, const int64_t* s1, const Vals* const* carry, SegTiles& tl) {
   constexpr bool rev = !UP;
   const int64_t dt = UP ? 1 : -1;
   SegChain c[SEG_TW];
@@ -334,34 +389,19 @@ __attribute__((noinline)) static void seg_transposed_chains(
     for (int g = 0; g < SEG_TW; ++g) lo[g] = UP ? c[g].t0 + k0 : c[g].t0 - k0 - (TB - 1);
     if (part) tile_in(xb, lo, tl.in, m);
     else tile_in(xb, lo, tl.in, all);
-    if (rows != nullptr) {
-      // The first step restarts too: each chain's element (acc, not yet set, is dropped).
-      const unsigned r = rows[k0 / TB] | (k0 == 0 ? 1u : 0u);
-      if (part) {  // a row at a time, from the flags (once a group at most)
-        for (int64_t k = 0; k < n; ++k)
-          for (int w = 0; w < WAYS; ++w)
-            for (int g = 0; g < TV; ++g) fl[(w * TB + (UP ? k : TB - 1 - k)) * TV + g] = (r >> k) & 1u;
-        seg_tile_scan_part<UP>(x, y, p, lane, acc, tl, n);
-      } else if (r != 0) {
-        seg_tile_scan<UP, ROW_BITS>(x, y, p, lane, acc, tl, r);
-      } else {
-        seg_tile_scan<UP, NO_FLAGS>(x, y, p, lane, acc, tl, 0);
-      }
-    } else {
-      for (int g = 0; g < SEG_TW; ++g) {
-        int32_t* f = fl + (g / TV * TB) * TV + g % TV;
-        for (int64_t k = 0; k < n; ++k) f[(UP ? k : TB - 1 - k) * TV] = step(c[g].r, (k0 + k) * dt) != 0;
-      }
-      // Each chain's first step: from its carry (the running value), else its element (a
-      // restart there). So the scans start at step 0 in every tile: the instantiations
-      // from step 1 (a third of the tile scans' build) are not needed.
-      for (int g = 0; k0 == 0 && g < SEG_TW; ++g) {
-        if (carry[g] != nullptr) put_all(acc, g, *carry[g]);
-        else fl[(g / TV * TB + (UP ? 0 : TB - 1)) * TV + g % TV] = 1;
-      }
-      if (part) seg_tile_scan_part<UP>(x, y, p, lane, acc, tl, n);
-      else seg_tile_scan<UP, LANE_FLAGS>(x, y, p, lane, acc, tl, 0);
+    for (int g = 0; g < SEG_TW; ++g) {
+      int32_t* f = fl + (g / TV * TB) * TV + g % TV;
+      for (int64_t k = 0; k < n; ++k) f[(UP ? k : TB - 1 - k) * TV] = step(c[g].r, (k0 + k) * dt) != 0;
     }
+    // Each chain's first step: from its carry (the running value), else its element (a
+    // restart there). So the scans start at step 0 in every tile: the instantiations
+    // from step 1 (a third of the tile scans' build) are not needed.
+    for (int g = 0; k0 == 0 && g < SEG_TW; ++g) {
+      if (carry[g] != nullptr) put_all(acc, g, *carry[g]);
+      else fl[(g / TV * TB + (UP ? 0 : TB - 1)) * TV + g % TV] = 1;
+    }
+    if (part) seg_tile_scan_part<UP>(x, y, p, lane, acc, tl, n);
+    else seg_tile_scan<UP, LANE_FLAGS>(x, y, p, lane, acc, tl, 0);
     if (part) tile_out(yb, lo, tl.out, m);
     else tile_out(yb, lo, tl.out, all);
   }
@@ -382,12 +422,11 @@ static constexpr int SEG_GMAX = SEG_TW > SEG_G ? SEG_TW : SEG_G;
 // interleaved; fewer, one by one.
 static void seg_chain_group(const In x, const Out y, const Par p, const Flags R, const Geo& S,
                             bool rev, bool tiled, int ng, const int64_t* lane, const int64_t* s0,
-                            const int64_t* s1, const Vals* const* carry, const uint32_t* rows,
-                            SegTile& tl) {
+                            const int64_t* s1, const Vals* const* carry, SegTile& tl) {
   if (tiled && ng == SEG_TW) {
     if (TILED && tileable(x, y)) {
-      if (rev) seg_transposed_chains<false>(x, y, p, R, S, lane, s0, s1, carry, rows, tl.t);
-      else seg_transposed_chains<true>(x, y, p, R, S, lane, s0, s1, carry, rows, tl.t);
+      if (rev) seg_transposed_chains<false>(x, y, p, R, S, lane, s0, s1, carry, tl.t);
+      else seg_transposed_chains<true>(x, y, p, R, S, lane, s0, s1, carry, tl.t);
     } else if (SEG_TILED) {  // (SEG_TILE_ROWS tiles only where tileable: not compiled there)
       seg_tile_chains(x, y, p, R, S, rev, lane, s0, s1, carry, tl);
     }
@@ -444,6 +483,7 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
   for (int64_t s = 0; s < (bits.empty() ? 0 : T); ++s)
     bits[s / TB] |= (uint32_t)(step(R, rev ? T - 1 - s : s) != 0) << (s % TB);
   const uint32_t* const rows = bits.empty() ? nullptr : bits.data();
+  const bool row_tiles = rows != nullptr && TILED && tileable(x, y);
   fscan_team(nt, [&] {
     SegTiles tiles;
     SegTile tl(tiles);
@@ -491,8 +531,13 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
 #pragma omp for schedule(static)
     for (int64_t gi = 0; gi < groups; ++gi) {
       const int ng = (int)std::min<int64_t>(cg, items - gi * cg);
+      if (row_tiles && ng == SEG_TW) {  // whole lanes (C == 1): item gi * cg is lane gi * cg
+        if (rev) seg_row_tiles<false>(x, y, p, S, gi * cg, rows, tiles);
+        else seg_row_tiles<true>(x, y, p, S, gi * cg, rows, tiles);
+        continue;
+      }
       for (int g = 0; g < ng; ++g) describe(g, gi * cg + g, true);
-      seg_chain_group(x, y, p, R, S, rev, tiled, ng, lane, s0, s1, carry, rows, tl);
+      seg_chain_group(x, y, p, R, S, rev, tiled, ng, lane, s0, s1, carry, tl);
     }
   });
 }
