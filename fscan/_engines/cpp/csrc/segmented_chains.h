@@ -228,31 +228,23 @@ static void seg_tile_chains(const In x, const Out y, const Par p, const Flags R,
 // tile's layout. The steps after the last whole tile make a partial tile (masked). Against
 // the gathering tile above, logcumsumexp over (4096, 256) dim 1 with a restart every 97
 // steps: see fscan._engines.cpp._kernel_segmented.chains_tiled.
-// (Shared with forward_chains.h in idea, not in code: tile_scan there has no flags, and
-// its FSCAN_TILE_SCAN and Tiles live in the forward's source.)
-#if defined(__GNUC__) && !defined(__clang__)
-#define SEG_TILE_SCAN __attribute__((noinline, optimize("no-tree-pre")))
-#else
-#define SEG_TILE_SCAN __attribute__((noinline))
-#endif
-struct SegTiles {
-  InTile in;
-  OutTile out;
-  Store acc{TW};
+// The tiles (Tiles, tile_scan, tile_rows) are the forward's (chain_tiles.h), the flags
+// beside them: a tile without a restart is scanned by the forward's own tile_scan.
+struct SegTiles : Tiles {
   alignas(64) int32_t flag[TB * TW];  // (w * TB + j) * TV + g: as the tile's rows
 };
 
-// How a tile's restarts are read: NO_FLAGS, none in the tile (scanned as the forward's
-// tile_scan, without the flags' loads, widenings and blends: cumsum over (4096, 256) dim 1,
-// 260 instructions a tile of 8 chains with them, 154 without); ROW_BITS, restarts shared
-// by every chain (a 1-D mask): bit k of `rows` for step k, a blend of a broadcast mask;
-// LANE_FLAGS, each chain's own, from the tile's flags (tl.flag).
-enum { NO_FLAGS = 0, ROW_BITS = 1, LANE_FLAGS = 2 };
+// How a tile's restarts are read where it has some (else the forward's tile_scan, without
+// the flags' loads, widenings and blends: cumsum over (4096, 256) dim 1, 260 instructions
+// a tile of 8 chains with them, 154 without): ROW_BITS, restarts shared by every chain (a
+// 1-D mask): bit k of `rows` for step k, a blend of a broadcast mask; LANE_FLAGS, each
+// chain's own, from the tile's flags (tl.flag).
+enum { ROW_BITS = 1, LANE_FLAGS = 2 };
 
 // The TB steps (in scan order; UP: ascending rows) of a whole tile, the running values
-// in registers (see tile_scan in forward_chains.h for why a function of its own).
+// in registers, as tile_scan (chain_tiles.h: see there for why a function of its own).
 template <bool UP, int FLAGS>
-SEG_TILE_SCAN static void seg_tile_scan(const In x, const Out y, const Par p, const int64_t* elem,
+FSCAN_TILE_SCAN static void seg_tile_scan(const In x, const Out y, const Par p, const int64_t* elem,
                                         const Buf acc, SegTiles& tl, unsigned rows) {
   const int32_t* const fl = tl.flag;
 #pragma GCC ivdep
@@ -269,8 +261,7 @@ SEG_TILE_SCAN static void seg_tile_scan(const In x, const Out y, const Par p, co
         const int64_t e = elem[w * TV + g];
         const Vals c = k == TB - 1 ? combine<true>(a[w], v, p, e) : combine<false>(a[w], v, p, e);
         if (FLAGS == ROW_BITS) a[w] = pick(((rows >> k) & 1u) != 0, v, c);
-        else if (FLAGS == LANE_FLAGS) a[w] = pick(fl[(w * TB + j) * TV + g] != 0, v, c);
-        else a[w] = c;
+        else a[w] = pick(fl[(w * TB + j) * TV + g] != 0, v, c);
         store_i(tile_row(y, tl.out, w * TB + j), g, a[w]);
       }
     }
@@ -281,7 +272,7 @@ SEG_TILE_SCAN static void seg_tile_scan(const In x, const Out y, const Par p, co
 
 // The n steps of a partial tile (n < TB), a row at a time (see tile_scan_part).
 template <bool UP>
-SEG_TILE_SCAN static void seg_tile_scan_part(const In x, const Out y, const Par p, const int64_t* elem,
+FSCAN_TILE_SCAN static void seg_tile_scan_part(const In x, const Out y, const Par p, const int64_t* elem,
                                              const Buf acc, SegTiles& tl, int64_t n) {
   for (int64_t k = 0; k < n; ++k) {
     const int64_t j = UP ? k : TB - 1 - k;
@@ -311,10 +302,10 @@ static FSCAN_INLINE void seg_row_flags(SegTiles& tl, unsigned r, int64_t n) {
 
 // SEG_TW whole lanes from lane0 on (steps [0, T), no carry) that read one 1-D mask, its
 // restarts bit k of rows[k0 / TB] for step k0 + k: shaped as the forward's tile_chains
-// (forward_chains.h). The lanes' bases are stepped from lane0 (one division a group, not
+// (forward_chains.h), with its tiles (chain_tiles.h). The lanes' bases are stepped from lane0 (one division a group, not
 // two a chain), and every chain is at the same step, so a tile's rows are each lane's
-// base plus one offset. A tile without a restart is scanned as the forward's tile_scan
-// (NO_FLAGS), one with some by a blend on the row's bit (ROW_BITS). (Through
+// base plus one offset. A tile without a restart is scanned by the forward's tile_scan,
+// one with some by a blend on the row's bit (ROW_BITS). (Through
 // seg_transposed_chains, each chain described apart, the group's set-up divided 2-3
 // times a chain (its item, its lane's (o, i)): with the tiles' row pointers rebuilt from
 // the chains each tile, 9% of cumsum's segmented kernel over (4096, 256) dim 1, where
@@ -337,7 +328,7 @@ __attribute__((noinline)) static void seg_row_tiles(const In x, const Out y, con
   for (int64_t k0 = 0; k0 < T; k0 += TB) {
     const int64_t n = std::min(TB, T - k0);
     const bool part = n < TB;
-    const unsigned all = (1u << TB) - 1, m = !part ? all : (UP ? (1u << n) - 1 : all & ~((1u << (TB - n)) - 1));
+    const unsigned all = (1u << TB) - 1, m = tile_rows<UP>(n);
     int64_t lo[SEG_TW];  // each chain's step at the tile's lowest address: one for all
     for (int g = 0; g < SEG_TW; ++g) lo[g] = UP ? k0 : T - 1 - k0 - (TB - 1);
     if (part) tile_in(xb, lo, tl.in, m);
@@ -350,7 +341,7 @@ __attribute__((noinline)) static void seg_row_tiles(const In x, const Out y, con
     } else if (r != 0) {
       seg_tile_scan<UP, ROW_BITS>(x, y, p, elem, acc, tl, r);
     } else {
-      seg_tile_scan<UP, NO_FLAGS>(x, y, p, elem, acc, tl, 0);
+      tile_scan<true, UP, 0, false>(x, y, p, elem, acc, tl);
     }
     if (part) tile_out(yb, lo, tl.out, m);
     else tile_out(yb, lo, tl.out, all);
@@ -384,7 +375,7 @@ __attribute__((noinline)) static void seg_transposed_chains(
   for (int64_t k0 = 0; k0 < common; k0 += TB) {
     const int64_t n = std::min(TB, common - k0);
     const bool part = n < TB;
-    const unsigned all = (1u << TB) - 1, m = !part ? all : (UP ? (1u << n) - 1 : all & ~((1u << (TB - n)) - 1));
+    const unsigned all = (1u << TB) - 1, m = tile_rows<UP>(n);
     int64_t lo[SEG_TW];  // each chain's step at the tile's lowest address
     for (int g = 0; g < SEG_TW; ++g) lo[g] = UP ? c[g].t0 + k0 : c[g].t0 - k0 - (TB - 1);
     if (part) tile_in(xb, lo, tl.in, m);
