@@ -98,8 +98,9 @@ def test_inf_and_nan_stay_in_their_segment():
 
 
 def check_rows(name, x, dim, reset, reverse, threads=None):
-    """As check32, the 1-D mask passed as it is (its flags read once for every lane: the
-    row tiles, seg_row_tiles), not expanded to the input's shape as run() passes it."""
+    """As check32, the 1-D mask passed as it is (strides 0 across every lane dim), where
+    run() expands it to the input's shape (a stride 1 over the inner dim of one): both
+    reach the row tiles (seg_row_tiles: each tile's restarts read once for every lane)."""
     if name == "cumprod":
         x = x * 0.1 + 1.0
     combine, spec, leaves, positions = kernel_call(OPS[name], x)

@@ -456,9 +456,11 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
   // reads one row of flags at the same steps (a 1-D mask, whole lanes): 5 tiles in 6 then
   // scan without flags, as the forward's (cumsum over (4096, 256) dim 1, a restart every
   // 97 steps: see fscan._engines.cpp._kernel_segmented.chains_tiled).
+  // Flags every lane reads alike (a 1-D mask, or a mask broadcast over the lanes, whose
+  // stride over a dim of one need not be 0): a stride 0, or one lane, along each lane dim.
+  const bool shared = (R.sa == 0 || S.outer <= S.nb) && (R.sb == 0 || S.nb == 1) && (R.si == 0 || inner == 1);
   bool tiled = SEG_TILED;
-  if (!SEG_TILED && SEG_TILE_ROWS && TILED && tileable(x, y))
-    tiled = R.sa == 0 && R.sb == 0 && R.si == 0 && chunks(SEG_TW) == 1;
+  if (!SEG_TILED && SEG_TILE_ROWS && TILED && tileable(x, y)) tiled = shared && chunks(SEG_TW) == 1;
   const int64_t cg = tiled ? SEG_TW : SEG_G;
   int64_t C = chunks(cg);
   int64_t L = (T + C - 1) / C;
@@ -470,7 +472,7 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
   std::vector<uint8_t> seen(tot.size());
   // Tiled whole lanes reading a 1-D mask: each tile's restarts as bits, read once here
   // (each group reading its tiles' flags cost 5% of cumsum over (4096, 256) dim 1).
-  std::vector<uint32_t> bits(tiled && C == 1 && R.sa == 0 && R.sb == 0 && R.si == 0 ? (T + TB - 1) / TB : 0);
+  std::vector<uint32_t> bits(tiled && C == 1 && shared ? (T + TB - 1) / TB : 0);
   for (int64_t s = 0; s < (bits.empty() ? 0 : T); ++s)
     bits[s / TB] |= (uint32_t)(step(R, rev ? T - 1 - s : s) != 0) << (s % TB);
   const uint32_t* const rows = bits.empty() ? nullptr : bits.data();
