@@ -1524,7 +1524,8 @@ def test_the_fixed_cpp_files_are_part_of_every_kernel_source():
     program = translate_combine(TraceInput(add, spec, [torch.float32], (), ()))
     forward = _cpp_source.forward_source([torch.float32], program)
     step = _cpp_source.step_source([torch.float32], program)
-    for name in ("prelude.h", "tuning.h", "forward_lanes.h", "forward_chains.h", "forward.h"):
+    names = ("prelude.h", "tuning.h", "forward_lanes.h", "chain_tiles.h", "forward_chains.h")
+    for name in (*names, "forward.h"):
         assert _cpp_source.csrc(name) in forward
     assert _cpp_source.csrc("prelude.h") in step
     assert "$" not in forward + step  # every hole filled

@@ -10,7 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import torch_threads
-from test_segmented_kernel import mask, oracle, run
+from test_segmented_kernel import OPS, mask, oracle, run
+
+import fscan
+from fscan._engines.cpp._kernel_segmented import kernel_segmented
+from fscan._routing.cumulative import kernel_call
 
 
 def check32(x, dim, reset, reverse, threads=None, name="logcumsumexp"):
@@ -91,3 +95,61 @@ def test_inf_and_nan_stay_in_their_segment():
     reset = torch.arange(64) % 16 == 9
     for reverse in (False, True):
         check32(x, 1, reset, reverse)
+
+
+def check_rows(name, x, dim, reset, reverse, threads=None):
+    """As check32, the 1-D mask passed as it is (strides 0 across every lane dim), where
+    run() expands it to the input's shape (a stride 1 over the inner dim of one): both
+    reach the row tiles (seg_row_tiles: each tile's restarts read once for every lane)."""
+    if name == "cumprod":
+        x = x * 0.1 + 1.0
+    combine, spec, leaves, positions = kernel_call(OPS[name], x)
+    with fscan.config.override(cpu_kernel="eager"):
+        got = kernel_segmented(combine, spec, leaves, dim, reverse, reset, positions, threads)
+    assert got is not None
+    values, _ = oracle(name, x, dim, reset, reverse)
+    torch.testing.assert_close(got[0].double(), values, rtol=2e-6, atol=2e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", ["cumsum", "cumprod", "logcumsumexp"])
+@pytest.mark.parametrize("steps", [16, 48, 50])
+@pytest.mark.parametrize("rows", ["all", "none", "first", "last"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_row_tiles_every_step_or_none(name, steps, rows, reverse):
+    """Whole lanes reading a 1-D mask (seg_row_tiles): every step a restart (the output is
+    the input), none, only the first step or only the last; 37 lanes (two whole groups,
+    then lanes walked)."""
+    x = torch.randn(37, steps, generator=torch.Generator().manual_seed(steps))
+    reset = torch.zeros(steps, dtype=torch.bool)
+    if rows == "all":
+        reset[:] = True
+    elif rows == "first":
+        reset[0] = True
+    elif rows == "last":
+        reset[-1] = True
+    check_rows(name, x, 1, reset, reverse)
+
+
+@pytest.mark.parametrize("name", ["cumsum", "cumprod", "logcumsumexp"])
+@pytest.mark.parametrize("offset", list(range(16)))
+@pytest.mark.parametrize("reverse", [False, True])
+def test_row_tiles_a_restart_at_every_offset(name, offset, reverse):
+    """A restart at one offset of every tile (whole tiles, then a partial one), shared by
+    every lane: the row bit blended at each step of the tile scan."""
+    x = torch.randn(33, 16 * 3 + 9, generator=torch.Generator().manual_seed(offset))
+    reset = torch.arange(x.shape[1]) % 16 == offset
+    check_rows(name, x, 1, reset, reverse)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("name", ["cumsum", "cumprod"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_row_tiles_lanes_over_leading_dims(threads, name, reverse):
+    """Lanes over two leading dims ((3, 23, 70) along the last: 69 lanes, four whole
+    groups then walked ones), each group's lanes stepped from its first, on 1-3 threads;
+    the same mask as a full one (each lane's own flags read: no row bits)."""
+    x = torch.randn(3, 23, 70, generator=torch.Generator().manual_seed(threads))
+    reset = torch.arange(70) % 9 == 4
+    with torch_threads(threads):
+        check_rows(name, x, 2, reset, reverse, threads)
+        check32(x, -1, reset.expand(3, 23, 70).contiguous(), reverse, threads, name=name)

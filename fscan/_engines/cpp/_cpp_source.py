@@ -231,6 +231,7 @@ def forward_source(
         exclusive="true" if exclusive else "false",
         forward=csrc("forward_lanes.h")
         + csrc("forward_prefix.h")
+        + csrc("chain_tiles.h")
         + csrc("forward_chains.h")
         + csrc("forward.h"),
         arguments=", ".join(

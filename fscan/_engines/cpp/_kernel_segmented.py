@@ -111,7 +111,20 @@ def chains_tiled(program: Program) -> bool:
     code beside them: over (1048576,) (chunks, walked), against the forward's kernel,
     cumsum 0.96/0.92x (fwd/rev) where it ran 0.93/0.87x before, cumprod reversed 0.86x
     (0.81x); 1.04-1.06x while the gathering tiles, which SEG_TILE_ROWS never reaches,
-    were compiled in too."""
+    were compiled in too.
+    What was left was not the tile loop (s37, perf of the kernel alone, cumsum over
+    (4096, 256) dim 1, 1 thread, AVX-512 machine): its tiles' transposes and scans took
+    within 3% of the forward's samples (the forward's loop, inlined into chain_path, has
+    more stack references, 92 against 24 in a tile's ~250-310 instructions), but the
+    group's set-up 1.55x the forward's: seg_chain_path described each chain of a group
+    apart (k / C, k % C) and seg_transposed_chains divided again for each chain's lane
+    (o, i) and rebuilt its row pointers every tile, 2-3 64-bit divisions a chain where
+    the forward's chain_path steps its items by increments. Whole lanes reading a 1-D
+    mask now go to seg_row_tiles: one division a group, the lanes' bases stepped, every
+    row at the same step (one offset for the tile), a tile without a restart scanned by
+    the forward's own tile_scan (chain_tiles.h, shared). The kernel alone against the
+    forward's (min of 60 rounds, load 4-6): cumsum 1.05-1.12 -> 0.95-1.0, cumprod
+    0.98-1.10 -> 0.94-1.0; the drop-in calls as the bench's rows: see docs/performance.md."""
     return program.expensive
 
 
@@ -203,7 +216,7 @@ def segmented_source(
         tuning=csrc("tuning.h"),
         tiles=tile_structs(read_idx if transposed else None, list(every), program.expensive),
         segmented=csrc("segmented.h"),
-        segmented_chains=csrc("segmented_chains.h"),
+        segmented_chains=csrc("chain_tiles.h") + csrc("segmented_chains.h"),
         seg_tiled="true" if chains_tiled(program) else "false",
         seg_tile_rows="true" if transposed else "false",
         seg_interleave=str(chains_interleaved(positions)),

@@ -65,87 +65,8 @@ static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const 
   }
 }
 
-// TW chains side by side, as the lanes of vector loops (float32 leaves, steps dense,
-// AVX-512 or AVX2: TILED and tileable): TB steps of each chain are transposed in registers
-// into a tile (InTile: WAYS blocks of TV chains, a row of each per step), the steps are
-// scanned (tile_scan), and the outputs transposed back out. Walking chains one element
-// at a time kept the combine scalar: the affine pair over (4096, 256) dim 1 ran 4.6 ns
-// an element walked (9 reversed), 1.1 tiled; add 0.42 -> 0.29. The steps after the last
-// whole tile make a partial tile (masked); the steps of chains longer than the shortest
-// are walked.
-// Where the time goes (add, (4096, 256) dim 1, 1 thread), measured by scripts/roofline.py
-// (standalone loops): on AVX-512 0.24 ns an element in all (a copy 0.065), the scan
-// without the transposes 0.10 (its double accumulation included), the transposes alone
-// 0.14; on AVX2 the transposes alone are 2.7-3.3x a copy and accumulating in double costs
-// about as much again (an add by prefix sums inside each vector, no transposes: 1.8-1.9x
-// a copy in float32, 4.0-4.5x in double). So a chain scan of float32 stays near 4x a
-// copy, where the lane path, needing no transpose, runs at 1.1-2x.
-struct Tiles {
-  InTile in;
-  OutTile out;
-  Store acc{TW};
-};
-
-// Steps [K0, TB) (in scan order; UP: ascending rows) of a tile's TW chains, each chain's
-// running value held in a register across them: the loop over TV chains is the vector
-// loop, the steps unrolled inside it, the WAYS blocks interleaved in each step (an
-// expensive combine's latency is hidden behind the other block's: see tile_ways). (The running values stored to acc after every row, and
-// loaded back for the next, waited on the store for each row: 0.45 ns an element for add
-// over (4096, 256) dim 1.) Flushed (see fscan_flush_f32) at the tile's last step only:
-// at every step the flush cost the affine pair 10-17% over (4096, 256) dim 1; never, a
-// product sunk into double's subnormals stayed there and cost 25% over (1048576,).
-// A function of its own without GCC's partial redundancy elimination: in the unrolled
-// steps, PRE carried a NaN check of one step's result into the next (torch.maximum's
-// `a != a`) as a select of booleans, which GCC 12 cannot vectorise; the loop then ran
-// scalar, 1.05 ns an element for max over (4096, 256) dim 1 (0.31 vectorised).
-#if defined(__GNUC__) && !defined(__clang__)
-#define FSCAN_TILE_SCAN __attribute__((noinline, optimize("no-tree-pre")))
-#else
-#define FSCAN_TILE_SCAN __attribute__((noinline))  // GCC's optimize attribute: GCC only
-#endif
-template <bool WRITE, bool UP, int64_t K0, bool EXCL>
-FSCAN_TILE_SCAN static void tile_scan(const In x, const Out y, const Par p, const int64_t* elem, const Buf acc, Tiles& tl) {
-#pragma GCC ivdep
-  for (int g = 0; g < TV; ++g) {
-    Vals a[WAYS];
-    for (int w = 0; w < WAYS; ++w) a[w] = get_all(acc, w * TV + g);
-#pragma GCC unroll 16
-    for (int64_t k = K0; k < TB; ++k) {
-      const int64_t j = UP ? k : TB - 1 - k;
-      for (int w = 0; w < WAYS; ++w) {
-        const Vals v = load_i(tile_row(x, tl.in, w * TB + j), g, 0);
-        const int64_t e = elem[w * TV + g];
-        if (WRITE && EXCL) store_i(tile_row(y, tl.out, w * TB + j), g, a[w]);
-        a[w] = k == TB - 1 ? combine<true>(a[w], v, p, e) : combine<false>(a[w], v, p, e);
-        if (WRITE && !EXCL) store_i(tile_row(y, tl.out, w * TB + j), g, a[w]);
-      }
-    }
-    for (int w = 0; w < WAYS; ++w) put_all(acc, w * TV + g, a[w]);
-  }
-}
-
-// Steps [K0, n) of a partial tile (n < TB), a row at a time, each a vector loop over the
-// tile's chains, their running values in acc: GCC vectorises the loop over chains only
-// where the steps inside it are a constant count (with n steps inside, it ran scalar). Not
-// unrolled: GCC unrolled a cheap combine's 16 chains (add) before vectorising, into scalars.
-template <bool WRITE, bool UP, int64_t K0, bool EXCL>
-FSCAN_TILE_SCAN static void tile_scan_part(const In x, const Out y, const Par p, const int64_t* elem, const Buf acc, Tiles& tl, int64_t n) {
-  for (int64_t k = K0; k < n; ++k) {
-    const int64_t j = UP ? k : TB - 1 - k;
-    for (int w = 0; w < WAYS; ++w) {
-      const In xr = tile_row(x, tl.in, w * TB + j);
-      const Out yr = tile_row(y, tl.out, w * TB + j);
-#pragma GCC ivdep
-#pragma GCC unroll 1
-      for (int g = 0; g < TV; ++g) {
-        const Vals l = get_all(acc, w * TV + g);
-        const Vals v = combine<false>(l, load_i(xr, g, 0), p, elem[w * TV + g]);
-        put_all(acc, w * TV + g, v);
-        if (WRITE) store_i(yr, g, EXCL ? l : v);
-      }
-    }
-  }
-}
+// TW chains side by side in tiles transposed in registers (Tiles, tile_scan, tile_scan_part,
+// tile_rows: chain_tiles.h, shared with the segmented kernel).
 
 // The steps [s0, s0 + n) (n <= TB) of a tile's chains: transposed in, scanned from acc (or,
 // at s0 = 0, from the carry-in, if any), transposed out. A partial tile (n < TB) reads and
@@ -156,9 +77,7 @@ static FSCAN_INLINE void tile_step(const In* xb, const Out* yb, const Par p, con
                                    int64_t s0, int64_t n, Tiles& tl) {
   const Buf acc = tl.acc.buf();
   const bool part = n < TB;
-  // The rows a partial tile reads: the first n (UP), or the last n (a reversed chain's
-  // steps descend from the tile's highest address).
-  const unsigned all = (1u << TB) - 1, m = !part ? all : (UP ? (1u << n) - 1 : all & ~((1u << (TB - n)) - 1));
+  const unsigned all = (1u << TB) - 1, m = tile_rows<UP>(n);
   int64_t lo[TW];  // each chain's step at the tile's lowest address
   for (int g = 0; g < TW; ++g) lo[g] = UP ? t0[g] + s0 : t0[g] - s0 - (TB - 1);
   if (part) tile_in(xb, lo, tl.in, m);

@@ -272,31 +272,23 @@ static void seg_tile_chains(const In x, const Out y, const Par p, const Flags R,
 // tile's layout. The steps after the last whole tile make a partial tile (masked). Against
 // the gathering tile above, logcumsumexp over (4096, 256) dim 1 with a restart every 97
 // steps: see fscan._engines.cpp._kernel_segmented.chains_tiled.
-// (Shared with forward_chains.h in idea, not in code: tile_scan there has no flags, and
-// its FSCAN_TILE_SCAN and Tiles live in the forward's source.)
-#if defined(__GNUC__) && !defined(__clang__)
-#define SEG_TILE_SCAN __attribute__((noinline, optimize("no-tree-pre")))
-#else
-#define SEG_TILE_SCAN __attribute__((noinline))
-#endif
-struct SegTiles {
-  InTile in;
-  OutTile out;
-  Store acc{TW};
+// The tiles (Tiles, tile_scan, tile_rows) are the forward's (chain_tiles.h), the flags
+// beside them: a tile without a restart is scanned by the forward's own tile_scan.
+struct SegTiles : Tiles {
   alignas(64) int32_t flag[TB * TW];  // (w * TB + j) * TV + g: as the tile's rows
 };
 
-// How a tile's restarts are read: NO_FLAGS, none in the tile (scanned as the forward's
-// tile_scan, without the flags' loads, widenings and blends: cumsum over (4096, 256) dim 1,
-// 260 instructions a tile of 8 chains with them, 154 without); ROW_BITS, restarts shared
-// by every chain (a 1-D mask): bit k of `rows` for step k, a blend of a broadcast mask;
-// LANE_FLAGS, each chain's own, from the tile's flags (tl.flag).
-enum { NO_FLAGS = 0, ROW_BITS = 1, LANE_FLAGS = 2 };
+// How a tile's restarts are read where it has some (else the forward's tile_scan, without
+// the flags' loads, widenings and blends: cumsum over (4096, 256) dim 1, 260 instructions
+// a tile of 8 chains with them, 154 without): ROW_BITS, restarts shared by every chain (a
+// 1-D mask): bit k of `rows` for step k, a blend of a broadcast mask; LANE_FLAGS, each
+// chain's own, from the tile's flags (tl.flag).
+enum { ROW_BITS = 1, LANE_FLAGS = 2 };
 
 // The TB steps (in scan order; UP: ascending rows) of a whole tile, the running values
-// in registers (see tile_scan in forward_chains.h for why a function of its own).
+// in registers, as tile_scan (chain_tiles.h: see there for why a function of its own).
 template <bool UP, int FLAGS>
-SEG_TILE_SCAN static void seg_tile_scan(const In x, const Out y, const Par p, const int64_t* elem,
+FSCAN_TILE_SCAN static void seg_tile_scan(const In x, const Out y, const Par p, const int64_t* elem,
                                         const Buf acc, SegTiles& tl, unsigned rows) {
   const int32_t* const fl = tl.flag;
 #pragma GCC ivdep
@@ -313,8 +305,7 @@ SEG_TILE_SCAN static void seg_tile_scan(const In x, const Out y, const Par p, co
         const int64_t e = elem[w * TV + g];
         const Vals c = k == TB - 1 ? combine<true>(a[w], v, p, e) : combine<false>(a[w], v, p, e);
         if (FLAGS == ROW_BITS) a[w] = pick(((rows >> k) & 1u) != 0, v, c);
-        else if (FLAGS == LANE_FLAGS) a[w] = pick(fl[(w * TB + j) * TV + g] != 0, v, c);
-        else a[w] = c;
+        else a[w] = pick(fl[(w * TB + j) * TV + g] != 0, v, c);
         store_i(tile_row(y, tl.out, w * TB + j), g, a[w]);
       }
     }
@@ -325,7 +316,7 @@ SEG_TILE_SCAN static void seg_tile_scan(const In x, const Out y, const Par p, co
 
 // The n steps of a partial tile (n < TB), a row at a time (see tile_scan_part).
 template <bool UP>
-SEG_TILE_SCAN static void seg_tile_scan_part(const In x, const Out y, const Par p, const int64_t* elem,
+FSCAN_TILE_SCAN static void seg_tile_scan_part(const In x, const Out y, const Par p, const int64_t* elem,
                                              const Buf acc, SegTiles& tl, int64_t n) {
   for (int64_t k = 0; k < n; ++k) {
     const int64_t j = UP ? k : TB - 1 - k;
@@ -345,16 +336,71 @@ SEG_TILE_SCAN static void seg_tile_scan_part(const In x, const Out y, const Par 
   }
 }
 
-// rows: where every chain starts at step 0 without a carry and reads a 1-D mask's flags,
-// each tile's restarts (bit k of rows[k0 / TB]: step k0 + k), else nullptr. A function of
-// its own: inlined into seg_chain_path, GCC spilled the transposes' registers (328 vector
-// stores to the stack there against 64 in the forward's chain_path) and the tiles ran
-// 1.67x the forward's, 1.34x so (cumsum over (4096, 256) dim 1, the kernel alone).
+// A partial tile's restarts, bit k for step k, as the flags seg_tile_scan_part reads.
+template <bool UP>
+static FSCAN_INLINE void seg_row_flags(SegTiles& tl, unsigned r, int64_t n) {
+  for (int64_t k = 0; k < n; ++k)
+    for (int w = 0; w < WAYS; ++w)
+      for (int g = 0; g < TV; ++g) tl.flag[(w * TB + (UP ? k : TB - 1 - k)) * TV + g] = (r >> k) & 1u;
+}
+
+// SEG_TW whole lanes from lane0 on (steps [0, T), no carry) that read one 1-D mask, its
+// restarts bit k of rows[k0 / TB] for step k0 + k: shaped as the forward's tile_chains
+// (forward_chains.h), with its tiles (chain_tiles.h). The lanes' bases are stepped from lane0 (one division a group, not
+// two a chain), and every chain is at the same step, so a tile's rows are each lane's
+// base plus one offset. A tile without a restart is scanned by the forward's tile_scan,
+// one with some by a blend on the row's bit (ROW_BITS). (Through
+// seg_transposed_chains, each chain described apart, the group's set-up divided 2-3
+// times a chain (its item, its lane's (o, i)): with the tiles' row pointers rebuilt from
+// the chains each tile, 9% of cumsum's segmented kernel over (4096, 256) dim 1, where
+// the forward's chain_path spends 6%: see fscan._engines.cpp._kernel_segmented.chains_tiled.)
+template <bool UP>
+__attribute__((noinline)) static void seg_row_tiles(const In x, const Out y, const Par p, const Geo& S,
+                                                    int64_t lane0, const uint32_t* rows, SegTiles& tl) {
+  In xb[SEG_TW];
+  Out yb[SEG_TW];
+  int64_t elem[SEG_TW];
+  int64_t o = lane0 / S.inner, i = lane0 - o * S.inner;
+  for (int g = 0; g < SEG_TW; ++g) {
+    xb[g] = at(x, S, o, 0, i);
+    yb[g] = at(y, S, o, 0, i);
+    elem[g] = lane0 + g;
+    if (++i == S.inner) { i = 0; ++o; }
+  }
+  const int64_t T = S.T;
+  const Buf acc = tl.acc.buf();
+  for (int64_t k0 = 0; k0 < T; k0 += TB) {
+    const int64_t n = std::min(TB, T - k0);
+    const bool part = n < TB;
+    const unsigned all = (1u << TB) - 1, m = tile_rows<UP>(n);
+    int64_t lo[SEG_TW];  // each chain's step at the tile's lowest address: one for all
+    for (int g = 0; g < SEG_TW; ++g) lo[g] = UP ? k0 : T - 1 - k0 - (TB - 1);
+    if (part) tile_in(xb, lo, tl.in, m);
+    else tile_in(xb, lo, tl.in, all);
+    // The first step restarts too: each chain's element (acc, not yet set, is dropped).
+    const unsigned r = rows[k0 / TB] | (k0 == 0 ? 1u : 0u);
+    if (part) {
+      seg_row_flags<UP>(tl, r, n);
+      seg_tile_scan_part<UP>(x, y, p, elem, acc, tl, n);
+    } else if (r != 0) {
+      seg_tile_scan<UP, ROW_BITS>(x, y, p, elem, acc, tl, r);
+    } else {
+      tile_scan<true, UP, 0, false>(x, y, p, elem, acc, tl);
+    }
+    if (part) tile_out(yb, lo, tl.out, m);
+    else tile_out(yb, lo, tl.out, all);
+  }
+}
+
+// SEG_TW chains, each its own flags (any mask layout) or carry: TB steps a tile, each
+// chain's flags gathered into the tile's rows (LANE_FLAGS). A function of its own:
+// inlined into seg_chain_path, GCC spilled the transposes' registers (328 vector stores
+// to the stack there against 64 in the forward's chain_path) and the tiles ran 1.67x the
+// forward's, 1.34x so (cumsum over (4096, 256) dim 1, the kernel alone).
 template <bool UP>
 __attribute__((noinline)) static void seg_transposed_chains(
     const In x, const Out y, const Par p, const Flags R, const Geo& S, const int64_t* lane,
-    const int64_t* s0, const int64_t* s1, const Vals* const* carry, const uint32_t* rows,
-    SegTiles& tl) {
+    const int64_t* s0, const int64_t* s1, const Vals* const* carry, SegTiles& tl) {
   constexpr bool rev = !UP;
   const int64_t dt = UP ? 1 : -1;
   SegChain c[SEG_TW];
@@ -373,39 +419,24 @@ __attribute__((noinline)) static void seg_transposed_chains(
   for (int64_t k0 = 0; k0 < common; k0 += TB) {
     const int64_t n = std::min(TB, common - k0);
     const bool part = n < TB;
-    const unsigned all = (1u << TB) - 1, m = !part ? all : (UP ? (1u << n) - 1 : all & ~((1u << (TB - n)) - 1));
+    const unsigned all = (1u << TB) - 1, m = tile_rows<UP>(n);
     int64_t lo[SEG_TW];  // each chain's step at the tile's lowest address
     for (int g = 0; g < SEG_TW; ++g) lo[g] = UP ? c[g].t0 + k0 : c[g].t0 - k0 - (TB - 1);
     if (part) tile_in(xb, lo, tl.in, m);
     else tile_in(xb, lo, tl.in, all);
-    if (rows != nullptr) {
-      // The first step restarts too: each chain's element (acc, not yet set, is dropped).
-      const unsigned r = rows[k0 / TB] | (k0 == 0 ? 1u : 0u);
-      if (part) {  // a row at a time, from the flags (once a group at most)
-        for (int64_t k = 0; k < n; ++k)
-          for (int w = 0; w < WAYS; ++w)
-            for (int g = 0; g < TV; ++g) fl[(w * TB + (UP ? k : TB - 1 - k)) * TV + g] = (r >> k) & 1u;
-        seg_tile_scan_part<UP>(x, y, p, lane, acc, tl, n);
-      } else if (r != 0) {
-        seg_tile_scan<UP, ROW_BITS>(x, y, p, lane, acc, tl, r);
-      } else {
-        seg_tile_scan<UP, NO_FLAGS>(x, y, p, lane, acc, tl, 0);
-      }
-    } else {
-      for (int g = 0; g < SEG_TW; ++g) {
-        int32_t* f = fl + (g / TV * TB) * TV + g % TV;
-        for (int64_t k = 0; k < n; ++k) f[(UP ? k : TB - 1 - k) * TV] = step(c[g].r, (k0 + k) * dt) != 0;
-      }
-      // Each chain's first step: from its carry (the running value), else its element (a
-      // restart there). So the scans start at step 0 in every tile: the instantiations
-      // from step 1 (a third of the tile scans' build) are not needed.
-      for (int g = 0; k0 == 0 && g < SEG_TW; ++g) {
-        if (carry[g] != nullptr) put_all(acc, g, *carry[g]);
-        else fl[(g / TV * TB + (UP ? 0 : TB - 1)) * TV + g % TV] = 1;
-      }
-      if (part) seg_tile_scan_part<UP>(x, y, p, lane, acc, tl, n);
-      else seg_tile_scan<UP, LANE_FLAGS>(x, y, p, lane, acc, tl, 0);
+    for (int g = 0; g < SEG_TW; ++g) {
+      int32_t* f = fl + (g / TV * TB) * TV + g % TV;
+      for (int64_t k = 0; k < n; ++k) f[(UP ? k : TB - 1 - k) * TV] = step(c[g].r, (k0 + k) * dt) != 0;
     }
+    // Each chain's first step: from its carry (the running value), else its element (a
+    // restart there). So the scans start at step 0 in every tile: the instantiations
+    // from step 1 (a third of the tile scans' build) are not needed.
+    for (int g = 0; k0 == 0 && g < SEG_TW; ++g) {
+      if (carry[g] != nullptr) put_all(acc, g, *carry[g]);
+      else fl[(g / TV * TB + (UP ? 0 : TB - 1)) * TV + g % TV] = 1;
+    }
+    if (part) seg_tile_scan_part<UP>(x, y, p, lane, acc, tl, n);
+    else seg_tile_scan<UP, LANE_FLAGS>(x, y, p, lane, acc, tl, 0);
     if (part) tile_out(yb, lo, tl.out, m);
     else tile_out(yb, lo, tl.out, all);
   }
@@ -426,12 +457,11 @@ static constexpr int SEG_GMAX = SEG_TW > SEG_G ? SEG_TW : SEG_G;
 // interleaved; fewer, one by one.
 static void seg_chain_group(const In x, const Out y, const Par p, const Flags R, const Geo& S,
                             bool rev, bool tiled, int ng, const int64_t* lane, const int64_t* s0,
-                            const int64_t* s1, const Vals* const* carry, const uint32_t* rows,
-                            SegTile& tl) {
+                            const int64_t* s1, const Vals* const* carry, SegTile& tl) {
   if (tiled && ng == SEG_TW) {
     if (TILED && tileable(x, y)) {
-      if (rev) seg_transposed_chains<false>(x, y, p, R, S, lane, s0, s1, carry, rows, tl.t);
-      else seg_transposed_chains<true>(x, y, p, R, S, lane, s0, s1, carry, rows, tl.t);
+      if (rev) seg_transposed_chains<false>(x, y, p, R, S, lane, s0, s1, carry, tl.t);
+      else seg_transposed_chains<true>(x, y, p, R, S, lane, s0, s1, carry, tl.t);
     } else if (SEG_TILED) {  // (SEG_TILE_ROWS tiles only where tileable: not compiled there)
       seg_tile_chains(x, y, p, R, S, rev, lane, s0, s1, carry, tl);
     }
@@ -470,9 +500,11 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
   // reads one row of flags at the same steps (a 1-D mask, whole lanes): 5 tiles in 6 then
   // scan without flags, as the forward's (cumsum over (4096, 256) dim 1, a restart every
   // 97 steps: see fscan._engines.cpp._kernel_segmented.chains_tiled).
+  // Flags every lane reads alike (a 1-D mask, or a mask broadcast over the lanes, whose
+  // stride over a dim of one need not be 0): a stride 0, or one lane, along each lane dim.
+  const bool shared = (R.sa == 0 || S.outer <= S.nb) && (R.sb == 0 || S.nb == 1) && (R.si == 0 || inner == 1);
   bool tiled = SEG_TILED;
-  if (!SEG_TILED && SEG_TILE_ROWS && TILED && tileable(x, y))
-    tiled = R.sa == 0 && R.sb == 0 && R.si == 0 && chunks(SEG_TW) == 1;
+  if (!SEG_TILED && SEG_TILE_ROWS && TILED && tileable(x, y)) tiled = shared && chunks(SEG_TW) == 1;
   const int64_t cg = tiled ? SEG_TW : SEG_G;
   int64_t C = chunks(cg);
   int64_t L = (T + C - 1) / C;
@@ -484,10 +516,11 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
   std::vector<uint8_t> seen(tot.size());
   // Tiled whole lanes reading a 1-D mask: each tile's restarts as bits, read once here
   // (each group reading its tiles' flags cost 5% of cumsum over (4096, 256) dim 1).
-  std::vector<uint32_t> bits(tiled && C == 1 && R.sa == 0 && R.sb == 0 && R.si == 0 ? (T + TB - 1) / TB : 0);
+  std::vector<uint32_t> bits(tiled && C == 1 && shared ? (T + TB - 1) / TB : 0);
   for (int64_t s = 0; s < (bits.empty() ? 0 : T); ++s)
     bits[s / TB] |= (uint32_t)(step(R, rev ? T - 1 - s : s) != 0) << (s % TB);
   const uint32_t* const rows = bits.empty() ? nullptr : bits.data();
+  const bool row_tiles = rows != nullptr && TILED && tileable(x, y);
   fscan_team(nt, [&] {
     SegTiles tiles;
     SegTile tl(tiles);
@@ -535,8 +568,13 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
 #pragma omp for schedule(static)
     for (int64_t gi = 0; gi < groups; ++gi) {
       const int ng = (int)std::min<int64_t>(cg, items - gi * cg);
+      if (row_tiles && ng == SEG_TW) {  // whole lanes (C == 1): item gi * cg is lane gi * cg
+        if (rev) seg_row_tiles<false>(x, y, p, S, gi * cg, rows, tiles);
+        else seg_row_tiles<true>(x, y, p, S, gi * cg, rows, tiles);
+        continue;
+      }
       for (int g = 0; g < ng; ++g) describe(g, gi * cg + g, true);
-      seg_chain_group(x, y, p, R, S, rev, tiled, ng, lane, s0, s1, carry, rows, tl);
+      seg_chain_group(x, y, p, R, S, rev, tiled, ng, lane, s0, s1, carry, tl);
     }
   });
 }
