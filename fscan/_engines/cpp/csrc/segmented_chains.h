@@ -35,19 +35,19 @@ static FSCAN_INLINE SegChain seg_chain(const In x, const Out y, const Flags R, c
 // against 0.9 so and 0.7 before.)
 template <int EXT, typename V>
 static FSCAN_INLINE void seg_extremum_step(V& a, const V& u, bool restart) {
-  using T = decltype(a.v0);
+  using Value = decltype(a.v0);  // the value leaf's compute type
   if (__builtin_expect(restart, 0)) {
     a = u;
     return;
   }
-  if constexpr (std::is_floating_point_v<T>) {
+  if constexpr (std::is_floating_point_v<Value>) {
     if (__builtin_expect(__builtin_isunordered(a.v0, u.v0), 0)) {
       if (u.v0 != u.v0) a = u;
       return;
     }
   }
   const bool keep = EXT > 0 ? a.v0 > u.v0 : a.v0 < u.v0;
-  if constexpr (std::is_floating_point_v<T>) {
+  if constexpr (std::is_floating_point_v<Value>) {
     a.v1 = keep ? a.v1 : u.v1;
   } else {
     // As a mask: `keep ? a.v1 : u.v1` became a branch beside the value's vpmaxsd.
