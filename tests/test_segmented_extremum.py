@@ -12,11 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import torch_threads
-from test_segmented_kernel import mask, oracle
+from test_segmented_kernel import mask, oracle, run
 
-import fscan
 from fscan._engines.cpp._cpp_codegen import TraceInput, translate_combine
-from fscan._engines.cpp._kernel_segmented import extremum, kernel_segmented, segmented_source
+from fscan._engines.cpp._kernel_segmented import extremum, segmented_source
 from fscan._routing.cumulative import kernel_call
 
 EXTREMA = {"cummax": torch.cummax, "cummin": torch.cummin}
@@ -32,18 +31,6 @@ DTYPES = [
     torch.uint8,
     torch.bool,
 ]
-
-
-def run(name, x, dim, reset, reverse, threads=None):
-    combine, spec, leaves, positions = kernel_call(EXTREMA[name], x)
-    if reset.ndim == 1:
-        reset = reset.reshape([-1 if d == dim else 1 for d in range(x.ndim)])
-    with fscan.config.override(cpu_kernel="eager"):
-        got = kernel_segmented(
-            combine, spec, leaves, dim, reverse, reset.expand(x.shape), positions, threads
-        )
-    assert got is not None
-    return got
 
 
 def walked(name, x, dim, reset, reverse):

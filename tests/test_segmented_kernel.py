@@ -93,7 +93,9 @@ def walked_oracle(name, x, dim, reset, reverse):
 
 
 def run(name, x, dim, reset, reverse, threads=None):
-    combine, spec, leaves, positions = kernel_call(OPS[name], x)
+    """The segmented kernel's (values, indices) of torch op ``name`` (any drop-in's, cummin
+    included) over ``x`` along ``dim``, built eagerly."""
+    combine, spec, leaves, positions = kernel_call(getattr(torch, name), x)
     if reset.ndim == 1:
         reset = reset.reshape([-1 if d == dim else 1 for d in range(x.ndim)])
     with fscan.config.override(cpu_kernel="eager"):
