@@ -32,7 +32,7 @@ import torch
 from ._checks import check_dense, normalize_dim, refuse_reverse
 from ._errors import ScanTypeError
 from ._exclusive import check_exclusive
-from ._ops_out import OUT_TYPES, check_extremum_out, check_out, write_out
+from ._ops_out import OUT_TYPES, check_extremum_out, check_out, direct_out, write_out, written
 from ._route_log import logs_route
 from ._routing.cumulative import (
     cumulative,
@@ -169,8 +169,12 @@ def logcumsumexp(
     if out is not None:
         check_out("fscan.logcumsumexp", input, out)
     x, dim = _prepare("fscan.logcumsumexp", input, dim, reverse, exclusive)
-    result = _run("fscan.logcumsumexp", torch.logcumsumexp, x, dim, reverse, reset, exclusive)
-    return result if out is None else write_out(result, out)
+    into = _into(out, x, reset, exclusive, [x.dtype])
+    api, op = "fscan.logcumsumexp", torch.logcumsumexp
+    result = _run(api, op, x, dim, reverse, reset, exclusive, into)
+    if out is None or (into is not None and written(result, out)):
+        return out if out is not None else result
+    return write_out(result, out)
 
 
 @logs_route("fscan.cummax")
@@ -304,8 +308,11 @@ def _sum_or_product(
     if out is not None:
         dtype = check_out(api, input, out, dtype, computes_in_out_dtype=True)
     x, dim = _prepare(api, input, dim, reverse, exclusive, dtype, promote_integers=True)
-    result = _run(api, op, x, dim, reverse, reset, exclusive)
-    return result if out is None else write_out(result, out, 5)
+    into = _into(out, x, reset, exclusive, [x.dtype])
+    result = _run(api, op, x, dim, reverse, reset, exclusive, into)
+    if out is None or (into is not None and written(result, out)):
+        return out if out is not None else result
+    return write_out(result, out, 5)
 
 
 def _extremum(
@@ -320,17 +327,40 @@ def _extremum(
     if out is not None:
         out = check_extremum_out(api, input, out)
     x, dim = _prepare(api, input, dim, reverse, exclusive)
-    result = _run(api, op, x, dim, reverse, reset, exclusive)
+    into = _into(
+        list(out) if out is not None else None, x, reset, exclusive, [x.dtype, torch.int64]
+    )
+    result = _run(api, op, x, dim, reverse, reset, exclusive, into)
     if out is None:
         return result
     values, indices = result
+    if into is not None and written(values, out[0]) and written(indices, out[1]):
+        return OUT_TYPES[op]((out[0], out[1]))
     return OUT_TYPES[op]((write_out(values, out[0], 5), write_out(indices, out[1], 5)))
 
 
-def _run(api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset: Any, exclusive: bool):
-    """The checked call on the drop-ins' router, inclusive or exclusive."""
+def _into(out: Any, x: torch.Tensor, reset: Any, exclusive: bool, dtypes: list) -> Any:
+    """``out=``'s tensors as a list the engine writes directly (:func:`direct_out`), for
+    an inclusive call without ``reset=``; else None (the result is copied in)."""
+    if out is None or reset is not None or exclusive:
+        return None
+    return direct_out([out] if isinstance(out, torch.Tensor) else out, x, dtypes)
+
+
+def _run(
+    api: str,
+    op: Any,
+    x: torch.Tensor,
+    dim: int,
+    reverse: bool,
+    reset: Any,
+    exclusive: bool,
+    into: list | None = None,
+):
+    """The checked call on the drop-ins' router, inclusive or exclusive; ``into``: memory
+    the inclusive call's engine may write its result to (see :func:`_into`)."""
     if reset is not None and is_dtensor(reset):
         refuse_dtensor_reset(api)  # with a plain `input`: DTensor inputs never get here
     if exclusive:
         return exclusive_cumulative(api, op, x, dim, reverse, reset)
-    return cumulative(api, op, x, dim, reverse, reset)
+    return cumulative(api, op, x, dim, reverse, reset, into)

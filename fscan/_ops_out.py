@@ -17,7 +17,15 @@ import torch
 
 from ._errors import OutArgumentError, ScanTypeError
 
-__all__ = ["OUT_TYPES", "check_extremum_out", "check_out", "refuse_autograd", "write_out"]
+__all__ = [
+    "OUT_TYPES",
+    "check_extremum_out",
+    "check_out",
+    "direct_out",
+    "refuse_autograd",
+    "write_out",
+    "written",
+]
 
 OUT_TYPES = {
     torch.cummax: torch.return_types.cummax_out,
@@ -107,3 +115,36 @@ def write_out(result: torch.Tensor, out: torch.Tensor, stacklevel: int = 4) -> t
             )
         out.resize_(result.shape)
     return out.copy_(result)
+
+
+def direct_out(
+    outs: list[torch.Tensor], x: torch.Tensor, dtypes: list[torch.dtype]
+) -> list[torch.Tensor] | None:
+    """``outs`` (``out=``'s tensors, checked), where the engine may write the result of
+    scanning ``x`` (its outputs in ``dtypes``) straight into them, else None: it then
+    writes a new tensor, which :func:`write_out` copies in, a pass more over memory
+    (cumsum over (4096, 256) dim 1 on the kernel: 1.3-1.6x the call without ``out=``).
+    Direct where each has ``x``'s shape (no resize, whose warning :func:`write_out`
+    gives) and its output's dtype, is contiguous (every element its own memory: an
+    expanded ``out`` gets torch's error from ``copy_``), sits on ``x``'s device, and
+    shares no storage with ``x`` or with another of them (an engine reads ``x`` after
+    writing some of its output)."""
+    if x.ndim == 0 or torch.compiler.is_compiling():
+        return None
+    storages = {x.untyped_storage().data_ptr()}
+    for out, dtype in zip(outs, dtypes):
+        if out.shape != x.shape or out.dtype != dtype or out.device != x.device:
+            return None
+        if not out.is_contiguous():
+            return None
+        storage = out.untyped_storage().data_ptr()
+        if storage in storages:
+            return None
+        storages.add(storage)
+    return outs
+
+
+def written(result: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``result`` is ``out``'s memory (an engine wrote :func:`direct_out`'s
+    tensor). Eager only: :func:`direct_out` gives no tensors under ``torch.compile``."""
+    return result.data_ptr() == out.data_ptr() and result.stride() == out.stride()

@@ -13,9 +13,11 @@ import warnings
 import pytest
 import torch
 from helpers import parametrize
+from test_cpu_kernel import needs_compiler
 
 import fscan
 from fscan import _ops
+from fscan._engines.cpp import cpu_kernel
 from fscan._routing import cumulative as router
 
 SUMS = ["cumsum", "cumprod"]
@@ -285,3 +287,37 @@ def test_out_under_torch_compile():
     torch.testing.assert_close(out, torch.cumsum(x, 0))
     assert torch.equal(indices, torch.cummax(x, 0).indices)
     torch.testing.assert_close(values, torch.cummax(x, 0).values)
+
+
+@needs_compiler
+@parametrize(name=OPS, dim=[0, 1], reverse=[False, True])
+def test_the_kernel_writes_out_directly(name, dim, reverse, monkeypatch):
+    """Where the kernel serves the call, it writes ``out`` itself (no result copied in);
+    an ``out`` that shares the input's storage, or is strided, still gets the copy."""
+    monkeypatch.setattr(router, "route", lambda op, x, d, r: (True, False))
+    monkeypatch.setattr(_ops, "native_first", lambda *args: None)
+    monkeypatch.setattr(_ops, "native_first_into", lambda op, x, d, out: None)
+    x = torch.randn(40, 24)
+    want = getattr(fscan, name)(x, dim, reverse=reverse)
+    with fscan.config.override(cpu_kernel="eager"):
+        copies = []
+        write_out = _ops.write_out
+        monkeypatch.setattr(_ops, "write_out", lambda *a: copies.append(1) or write_out(*a))
+        in_place = cpu_kernel.counters.in_place
+        out = _out_like(name, x.shape)
+        got = getattr(fscan, name)(x, dim, reverse=reverse, out=out)
+        assert all(g is o for g, o in zip(_tensors(got), _tensors(out)))
+        assert cpu_kernel.counters.in_place == in_place + len(_tensors(out)) and not copies
+        for g, w in zip(_tensors(got), _tensors(want)):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        # the input's own memory, and a transposed out: scanned first, then copied in
+        both = torch.cat([x, torch.zeros_like(x)])
+        shared = both[40:] if name not in EXTREMA else (both[40:], _out_like(name, x.shape)[1])
+        strided = _out_like(name, (24, 40))
+        strided = tuple(t.t() for t in strided) if name in EXTREMA else strided.t()
+        for out in (shared, strided):
+            got = getattr(fscan, name)(both[:40], dim, reverse=reverse, out=out)
+            for g, o, w in zip(_tensors(got), _tensors(out), _tensors(want)):
+                assert g is o
+                torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        assert len(copies) == 2 * (2 if name in EXTREMA else 1)

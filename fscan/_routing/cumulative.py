@@ -116,11 +116,20 @@ def native_first_into(op: Any, x: Any, dim: Any, out: Any) -> Any:
 
 
 def cumulative(
-    api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset: Any = None
+    api: str,
+    op: Any,
+    x: torch.Tensor,
+    dim: int,
+    reverse: bool,
+    reset: Any = None,
+    out: list | None = None,
 ) -> Any:
     """Run the drop-in ``api`` of torch's ``op`` on ``x`` on the engine the table picks:
     ``x`` in the dtype torch computes in, ``dim`` checked and non-negative. With
-    ``reset=`` (torch's op has none), :func:`segmented` runs it.
+    ``reset=`` (torch's op has none), :func:`segmented` runs it. ``out``: the caller's
+    ``out=`` tensors (``x``'s shape and dtype, storage of their own), which the kernel
+    and torch's op forward write directly (see :func:`engine`); the result is then
+    ``out``'s memory, else a new tensor the caller copies in.
 
     Example:
         >>> cumulative("fscan.cumsum", torch.cumsum, torch.tensor([1, 2, 3]), 0, True)
@@ -128,7 +137,7 @@ def cumulative(
     """
     if reset is not None:
         return segmented(api, op, x, dim, reverse, reset, remember=True)
-    return engine(api, op, x, dim, reverse)
+    return engine(api, op, x, dim, reverse, out)
 
 
 def engine(
