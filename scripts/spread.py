@@ -7,9 +7,11 @@ on the same tensors (the same memory every call), and each row prints its times 
 order with min, median and max/min. A row whose times switch between levels while
 ``torch.cumsum`` and the copy stay flat is moved by something outside the call (not
 its memory, which does not change): compare such rows in alternating processes, not
-from one round.
+from one round. ``--cold`` evicts the caches before every call (a copy between two
+64 MiB buffers; a ``fill_`` evicted nothing on the machine this was written on), which
+gives the data-from-memory level every time.
 
-    PYTHONPATH=. taskset -c 0 python scripts/spread.py [--rounds 24] [--shape 4096,256]
+    PYTHONPATH=. taskset -c 0 python scripts/spread.py [--rounds 24] [--shape 4096,256] [--cold]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--shape", default="4096,256")
+    parser.add_argument("--cold", action="store_true", help="evict the caches before each call")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     fscan.config.cpu_kernel = "eager"  # the kernels built before the first timing
@@ -44,16 +47,22 @@ def main(argv: list[str] | None = None) -> None:
     for run in rows.values():  # built, loaded and warm
         for _ in range(3):
             run()
+    junk = [torch.empty(16 << 20), torch.empty(16 << 20)] if args.cold else []
     series: dict[str, list[float]] = {name: [] for name in rows}
     for _ in range(args.rounds):
         for name, run in rows.items():
             times = []
             for _ in range(7):
+                if junk:
+                    junk[1].copy_(junk[0])
                 start = time.thread_time()
                 run()
                 times.append(time.thread_time() - start)
             series[name].append(statistics.median(times) * 1e6)
-    print(f"{shape}, 1 thread, thread CPU time (us), medians of 7 calls a turn, in turn order")
+    cold = ", caches evicted before each call" if args.cold else ""
+    print(
+        f"{shape}, 1 thread, thread CPU time (us){cold}, medians of 7 calls a turn, in turn order"
+    )
     for name, times in series.items():
         low, high = min(times), max(times)
         print(

@@ -40,7 +40,10 @@ def tile_structs(read: Sequence[int] | None, kept: Sequence[int], expensive: boo
     """The chain path's tiles (see tile_chains in csrc/forward_chains.h): ``InTile``/``OutTile``,
     TB steps of TW chains of each read/kept leaf (``WAYS`` blocks of TV chains, each its
     TB rows, see :func:`tile_ways`), transposed in and out by ``tile_in``/``tile_out``
-    (``m``: the rows read and written, a bit each, fewer than TB in a partial tile)
+    (``m``: the rows read and written, a bit each, fewer than TB in a partial tile);
+    ``tile_base`` (a chain's first leaf's memory) and ``tile_ahead`` (``n`` lines from
+    element ``d`` of every leaf asked of the caches: see ahead_lines in
+    csrc/chain_tiles.h)
     (float32 leaves, no position leaves: ``read`` is None otherwise, and ``TILED`` false,
     with stubs)."""
     ways = tile_ways(expensive) if read is not None else 1
@@ -55,6 +58,9 @@ def tile_structs(read: Sequence[int] | None, kept: Sequence[int], expensive: boo
                 "static FSCAN_INLINE void tile_in(const In*, const int64_t*, InTile&, unsigned) {}",
                 "static FSCAN_INLINE void tile_out(const Out*, const int64_t*, const OutTile&, "
                 "unsigned) {}",
+                "static FSCAN_INLINE const float* tile_base(const In) { return nullptr; }",
+                "template <bool W> static FSCAN_INLINE void tile_ahead(const In, const Out, "
+                "int64_t, int64_t) {}",
                 "static FSCAN_INLINE In tile_row(const In x, const InTile&, int64_t) { return x; }",
                 "static FSCAN_INLINE Out tile_row(const Out y, OutTile&, int64_t) { return y; }",
             ]
@@ -91,6 +97,13 @@ def tile_structs(read: Sequence[int] | None, kept: Sequence[int], expensive: boo
                 for f in ys
             )
             + " }",
+            "static FSCAN_INLINE const float* tile_base(const In x) { return x." + xs[0] + ".p; }",
+            "template <bool W> static FSCAN_INLINE void tile_ahead(const In x, const Out y, "
+            "int64_t d, int64_t n) { for (int64_t k = 0; k < n; ++k) { "
+            + " ".join(f"__builtin_prefetch(x.{f}.p + d + 16 * k, 0, 2);" for f in xs)
+            + " if (W) { "
+            + " ".join(f"__builtin_prefetch(y.{f}.p + d + 16 * k, 1, 2);" for f in ys)
+            + " } } }",
             "static FSCAN_INLINE In tile_row(const In x, const InTile& b, int64_t j) { In r = x; "
             + " ".join(f"r.{f} = Ptr<const float>{{b.{f} + j * TV, 0, 0, 0, 1}};" for f in xs)
             + " return r; }",

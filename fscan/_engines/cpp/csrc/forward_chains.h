@@ -112,8 +112,13 @@ static void tile_chains(const In* xb, const Out* yb, const Par p, const int64_t*
   // The steps every chain has, in tiles, the last one partial where TB does not divide
   // them: walking those steps a chain at a time ran (4096, 255) dim 1 1.6x slower than
   // (4096, 256) (the exclusive drop-ins' repeat route then scanned n - 1 steps).
-  for (int64_t s0 = 0; s0 < common; s0 += TB)
+  int64_t low[TW];  // each chain's lowest tiled step
+  for (int g = 0; g < TW; ++g) low[g] = UP ? t0[g] : t0[g] - common + 1;
+  const int64_t ahead = len[0] == common ? ahead_lines(xb, low, common) : 0;
+  for (int64_t s0 = 0; s0 < common; s0 += TB) {
+    if (ahead) tile_ahead<WRITE>(xb[0], yb[0], low[0] + TW * common + s0 / TB * ahead * 16, ahead);
     tile_step<WRITE, UP, EXCL>(xb, yb, p, t0, elem, carry, has, s0, std::min(TB, common - s0), tl);
+  }
   // Chains longer than the shortest walk their remaining steps, a chain at a time
   // (interleaving G of them here ran slower: add over (4096, 5) dim 1, 2.4 ns an element,
   // one by one 1.7; the affine pair 9.6, 2.8).

@@ -369,7 +369,10 @@ __attribute__((noinline)) static void seg_row_tiles(const In x, const Out y, con
   }
   const int64_t T = S.T;
   const Buf acc = tl.acc.buf();
+  const int64_t low[SEG_TW] = {};  // every chain from its step 0 (whole lanes)
+  const int64_t ahead = ahead_lines(xb, low, T);  // the next group's rows (chain_tiles.h)
   for (int64_t k0 = 0; k0 < T; k0 += TB) {
+    if (ahead) tile_ahead<true>(xb[0], yb[0], SEG_TW * T + k0 / TB * ahead * 16, ahead);
     const int64_t n = std::min(TB, T - k0);
     const bool part = n < TB;
     const unsigned all = (1u << TB) - 1, m = tile_rows<UP>(n);
