@@ -169,12 +169,8 @@ def logcumsumexp(
     if out is not None:
         check_out("fscan.logcumsumexp", input, out)
     x, dim = _prepare("fscan.logcumsumexp", input, dim, reverse, exclusive)
-    into = _into(out, x, reset, exclusive, [x.dtype])
     api, op = "fscan.logcumsumexp", torch.logcumsumexp
-    result = _run(api, op, x, dim, reverse, reset, exclusive, into)
-    if out is None or (into is not None and written(result, out)):
-        return out if out is not None else result
-    return write_out(result, out)
+    return _run_out(api, op, x, dim, reverse, reset, exclusive, out, 5)
 
 
 @logs_route("fscan.cummax")
@@ -308,11 +304,7 @@ def _sum_or_product(
     if out is not None:
         dtype = check_out(api, input, out, dtype, computes_in_out_dtype=True)
     x, dim = _prepare(api, input, dim, reverse, exclusive, dtype, promote_integers=True)
-    into = _into(out, x, reset, exclusive, [x.dtype])
-    result = _run(api, op, x, dim, reverse, reset, exclusive, into)
-    if out is None or (into is not None and written(result, out)):
-        return out if out is not None else result
-    return write_out(result, out, 5)
+    return _run_out(api, op, x, dim, reverse, reset, exclusive, out, 6)
 
 
 def _extremum(
@@ -327,24 +319,36 @@ def _extremum(
     if out is not None:
         out = check_extremum_out(api, input, out)
     x, dim = _prepare(api, input, dim, reverse, exclusive)
-    into = _into(
-        list(out) if out is not None else None, x, reset, exclusive, [x.dtype, torch.int64]
-    )
-    result = _run(api, op, x, dim, reverse, reset, exclusive, into)
+    return _run_out(api, op, x, dim, reverse, reset, exclusive, out, 6)
+
+
+def _run_out(
+    api: str,
+    op: Any,
+    x: torch.Tensor,
+    dim: int,
+    reverse: bool,
+    reset: Any,
+    exclusive: bool,
+    out: Any,
+    stacklevel: int,
+) -> Any:
+    """:func:`_run` with ``out=`` (checked: a tensor, or cummax/cummin's pair) written:
+    by the engine itself where :func:`direct_out` allows it (an inclusive call without
+    ``reset=``), else copied in after (``stacklevel``: :func:`write_out`'s, the caller's
+    line). ``out`` itself is returned, as torch does."""
     if out is None:
-        return result
-    values, indices = result
-    if into is not None and written(values, out[0]) and written(indices, out[1]):
-        return OUT_TYPES[op]((out[0], out[1]))
-    return OUT_TYPES[op]((write_out(values, out[0], 5), write_out(indices, out[1], 5)))
-
-
-def _into(out: Any, x: torch.Tensor, reset: Any, exclusive: bool, dtypes: list) -> Any:
-    """``out=``'s tensors as a list the engine writes directly (:func:`direct_out`), for
-    an inclusive call without ``reset=``; else None (the result is copied in)."""
-    if out is None or reset is not None or exclusive:
-        return None
-    return direct_out([out] if isinstance(out, torch.Tensor) else out, x, dtypes)
+        return _run(api, op, x, dim, reverse, reset, exclusive)
+    outs = [out] if isinstance(out, torch.Tensor) else list(out)
+    into = None
+    if reset is None and not exclusive:
+        into = direct_out(outs, x, [x.dtype, torch.int64][: len(outs)])
+    result = _run(api, op, x, dim, reverse, reset, exclusive, into)
+    results = [result] if isinstance(out, torch.Tensor) else list(result)
+    if into is None or not all(written(r, o) for r, o in zip(results, outs)):
+        for r, o in zip(results, outs):  # a loop: a comprehension is a frame of its own before 3.12
+            write_out(r, o, stacklevel)
+    return outs[0] if isinstance(out, torch.Tensor) else OUT_TYPES[op](tuple(outs))
 
 
 def _run(
