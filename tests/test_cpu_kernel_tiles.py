@@ -190,3 +190,87 @@ def test_chains_off_the_tile_with_a_carry_in_match_the_oracle(name, reverse):
             torch.testing.assert_close(
                 o.double(), r.float().double(), rtol=1e-5, atol=1e-5, equal_nan=True
             )
+
+
+def _extremum_oracle(op, x: torch.Tensor, dim: int, reverse: bool, first: int):
+    """torch's op (reversed: flip, op, flip, indices mapped back, ties to the smaller
+    index), indices counted from ``first``."""
+    if not reverse:
+        values, indices = op(x, dim)
+    else:
+        flipped = op(x.flip(dim), dim)
+        values, indices = flipped.values.flip(dim), (x.shape[dim] - 1 - flipped.indices).flip(dim)
+    return values, indices + first
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize(
+    ("shape", "dim"),
+    [
+        *[((37, steps), 1) for steps in (1, 15, 16, 17, 33, 100)],
+        *[((32, 256), 1), ((4, 8, 64), 2), ((2047,), 0), ((2048 * 16 + 17,), 0), ((70001,), 0)],
+        *[((300, 40), 1), ((64, 300), 0)],  # a transpose's chains: read in place
+    ],
+)
+@pytest.mark.parametrize("op", [torch.cummax, torch.cummin], ids=["cummax", "cummin"])
+def test_cummax_indices_come_out_of_tiles(op, shape, dim, reverse, threads):
+    """cummax/cummin's (value, index) pair on the chain path: float32 values tiled, the
+    index each step's position, computed in the tile scan and transposed out of an int64
+    tile (fscan_tile_out_i64): whole and partial tiles, chains walked past the tiles, a
+    lane's chunks, both directions, ties (rounded values) and NaN, a view's first position."""
+    from fscan._routing.cumulative import kernel_call
+
+    gen = torch.Generator().manual_seed(sum(shape) + dim)
+    x = (torch.randn(shape, generator=gen) * 4).round()  # ties everywhere
+    x.view(-1)[5::97] = float("nan")
+    x.view(-1)[3::89] = float("inf")
+    if shape == (300, 40):
+        x = x.t().contiguous().t()  # (300, 40) of (40, 300) memory: chains along dim 1
+    if shape == (64, 300):
+        x = torch.randn(300, 64, generator=gen).t()
+    combine, spec, leaves, positions = kernel_call(op, x)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):
+            for first in (0, 11):  # 11: positions of a view that starts 11 steps in
+                values, indices = kernel_scan(
+                    "test",
+                    combine,
+                    spec,
+                    leaves,
+                    dim,
+                    reverse,
+                    positions=positions,
+                    first_position=first,
+                )
+                want_values, want_indices = _extremum_oracle(op, x, dim, reverse, first)
+                assert torch.equal(values.nan_to_num(0.5), want_values.nan_to_num(0.5))
+                assert indices.dtype == torch.int64 and torch.equal(indices, want_indices)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 40, 256])
+def test_exclusive_cummax_indices_come_out_of_tiles(length, reverse):
+    """The exclusive variant's tiles: each step's output is the pair before it (the first
+    step's the identity, index -1), the positions as in the inclusive scan."""
+    gen = torch.Generator().manual_seed(length)
+    x = (torch.randn(48, length, generator=gen) * 3).round()
+    x.view(-1)[7::61] = float("nan")
+    with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):
+        for _ in range(2):  # the second call: the drop-ins' exclusive kernel run, if any
+            got = fscan.cummax(x, 1, reverse=reverse, exclusive=True)
+    values, indices = _extremum_oracle(torch.cummax, x, 1, reverse, 0)
+    lowest = torch.full((48, 1), -float("inf"))
+    minus_one = torch.full((48, 1), -1, dtype=torch.int64)
+    if reverse:
+        want_values = torch.cat([values[:, 1:], lowest], 1)
+        want_indices = torch.cat([indices[:, 1:], minus_one], 1)
+    else:
+        want_values = torch.cat([lowest, values[:, :-1]], 1)
+        want_indices = torch.cat([minus_one, indices[:, :-1]], 1)
+    assert torch.equal(got.values.nan_to_num(0.5), want_values.nan_to_num(0.5))
+    assert torch.equal(got.indices, want_indices)

@@ -225,7 +225,12 @@ def forward_source(
         combine=_combine_function(compute, program),
         suspect=suspect_check(dtypes, kept),
         tuning=csrc("tuning.h"),
-        tiles=tile_structs(read_idx if tiled(st, positions) else None, kept, program.expensive)
+        tiles=tile_structs(
+            read_idx if tiled(st, positions, with_positions=True) else None,
+            kept,
+            program.expensive,
+            wide=[k for k in kept if k in positions],
+        )
         + "\n"
         + prefix_structs(prefix_op(program, st, positions, dropped)),
         exclusive="true" if exclusive else "false",

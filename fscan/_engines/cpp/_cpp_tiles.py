@@ -19,12 +19,18 @@ from ._cpp_ops import Program
 __all__ = ["prefix_op", "prefix_structs", "tile_structs", "tiled"]
 
 
-def tiled(storage: Sequence[str], positions: Sequence[int]) -> bool:
+def tiled(storage: Sequence[str], positions: Sequence[int], with_positions: bool = False) -> bool:
     """Whether the chain path tiles its chains (see tile_chains in csrc/forward_chains.h): float32
     leaves, none of them positions. Per element over (4096, 256) dim 1, 1 thread: add, mul
     and max walked 8 chains interleaved in 0.38-0.47 ns, tiled 0.25-0.30 (once each
     chain's running value stayed in a register across a tile's steps); the affine pair
-    walked 4.6, tiled 1.0; logaddexp walked 17 (expf and log1pf calls), tiled 1.8."""
+    walked 4.6, tiled 1.0; logaddexp walked 17 (expf and log1pf calls), tiled 1.8.
+    ``with_positions``: for a kernel whose tiles compute position leaves (the forward's,
+    where cummax/cummin's int64 indices are each step's position, written out of an int64
+    tile), float32 read leaves and int64 position leaves."""
+    if with_positions and positions:
+        read = {s for k, s in enumerate(storage) if k not in positions}
+        return read == {"float"} and all(storage[k] == "int64_t" for k in positions)
     return not positions and set(storage) == {"float"}
 
 
@@ -36,7 +42,12 @@ def tile_ways(expensive: bool) -> int:
     return 2 if expensive else 1
 
 
-def tile_structs(read: Sequence[int] | None, kept: Sequence[int], expensive: bool = False) -> str:
+def tile_structs(
+    read: Sequence[int] | None,
+    kept: Sequence[int],
+    expensive: bool = False,
+    wide: Sequence[int] = (),
+) -> str:
     """The chain path's tiles (see tile_chains in csrc/forward_chains.h): ``InTile``/``OutTile``,
     TB steps of TW chains of each read/kept leaf (``WAYS`` blocks of TV chains, each its
     TB rows, see :func:`tile_ways`), transposed in and out by ``tile_in``/``tile_out``
@@ -45,7 +56,9 @@ def tile_structs(read: Sequence[int] | None, kept: Sequence[int], expensive: boo
     element ``d`` of every leaf asked of the caches: see ahead_lines in
     csrc/chain_tiles.h)
     (float32 leaves, no position leaves: ``read`` is None otherwise, and ``TILED`` false,
-    with stubs)."""
+    with stubs). ``wide``: the kept leaves that are int64 (cummax/cummin's position leaves,
+    computed in the tile scan: not read), whose out tiles hold int64 and transpose out by
+    ``fscan_tile_out_i64``."""
     ways = tile_ways(expensive) if read is not None else 1
     shape = [f"static constexpr int WAYS = {ways};", "static constexpr int TW = TV * WAYS;"]
     if read is None:
@@ -65,10 +78,17 @@ def tile_structs(read: Sequence[int] | None, kept: Sequence[int], expensive: boo
                 "static FSCAN_INLINE Out tile_row(const Out y, OutTile&, int64_t) { return y; }",
             ]
         )
-    tile = lambda name, fields: (
-        f"struct {name} {{ " + " ".join(f"alignas(64) float {f}[TB * TW];" for f in fields) + " };"
-    )
     xs, ys = [f"x{k}" for k in read], [f"y{k}" for k in kept]
+    wides = {f"y{k}" for k in wide}
+    ctype = lambda f: "int64_t" if f in wides else "float"
+    tile = lambda name, fields: (
+        f"struct {name} {{ "
+        + " ".join(f"alignas(64) {ctype(f)} {f}[TB * TW];" for f in fields)
+        + " };"
+    )
+    transpose_out = lambda f: "fscan_tile_out_i64" if f in wides else "fscan_tile_out"
+    # An int64 row of a tile's 16 steps spans two cache lines.
+    lines = lambda f: ["", " + 8"] if f in wides else [""]
     units = [f"x.{f}.st == 1" for f in xs] + [f"y.{f}.st == 1" for f in ys]
     return "\n".join(
         [
@@ -91,9 +111,9 @@ def tile_structs(read: Sequence[int] | None, kept: Sequence[int], expensive: boo
             "unsigned m) "
             "{ (void)m; "
             + " ".join(
-                f"for (int h = 0; h < TW; h += TV) {{ float* d[TV]; "
+                f"for (int h = 0; h < TW; h += TV) {{ {ctype(f)}* d[TV]; "
                 f"for (int g = 0; g < TV; ++g) d[g] = y[h + g].{f}.p + t[h + g]; "
-                f"fscan_tile_out(b.{f} + h * TB, d, m); }}"
+                f"{transpose_out(f)}(b.{f} + h * TB, d, m); }}"
                 for f in ys
             )
             + " }",
@@ -102,13 +122,15 @@ def tile_structs(read: Sequence[int] | None, kept: Sequence[int], expensive: boo
             "int64_t d, int64_t n) { for (int64_t k = 0; k < n; ++k) { "
             + " ".join(f"__builtin_prefetch(x.{f}.p + d + 16 * k, 0, 2);" for f in xs)
             + " if (W) { "
-            + " ".join(f"__builtin_prefetch(y.{f}.p + d + 16 * k, 1, 2);" for f in ys)
+            + " ".join(
+                f"__builtin_prefetch(y.{f}.p + d + 16 * k{a}, 1, 2);" for f in ys for a in lines(f)
+            )
             + " } } }",
             "static FSCAN_INLINE In tile_row(const In x, const InTile& b, int64_t j) { In r = x; "
             + " ".join(f"r.{f} = Ptr<const float>{{b.{f} + j * TV, 0, 0, 0, 1}};" for f in xs)
             + " return r; }",
             "static FSCAN_INLINE Out tile_row(const Out y, OutTile& b, int64_t j) { Out r = y; "
-            + " ".join(f"r.{f} = Ptr<float>{{b.{f} + j * TV, 0, 0, 0, 1}};" for f in ys)
+            + " ".join(f"r.{f} = Ptr<{ctype(f)}>{{b.{f} + j * TV, 0, 0, 0, 1}};" for f in ys)
             + " return r; }",
         ]
     )

@@ -19,10 +19,13 @@
 // about as much again (an add by prefix sums inside each vector, no transposes: 1.8-1.9x
 // a copy in float32, 4.0-4.5x in double). So a chain scan of float32 stays near 4x a
 // copy, where the lane path, needing no transpose, runs at 1.1-2x.
+// lo[g]: chain g's step at the tile's lowest address (row 0), so that row j is step
+// lo[g] + j: the position a position leaf (cummax/cummin's indices) takes there.
 struct Tiles {
   InTile in;
   OutTile out;
   Store acc{TW};
+  int64_t lo[TW] = {};
 };
 
 // Steps [K0, TB) (in scan order; UP: ascending rows) of a tile's TW chains, each chain's
@@ -52,7 +55,7 @@ FSCAN_TILE_SCAN static void tile_scan(const In x, const Out y, const Par p, cons
     for (int64_t k = K0; k < TB; ++k) {
       const int64_t j = UP ? k : TB - 1 - k;
       for (int w = 0; w < WAYS; ++w) {
-        const Vals v = load_i(tile_row(x, tl.in, w * TB + j), g, 0);
+        const Vals v = load_i(tile_row(x, tl.in, w * TB + j), g, tl.lo[w * TV + g] + j);
         const int64_t e = elem[w * TV + g];
         if (WRITE && EXCL) store_i(tile_row(y, tl.out, w * TB + j), g, a[w]);
         a[w] = k == TB - 1 ? combine<true>(a[w], v, p, e) : combine<false>(a[w], v, p, e);
@@ -78,7 +81,7 @@ FSCAN_TILE_SCAN static void tile_scan_part(const In x, const Out y, const Par p,
 #pragma GCC unroll 1
       for (int g = 0; g < TV; ++g) {
         const Vals l = get_all(acc, w * TV + g);
-        const Vals v = combine<false>(l, load_i(xr, g, 0), p, elem[w * TV + g]);
+        const Vals v = combine<false>(l, load_i(xr, g, tl.lo[w * TV + g] + j), p, elem[w * TV + g]);
         put_all(acc, w * TV + g, v);
         if (WRITE) store_i(yr, g, EXCL ? l : v);
       }

@@ -78,14 +78,14 @@ static FSCAN_INLINE void tile_step(const In* xb, const Out* yb, const Par p, con
   const Buf acc = tl.acc.buf();
   const bool part = n < TB;
   const unsigned all = (1u << TB) - 1, m = tile_rows<UP>(n);
-  int64_t lo[TW];  // each chain's step at the tile's lowest address
+  int64_t* const lo = tl.lo;  // each chain's step at the tile's lowest address
   for (int g = 0; g < TW; ++g) lo[g] = UP ? t0[g] + s0 : t0[g] - s0 - (TB - 1);
   if (part) tile_in(xb, lo, tl.in, m);
   else tile_in(xb, lo, tl.in, all);
   if (s0 == 0) {  // the first step: from the carry-in, if any
     for (int g = 0; g < TW; ++g) {
       const int64_t j = g / TV * TB + (UP ? 0 : TB - 1);
-      const Vals v = load_i(tile_row(xb[0], tl.in, j), g % TV, 0);
+      const Vals v = load_i(tile_row(xb[0], tl.in, j), g % TV, t0[g]);
       if (WRITE && EXCL) store_i(tile_row(yb[0], tl.out, j), g % TV, carry[g]);
       put_all(acc, g, has[g] ? combine(carry[g], v, p, elem[g]) : v);
       if (WRITE && !EXCL) store_i(tile_row(yb[0], tl.out, j), g % TV, get_all(acc, g));

@@ -85,6 +85,39 @@ static FSCAN_INLINE void fscan_tile_out(const float* src, float* const* dst, uns
   else
     for (int i = 0; i < 16; ++i) _mm512_mask_storeu_ps(dst[i], (__mmask16)m, r[i]);
 }
+// An 8 x 8 block of int64: r[i] (row i) becomes column i (24 shuffles: pairs of rows
+// unpacked, then 128-bit lanes picked twice).
+static FSCAN_INLINE void fscan_transpose8x64(__m512i* r) {
+  __m512i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) { t[i] = _mm512_unpacklo_epi64(r[i], r[i + 1]); t[i + 1] = _mm512_unpackhi_epi64(r[i], r[i + 1]); }
+  // u[h + c] (h = 0, 4): column c in 128-bit lanes 0 and 2, column c + 4 in 1 and 3, of rows h..h+3.
+  for (int h = 0; h < 8; h += 4)
+    for (int c = 0; c < 2; ++c) {
+      u[h + c] = _mm512_shuffle_i64x2(t[h + c], t[h + c + 2], 0x88);
+      u[h + c + 2] = _mm512_shuffle_i64x2(t[h + c], t[h + c + 2], 0xdd);
+    }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm512_shuffle_i64x2(u[c], u[c + 4], 0x88);
+    r[c + 4] = _mm512_shuffle_i64x2(u[c], u[c + 4], 0xdd);
+  }
+}
+// fscan_tile_out for an int64 leaf (cummax/cummin's indices): dst[g][j] = src[j * 16 + g]
+// for the rows j set in m, as four 8 x 8 blocks (chains 8c.., steps 8h..).
+static FSCAN_INLINE void fscan_tile_out_i64(const int64_t* src, int64_t* const* dst, unsigned m) {
+  for (int h = 0; h < 2; ++h) {
+    const __mmask8 mh = (__mmask8)((m >> (8 * h)) & 0xffu);
+    if (mh == 0) continue;
+    for (int c = 0; c < 2; ++c) {
+      __m512i r[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm512_load_si512(src + 16 * (8 * h + i) + 8 * c);
+      fscan_transpose8x64(r);
+      if (mh == 0xffu)
+        for (int i = 0; i < 8; ++i) _mm512_storeu_si512(dst[8 * c + i] + 8 * h, r[i]);
+      else
+        for (int i = 0; i < 8; ++i) _mm512_mask_storeu_epi64(dst[8 * c + i] + 8 * h, mh, r[i]);
+    }
+  }
+}
 #elif defined(__AVX2__)
 #include <immintrin.h>
 #define FSCAN_TILES true
@@ -145,11 +178,36 @@ static FSCAN_INLINE void fscan_tile_out(const float* src, float* const* dst, uns
     }
   }
 }
+// fscan_tile_out for an int64 leaf: dst[g][j] = src[j * 8 + g] for the rows j set in m,
+// as 4 x 4 blocks (chains 4c.., steps 4q..): pairs of rows unpacked, 128-bit halves swapped.
+static FSCAN_INLINE void fscan_tile_out_i64(const int64_t* src, int64_t* const* dst, unsigned m) {
+  const __m256i bits = _mm256_setr_epi64x(1, 2, 4, 8);
+  for (int q = 0; q < 4; ++q) {
+    const unsigned mq = (m >> (4 * q)) & 0xfu;
+    if (mq == 0) continue;
+    const __m256i k = _mm256_cmpeq_epi64(_mm256_and_si256(_mm256_set1_epi64x(mq), bits), bits);
+    for (int c = 0; c < 2; ++c) {
+      __m256i r[4], t[4];
+      for (int i = 0; i < 4; ++i)
+        r[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(src + 8 * (4 * q + i) + 4 * c));
+      t[0] = _mm256_unpacklo_epi64(r[0], r[1]); t[1] = _mm256_unpackhi_epi64(r[0], r[1]);
+      t[2] = _mm256_unpacklo_epi64(r[2], r[3]); t[3] = _mm256_unpackhi_epi64(r[2], r[3]);
+      r[0] = _mm256_permute2x128_si256(t[0], t[2], 0x20); r[2] = _mm256_permute2x128_si256(t[0], t[2], 0x31);
+      r[1] = _mm256_permute2x128_si256(t[1], t[3], 0x20); r[3] = _mm256_permute2x128_si256(t[1], t[3], 0x31);
+      for (int i = 0; i < 4; ++i) {
+        long long* d = reinterpret_cast<long long*>(dst[4 * c + i] + 4 * q);
+        if (mq == 0xfu) _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), r[i]);
+        else _mm256_maskstore_epi64(d, k, r[i]);
+      }
+    }
+  }
+}
 #else
 #define FSCAN_TILES false
 #define FSCAN_TV 16
 static FSCAN_INLINE void fscan_tile_in(const float* const*, float*, unsigned) {}
 static FSCAN_INLINE void fscan_tile_out(const float*, float* const*, unsigned) {}
+static FSCAN_INLINE void fscan_tile_out_i64(const int64_t*, int64_t* const*, unsigned) {}
 #endif
 
 // The ops below as torch computes them (tests/test_cpu_kernel_ops.py checks each against
