@@ -208,7 +208,7 @@ def _extremum_oracle(op, x: torch.Tensor, dim: int, reverse: bool, first: int):
 @pytest.mark.parametrize(
     ("shape", "dim"),
     [
-        *[((37, steps), 1) for steps in (1, 15, 16, 17, 33, 100)],
+        *[((37, steps), 1) for steps in (1, 15, 16, 17, 33, 100, 127, 128, 130)],
         *[((32, 256), 1), ((4, 8, 64), 2), ((2047,), 0), ((2048 * 16 + 17,), 0), ((70001,), 0)],
         *[((300, 40), 1), ((64, 300), 0)],  # a transpose's chains: read in place
     ],
@@ -218,7 +218,9 @@ def test_cummax_indices_come_out_of_tiles(op, shape, dim, reverse, threads):
     """cummax/cummin's (value, index) pair on the chain path: float32 values tiled, the
     index each step's position, computed in the tile scan and transposed out of an int64
     tile (fscan_tile_out_i64): whole and partial tiles, chains walked past the tiles, a
-    lane's chunks, both directions, ties (rounded values) and NaN, a view's first position."""
+    lane's chunks; from WALK_FROM (128) steps every chain walked alone, groups and chains
+    of a reversed scan from the last; both directions, ties (rounded values) and NaN, a
+    view's first position."""
     from fscan._routing.cumulative import kernel_call
 
     gen = torch.Generator().manual_seed(sum(shape) + dim)

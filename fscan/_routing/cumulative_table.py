@@ -124,9 +124,9 @@ CUMSUM_MIN_STRIDE = 1024
 # (re-measured on an idle machine, an earlier "tie past 512 steps" having been timed under
 # load: (4096, 256) 0.58-0.63, (2048, 512) 0.49-0.56, (1024, 1024) 0.46-0.97, (256, 4096)
 # 0.46-0.49, (64, 16384) 0.48, (8192, 256) 0.88-0.98; the same values bit for bit);
-# cummax/cummin 1.7-2.3x (walked then; tiled since, 1.5-2.2x at (4096, 256) dim 1, whose
-# 16 MiB of input and outputs come from memory here, 0.5x at (1024, 8, 64) in cache:
-# scripts/extremum_kernel.py). On 2 threads those rows stay torch's (see
+# cummax/cummin 1.7-2.3x (8 chains walked interleaved then; since, long chains walk one
+# at a time and short ones tile: about even with torch's forward walk, 1.1-1.3 ms against
+# 1.2 at (4096, 256) dim 1: scripts/extremum_kernel.py). On 2 threads those rows stay torch's (see
 # above; the shared machine's wall clock could not settle them).
 ONE_THREAD_MIN_LENGTH = 256
 KERNEL_MIN_NUMEL_ONE_LANE = 2**20  # cumsum/cumprod over one lane: past the ties below

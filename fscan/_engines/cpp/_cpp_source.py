@@ -231,7 +231,7 @@ def forward_source(
             program.expensive,
             wide=[k for k in kept if k in positions],
         )
-        + "\n"
+        + f"\nstatic constexpr int64_t WALK_FROM = {WALK_FROM if positions else 'INT64_MAX'};\n"
         + prefix_structs(prefix_op(program, st, positions, dropped)),
         exclusive="true" if exclusive else "false",
         forward=csrc("forward_lanes.h")
@@ -249,6 +249,20 @@ def forward_source(
         params=_param_names(program),
         head_init="".join(heads) + (f"h{read_idx[0]} != 0" if read_idx else "false"),
     )
+
+
+# The chain length from which a kernel with position leaves (cummax/cummin) walks its chains
+# one at a time in memory order (a reversed scan's lanes from the last: one stream through
+# memory), instead of tiles of 16 chains (see chain_path and chain_group in
+# csrc/forward_chains.h). A tile's 16 chains are 48 streams (values in, values and int64
+# indices out), which the hardware's prefetch does not follow; a lone walk has a set-up
+# per chain, which short chains do not repay. cummax over float32, the kernel alone,
+# 1 thread, thread CPU time (load 3-4), walked / tiled: (4096, 256) dim 1 0.47-0.74 in
+# alternating processes, warm and evicted caches; (1048576,) 0.40-0.55 (one pass, where
+# the tiles take two); over 2**20 elements, rows of 128 steps 1.3-2.3 ms walked against
+# 1.5-2.3 tiled, of 64 1.9-2.3 against 2.1-2.8, of 32 2.7-2.9 against 2.0-2.9; (1024, 8,
+# 64) dim 2 (in cache) 0.80-1.20, (16384, 16) dim 1 1.25-2.56.
+WALK_FROM = 128
 
 
 def compiles_exclusive(read_leaves: int, program: Program) -> bool:

@@ -152,7 +152,9 @@ static void chain_group(const In* xb, const Out* yb, const Par p, int ng, const 
       return;
     }
   }
-  if (ng == CG) {
+  // Chains of WALK_FROM steps or more (position leaves: see chain_path) one at a time.
+  const bool lone = len[0] >= WALK_FROM;
+  if (ng == CG && !lone) {
     bool heads = false;
     for (int g = 0; g < ng; ++g) heads |= head[g];
     if (TILED && !heads && tileable(xb[0], yb[0])) {
@@ -165,9 +167,12 @@ static void chain_group(const In* xb, const Out* yb, const Par p, int ng, const 
                        last + h, hb + h, head + h);
     return;
   }
-  for (int g = 0; g < ng; ++g)
+  // Reversed chains read downwards: the group's from the last (one descending stream).
+  for (int k = 0; k < ng; ++k) {
+    const int g = tstep > 0 ? k : ng - 1 - k;
     chains<1, WRITE, EXCL>(xb + g, yb + g, p, t0 + g, len + g, elem + g, tstep, carry + g, has + g,
                            last + g, hb + g, head + g);
+  }
 }
 
 // EXCL: the exclusive scan (see scan in forward.h): its start value (the heads' first
@@ -178,8 +183,11 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
                        const Heads& H, bool fold = true) {
   const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
   int64_t C = 1;  // chunks per lane
-  // Prefix chains (forward_prefix.h) go one at a time: chunked only for the threads.
-  const int64_t cg = !EXCL && PREFIX_ON && prefixable(x, y) ? 1 : CG;
+  // Prefix chains (forward_prefix.h) go one at a time: chunked only for the threads; so do
+  // chains of WALK_FROM steps or more (generated: cummax/cummin's position leaves, whose
+  // chains walked one at a time in memory order beat the tiles from 64 steps: see
+  // _cpp_source.WALK_FROM), walked by chain_group.
+  const int64_t cg = (!EXCL && PREFIX_ON && prefixable(x, y)) || T >= WALK_FROM ? 1 : CG;
   // ... and only from 3 threads: chunked, a chain is read twice (the chunks' totals, then
   // the scan), so on 2 threads the longer thread's path is a whole pass again, plus the
   // team and both threads sharing memory bandwidth: max over (1048576,) float32 took
@@ -260,7 +268,7 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
     }
 #pragma omp for schedule(static)
     for (int64_t gj = 0; gj < groups; ++gj) {
-      // Reversed prefix chains read memory downwards: their groups from the last too.
+      // Reversed lone chains read memory downwards: their groups from the last too.
       const int64_t gi = rev && cg == 1 ? groups - 1 - gj : gj;
       const int ng = (int)std::min<int64_t>(CG, items - gi * CG);
       Item it = item(gi * CG);
