@@ -42,7 +42,8 @@ compiled kernel serves every shape and layout.
   to a vector scanned in registers, no transposes (``prefix_chain`` in
   ``forward_prefix.h``; see :func:`._cpp_tiles.prefix_op`). Other
   leaves: 8 chains run interleaved (instruction-level parallelism), each walking its
-  steps (long ones 16 steps apart, off one cache set).
+  steps (long ones 16 steps apart, off one cache set); but cummax/cummin's pairs (position
+  leaves) walk chains of :data:`WALK_FROM` steps or more one at a time, in memory order.
 * Either path splits T into chunks when there are too few columns or chains
   for the threads (and, on the chain path, for the 8-way interleave):
   reduce-then-scan (chunk totals, a short scan of the totals, then each chunk
