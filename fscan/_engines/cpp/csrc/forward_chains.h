@@ -185,7 +185,7 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
   int64_t C = 1;  // chunks per lane
   // Prefix chains (forward_prefix.h) go one at a time: chunked only for the threads; so do
   // chains of WALK_FROM steps or more (generated: cummax/cummin's position leaves, whose
-  // chains walked one at a time in memory order beat the tiles from 64 steps: see
+  // chains walked one at a time in memory order beat the tiles from 128 steps: see
   // _cpp_source.WALK_FROM), walked by chain_group.
   const int64_t cg = (!EXCL && PREFIX_ON && prefixable(x, y)) || T >= WALK_FROM ? 1 : CG;
   // ... and only from 3 threads: chunked, a chain is read twice (the chunks' totals, then
