@@ -362,7 +362,7 @@ def _run(
     into: list | None = None,
 ):
     """The checked call on the drop-ins' router, inclusive or exclusive; ``into``: memory
-    the inclusive call's engine may write its result to (see :func:`_into`)."""
+    the inclusive call's engine may write its result to (see :func:`_run_out`)."""
     if reset is not None and is_dtensor(reset):
         refuse_dtensor_reset(api)  # with a plain `input`: DTensor inputs never get here
     if exclusive:
