@@ -258,7 +258,10 @@ ROUTES = [
     (torch.cummax, "contiguous", (4096, 256), 0, False, (True, False)),
     (torch.cummax, "contiguous", (2**20,), 0, False, (False, False)),  # torch's walk wins
     (torch.cummax, "contiguous", (2**20,), 0, True, (True, False)),  # ... unless it flips twice
-    (torch.cummin, "contiguous", (4096, 256), 1, True, (False, False)),  # reversed, lanes
+    (torch.cummin, "contiguous", (4096, 256), 1, True, (True, False)),  # reversed, lanes
+    (torch.cummax, "contiguous", (4096, 256), 1, False, (False, False)),  # walked: even
+    (torch.cummax, "contiguous", (16384, 16), 1, False, (True, False)),  # float32 tiles
+    (torch.cummin, "contiguous", (4096, 16), 1, False, (False, False)),  # below 2**17
     (torch.logcumsumexp, "contiguous", (2**15,), 0, True, (True, False)),  # one lane: its math
     (torch.logcumsumexp, "contiguous", (4, 8192), 1, False, (True, False)),  # compute-bound
     (torch.logcumsumexp, "contiguous", (4096, 256), 1, False, (True, False)),

@@ -1,8 +1,10 @@
 """The drop-ins' route table reads torch's thread count: over several contiguous lanes (the
-innermost dim) the kernel takes rows of at least ``ONE_THREAD_MIN_LENGTH`` steps on one
-thread (cumsum and cumprod forward, every op reversed), torch's op on more; the route log
-names the engine taken and, where the thread count kept the kernel away, says so; the
-drop-ins' repeat keys hold the thread count; values are torch's either way."""
+innermost dim) the kernel takes cumsum's and cumprod's rows of at least
+``ONE_THREAD_MIN_LENGTH`` steps on one thread, torch's op on more; cummax/cummin's cells
+there do not read the count (torch's walk of them is serial: the kernel runs them on one
+thread); the route log names the engine taken and, where the thread count kept the kernel
+away, says so; the drop-ins' repeat keys hold the thread count; values are torch's either
+way."""
 
 from __future__ import annotations
 
@@ -15,8 +17,13 @@ from helpers import torch_threads
 import fscan
 from fscan._engines.cpp._cpp_build import compiler_problem
 from fscan._routing import repeat_drop_ins
-from fscan._routing.cumulative import path, route
-from fscan._routing.cumulative_table import ONE_THREAD_MIN_LENGTH, threads_decide
+from fscan._routing.cumulative import kernel_threads, path, route
+from fscan._routing.cumulative_table import (
+    EXTREMUM_TILED_MIN_NUMEL,
+    ONE_THREAD_MIN_LENGTH,
+    WALK_FROM,
+    threads_decide,
+)
 
 # (op, shape, dim, reverse, kernel on one thread): the kernel cell on more threads is False
 ROWS = [
@@ -24,12 +31,27 @@ ROWS = [
     (torch.cumsum, (4096, 256), 1, True, True),
     (torch.cumprod, (4096, 256), 1, False, True),
     (torch.cumprod, (4096, 256), 1, True, True),
-    (torch.cummax, (4096, 256), 1, False, False),  # torch's branchy walk wins
-    (torch.cummax, (4096, 256), 1, True, True),  # ... unless it flips twice
-    (torch.cummin, (256, 4096), 1, True, True),
     (torch.cumsum, (65536, 4), 0, True, True),  # 4 lanes after dim, 65536 steps
     (torch.cumsum, (8192, ONE_THREAD_MIN_LENGTH // 2), 1, False, False),  # short rows
-    (torch.cummin, (8192, ONE_THREAD_MIN_LENGTH // 2), 1, True, False),
+    (torch.cumprod, (8192, ONE_THREAD_MIN_LENGTH // 2), 1, True, False),
+]
+# (op, dtype, shape, dim, reverse, kernel): cummax/cummin over several contiguous lanes, the
+# same cell on 1 and 2 threads
+TILED = EXTREMUM_TILED_MIN_NUMEL // 16
+EXTREMUM_ROWS = [
+    (torch.cummax, torch.float32, (4096, 256), 1, False, False),  # walked alone: even
+    (torch.cummax, torch.float32, (4096, 256), 1, True, True),  # torch flips twice
+    (torch.cummin, torch.float32, (256, 4096), 1, True, True),
+    (torch.cummax, torch.float32, (TILED, 16), 1, False, True),  # the kernel's tiles
+    (torch.cummin, torch.float32, (TILED // 32, 8, WALK_FROM // 2), 2, False, True),
+    (torch.cummax, torch.float32, (TILED, 16), 1, True, True),
+    (torch.cummax, torch.float32, (TILED // 2, 16), 1, False, False),  # the call's fixed cost
+    (torch.cummax, torch.float32, (TILED // 16, WALK_FROM), 1, False, False),  # walked alone
+    (torch.cummin, torch.float64, (TILED, 16), 1, False, False),  # tiles are float32's
+    (torch.cummax, torch.int64, (TILED, 16), 1, True, False),  # 8 chains interleaved
+    (torch.cummax, torch.int64, (1024, WALK_FROM), 1, True, True),  # walked alone
+    (torch.cummin, torch.bfloat16, (4096, 256), 1, True, True),
+    (torch.cummax, torch.float32, (TILED // 2, 16, 2), 1, False, False),  # strided chains
 ]
 
 
@@ -45,6 +67,18 @@ def test_the_table_reads_the_thread_count(op, shape, dim, reverse, one):
     with torch_threads(1):  # other cells keep their answer on any count
         assert route(torch.logcumsumexp, x, dim, reverse)[0]
         assert route(op, torch.randn(2**20), 0, False)[0] is (op in (torch.cumsum, torch.cumprod))
+
+
+@pytest.mark.parametrize(("op", "dtype", "shape", "dim", "reverse", "kernel"), EXTREMUM_ROWS)
+def test_extremum_cells_do_not_read_the_thread_count(op, dtype, shape, dim, reverse, kernel):
+    x = torch.randn(shape).to(dtype)
+    for threads in (1, 2, 3):
+        with torch_threads(threads):
+            assert route(op, x, dim, reverse) == (kernel, False)
+            assert not threads_decide(op, x, dim, reverse)
+    assert kernel_threads(x, dim, op) == 1  # torch's walk of these rows is serial
+    assert kernel_threads(x, dim) is None  # (the segmented scan's: all of torch's threads)
+    assert kernel_threads(torch.randn(4096, 256), 0, op) is None  # the lane path
 
 
 needs_kernel = pytest.mark.skipif(
@@ -72,11 +106,9 @@ def _same(got, want):
 
 
 @needs_kernel
-@pytest.mark.parametrize(("op", "shape", "dim", "reverse", "one"), ROWS[:8])
+@pytest.mark.parametrize(("op", "shape", "dim", "reverse", "one"), ROWS[:5])
 def test_each_count_runs_its_engine_with_torchs_values(op, shape, dim, reverse, one, caplog):
     x = torch.randn(shape)
-    if op in (torch.cummax, torch.cummin):  # distinct values: ties broken alike
-        x = torch.randperm(x.numel()).reshape(shape).float()
     drop_in = getattr(fscan, op.__name__)
     want = _reference(op, x, dim, reverse)
     caplog.set_level(logging.DEBUG, logger="fscan")
@@ -107,3 +139,31 @@ def test_the_repeat_keys_hold_the_thread_count():
     with torch_threads(2), torch.no_grad():  # a key of its own: the table's answer differs
         assert repeat_drop_ins.repeat_cumulative(torch.cumsum, x, 1, False) is None
         assert repeat_drop_ins.repeat_exclusive(torch.cumsum, x, 1, False) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("op", "dtype", "shape", "dim", "reverse", "kernel"), [r for r in EXTREMUM_ROWS if r[-1]]
+)
+def test_extremum_rows_run_the_kernel_with_torchs_values(
+    op, dtype, shape, dim, reverse, kernel, caplog
+):
+    x = torch.randint(-40, 40, shape).to(dtype)  # ties everywhere: torch's tie rule
+    x.view(-1)[:: x.numel() // 7] = float("nan") if dtype.is_floating_point else 0
+    drop_in = getattr(fscan, op.__name__)
+    if reverse:
+        out = op(x.flip(dim), dim)
+        want = (out.values.flip(dim), (x.shape[dim] - 1 - out.indices).flip(dim))
+    else:
+        want = tuple(op(x, dim))
+    caplog.set_level(logging.DEBUG, logger="fscan")
+    for threads in (1, 2):
+        with torch_threads(threads), torch.no_grad():
+            drop_in(x, dim, reverse=reverse)  # builds the kernel (the session's mode)
+            assert path(op, x, dim, reverse) == "cpp"
+            caplog.clear()
+            got = drop_in(x, dim, reverse=reverse)
+            records = [r for r in caplog.records if hasattr(r, "fscan_engine")]
+            assert [r.fscan_engine for r in records] == ["cpp"]
+            torch.testing.assert_close(got.values, want[0], rtol=0, atol=0, equal_nan=True)
+            assert torch.equal(got.indices, want[1])

@@ -23,7 +23,15 @@ from .._knowledge.store import knowledge, reach
 from .._pytree import flatten, unflatten
 from .._route_log import ran
 from .._segmented import check_reset, segmented_scan
-from .cumulative_table import EXTREMA, FLOATS, NATIVE_BELOW, SUMS, route, torch_serves
+from .cumulative_table import (
+    EXTREMA,
+    FLOATS,
+    LANE_PATH_INNER,
+    NATIVE_BELOW,
+    SUMS,
+    route,
+    torch_serves,
+)
 from .cumulative_table import dtype_refusals as dtype_refusals
 from .repeat_drop_ins import remember_cumulative, remember_segmented
 from .repeat_drop_ins import repeat_cumulative as repeat_cumulative
@@ -271,7 +279,7 @@ def _kernel(
     busy), where torch's serial walk does not wait."""
     call = kernel_call(op, x)
     combine, spec, leaves, positions = call
-    threads = kernel_threads(x, dim)
+    threads = kernel_threads(x, dim, op)
     found = kernel_scan(
         api,
         combine,
@@ -343,10 +351,17 @@ def kernel_call(op: Any, x: torch.Tensor) -> tuple[Any, Any, list[torch.Tensor],
     return combine, _ONE_LEAF, [x], ()
 
 
-def kernel_threads(x: torch.Tensor, dim: int) -> int | None:
-    """The most threads the drop-ins' kernel runs ``x`` on: one over a single lane (see
-    :func:`_kernel`), else None (``torch.get_num_threads()``)."""
-    return 1 if x.shape[dim] == x.numel() else None
+def kernel_threads(x: torch.Tensor, dim: int, op: Any = None) -> int | None:
+    """The most threads the drop-ins' kernel runs ``x`` on: one where the table measured it
+    against a serial walk of torch's, over a single lane (see :func:`_kernel`) and, for
+    ``op`` cummax/cummin, over several contiguous lanes (the innermost ``dim``: torch's
+    walk there is serial on any thread count, and the table's cells do not read it); else
+    None (``torch.get_num_threads()``)."""
+    if x.shape[dim] == x.numel():
+        return 1
+    if op in EXTREMA and x.stride(dim) < LANE_PATH_INNER and x.is_contiguous():
+        return 1
+    return None
 
 
 def _inner_scan(inner: Op, x: torch.Tensor, dim: int, reverse: bool) -> torch.Tensor:

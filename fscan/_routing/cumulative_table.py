@@ -16,10 +16,14 @@ engine       when
              call): on CPU, no gradient wanted, at least 2**15 elements
              (``KERNEL_MIN_NUMEL``), and ``inner >= 8``, in any layout (the kernel
              reads views in place through their strides); with ``inner < 8`` (the
-             innermost ``dim``, say) logcumsumexp over several lanes, and on one
-             thread (``torch.get_num_threads() == 1``) at ``n >= 256``
-             (``ONE_THREAD_MIN_LENGTH``) cumsum and cumprod forward and every op
-             reversed; over one lane, logcumsumexp, every op reversed (torch flips
+             innermost ``dim``, say) logcumsumexp over several lanes; cummax/cummin
+             there on any thread count (run on one: torch's walk is serial)
+             reversed in float32 or at ``n >= 128`` (``WALK_FROM``), forward in
+             float32 at ``n < 128`` over the innermost dim (the kernel's tiles)
+             from 2**17 elements; on one thread
+             (``torch.get_num_threads() == 1``) at ``n >= 256``
+             (``ONE_THREAD_MIN_LENGTH``) cumsum and cumprod, both directions;
+             over one lane, logcumsumexp, every op reversed (torch flips
              twice) and cumsum/cumprod forward if contiguous from 2**20 elements;
              over several lanes not contiguous, read in place, reversed (torch
              copies to flip) or cumsum/cumprod at ``stride >= 4096`` (torch's walk
@@ -55,14 +59,16 @@ from typing import Any
 
 import torch
 
-from .._engines.cpp.cpu_kernel import KERNEL_MIN_NUMEL, kernel_possible, reads_in_place
+from .._engines.cpp.cpu_kernel import KERNEL_MIN_NUMEL, WALK_FROM, kernel_possible, reads_in_place
 
 __all__ = [
     "CUMSUM_MIN_STRIDE",
     "EXTREMA",
+    "EXTREMUM_TILED_MIN_NUMEL",
     "FLOATS",
     "KERNEL_MIN_NUMEL_ONE_LANE",
     "KERNEL_MIN_STRIDE",
+    "LANE_PATH_INNER",
     "MIN_LENGTH",
     "MIN_NUMEL",
     "MIN_STRIDE",
@@ -110,10 +116,11 @@ CUMSUM_MIN_STRIDE = 1024
 #   several lanes torch spreads the rows over its threads: the kernel won at 1 thread
 #   ((4096, 256) dim 1 0.6x, (512, 512) 0.82x) but not at 2 ((1024, 1024) dim 1 1.2-1.3x,
 #   (65536, 4) dim 0 2.8-3.3x, (16384, 64) dim 1 a tie): torch's. cummax/cummin 1.5-2.7x
-#   (torch's branchy walk predicts well) except reversed over one lane (0.1-0.7x: torch
-#   flips twice); logcumsumexp 0.4-0.8x over several lanes (compute-bound), and over a
-#   single lane (1-D), its math vectorised since (tiled chains, computed twice by the
-#   chunked scan): 0.20x at 2**20, 0.33x at 2**16, 0.45x at 2**15, 0.63x at 2**20 x[::2].
+#   then (torch's branchy walk predicts well; since, EXTREMUM_TILED_MIN_NUMEL) except
+#   reversed over one lane (0.1-0.7x: torch flips twice); logcumsumexp 0.4-0.8x over
+#   several lanes (compute-bound), and over a single lane (1-D), its math vectorised since
+#   (tiled chains, computed twice by the chunked scan): 0.20x at 2**20, 0.33x at 2**16,
+#   0.45x at 2**15, 0.63x at 2**20 x[::2].
 # On one thread (torch.get_num_threads() == 1) torch's op has no threads to split the rows
 # over, and the kernel won over several contiguous lanes (the innermost dim; thread CPU
 # time, medians of 21, 1 thread, float32, December 2026; kernel / torch): reversed (torch
@@ -125,12 +132,29 @@ CUMSUM_MIN_STRIDE = 1024
 # load: (4096, 256) 0.58-0.63, (2048, 512) 0.49-0.56, (1024, 1024) 0.46-0.97, (256, 4096)
 # 0.46-0.49, (64, 16384) 0.48, (8192, 256) 0.88-0.98; the same values bit for bit);
 # cummax/cummin 1.7-2.3x (8 chains walked interleaved then; since, long chains walk one
-# at a time and short ones tile: about even with torch's forward walk, 1.1-1.3 ms against
-# 1.2 at (4096, 256) dim 1: scripts/extremum_kernel.py). On 2 threads those rows stay torch's (see
-# above; the shared machine's wall clock could not settle them).
+# at a time and short ones tile: see EXTREMUM_TILED_MIN_NUMEL). On 2 threads cumsum's and
+# cumprod's rows stay torch's (see above; the shared machine's wall clock could not settle
+# them).
 ONE_THREAD_MIN_LENGTH = 256
 KERNEL_MIN_NUMEL_ONE_LANE = 2**20  # cumsum/cumprod over one lane: past the ties below
-_KERNEL_INNER = 8  # the kernel's lane path needs this many lanes after dim
+# cummax/cummin over several contiguous lanes: torch's walk of them is serial on any thread
+# count (torch.cummax (65536, 16) dim 1: 3.06 ms on 1 thread, 2.98 on 2; (4096, 256) 1.17 /
+# 1.20), so the kernel runs them on one thread too (cumulative.kernel_threads) and these
+# cells do not read the count. fscan.cummax end to end (route forced) against torch's op,
+# 1 thread, thread CPU time, medians, December 2026 (scripts/extremum_rows.py):
+# * forward float32 rows under WALK_FROM steps (the chain tiles): from 2**17 elements 0.45-
+#   0.75x ((8192, 16) 0.55, (2048, 64) 0.60, (65536, 16) 0.45-0.73, (2**20 / 96, 96) 0.55-
+#   0.74; (262144 / n, n) 0.46-0.62), at 2**16 0.91-1.30, at 2**15 1.04-1.7 (the call's fixed
+#   cost). From 128 steps (walked alone) about even (0.86-1.02, one run 1.33): torch's. Other
+#   dtypes are not tiled: float64 1.38-1.50x, bfloat16 1.9-2.4x, int32/int64 2.3-3.8x at 16-64
+#   steps: torch's. Lanes that are not innermost (inner 2 or 4: the chains strided) 1.1-1.85x
+#   forward (torch's); reversed 0.07-0.99x.
+# * reversed (torch's op flips, scans, flips: its time swings 2-10x with whether its copies
+#   fault fresh pages): float32 0.35-0.80x at any length from 2**15 elements; other dtypes
+#   from WALK_FROM steps 0.05-0.85x (int8 (1024, 128) 1.02; float64, int32/int64, bfloat16,
+#   float16, bool, int8, uint8), below it up to 1.7x (8 steps; at 64: 0.76-1.39).
+EXTREMUM_TILED_MIN_NUMEL = 2**17  # forward float32 rows under WALK_FROM steps
+LANE_PATH_INNER = 8  # the kernel's lane path needs this many lanes after dim
 # Not contiguous (the kernel reads strided inputs in place; torch's op walks each lane;
 # 1 thread, float32, December 2026): with >= 8 lanes after dim the kernel ran 0.06-0.8x
 # torch ((256, 4096).t() dim 0, x[:, ::2], x[::2], expanded lanes or steps, a (B, T, C)
@@ -143,7 +167,7 @@ _KERNEL_INNER = 8  # the kernel's lane path needs this many lanes after dim
 # (channels-last over W, which it copies first: 1.6x for cumsum).
 KERNEL_MIN_STRIDE = 4096
 _FAR_STRIDE_OPS = (torch.cumsum, torch.cumprod)  # innermost, forward, >= KERNEL_MIN_STRIDE
-# Forward over a single lane (and < _KERNEL_INNER elements after dim), the kernel's
+# Forward over a single lane (and < LANE_PATH_INNER elements after dim), the kernel's
 # minimum size per op; the others stay torch's there.
 _ONE_LANE_KERNEL_FROM = {
     torch.cumsum: KERNEL_MIN_NUMEL_ONE_LANE,
@@ -191,11 +215,12 @@ def _cells(
     if numel < KERNEL_MIN_NUMEL or (x.requires_grad and torch.is_grad_enabled()):
         kernel = False
     elif x.is_contiguous():  # `stride` elements after dim
-        if stride >= _KERNEL_INNER:
+        if stride >= LANE_PATH_INNER:
             kernel = True  # the lane path
         elif (n := x.size(dim)) != numel:  # several lanes: torch's threads split them
-            # logcumsumexp: compute-bound, the kernel's math wins; on one thread, long rows
-            kernel = op is torch.logcumsumexp or _one_thread_rows(op, n, reverse, threads)
+            # logcumsumexp: compute-bound, the kernel's math wins; cummax/cummin: torch's
+            # walk is serial; on one thread, long rows
+            kernel = op is torch.logcumsumexp or _rows(op, x, n, stride, reverse, threads)
         else:  # one lane: torch's walk is serial, and reversed it flips (copies) twice
             large = numel >= _ONE_LANE_KERNEL_FROM.get(op, math.inf)
             kernel = reverse or large
@@ -204,7 +229,7 @@ def _cells(
         n = shape[dim]
         # The lane path, read in place; or logcumsumexp, compute-bound: the kernel's
         # vectorised math wins on any layout.
-        if math.prod(shape[dim:]) >= _KERNEL_INNER * n or op is torch.logcumsumexp:
+        if math.prod(shape[dim:]) >= LANE_PATH_INNER * n or op is torch.logcumsumexp:
             kernel = True
         else:  # torch copies to flip; a far-strided walk lands every step on a new page
             far = n != numel and stride >= KERNEL_MIN_STRIDE and op in _FAR_STRIDE_OPS
@@ -218,14 +243,23 @@ def _cells(
     return _NATIVE
 
 
-_ONE_THREAD_FORWARD = (torch.cumsum, torch.cumprod)  # forward on one thread: the kernel wins
+_ONE_THREAD_OPS = (torch.cumsum, torch.cumprod)  # rows on one thread: the kernel wins
 
 
-def _one_thread_rows(op: Any, n: int, reverse: bool, threads: int | None) -> bool:
-    """The kernel's cells over several contiguous lanes that depend on the thread count
-    (see ``ONE_THREAD_MIN_LENGTH``): on one thread (``threads``, None: torch's count now),
-    rows of at least that many steps, cumsum and cumprod forward and every op reversed."""
-    if n < ONE_THREAD_MIN_LENGTH or not (reverse or op in _ONE_THREAD_FORWARD):
+def _rows(
+    op: Any, x: torch.Tensor, n: int, stride: int, reverse: bool, threads: int | None
+) -> bool:
+    """The kernel's cells over several contiguous lanes (``n`` steps each, ``stride``
+    apart) besides
+    logcumsumexp's: cummax/cummin's on any thread count (see
+    ``EXTREMUM_TILED_MIN_NUMEL``), and on one thread (``threads``, None: torch's count
+    now) rows of at least ``ONE_THREAD_MIN_LENGTH`` steps, cumsum and cumprod."""
+    if op in EXTREMA:
+        if reverse:
+            return n >= WALK_FROM or x.dtype == torch.float32
+        tiled = n < WALK_FROM and stride == 1 and x.dtype == torch.float32
+        return tiled and x.numel() >= EXTREMUM_TILED_MIN_NUMEL
+    if n < ONE_THREAD_MIN_LENGTH or op not in _ONE_THREAD_OPS:
         return False
     return (torch.get_num_threads() if threads is None else threads) == 1
 

@@ -90,7 +90,7 @@ def exclusive_cumulative(
         starts.append(-1)
     if cells[0] and reset is None:  # the kernel's exclusive variant, where it is READY
         call = kernel_call(op, x)
-        found = remember_exclusive(op, call, dim, reverse, kernel_threads(x, dim), starts)
+        found = remember_exclusive(op, call, dim, reverse, kernel_threads(x, dim, op), starts)
         if found is not None:  # (an identical call repeats it, before the checks)
             out = run_exclusive(found, x)
             ran("cpp")

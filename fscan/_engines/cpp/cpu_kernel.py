@@ -62,7 +62,7 @@ from ..._pytree import flatten
 from ._cpp_build import compiler_problem as compiler_problem
 from ._cpp_build import load_kernel
 from ._cpp_codegen import TraceInput, translate_combine
-from ._cpp_source import step_argtypes, step_source
+from ._cpp_source import WALK_FROM, step_argtypes, step_source
 from ._kernel_entry import (
     BuildCall,
     is_ready,
@@ -114,6 +114,7 @@ __all__ = [
     "KERNEL_MIN_NUMEL",
     "MIN_CALLS",
     "MIN_ELEMENTS",
+    "WALK_FROM",
     "Counters",
     "KernelScan",
     "PreparedRun",
