@@ -47,8 +47,10 @@ def _store(dtype: torch.dtype, expr: str) -> str:
 def _strided(name: str, fields: Sequence[tuple[str, str]], extra: str = "") -> list[str]:
     """A struct ``name`` of strided pointers (``fields``: member name, pointee C type; then
     the members ``extra`` declares) and its placement helpers: ``at`` (a lane at a step),
-    ``row`` (step t from a lane's start), ``unit`` (every inner stride is 1) and ``along``
-    (some member is laid out along T: its T stride, nonzero, is below its inner stride)."""
+    ``row`` (step t from a lane's start), ``unit`` (every inner stride is 1), ``along``
+    (some member is laid out along T: its T stride, nonzero, is below its inner stride) and
+    ``steps_dense`` (every member's steps next to each other, or one element: a lane walked
+    alone is one stream through memory)."""
     members = " ".join(f"Ptr<{c}> {f};" for f, c in fields) + extra
     each = lambda expr: " ".join(f"r.{f} = {expr.format(f=f)};" for f, _ in fields)
     return [
@@ -65,6 +67,9 @@ def _strided(name: str, fields: Sequence[tuple[str, str]], extra: str = "") -> l
         + "; }",
         f"static FSCAN_INLINE bool along(const {name} x) {{ (void)x; return false"
         + "".join(f" || (x.{f}.st != 0 && mag(x.{f}, true) < mag(x.{f}, false))" for f, _ in fields)
+        + "; }",
+        f"static FSCAN_INLINE bool steps_dense(const {name} x) {{ (void)x; return true"
+        + "".join(f" && (x.{f}.st == 1 || x.{f}.st == 0)" for f, _ in fields)
         + "; }",
     ]
 

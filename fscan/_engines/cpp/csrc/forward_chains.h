@@ -153,7 +153,7 @@ static void chain_group(const In* xb, const Out* yb, const Par p, int ng, const 
     }
   }
   // Chains of WALK_FROM steps or more (position leaves: see chain_path) one at a time.
-  const bool lone = len[0] >= WALK_FROM;
+  const bool lone = len[0] >= WALK_FROM && steps_dense(xb[0]) && steps_dense(yb[0]);
   if (ng == CG && !lone) {
     bool heads = false;
     for (int g = 0; g < ng; ++g) heads |= head[g];
@@ -186,8 +186,12 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
   // Prefix chains (forward_prefix.h) go one at a time: chunked only for the threads; so do
   // chains of WALK_FROM steps or more (generated: cummax/cummin's position leaves, whose
   // chains walked one at a time in memory order beat the tiles from 128 steps: see
-  // _cpp_source.WALK_FROM), walked by chain_group.
-  const int64_t cg = (!EXCL && PREFIX_ON && prefixable(x, y)) || T >= WALK_FROM ? 1 : CG;
+  // _cpp_source.WALK_FROM), walked by chain_group, where each is one stream through memory
+  // (steps_dense, in and out: a transposed input scanned into torch's contiguous outputs
+  // is not, its outputs a row apart, and its lone walk took 6.5x the time of the same scan
+  // into outputs laid out as the input).
+  const bool lone = T >= WALK_FROM && steps_dense(x) && steps_dense(y);
+  const int64_t cg = (!EXCL && PREFIX_ON && prefixable(x, y)) || lone ? 1 : CG;
   // ... and only from 3 threads: chunked, a chain is read twice (the chunks' totals, then
   // the scan), so on 2 threads the longer thread's path is a whole pass again, plus the
   // team and both threads sharing memory bandwidth: max over (1048576,) float32 took
