@@ -190,6 +190,7 @@ def forward_source(
     positions: Sequence[int] = (),
     dropped: Sequence[int] = (),
     exclusive: bool = False,
+    gather: bool = False,
 ) -> str:
     """The complete forward kernel:
     ``kernel(x.., y.., p.., outer, T, inner, rev, threads, nb, x strides.., y strides..,
@@ -209,7 +210,10 @@ def forward_source(
     ``rev``), or 0 for none (all or none): a carry-in folded into that element, read
     without copying the leaves. ``exclusive``: the exclusive scan's variant instead (see
     ``scan`` in csrc/forward.h; only where :func:`compiles_exclusive`, else ValueError):
-    the start value at the heads' first element, every lane's."""
+    the start value at the heads' first element, every lane's. ``gather``: the gather
+    variant, whose lane path also reads and writes rows of other inner strides than 1
+    (see ``scan`` in csrc/forward.h); without it the kernel takes only the calls that
+    :func:`~._kernel_layout.gathers` clears."""
     if exclusive and not compiles_exclusive(len(dtypes) - len(set(positions)), program):
         raise ValueError("forward_source: only one read leaf and no params compile exclusive")
     compute = [compute_ctype(d, program.wide) for d in dtypes]
@@ -235,6 +239,7 @@ def forward_source(
         + f"\nstatic constexpr int64_t WALK_FROM = {WALK_FROM if positions else 'INT64_MAX'};\n"
         + prefix_structs(prefix_op(program, st, positions, dropped)),
         exclusive="true" if exclusive else "false",
+        gather="true" if gather else "false",
         forward=csrc("forward_lanes.h")
         + csrc("forward_prefix.h")
         + csrc("chain_tiles.h")

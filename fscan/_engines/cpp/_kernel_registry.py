@@ -138,13 +138,17 @@ def ready_entry(
     backward: bool,
     param_grads: bool = False,
     exclusive: bool = False,
+    gather: bool = False,
 ) -> Entry | None:
     """The READY kernel entry, or None after counting the call and, per the mode,
-    building it now or queueing its build. ``exclusive``: the forward kernel's exclusive
-    variant (see :func:`~._kernel_entry.slot_key`), counted and built as any kernel."""
+    building it now or queueing its build. ``exclusive``, ``gather``: the forward kernel's
+    exclusive and gather variants (see :func:`~._kernel_entry.slot_key`), counted and
+    built as any kernel."""
     entry = kernel_slots(holder).get_or_compute(
-        call.slot(aliases, backward, param_grads, exclusive),
-        lambda: Entry(backward=backward, param_grads=param_grads, exclusive=exclusive),
+        call.slot(aliases, backward, param_grads, exclusive, gather),
+        lambda: Entry(
+            backward=backward, param_grads=param_grads, exclusive=exclusive, gather=gather
+        ),
     )
     eager = config.cpu_kernel == "eager"
     if entry.state is State.NEW or (eager and entry.state is State.PENDING):
