@@ -28,8 +28,9 @@ compiled kernel serves every shape and layout.
   loops over its lanes, its running values in a local buffer of the compute
   type. Inputs whose inner stride is not 1 are gathered a row at a time into
   an L1 row buffer (a stride-0 row: filled with its value), so the loops over
-  lanes stay dense vector loops in every layout (contiguous leaves: one
-  untaken branch per row and input).
+  lanes stay dense vector loops in every layout; the kernel's gather variant
+  does that (see ``scan`` in csrc/forward.h), the ordinary kernel's rows are
+  all dense.
 * Chain path (``inner < 8``: 1-D, or a scan over the last dim; or inputs laid
   out along T, such as a transpose, whose T stride is below their inner
   stride): each lane is a chain. float32 leaves whose steps are dense (AVX-512 or
@@ -211,9 +212,9 @@ def forward_source(
     without copying the leaves. ``exclusive``: the exclusive scan's variant instead (see
     ``scan`` in csrc/forward.h; only where :func:`compiles_exclusive`, else ValueError):
     the start value at the heads' first element, every lane's. ``gather``: the gather
-    variant, whose lane path also reads and writes rows of other inner strides than 1
-    (see ``scan`` in csrc/forward.h); without it the kernel takes only the calls that
-    :func:`~._kernel_layout.gathers` clears."""
+    variant, the lane path over rows of other inner strides than 1 alone, for the calls
+    :func:`~._kernel_layout.gathers` names (see ``scan`` in csrc/forward.h); without it
+    the kernel takes every other call."""
     if exclusive and not compiles_exclusive(len(dtypes) - len(set(positions)), program):
         raise ValueError("forward_source: only one read leaf and no params compile exclusive")
     compute = [compute_ctype(d, program.wide) for d in dtypes]

@@ -52,7 +52,7 @@ from ._kernel_layout import element_shape, strided_view
 from ._kernel_registry import ready_entry, serving_lookup
 from ._kernel_run import (
     PreparedRun,
-    call_layout,
+    gathered,
     kernel_params,
     prepare_run,
     run_kernel,
@@ -102,7 +102,7 @@ def kernel_grad_scan(
     holder, aliases, captured = lookup
     needing = tuple([t for t in captured if t.requires_grad])
     element = element_shape(leaves, dim)
-    gather = _gathers(leaves, dim)  # the forward's gather variant (KernelScan's run_kernel)
+    gather = gathered(leaves, dim)  # the forward's gather variant (KernelScan's run_kernel)
     slots = kernel_slots(holder)
     forward = slots.get(slot_key(aliases, element, (), (), False, False, False, gather))
     backward = slots.get(slot_key(aliases, element, (), (), True, bool(needing)))
@@ -120,15 +120,6 @@ def kernel_grad_scan(
     slots = _Slots(holder, aliases, combine_fn, spec, element)
     info = _GradInfo(forward, backward, plan, captured, needing, slots)
     return list(KernelScan.apply(info, *leaves, *needing))
-
-
-def _gathers(leaves: Sequence[torch.Tensor], dim: int) -> bool:
-    """Whether the forward kernel's run of ``leaves`` needs its gather variant (see
-    :func:`~._kernel_run.call_layout`)."""
-    if leaves[0].numel() == 0 or all(x.is_contiguous() for x in leaves):
-        return False
-    with torch.no_grad():  # a layout strided_view copies: no graph for the copy
-        return call_layout(leaves, dim).gather
 
 
 class _Slots(NamedTuple):

@@ -28,6 +28,7 @@ __all__ = [
     "contiguous_strides",
     "exclusive_run",
     "fresh_outputs",
+    "gathered",
     "kernel_params",
     "prepare_run",
     "run_exclusive_prepared",
@@ -166,6 +167,23 @@ def call_layout(
     xs, nb, strides = strided_view(read, dim)
     strides = strides + _dense_strides(nb, steps, inner, len(leaves) - len(dropped))
     return CallLayout(xs, nb, strides, False, gathers(strides, inner))
+
+
+def gathered(
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    positions: tuple[int, ...] = (),
+    dropped: tuple[int, ...] = (),
+) -> bool:
+    """Whether a forward kernel run of ``leaves`` into fresh outputs needs the kernel's
+    gather variant (:func:`call_layout`'s ``gather``, worked out only for leaves that are
+    not all contiguous: those never gather): for the callers that pick the entry without
+    running it (the autograd path, ``fscan.explain``, which engine served)."""
+    read = [x for k, x in enumerate(leaves) if k not in positions] if positions else leaves
+    if leaves[0].numel() == 0 or all(x.is_contiguous() for x in read):
+        return False
+    with torch.no_grad():  # a layout strided_view copies: no graph for the copy
+        return call_layout(leaves, dim, positions, dropped).gather
 
 
 def contiguous_strides(steps: int, inner: int, n: int) -> list[int]:

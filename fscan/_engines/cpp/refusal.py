@@ -19,7 +19,7 @@ from ..._knowledge.store import Knowledge, Reach, known, reach
 from . import cpu_kernel
 from ._cpp_build import compiler_problem
 from ._kernel_builder import warm
-from ._kernel_run import call_layout
+from ._kernel_run import gathered
 from .cpu_kernel import MIN_CALLS, MIN_ELEMENTS, State, leaf_refusal, slot_key
 
 __all__ = ["kernel_refusal", "kernel_unavailable"]
@@ -60,7 +60,7 @@ def kernel_refusal(
         return "combine_fn reaches tensors in no fixed order (a set): no kernel is cached"
     slots = None if holder is None else holder.kernels.get("cpp")
     element = tuple(leaves[0].shape[:dim] + leaves[0].shape[dim + 1 :])
-    gather = not backward and _gathers(leaves, dim, positions, dropped)
+    gather = not backward and gathered(leaves, dim, positions, dropped)
     key = slot_key(
         aliases, element, positions, dropped, backward > 0, backward > 1, exclusive, gather
     )
@@ -89,16 +89,6 @@ def kernel_refusal(
         f"{what} is not built yet ({calls} call counted): its build starts in the background "
         f"at call {MIN_CALLS} (or at the first with {MIN_ELEMENTS} elements per leaf)"
     )
-
-
-def _gathers(
-    leaves: Sequence[torch.Tensor], dim: int, positions: tuple[int, ...], dropped: tuple[int, ...]
-) -> bool:
-    read = [x for k, x in enumerate(leaves) if k not in positions]
-    if leaves[0].numel() == 0 or all(x.is_contiguous() for x in read):
-        return False
-    with torch.no_grad():
-        return call_layout(leaves, dim, positions, dropped).gather
 
 
 def kernel_unavailable(leaves: Sequence[torch.Tensor]) -> str | None:
