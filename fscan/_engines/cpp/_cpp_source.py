@@ -28,8 +28,9 @@ compiled kernel serves every shape and layout.
   loops over its lanes, its running values in a local buffer of the compute
   type. Inputs whose inner stride is not 1 are gathered a row at a time into
   an L1 row buffer (a stride-0 row: filled with its value), so the loops over
-  lanes stay dense vector loops in every layout (contiguous leaves: one
-  untaken branch per row and input).
+  lanes stay dense vector loops in every layout; the kernel's gather variant
+  does that (see ``scan`` in csrc/forward.h), the ordinary kernel's rows are
+  all dense.
 * Chain path (``inner < 8``: 1-D, or a scan over the last dim; or inputs laid
   out along T, such as a transpose, whose T stride is below their inner
   stride): each lane is a chain. float32 leaves whose steps are dense (AVX-512 or
@@ -190,6 +191,7 @@ def forward_source(
     positions: Sequence[int] = (),
     dropped: Sequence[int] = (),
     exclusive: bool = False,
+    gather: bool = False,
 ) -> str:
     """The complete forward kernel:
     ``kernel(x.., y.., p.., outer, T, inner, rev, threads, nb, x strides.., y strides..,
@@ -209,7 +211,10 @@ def forward_source(
     ``rev``), or 0 for none (all or none): a carry-in folded into that element, read
     without copying the leaves. ``exclusive``: the exclusive scan's variant instead (see
     ``scan`` in csrc/forward.h; only where :func:`compiles_exclusive`, else ValueError):
-    the start value at the heads' first element, every lane's."""
+    the start value at the heads' first element, every lane's. ``gather``: the gather
+    variant, the lane path over rows of other inner strides than 1 alone, for the calls
+    :func:`~._kernel_layout.gathers` names (see ``scan`` in csrc/forward.h); without it
+    the kernel takes every other call."""
     if exclusive and not compiles_exclusive(len(dtypes) - len(set(positions)), program):
         raise ValueError("forward_source: only one read leaf and no params compile exclusive")
     compute = [compute_ctype(d, program.wide) for d in dtypes]
@@ -235,6 +240,7 @@ def forward_source(
         + f"\nstatic constexpr int64_t WALK_FROM = {WALK_FROM if positions else 'INT64_MAX'};\n"
         + prefix_structs(prefix_op(program, st, positions, dropped)),
         exclusive="true" if exclusive else "false",
+        gather="true" if gather else "false",
         forward=csrc("forward_lanes.h")
         + csrc("forward_prefix.h")
         + csrc("chain_tiles.h")

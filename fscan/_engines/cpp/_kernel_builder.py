@@ -55,7 +55,7 @@ def _translate(entry: Entry, call: BuildCall) -> bool:
         else:
             program = translate_combine(call.trace_input())
             entry.source = forward_source(
-                call.dtypes, program, call.positions, call.dropped, entry.exclusive
+                call.dtypes, program, call.positions, call.dropped, entry.exclusive, entry.gather
             )
             entry.argtypes = tuple(
                 forward_argtypes(call.dtypes, program, call.positions, call.dropped)

@@ -54,6 +54,7 @@ class Entry:
 
     backward: bool = False  # the VJP kernel of the forward entry of the same key
     exclusive: bool = False  # the forward kernel's exclusive variant (csrc/forward.h: scan)
+    gather: bool = False  # the forward kernel's gather variant (csrc/forward.h: scan)
     param_grads: bool = False  # backward: also the cotangents of the float params
     state: State = State.NEW
     calls: int = 0
@@ -86,14 +87,17 @@ def slot_key(
     backward: bool,
     param_grads: bool,
     exclusive: bool = False,
+    gather: bool = False,
 ) -> Hashable:
     """The key of a kernel entry within its knowledge entry: the generated source depends
     on all of it (and on the knowledge entry's key), on no length, dim, layout or thread
     count. The one place that spells it (lookups of READY entries build it directly).
     ``exclusive``: the forward kernel's exclusive variant, a kernel of its own (it compiles
     only the exclusive scan's paths, the ordinary one only the inclusive ones), so neither
-    key finds the other's kernel."""
-    return (aliases, element, positions, dropped, backward, param_grads, exclusive)
+    key finds the other's kernel. ``gather``: the forward kernel's gather variant, the only
+    one whose lane path reads or writes rows of other inner strides than 1 (see
+    :func:`~._kernel_layout.gathers`), likewise a kernel of its own."""
+    return (aliases, element, positions, dropped, backward, param_grads, exclusive, gather)
 
 
 class BuildCall(NamedTuple):
@@ -115,17 +119,29 @@ class BuildCall(NamedTuple):
         return TraceInput(self.combine_fn, self.spec, self.dtypes, self.element, self.captured)
 
     def slot(
-        self, aliases: Hashable, backward: bool, param_grads: bool = False, exclusive: bool = False
+        self,
+        aliases: Hashable,
+        backward: bool,
+        param_grads: bool = False,
+        exclusive: bool = False,
+        gather: bool = False,
     ) -> Hashable:
         """This call's :func:`slot_key`."""
         return slot_key(
-            aliases, self.element, self.positions, self.dropped, backward, param_grads, exclusive
+            aliases,
+            self.element,
+            self.positions,
+            self.dropped,
+            backward,
+            param_grads,
+            exclusive,
+            gather,
         )
 
 
 def kernel_slots(holder: Knowledge) -> BoundedCache[Entry]:
     """The kernel entries of a knowledge entry, by (aliasing of the captured tensors,
-    element shape, backward, the exclusive variant: see :func:`slot_key`). The trace is
+    element shape, backward, the exclusive and gather variants: see :func:`slot_key`). The trace is
     exact for one element shape only (Python code may read sizes: a slice over a whole
     dimension traces as an alias), so each shape gets its own entry; shapes that
     translate to the same source share one compiled library (Inductor's cache is keyed by

@@ -52,6 +52,7 @@ from ._kernel_layout import element_shape, strided_view
 from ._kernel_registry import ready_entry, serving_lookup
 from ._kernel_run import (
     PreparedRun,
+    gathered,
     kernel_params,
     prepare_run,
     run_kernel,
@@ -101,14 +102,15 @@ def kernel_grad_scan(
     holder, aliases, captured = lookup
     needing = tuple([t for t in captured if t.requires_grad])
     element = element_shape(leaves, dim)
+    gather = gathered(leaves, dim)  # the forward's gather variant (KernelScan's run_kernel)
     slots = kernel_slots(holder)
-    forward = slots.get(slot_key(aliases, element, (), (), False, False))
+    forward = slots.get(slot_key(aliases, element, (), (), False, False, False, gather))
     backward = slots.get(slot_key(aliases, element, (), (), True, bool(needing)))
     if not (is_ready(forward) and is_ready(backward)):  # counted, built or queued
         dtypes = tuple([x.dtype for x in leaves])
         build = BuildCall(combine_fn, spec, dtypes, element, captured)
         numel = leaves[0].numel()
-        forward = ready_entry(holder, aliases, build, numel, backward=False)
+        forward = ready_entry(holder, aliases, build, numel, backward=False, gather=gather)
         backward = ready_entry(
             holder, aliases, build, numel, backward=True, param_grads=bool(needing)
         )

@@ -10,14 +10,17 @@ whether one does. The checks of the ``out=``, ``keep=`` and ``head=`` arguments 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import re
 import threading
 from collections.abc import Sequence
 
 import torch
 
 from ..._errors import ScanTypeError, ScanValueError
+from ._cpp_source import csrc
 
 __all__ = [
     "Counters",
@@ -27,6 +30,7 @@ __all__ = [
     "counters",
     "dropped_leaves",
     "element_shape",
+    "gathers",
     "reads_in_place",
     "strided_layout",
     "strided_view",
@@ -314,3 +318,35 @@ def reads_in_place(x: torch.Tensor, dim: int) -> bool:
     if any(stride[a] != stride[b] * shape[b] for a, b in itertools.pairwise(inner)):
         return False
     return sum(stride[a] != stride[b] * shape[b] for a, b in itertools.pairwise(outer)) <= 1
+
+
+@functools.cache
+def _vec_min() -> int:
+    """``VEC_MIN`` of csrc/tuning.h: inner sizes below it take the chain path."""
+    found = re.search(r"VEC_MIN = (\d+);", csrc("tuning.h"))
+    assert found is not None
+    return int(found.group(1))
+
+
+def gathers(strides: Sequence[int], inner: int) -> bool:
+    """Whether a forward kernel call with these strides (``sa, sb, st, si`` of each tensor
+    read, then of each written, as the kernel is passed them) over ``inner`` lanes needs the
+    kernel's gather variant: it takes the lane path (``inner >= VEC_MIN`` and no tensor
+    laid out along T) and some tensor's inner stride is not 1, as ``scan`` in
+    csrc/forward.h and ``lane_path`` decide (the ordinary kernel compiles no gather).
+
+    Example:
+        >>> gathers([4096, 0, 16, 1] * 2, 16), gathers([8192, 0, 32, 2, 4096, 0, 16, 1], 16)
+        (False, True)
+        >>> gathers([0, 0, 1, 16, 4096, 0, 16, 1], 16)  # read along T: the chain path
+        False
+    """
+    if inner < _vec_min():
+        return False
+    unit = True
+    for k in range(0, len(strides), 4):
+        st, si = strides[k + 2], strides[k + 3]
+        if st != 0 and abs(st) < abs(si):  # along(): the chain path, which has no gather
+            return False
+        unit = unit and si == 1
+    return not unit

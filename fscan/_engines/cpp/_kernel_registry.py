@@ -30,6 +30,7 @@ from ._cpp_codegen import DTYPES
 from ._kernel_builder import build, submit
 from ._kernel_entry import BuildCall, Entry, State, kernel_slots, log_once, warn_once
 from ._kernel_layout import element_shape
+from ._kernel_run import gathered
 
 __all__ = [
     "MIN_CALLS",
@@ -61,7 +62,8 @@ def kernel_ready(
 ) -> bool:
     """Whether a compiled kernel for scans like this one is loaded (counts no call and
     builds nothing: for benchmarks and tests that report which engine ran); ``exclusive``:
-    its exclusive variant."""
+    its exclusive variant; leaves whose layout needs it: its gather variant (see
+    :func:`~._kernel_run.call_layout`)."""
     if config.cpu_kernel == "off" or unavailable(leaves) is not None:
         return False
     lookup = lookup_kernels(combine_fn, spec, leaves, None, None)
@@ -70,7 +72,8 @@ def kernel_ready(
     holder, aliases, captured = lookup
     dtypes = tuple(x.dtype for x in leaves)
     call = BuildCall(combine_fn, spec, dtypes, element_shape(leaves, dim), captured, positions)
-    entry = kernel_slots(holder).get(call.slot(aliases, False, False, exclusive))
+    gather = gathered(leaves, dim, positions)
+    entry = kernel_slots(holder).get(call.slot(aliases, False, False, exclusive, gather))
     return entry is not None and entry.state is State.READY
 
 
@@ -138,13 +141,17 @@ def ready_entry(
     backward: bool,
     param_grads: bool = False,
     exclusive: bool = False,
+    gather: bool = False,
 ) -> Entry | None:
     """The READY kernel entry, or None after counting the call and, per the mode,
-    building it now or queueing its build. ``exclusive``: the forward kernel's exclusive
-    variant (see :func:`~._kernel_entry.slot_key`), counted and built as any kernel."""
+    building it now or queueing its build. ``exclusive``, ``gather``: the forward kernel's
+    exclusive and gather variants (see :func:`~._kernel_entry.slot_key`), counted and
+    built as any kernel."""
     entry = kernel_slots(holder).get_or_compute(
-        call.slot(aliases, backward, param_grads, exclusive),
-        lambda: Entry(backward=backward, param_grads=param_grads, exclusive=exclusive),
+        call.slot(aliases, backward, param_grads, exclusive, gather),
+        lambda: Entry(
+            backward=backward, param_grads=param_grads, exclusive=exclusive, gather=gather
+        ),
     )
     eager = config.cpu_kernel == "eager"
     if entry.state is State.NEW or (eager and entry.state is State.PENDING):

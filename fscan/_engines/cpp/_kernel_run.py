@@ -19,13 +19,16 @@ from ..._memory import HUGE_MIN_BYTES, advise_huge_pages
 from ._cpp_codegen import Program
 from ._cpp_source import param_dtype
 from ._kernel_entry import Entry, is_ready, slot_key
-from ._kernel_layout import counters, strided_layout, strided_view
+from ._kernel_layout import counters, gathers, strided_layout, strided_view
 
 __all__ = [
+    "CallLayout",
     "PreparedRun",
+    "call_layout",
     "contiguous_strides",
     "exclusive_run",
     "fresh_outputs",
+    "gathered",
     "kernel_params",
     "prepare_run",
     "run_exclusive_prepared",
@@ -46,15 +49,19 @@ def run_kernel(
     heads: Sequence[torch.Tensor] | None = None,
     outs: Sequence[torch.Tensor] | None = None,
     first: int = 0,
+    layout: CallLayout | None = None,
 ) -> list[torch.Tensor | None] | None:
-    """Run a READY entry's kernel into fresh outputs, or None where its params do not fit;
+    """Run a READY entry's kernel into fresh outputs, or None where its params do not fit
+    or the call's layout needs the gather variant and the entry is not it (see
+    :func:`call_layout`: the caller then takes its full route, which picks the variant);
     on ``threads`` threads at most (default ``torch.get_num_threads()``). ``dropped``: the
     leaves the entry was built not to store (its ``BuildCall.dropped``): None in their place.
     ``heads``: contiguous carry-in elements, one per leaf (see :func:`~.cpu_kernel.kernel_scan`).
     ``outs``: checked ``out=`` memory (see :func:`~.cpu_kernel.kernel_scan`), one per kept output,
     written in place instead of fresh outputs where :func:`~._kernel_layout.strided_layout` fits it.
     ``first``: the position leaves' value at the first step along ``dim`` (see
-    :func:`~.cpu_kernel.kernel_scan`).
+    :func:`~.cpu_kernel.kernel_scan`). ``layout``: :func:`call_layout` of these arguments,
+    where the caller worked it out (to pick the entry).
 
     Inputs are read in place through their strides where :func:`~._kernel_layout.strided_view` can
     describe them (no copy); fresh outputs are contiguous, as torch's own scans
@@ -87,22 +94,27 @@ def run_kernel(
         return None
     read = [x for k, x in enumerate(leaves) if k not in positions] if positions else leaves
     written = [y for y in ys if y is not None] if dropped else ys
-    if outs is None:  # fresh outputs: dense
+    if layout is None and outs is None:
         for x in read:  # all contiguous (the common case) inline: ~1 us less than the call
             if not x.is_contiguous():
-                xs, nb, strides = strided_view(read, dim)
+                layout = call_layout(leaves, dim, positions, dropped)
                 break
-        else:
-            xs, nb, strides = read, 1, contiguous_strides(steps, inner, len(read))
-        strides = strides + _dense_strides(nb, steps, inner, len(written))
-    else:
-        found = strided_layout([*read, *written], dim, fixed=len(written))
-        if found is None:  # an out= layout the kernel cannot describe: a dense result
+        else:  # fresh outputs: dense, and nothing to gather
+            xs, nb = read, 1
+            strides = contiguous_strides(steps, inner, len(read))
+            strides += _dense_strides(nb, steps, inner, len(written))
+    elif layout is None:
+        layout = call_layout(leaves, dim, positions, dropped, outs)
+    if layout is not None:
+        if layout.gather and not entry.gather:
+            return None
+        if outs is not None and not layout.in_place:  # an out= layout the kernel cannot
+            # describe: a dense result, copied
             args = (entry, leaves, dim, reverse, captured, positions, threads, dropped, heads)
-            return _copied_out(run_kernel(*args, first=first), ys)
-        xs, nb, strides = found
-        xs = xs[: len(read)]
-        counters.wrote(len(written))
+            return _copied_out(run_kernel(*args, first=first, layout=layout), ys)
+        xs, nb, strides = layout.xs, layout.nb, layout.strides
+        if layout.in_place:
+            counters.wrote(len(written))
     threads = torch.get_num_threads() if threads is None else min(threads, torch.get_num_threads())
     if heads is None:
         at = _NO_HEADS[len(read)] if len(read) < len(_NO_HEADS) else (0,) * len(read)
@@ -112,6 +124,66 @@ def run_kernel(
         at = (*at, first)
     kernel(*xs, *written, *params, outer, steps, inner, int(reverse), threads, nb, *strides, *at)
     return ys
+
+
+class CallLayout(NamedTuple):
+    """How a forward kernel call reads and writes its tensors: see :func:`call_layout`."""
+
+    xs: list[torch.Tensor]  # the tensors read, as the kernel reads them (some maybe copied)
+    nb: int  # the outer index's second group (see strided_view)
+    strides: list[int]  # those read, then those written
+    in_place: bool  # out= memory written through its strides (else fresh dense outputs)
+    gather: bool  # the kernel's gather variant serves it (see gathers)
+
+
+def call_layout(
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    positions: tuple[int, ...] = (),
+    dropped: tuple[int, ...] = (),
+    outs: Sequence[torch.Tensor] | None = None,
+) -> CallLayout:
+    """The :class:`CallLayout` of a forward kernel call of :func:`run_kernel`'s arguments:
+    the inputs read in place where :func:`~._kernel_layout.strided_view` can describe them,
+    ``outs`` written in place where :func:`~._kernel_layout.strided_layout` fits them (else a
+    dense result is copied into them), and whether it needs the kernel's gather variant
+    (:func:`~._kernel_layout.gathers`), so that the caller picks the entry by it: the
+    ordinary kernel compiles no gather.
+
+    Example:
+        >>> x = torch.zeros(8, 32)
+        >>> call_layout([x], 0).gather, call_layout([x[:, ::2]], 0).gather
+        (False, True)
+    """
+    shape = leaves[0].shape
+    dim = dim % max(1, len(shape))
+    steps, inner = (shape[dim], math.prod(shape[dim + 1 :])) if shape else (1, 1)
+    read = [x for k, x in enumerate(leaves) if k not in positions] if positions else leaves
+    if outs is not None:
+        found = strided_layout([*read, *outs], dim, fixed=len(outs))
+        if found is not None:
+            xs, nb, strides = found
+            return CallLayout(xs[: len(read)], nb, strides, True, gathers(strides, inner))
+    xs, nb, strides = strided_view(read, dim)
+    strides = strides + _dense_strides(nb, steps, inner, len(leaves) - len(dropped))
+    return CallLayout(xs, nb, strides, False, gathers(strides, inner))
+
+
+def gathered(
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    positions: tuple[int, ...] = (),
+    dropped: tuple[int, ...] = (),
+) -> bool:
+    """Whether a forward kernel run of ``leaves`` into fresh outputs needs the kernel's
+    gather variant (:func:`call_layout`'s ``gather``, worked out only for leaves that are
+    not all contiguous: those never gather): for the callers that pick the entry without
+    running it (the autograd path, ``fscan.explain``, which engine served)."""
+    read = [x for k, x in enumerate(leaves) if k not in positions] if positions else leaves
+    if leaves[0].numel() == 0 or all(x.is_contiguous() for x in read):
+        return False
+    with torch.no_grad():  # a layout strided_view copies: no graph for the copy
+        return call_layout(leaves, dim, positions, dropped).gather
 
 
 def contiguous_strides(steps: int, inner: int, n: int) -> list[int]:

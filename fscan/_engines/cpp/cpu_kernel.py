@@ -100,6 +100,7 @@ from ._kernel_registry import captured_occurrences as captured_occurrences
 from ._kernel_registry import leaf_refusal as leaf_refusal
 from ._kernel_run import (
     PreparedRun,
+    call_layout,
     exclusive_run,
     fresh_outputs,
     kernel_params,
@@ -209,7 +210,14 @@ def kernel_scan(
         return None
     captured = lookup[2]
     element = element_shape(leaves, dim)
-    kernel = _forward_entry(lookup, combine_fn, spec, leaves, element, positions, dropped)
+    layout = None  # contiguous leaves into fresh outputs: run_kernel's own, cheaper check
+    read = [x for k, x in enumerate(leaves) if k not in positions] if positions else leaves
+    if outs is not None or any(not x.is_contiguous() for x in read):
+        layout = call_layout(leaves, dim, positions, dropped, outs)
+    gather = layout is not None and layout.gather and leaves[0].numel() > 0
+    kernel = _forward_entry(
+        lookup, combine_fn, spec, leaves, element, positions, dropped, gather=gather
+    )
     if kernel is None:
         return None
     heads = None if head is None else checked_heads(head, leaves, element, positions)
@@ -227,6 +235,7 @@ def kernel_scan(
         heads,
         outs,
         first_position,
+        layout,
     )
 
 
@@ -265,18 +274,21 @@ def _forward_entry(
     positions: tuple[int, ...],
     dropped: tuple[int, ...],
     exclusive: bool = False,
+    gather: bool = False,
 ) -> Entry | None:
-    """The READY forward kernel entry (``exclusive``: its exclusive variant) of a
-    :func:`serving_lookup`, or None after counting the call and building or queueing it
-    (:func:`ready_entry`); a READY one is found without making the build's record."""
+    """The READY forward kernel entry (``exclusive``, ``gather``: its exclusive or gather
+    variant) of a :func:`serving_lookup`, or None after counting the call and building or
+    queueing it (:func:`ready_entry`); a READY one is found without making the build's
+    record."""
     holder, aliases, captured = lookup
-    slot = slot_key(aliases, element, positions, dropped, False, False, exclusive)
+    slot = slot_key(aliases, element, positions, dropped, False, False, exclusive, gather)
     kernel = kernel_slots(holder).get(slot)
     if is_ready(kernel):
         return kernel
     dtypes = tuple([x.dtype for x in leaves])
     call = BuildCall(combine_fn, spec, dtypes, element, captured, positions, dropped)
-    return ready_entry(holder, aliases, call, leaves[0].numel(), False, exclusive=exclusive)
+    numel = leaves[0].numel()
+    return ready_entry(holder, aliases, call, numel, False, exclusive=exclusive, gather=gather)
 
 
 def combine_step(

@@ -19,6 +19,7 @@ from ..._knowledge.store import Knowledge, Reach, known, reach
 from . import cpu_kernel
 from ._cpp_build import compiler_problem
 from ._kernel_builder import warm
+from ._kernel_run import gathered
 from .cpu_kernel import MIN_CALLS, MIN_ELEMENTS, State, leaf_refusal, slot_key
 
 __all__ = ["kernel_refusal", "kernel_unavailable"]
@@ -41,7 +42,9 @@ def kernel_refusal(
     as ``fscan._engines.cpp.cpu_kernel`` decides, without its side effects). ``backward``: 0 the
     forward kernel, 1 the gradient kernel, 2 that with captured tensors' gradients.
     ``segmented``: the segmented kernel (``reset=``), built once the forward kernel is.
-    ``exclusive``: the forward kernel's exclusive variant (an exclusive drop-in's)."""
+    ``exclusive``: the forward kernel's exclusive variant (an exclusive drop-in's). The
+    forward kernel of leaves whose layout needs it is its gather variant (see
+    :func:`~._kernel_run.call_layout`)."""
     static = kernel_unavailable(leaves)
     if static is not None:
         return static
@@ -57,11 +60,16 @@ def kernel_refusal(
         return "combine_fn reaches tensors in no fixed order (a set): no kernel is cached"
     slots = None if holder is None else holder.kernels.get("cpp")
     element = tuple(leaves[0].shape[:dim] + leaves[0].shape[dim + 1 :])
-    key = slot_key(aliases, element, positions, dropped, backward > 0, backward > 1, exclusive)
+    gather = not backward and gathered(leaves, dim, positions, dropped)
+    key = slot_key(
+        aliases, element, positions, dropped, backward > 0, backward > 1, exclusive, gather
+    )
     entry = None if slots is None else slots.peek(key)
     what = "the gradient kernel" if backward else "the kernel"
     if exclusive:
         what = "the kernel's exclusive variant"
+    elif gather:
+        what = "the kernel's gather variant (this layout's strided rows)"
     if segmented and entry is not None and entry.state is State.READY:
         entry = slots.peek(("segmented", key))
         what = "the segmented kernel"

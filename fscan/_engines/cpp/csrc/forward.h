@@ -29,13 +29,31 @@
 // last field), built only where an exclusive drop-in asks for it. (A runtime select between
 // the two stores in the row loop built 25-30% faster but kept the lane add from
 // vectorising: ~6x slower.)
+// GATHER_MODE (generated: forward_source's gather) splits the kernel by layout: the
+// gather variant is the lane path's GATHER instantiations alone (rows of other inner
+// strides than 1, gathered and scattered), for the calls that need them and nothing else:
+// the lane path's test below passes and some inner stride is not 1 (the Python side's
+// gathers() decides, mirroring it); the ordinary kernel takes every other call, its lane
+// path's rows all dense. The GATHER instantiations were a fifth to a quarter of every
+// forward kernel's g++ time where few kernels ever read such a layout (hand builds, CPU-s
+// with and without: float32 add 2.41 / 2.04, the affine pair 4.87 / 3.51, cummax 3.88 /
+// 3.10), and the variant alone costs about a third of a whole kernel (add 0.89 of 3.27,
+// the affine pair 1.99 of 5.84, cummax 1.37 of 4.51, under load).
+template <bool GATHER>
+static void scan_as(const In x, const Out y, const Par p, const Geo& S, bool rev, bool fold,
+                    int nt, const Heads& H) {
+  if constexpr (GATHER)
+    lane_path<EXCLUSIVE_MODE>(x, y, p, S, rev, nt, H, fold);
+  else if (S.inner >= VEC_MIN && !along(x) && !along(y))
+    lane_path<EXCLUSIVE_MODE>(x, y, p, S, rev, nt, H, fold);
+  else
+    chain_path<EXCLUSIVE_MODE>(x, y, p, S, rev, nt, H, fold);
+}
+
 static void scan(const In x, const Out y, const Par p, const Geo& S, bool rev, bool fold,
                  int threads, const Heads& H) {
   if (S.T <= 0 || S.outer <= 0 || S.inner <= 0) return;
   const int64_t total = S.outer * S.T * S.inner;
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, total / PER_THREAD));
-  if (S.inner >= VEC_MIN && !along(x) && !along(y))
-    lane_path<EXCLUSIVE_MODE>(x, y, p, S, rev, nt, H, fold);
-  else
-    chain_path<EXCLUSIVE_MODE>(x, y, p, S, rev, nt, H, fold);
+  scan_as<GATHER_MODE>(x, y, p, S, rev, fold, nt, H);
 }

@@ -7,7 +7,8 @@
 // values live in acc (w entries); carry (or nullptr) holds the inclusive result before s0.
 // GATHER: inputs of other inner strides than 1 are gathered, a row at a time, into rows
 // (a separate instantiation: dense inputs keep the loop they had before strides existed;
-// the gather's pointer select in the same loop cost seg 1.45x).
+// the gather's pointer select in the same loop cost seg 1.45x), compiled only in the
+// kernel's gather variant (GATHER_MODE, see scan in forward.h).
 // Outputs of other inner strides than 1 are written, a row at a time, into orows and
 // scattered from there (GATHER only: the dense instantiation has unit outputs too).
 // H: a carry-in (if H.any): step 0 (in scan order) reads the head element instead of x;
@@ -119,19 +120,19 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
   fscan_team(nt, [&] {
     Store scratch(W);
     const Buf acc = scratch.buf();
-    const bool dense = unit(x) && unit(y);
-    const InRow rows(dense ? 0 : W);
-    const OutRow orows(dense ? 0 : W);
+    // One kind of row per kernel (see scan in forward.h): the ordinary kernel's calls are
+    // all dense, the gather variant's all gather (a unit member passes through gather and
+    // scatter untouched), so each compiles one set of lane_run instantiations.
+    const InRow rows(GATHER_MODE ? W : 0);
+    const OutRow orows(GATHER_MODE ? W : 0);
     if (C > 1) {
 #pragma omp for schedule(static)
       for (int64_t k = 0; k < ncols * (C - 1); ++k) {
         const int64_t col = k / (C - 1), c = k % (C - 1);
         const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
         const Buf total = offset(tb, k * W);
-        if (c == 0 && dense) lane_run<true, false, true, EXCL>(x, y, p, S, o, i0, w, 0, L, rev, nullptr, total, rows, orows, H, fold);
-        else if (c == 0) lane_run<true, true, true, EXCL>(x, y, p, S, o, i0, w, 0, L, rev, nullptr, total, rows, orows, H, fold);
-        else if (dense) lane_run<false, false>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, total, rows, orows, H);
-        else lane_run<false, true>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, total, rows, orows, H);
+        if (c == 0) lane_run<true, GATHER_MODE, true, EXCL>(x, y, p, S, o, i0, w, 0, L, rev, nullptr, total, rows, orows, H, fold);
+        else lane_run<false, GATHER_MODE>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, total, rows, orows, H);
       }
 #pragma omp for schedule(static)
       for (int64_t col = 0; col < ncols; ++col) {
@@ -145,8 +146,7 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
             put_all(cur, i, v);
           }
           // Composing the chunk is not what its steps give (see suspect): walk them.
-          if (walk && dense) lane_run<false, false>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, &prev, cur, rows, orows, H);
-          else if (walk) lane_run<false, true>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, &prev, cur, rows, orows, H);
+          if (walk) lane_run<false, GATHER_MODE>(x, y, p, S, o, i0, w, c * L, (c + 1) * L, rev, &prev, cur, rows, orows, H);
         }
       }
     }
@@ -161,8 +161,7 @@ static void lane_path(const In x, const Out y, const Par p, const Geo& S, bool r
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
       const Buf carry = c > 0 ? offset(tb, (col * (C - 1) + c - 1) * W) : tb;
       const int64_t s1 = std::min(T, (c + 1) * L);
-      if (dense) lane_run<true, false, false, EXCL>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H, fold);
-      else lane_run<true, true, false, EXCL>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H, fold);
+      lane_run<true, GATHER_MODE, false, EXCL>(x, y, p, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, rows, orows, H, fold);
     }
   });
 }
