@@ -177,6 +177,23 @@ def test_ordinary_kernel_declines_a_gathered_layout(fresh_eager_kernel):
 
 
 @needs_compiler
+def test_gather_variant_declines_the_other_layouts(fresh_eager_kernel):
+    """...and the gather variant (no chain path in it) declines every layout it was not
+    built for: contiguous leaves, dense ``out=`` memory, a transpose."""
+    strided = torch.randn(100, 64, dtype=torch.float64)[:, ::2]
+    check(add, [strided], 0, False)
+    [variant] = entries(add, [strided])
+    assert variant.gather
+    assert run_kernel(variant, [strided], 0, False, ()) is not None
+    x = torch.randn(100, 32, dtype=torch.float64)
+    assert run_kernel(variant, [x], 0, False, ()) is None
+    assert run_kernel(variant, [x], 0, False, (), outs=[torch.empty_like(x)]) is None
+    assert (
+        run_kernel(variant, [torch.randn(32, 100, dtype=torch.float64).t()], 0, False, ()) is None
+    )
+
+
+@needs_compiler
 def test_gradients_of_strided_leaves_run_the_gather_variant(fresh_eager_kernel):
     """The kernel's autograd path: step-sliced leaves that require grad run the forward's
     gather variant; values and gradients match the sequential scan's."""

@@ -105,9 +105,13 @@ def run_kernel(
             strides += _dense_strides(nb, steps, inner, len(written))
     elif layout is None:
         layout = call_layout(leaves, dim, positions, dropped, outs)
+    # Each kernel serves the layouts its variant compiles and no other: the ordinary one's
+    # lane path reads dense rows only (a strided row read as dense is a wrong answer), the
+    # gather variant has no chain path. A mismatch (never made by the callers, which pick
+    # the entry by call_layout) takes the caller's full route.
+    if (layout is not None and layout.gather) != entry.gather:
+        return None
     if layout is not None:
-        if layout.gather and not entry.gather:
-            return None
         if outs is not None and not layout.in_place:  # an out= layout the kernel cannot
             # describe: a dense result, copied
             args = (entry, leaves, dim, reverse, captured, positions, threads, dropped, heads)
