@@ -202,3 +202,16 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def ordinary_and_variant(found: list[Any], flag: str, mode: str) -> tuple[Any, Any]:
+    """The two READY kernel entries of one key that differ in the variant field ``flag``
+    (``"exclusive"``, ``"gather"``), checked to be two kernels whose sources set ``mode``
+    (``EXCLUSIVE_MODE``, ``GATHER_MODE``) false and true: (the ordinary one, the variant)."""
+    assert sorted(getattr(e, flag) for e in found) == [False, True]
+    assert all(e.state.name == "READY" for e in found)
+    ordinary, variant = sorted(found, key=lambda e: getattr(e, flag))
+    assert ordinary.kernel is not variant.kernel
+    assert f"{mode} = false" in ordinary.source
+    assert f"{mode} = true" in variant.source
+    return ordinary, variant

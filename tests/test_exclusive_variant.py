@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from helpers import ordinary_and_variant
 from test_exclusive_one_pass import check, data
 
 import fscan
@@ -57,13 +58,7 @@ def test_inclusive_and_exclusive_calls_use_different_kernels(
     [built] = entries(name, x)
     assert built.exclusive is not inclusive_first and built.state is State.READY
     second()
-    found = entries(name, x)
-    assert sorted(e.exclusive for e in found) == [False, True]
-    assert all(e.state is State.READY for e in found)
-    ordinary, variant = sorted(found, key=lambda e: e.exclusive)
-    assert ordinary.kernel is not variant.kernel
-    assert "EXCLUSIVE_MODE = false" in ordinary.source
-    assert "EXCLUSIVE_MODE = true" in variant.source
+    ordinary_and_variant(entries(name, x), "exclusive", "EXCLUSIVE_MODE")
     assert len(variant_runs) == 1  # the exclusive call ran the variant, built for it
     check(name, x, DIM, False, op(x, DIM, exclusive=True))
     torch.testing.assert_close(op(x, DIM), getattr(torch, name)(x, DIM))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
+from helpers import ordinary_and_variant
 
 import fscan
 from fscan._engines.cpp import cpu_kernel
@@ -99,13 +100,7 @@ def test_dense_and_strided_calls_use_different_kernels(
     assert built.gather is strided_first and built.state is State.READY
     for reverse in (False, True):
         check(combine, second, 0, reverse)
-    found = entries(combine, first)
-    assert sorted(e.gather for e in found) == [False, True]
-    assert all(e.state is State.READY for e in found)
-    ordinary, variant = sorted(found, key=lambda e: e.gather)
-    assert ordinary.kernel is not variant.kernel
-    assert "GATHER_MODE = false" in ordinary.source
-    assert "GATHER_MODE = true" in variant.source
+    ordinary_and_variant(entries(combine, first), "gather", "GATHER_MODE")
     for reverse in (False, True):  # each served by its own kernel again: nothing new built
         check(combine, dense, 0, reverse)
         check(combine, strided, 0, reverse)
