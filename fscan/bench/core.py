@@ -10,7 +10,7 @@ import torch
 
 import fscan
 
-from ._timing import Progress, Table, engine_of, fmt_ms, median_time, optional_jax
+from ._timing import Progress, Table, engine_of, fmt_ms, median_time, optional_jax, warm_up
 
 __all__ = ["forward_memory", "forward_table"]
 
@@ -112,11 +112,13 @@ def steady_engine(workload: str, leaves: list[torch.Tensor], backward_too: bool 
     By default the kernel builds in the background from the second call while the torch
     engine answers, with the compiler competing for the cores: timing those calls would
     report neither engine's steady state. The row label names the engine measured, as
-    fscan's route log names it for a call made after the build.
+    fscan's route log names it for a call made after the build. The build counts among the
+    table's untimed first calls (a fresh venv's first kernel, with the precompiled header,
+    took 8-13 s here, which the table's summary line did not show).
     """
     xs = leaves[0] if workload == "add" else tuple(leaves)
     combine = torch.add if workload == "add" else _linrec
-    fscan.precompile(combine, xs, 0, backward_too=backward_too)
+    warm_up(lambda: fscan.precompile(combine, xs, 0, backward_too=backward_too))
     with fscan.config.override(cpu_kernel="eager"):
         return engine_of(lambda: fscan.associative_scan(combine, xs, 0))
 
