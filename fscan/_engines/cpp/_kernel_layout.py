@@ -31,6 +31,7 @@ __all__ = [
     "dropped_leaves",
     "element_shape",
     "gathers",
+    "read_leaves",
     "reads_in_place",
     "strided_layout",
     "strided_view",
@@ -350,3 +351,10 @@ def gathers(strides: Sequence[int], inner: int) -> bool:
             return False
         unit = unit and si == 1
     return not unit
+
+
+def read_leaves(leaves: Sequence[torch.Tensor], positions: Sequence[int]) -> Sequence[torch.Tensor]:
+    """The leaves a kernel reads: all but the position leaves (cummax/cummin's indices, which
+    the kernel computes from each step's position): ``leaves`` itself where there are none
+    (no copy on the hot path), so read it, never change it."""
+    return [x for k, x in enumerate(leaves) if k not in positions] if positions else leaves

@@ -19,7 +19,7 @@ from ..._memory import HUGE_MIN_BYTES, advise_huge_pages
 from ._cpp_codegen import Program
 from ._cpp_source import param_dtype
 from ._kernel_entry import Entry, is_ready, slot_key
-from ._kernel_layout import counters, gathers, strided_layout, strided_view
+from ._kernel_layout import counters, gathers, read_leaves, strided_layout, strided_view
 
 __all__ = [
     "CallLayout",
@@ -92,7 +92,7 @@ def run_kernel(
     )
     if params is None:
         return None
-    read = [x for k, x in enumerate(leaves) if k not in positions] if positions else leaves
+    read = read_leaves(leaves, positions)
     written = [y for y in ys if y is not None] if dropped else ys
     if layout is None and outs is None:
         for x in read:  # all contiguous (the common case) inline: ~1 us less than the call
@@ -162,7 +162,7 @@ def call_layout(
     shape = leaves[0].shape
     dim = dim % max(1, len(shape))
     steps, inner = (shape[dim], math.prod(shape[dim + 1 :])) if shape else (1, 1)
-    read = [x for k, x in enumerate(leaves) if k not in positions] if positions else leaves
+    read = read_leaves(leaves, positions)
     if outs is not None:
         found = strided_layout([*read, *outs], dim, fixed=len(outs))
         if found is not None:
@@ -183,7 +183,7 @@ def gathered(
     gather variant (:func:`call_layout`'s ``gather``, worked out only for leaves that are
     not all contiguous: those never gather): for the callers that pick the entry without
     running it (the autograd path, ``fscan.explain``, which engine served)."""
-    read = [x for k, x in enumerate(leaves) if k not in positions] if positions else leaves
+    read = read_leaves(leaves, positions)
     if leaves[0].numel() == 0 or all(x.is_contiguous() for x in read):
         return False
     with torch.no_grad():  # a layout strided_view copies: no graph for the copy
@@ -242,7 +242,7 @@ def prepare_run(
     entry = holder.kernels.get("cpp")
     slot = slot_key(aliases, element, positions, (), False, False, exclusive)
     entry = None if entry is None else entry.peek(slot)
-    read = [x for k, x in enumerate(leaves) if k not in positions]
+    read = read_leaves(leaves, positions)
     if not is_ready(entry) or not all(x.is_contiguous() and x.shape == shape for x in read):
         return None
     assert entry.program is not None and entry.kernel is not None

@@ -39,7 +39,7 @@ from ._cpp_source import (
 )
 from ._cpp_tiles import tile_structs, tiled
 from ._kernel_entry import BuildCall, is_ready, kernel_slots, slot_key
-from ._kernel_layout import element_shape, strided_view
+from ._kernel_layout import element_shape, read_leaves, strided_view
 from ._kernel_registry import ready_derived, serving_lookup
 from ._kernel_run import fresh_outputs, kernel_params
 
@@ -266,7 +266,7 @@ def kernel_segmented(
     if outer * steps * inner >= HUGE_MIN_BYTES // 16:
         for y in ys:
             advise_huge_pages(y)
-    read = [x for k, x in enumerate(leaves) if k not in positions]
+    read = read_leaves(leaves, positions)
     views, nb, strides = _read_layout(read, flags, shape, dim)
     dense = [nb * steps * inner, steps * inner, inner, 1] * len(ys)
     threads = torch.get_num_threads() if threads is None else min(threads, torch.get_num_threads())
@@ -306,7 +306,7 @@ def prepare_segmented(
     expanded it), else None: a combine with parameters, a kernel not READY, an input not
     contiguous, an empty one, or a mask the layout would copy (its strides then say
     nothing of the next mask's memory)."""
-    read = [x for k, x in enumerate(leaves) if k not in positions]
+    read = read_leaves(leaves, positions)
     shape = leaves[0].shape
     if len(read) != 1 or not read[0].is_contiguous() or read[0].numel() == 0:
         return None

@@ -82,6 +82,7 @@ from ._kernel_layout import (
     counters,
     dropped_leaves,
     element_shape,
+    read_leaves,
     reads_in_place,
     strided_layout,
     strided_view,
@@ -211,7 +212,7 @@ def kernel_scan(
     captured = lookup[2]
     element = element_shape(leaves, dim)
     layout = None  # contiguous leaves into fresh outputs: run_kernel's own, cheaper check
-    read = [x for k, x in enumerate(leaves) if k not in positions] if positions else leaves
+    read = read_leaves(leaves, positions)
     if outs is not None or any(not x.is_contiguous() for x in read):
         layout = call_layout(leaves, dim, positions, dropped, outs)
     gather = layout is not None and layout.gather and leaves[0].numel() > 0

@@ -38,7 +38,9 @@
 // forward kernel's g++ time where few kernels ever read such a layout (hand builds, CPU-s
 // with and without: float32 add 2.41 / 2.04, the affine pair 4.87 / 3.51, cummax 3.88 /
 // 3.10), and the variant alone costs about a third of a whole kernel (add 0.89 of 3.27,
-// the affine pair 1.99 of 5.84, cummax 1.37 of 4.51, under load).
+// the affine pair 1.99 of 5.84, cummax 1.37 of 4.51, under load). scan_as is a template
+// so that if constexpr discards the paths the variant does not take: only in a template
+// is a discarded branch guaranteed not to be instantiated.
 template <bool GATHER>
 static void scan_as(const In x, const Out y, const Par p, const Geo& S, bool rev, bool fold,
                     int nt, const Heads& H) {
