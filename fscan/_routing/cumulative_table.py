@@ -250,8 +250,7 @@ def _rows(
     op: Any, x: torch.Tensor, n: int, stride: int, reverse: bool, threads: int | None
 ) -> bool:
     """The kernel's cells over several contiguous lanes (``n`` steps each, ``stride``
-    apart) besides
-    logcumsumexp's: cummax/cummin's on any thread count (see
+    apart) besides logcumsumexp's: cummax/cummin's on any thread count (see
     ``EXTREMUM_TILED_MIN_NUMEL``), and on one thread (``threads``, None: torch's count
     now) rows of at least ``ONE_THREAD_MIN_LENGTH`` steps, cumsum and cumprod."""
     if op in EXTREMA:
