@@ -9,7 +9,8 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
-from helpers import ordinary_and_variant
+from helpers import add, ordinary_and_variant, sequential_scan
+from helpers import linear_recurrence as affine
 
 import fscan
 from fscan._engines.cpp import cpu_kernel
@@ -21,26 +22,12 @@ from fscan._knowledge.store import knowledge, reach
 needs_compiler = pytest.mark.skipif(compiler_problem() is not None, reason="no C++ compiler")
 
 
-def add(a, b):
-    return a + b
-
-
-def affine(x, y):
-    return (x[0] * y[0], y[0] * x[1] + y[1])
-
-
 def sequential(combine, xs, dim, reverse):
-    """The scan one step at a time in float64, in the leaves' dtypes after."""
-    leaves = [x.double().movedim(dim, 0) for x in xs]
-    order = range(leaves[0].shape[0])
-    out = [torch.empty_like(x) for x in leaves]
-    acc = None
-    for t in reversed(order) if reverse else order:
-        step = tuple(x[t] for x in leaves)
-        acc = step if acc is None else combine(acc, step)
-        for o, a in zip(out, acc):
-            o[t] = a
-    return [o.movedim(0, dim).to(x.dtype) for o, x in zip(out, xs)]
+    """The scan one step at a time (:func:`helpers.sequential_scan`) in float64, in the
+    leaves' dtypes after, as a list of outputs."""
+    wide = [x.double() for x in xs]
+    found = sequential_scan(combine, wide[0] if combine is add else tuple(wide), dim, reverse)
+    return [o.to(x.dtype) for o, x in zip([found] if combine is add else found, xs)]
 
 
 def scan(combine, xs, dim, reverse):
@@ -67,12 +54,9 @@ def leaves_of(combine, dtype, shape):
     return [torch.rand(shape, dtype=dtype) * 0.5 + 0.5, x]
 
 
-STEP = {add: lambda a, b: (a[0] + b[0],), affine: affine}
-
-
 def check(combine, xs, dim, reverse):
     found = scan(combine, xs, dim, reverse)
-    want = sequential(STEP[combine], xs, dim, reverse)
+    want = sequential(combine, xs, dim, reverse)
     tol = dict(rtol=1e-5, atol=1e-5) if xs[0].dtype == torch.float32 else {}
     for f, w in zip(found, want):
         torch.testing.assert_close(f, w, **tol)
@@ -152,7 +136,7 @@ def test_strided_out_memory_runs_the_gather_variant(fresh_eager_kernel, reverse)
     for _ in range(2):
         got = cpu_kernel.kernel_scan("test", add, spec, [x], 0, reverse, out=[view])
     assert got is not None and got[0] is view
-    torch.testing.assert_close(view, sequential(STEP[add], [x], 0, reverse)[0])
+    torch.testing.assert_close(view, sequential(add, [x], 0, reverse)[0])
     assert (out[:, 1::2] == 7.0).all()  # the other lanes untouched
     [built] = entries(add, [x])
     assert built.gather and built.state is State.READY
@@ -197,7 +181,7 @@ def test_gradients_of_strided_leaves_run_the_gather_variant(fresh_eager_kernel):
     for _ in range(2):
         y = fscan.associative_scan(add, x, 0, reverse=True)
         (g,) = torch.autograd.grad((y * y).sum(), base)
-    want = sequential(STEP[add], [x.detach()], 0, True)[0]
+    want = sequential(add, [x.detach()], 0, True)[0]
     torch.testing.assert_close(y.detach(), want)
     ref = x.detach().clone().requires_grad_(True)
     w = ref.flip(0).cumsum(0).flip(0)
