@@ -13,6 +13,7 @@ import logging
 import pytest
 import torch
 from helpers import torch_threads
+from test_exclusive import _shifted_reference
 
 import fscan
 from fscan._engines.cpp._cpp_build import compiler_problem
@@ -172,29 +173,7 @@ def test_extremum_rows_run_the_kernel_with_torchs_values(
             shifted = drop_in(x, dim, reverse=reverse, exclusive=True)
             records = [r for r in caplog.records if hasattr(r, "fscan_engine")]
             assert [r.fscan_engine for r in records] == ["cpp"]
-            values, indices = _shifted(op, want, dim, reverse)
+            values, indices = _shifted_reference(op.__name__, x, dim, reverse)
+            values = values.to(x.dtype)  # (the reference is float64: exact on these integers)
             torch.testing.assert_close(shifted.values, values, rtol=0, atol=0, equal_nan=True)
             assert torch.equal(shifted.indices, indices)
-
-
-def _shifted(op, inclusive, dim, reverse):
-    """The exclusive scan from the inclusive one: each step the previous one's output in
-    scan order, the first step the op's identity (cummax: -inf, or the integer dtype's
-    lowest value; cummin: the highest) with index -1."""
-    values, indices = inclusive
-    if values.dtype.is_floating_point:
-        start = float("-inf") if op is torch.cummax else float("inf")
-    else:
-        info = torch.iinfo(values.dtype)
-        start = info.min if op is torch.cummax else info.max
-    n = values.shape[dim]
-    src, dst, first = (slice(0, n - 1), slice(1, n), 0)
-    if reverse:
-        src, dst, first = (slice(1, n), slice(0, n - 1), n - 1)
-    lead = (slice(None),) * dim
-    out_v, out_i = values.clone(), indices.clone()
-    out_v[(*lead, dst)] = values[(*lead, src)]
-    out_i[(*lead, dst)] = indices[(*lead, src)]
-    out_v[(*lead, first)] = start
-    out_i[(*lead, first)] = -1
-    return out_v, out_i
