@@ -17,24 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
+from extremum_kernel import thread_time_us  # this script's folder: the same timer
 
 import fscan
 from fscan._routing import cumulative_table
-
-
-def thread_time_us(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.thread_time_ns()
-        fn()
-        times.append(time.thread_time_ns() - start)
-    return statistics.median(times) / 1e3
 
 
 def timed(x: torch.Tensor, reverse: bool, kernel: bool, reps: int) -> float:
