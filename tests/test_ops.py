@@ -256,10 +256,11 @@ ROUTES = [
     (torch.cumsum, "contiguous", (65536, 4), 0, False, (False, False)),
     (torch.cumsum, "contiguous", (4096, 256), 0, False, (True, False)),  # 256 lanes: every op
     (torch.cummax, "contiguous", (4096, 256), 0, False, (True, False)),
-    (torch.cummax, "contiguous", (2**20,), 0, False, (False, False)),  # torch's walk wins
-    (torch.cummax, "contiguous", (2**20,), 0, True, (True, False)),  # ... unless it flips twice
+    (torch.cummax, "contiguous", (2**20,), 0, False, (True, False)),  # float32: the lone walk
+    (torch.cummax, "contiguous", (2**16,), 0, False, (False, False)),  # below 2**17
+    (torch.cummax, "contiguous", (2**20,), 0, True, (True, False)),  # reversed: torch flips twice
     (torch.cummin, "contiguous", (4096, 256), 1, True, (True, False)),  # reversed, lanes
-    (torch.cummax, "contiguous", (4096, 256), 1, False, (False, False)),  # walked: even
+    (torch.cummax, "contiguous", (4096, 256), 1, False, (True, False)),  # walked alone
     (torch.cummax, "contiguous", (16384, 16), 1, False, (True, False)),  # float32 tiles
     (torch.cummin, "contiguous", (4096, 16), 1, False, (False, False)),  # below 2**17
     (torch.logcumsumexp, "contiguous", (2**15,), 0, True, (True, False)),  # one lane: its math

@@ -20,7 +20,7 @@ from fscan._engines.cpp._cpp_build import compiler_problem
 from fscan._routing import repeat_drop_ins
 from fscan._routing.cumulative import kernel_threads, path, route
 from fscan._routing.cumulative_table import (
-    EXTREMUM_TILED_MIN_NUMEL,
+    EXTREMUM_FORWARD_MIN_NUMEL,
     ONE_THREAD_MIN_LENGTH,
     WALK_FROM,
     threads_decide,
@@ -38,16 +38,19 @@ ROWS = [
 ]
 # (op, dtype, shape, dim, reverse, kernel): cummax/cummin over several contiguous lanes, the
 # same cell on 1 and 2 threads
-TILED = EXTREMUM_TILED_MIN_NUMEL // 16
+TILED = EXTREMUM_FORWARD_MIN_NUMEL // 16
 EXTREMUM_ROWS = [
-    (torch.cummax, torch.float32, (4096, 256), 1, False, False),  # walked alone: even
+    (torch.cummax, torch.float32, (4096, 256), 1, False, True),  # walked alone
     (torch.cummax, torch.float32, (4096, 256), 1, True, True),  # torch flips twice
     (torch.cummin, torch.float32, (256, 4096), 1, True, True),
     (torch.cummax, torch.float32, (TILED, 16), 1, False, True),  # the kernel's tiles
     (torch.cummin, torch.float32, (TILED // 32, 8, WALK_FROM // 2), 2, False, True),
     (torch.cummax, torch.float32, (TILED, 16), 1, True, True),
     (torch.cummax, torch.float32, (TILED // 2, 16), 1, False, False),  # the call's fixed cost
-    (torch.cummax, torch.float32, (TILED // 16, WALK_FROM), 1, False, False),  # walked alone
+    (torch.cummax, torch.float32, (TILED // 8, WALK_FROM), 1, False, True),  # walked alone
+    (torch.cummin, torch.float32, (TILED * 16,), 0, False, True),  # one lane, walked
+    (torch.cummin, torch.float32, (TILED // 16, WALK_FROM), 1, False, False),  # fixed cost
+    (torch.cummin, torch.float64, (TILED // 8, WALK_FROM), 1, False, False),  # float32's
     (torch.cummin, torch.float64, (TILED, 16), 1, False, False),  # tiles are float32's
     (torch.cummax, torch.int64, (TILED, 16), 1, True, False),  # 8 chains interleaved
     (torch.cummax, torch.int64, (1024, WALK_FROM), 1, True, True),  # walked alone
@@ -78,7 +81,8 @@ def test_extremum_cells_do_not_read_the_thread_count(op, dtype, shape, dim, reve
             assert route(op, x, dim, reverse) == (kernel, False)
             assert not threads_decide(op, x, dim, reverse)
     assert kernel_threads(x, dim, op) == 1  # torch's walk of these rows is serial
-    assert kernel_threads(x, dim) is None  # (the segmented scan's: all of torch's threads)
+    # (the segmented scan's: all of torch's threads, but over one lane, always one)
+    assert kernel_threads(x, dim) == (1 if x.ndim == 1 else None)
     assert kernel_threads(torch.randn(4096, 256), 0, op) is None  # the lane path
 
 

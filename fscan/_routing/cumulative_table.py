@@ -19,12 +19,13 @@ engine       when
              innermost ``dim``, say) logcumsumexp over several lanes; cummax/cummin
              there on any thread count (run on one: torch's walk is serial)
              reversed in float32 or at ``n >= 128`` (``WALK_FROM``), forward in
-             float32 at ``n < 128`` over the innermost dim (the kernel's tiles)
-             from 2**17 elements; on one thread
+             float32 over the innermost dim from 2**17 elements (the kernel's
+             tiles under 128 steps, its lone walk from 128); on one thread
              (``torch.get_num_threads() == 1``) at ``n >= 256``
              (``ONE_THREAD_MIN_LENGTH``) cumsum and cumprod, both directions;
              over one lane, logcumsumexp, every op reversed (torch flips
-             twice) and cumsum/cumprod forward if contiguous from 2**20 elements;
+             twice), cumsum/cumprod forward if contiguous from 2**20 elements and
+             cummax/cummin forward in float32 from 2**17;
              over several lanes not contiguous, read in place, reversed (torch
              copies to flip) or cumsum/cumprod at ``stride >= 4096`` (torch's walk
              jumps pages). Not for
@@ -64,7 +65,7 @@ from .._engines.cpp.cpu_kernel import KERNEL_MIN_NUMEL, WALK_FROM, kernel_possib
 __all__ = [
     "CUMSUM_MIN_STRIDE",
     "EXTREMA",
-    "EXTREMUM_TILED_MIN_NUMEL",
+    "EXTREMUM_FORWARD_MIN_NUMEL",
     "FLOATS",
     "KERNEL_MIN_NUMEL_ONE_LANE",
     "KERNEL_MIN_STRIDE",
@@ -116,7 +117,7 @@ CUMSUM_MIN_STRIDE = 1024
 #   several lanes torch spreads the rows over its threads: the kernel won at 1 thread
 #   ((4096, 256) dim 1 0.6x, (512, 512) 0.82x) but not at 2 ((1024, 1024) dim 1 1.2-1.3x,
 #   (65536, 4) dim 0 2.8-3.3x, (16384, 64) dim 1 a tie): torch's. cummax/cummin 1.5-2.7x
-#   then (torch's branchy walk predicts well; since, EXTREMUM_TILED_MIN_NUMEL) except
+#   then (torch's branchy walk predicts well; since, EXTREMUM_FORWARD_MIN_NUMEL) except
 #   reversed over one lane (0.1-0.7x: torch flips twice); logcumsumexp 0.4-0.8x over
 #   several lanes (compute-bound), and over a single lane (1-D), its math vectorised since
 #   (tiled chains, computed twice by the chunked scan): 0.20x at 2**20, 0.33x at 2**16,
@@ -132,7 +133,7 @@ CUMSUM_MIN_STRIDE = 1024
 # load: (4096, 256) 0.58-0.63, (2048, 512) 0.49-0.56, (1024, 1024) 0.46-0.97, (256, 4096)
 # 0.46-0.49, (64, 16384) 0.48, (8192, 256) 0.88-0.98; the same values bit for bit);
 # cummax/cummin 1.7-2.3x (8 chains walked interleaved then; since, long chains walk one
-# at a time and short ones tile: see EXTREMUM_TILED_MIN_NUMEL). On 2 threads cumsum's and
+# at a time and short ones tile: see EXTREMUM_FORWARD_MIN_NUMEL). On 2 threads cumsum's and
 # cumprod's rows stay torch's (see above; the shared machine's wall clock could not settle
 # them).
 ONE_THREAD_MIN_LENGTH = 256
@@ -145,7 +146,14 @@ KERNEL_MIN_NUMEL_ONE_LANE = 2**20  # cumsum/cumprod over one lane: past the ties
 # * forward float32 rows under WALK_FROM steps (the chain tiles): from 2**17 elements 0.45-
 #   0.75x ((8192, 16) 0.55, (2048, 64) 0.60, (65536, 16) 0.45-0.73, (2**20 / 96, 96) 0.55-
 #   0.74; (262144 / n, n) 0.46-0.62), at 2**16 0.91-1.30, at 2**15 1.04-1.7 (the call's fixed
-#   cost). From 128 steps (walked alone) about even (0.86-1.02, one run 1.33): torch's. Other
+#   cost). From 128 steps (walked alone) 0.83-0.97x in a rerun of December 6 (thread CPU,
+#   1 thread, 2 rounds, load ~1: (1024, 128) 0.96-0.97, (512, 256) 0.89-0.90, (1024, 256)
+#   0.86-0.88, (4096, 256) 0.89, (256, 1024) 0.83), and over one lane 0.83-0.91 (2**17,
+#   2**18, 2**20); at 2**15 (128, 256) 1.02-1.07. An earlier run read "about even (0.86-
+#   1.02, one run 1.33)" and kept torch's; the exclusive drop-ins tip it: on torch's op they
+#   pay a strided fill of the first step (values and indices) and run 1.03-1.17x the
+#   inclusive call, on the kernel's exclusive variant 0.84-1.00x (same runs). So the kernel
+#   takes forward float32 from 2**17 elements at any row length (_extremum_forward). Other
 #   dtypes are not tiled: float64 1.38-1.50x, bfloat16 1.9-2.4x, int32/int64 2.3-3.8x at 16-64
 #   steps: torch's. Lanes that are not innermost (inner 2 or 4: the chains strided) 1.1-1.85x
 #   forward (torch's); reversed 0.07-0.99x.
@@ -153,7 +161,7 @@ KERNEL_MIN_NUMEL_ONE_LANE = 2**20  # cumsum/cumprod over one lane: past the ties
 #   fault fresh pages): float32 0.35-0.80x at any length from 2**15 elements; other dtypes
 #   from WALK_FROM steps 0.05-0.85x (int8 (1024, 128) 1.02; float64, int32/int64, bfloat16,
 #   float16, bool, int8, uint8), below it up to 1.7x (8 steps; at 64: 0.76-1.39).
-EXTREMUM_TILED_MIN_NUMEL = 2**17  # forward float32 rows under WALK_FROM steps
+EXTREMUM_FORWARD_MIN_NUMEL = 2**17  # forward float32 cummax/cummin: innermost rows, one lane
 LANE_PATH_INNER = 8  # the kernel's lane path needs this many lanes after dim
 # Not contiguous (the kernel reads strided inputs in place; torch's op walks each lane;
 # 1 thread, float32, December 2026): with >= 8 lanes after dim the kernel ran 0.06-0.8x
@@ -222,7 +230,9 @@ def _cells(
             # walk is serial; on one thread, long rows
             kernel = op is torch.logcumsumexp or _rows(op, x, n, stride, reverse, threads)
         else:  # one lane: torch's walk is serial, and reversed it flips (copies) twice
-            large = numel >= _ONE_LANE_KERNEL_FROM.get(op, math.inf)
+            large = numel >= _ONE_LANE_KERNEL_FROM.get(op, math.inf) or (
+                op in EXTREMA and _extremum_forward(x)
+            )
             kernel = reverse or large
     else:
         shape = x.shape
@@ -246,18 +256,23 @@ def _cells(
 _ONE_THREAD_OPS = (torch.cumsum, torch.cumprod)  # rows on one thread: the kernel wins
 
 
+def _extremum_forward(x: torch.Tensor) -> bool:
+    """Whether the kernel takes forward cummax/cummin over contiguous lanes along the
+    innermost dim, or over one lane (see ``EXTREMUM_FORWARD_MIN_NUMEL``)."""
+    return x.dtype == torch.float32 and x.numel() >= EXTREMUM_FORWARD_MIN_NUMEL
+
+
 def _rows(
     op: Any, x: torch.Tensor, n: int, stride: int, reverse: bool, threads: int | None
 ) -> bool:
     """The kernel's cells over several contiguous lanes (``n`` steps each, ``stride``
     apart) besides logcumsumexp's: cummax/cummin's on any thread count (see
-    ``EXTREMUM_TILED_MIN_NUMEL``), and on one thread (``threads``, None: torch's count
+    ``EXTREMUM_FORWARD_MIN_NUMEL``), and on one thread (``threads``, None: torch's count
     now) rows of at least ``ONE_THREAD_MIN_LENGTH`` steps, cumsum and cumprod."""
     if op in EXTREMA:
         if reverse:
             return n >= WALK_FROM or x.dtype == torch.float32
-        tiled = n < WALK_FROM and stride == 1 and x.dtype == torch.float32
-        return tiled and x.numel() >= EXTREMUM_TILED_MIN_NUMEL
+        return stride == 1 and _extremum_forward(x)
     if n < ONE_THREAD_MIN_LENGTH or op not in _ONE_THREAD_OPS:
         return False
     return (torch.get_num_threads() if threads is None else threads) == 1
