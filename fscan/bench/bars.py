@@ -212,7 +212,15 @@ def variant_rows() -> Iterator[Row]:
                     yield Row(group, f"{where}, {variant}", run, "inclusive", inclusive, 1, 1.05)
 
 
-_VARIANT_WORKLOADS = [((2**20,), 0), ((4096, 256), 0), ((4096, 256), 1), ((1024, 8, 64), 1)]
+# (16384, 1024) dim 1: out of cache (64 MiB a tensor), where a path's prefetch shows: the
+# reversed segmented row tiles once took their groups against it (docs/performance.md).
+_VARIANT_WORKLOADS = [
+    ((2**20,), 0),
+    ((4096, 256), 0),
+    ((4096, 256), 1),
+    ((1024, 8, 64), 1),
+    ((16384, 1024), 1),
+]
 
 
 def _grad_node(run: Callable[[], Any]) -> Callable[[], str]:
