@@ -30,6 +30,7 @@ __all__ = [
     "fresh_outputs",
     "gathered",
     "kernel_params",
+    "needed_layout",
     "prepare_run",
     "run_exclusive_prepared",
     "run_kernel",
@@ -173,6 +174,21 @@ def call_layout(
     return CallLayout(xs, nb, strides, False, gathers(strides, inner))
 
 
+def needed_layout(
+    leaves: Sequence[torch.Tensor],
+    dim: int,
+    positions: tuple[int, ...] = (),
+    dropped: tuple[int, ...] = (),
+    outs: Sequence[torch.Tensor] | None = None,
+) -> CallLayout | None:
+    """:func:`call_layout` of a call that needs one, or None for leaves that are all
+    contiguous into fresh outputs (:func:`run_kernel` lays those out itself, more cheaply,
+    and they never gather)."""
+    if outs is None and all(x.is_contiguous() for x in read_leaves(leaves, positions)):
+        return None
+    return call_layout(leaves, dim, positions, dropped, outs)
+
+
 def gathered(
     leaves: Sequence[torch.Tensor],
     dim: int,
@@ -180,14 +196,14 @@ def gathered(
     dropped: tuple[int, ...] = (),
 ) -> bool:
     """Whether a forward kernel run of ``leaves`` into fresh outputs needs the kernel's
-    gather variant (:func:`call_layout`'s ``gather``, worked out only for leaves that are
-    not all contiguous: those never gather): for the callers that pick the entry without
-    running it (the autograd path, ``fscan.explain``, which engine served)."""
-    read = read_leaves(leaves, positions)
-    if leaves[0].numel() == 0 or all(x.is_contiguous() for x in read):
+    gather variant (:func:`call_layout`'s ``gather``; an empty call never does), for the
+    callers that pick the entry without running it (the autograd path, ``fscan.explain``,
+    which engine served) and :func:`~.cpu_kernel.kernel_scan`'s rule alike."""
+    if leaves[0].numel() == 0:
         return False
     with torch.no_grad():  # a layout strided_view copies: no graph for the copy
-        return call_layout(leaves, dim, positions, dropped).gather
+        layout = needed_layout(leaves, dim, positions, dropped)
+    return layout is not None and layout.gather
 
 
 def contiguous_strides(steps: int, inner: int, n: int) -> list[int]:

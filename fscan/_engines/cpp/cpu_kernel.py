@@ -82,7 +82,6 @@ from ._kernel_layout import (
     counters,
     dropped_leaves,
     element_shape,
-    read_leaves,
     reads_in_place,
     strided_layout,
     strided_view,
@@ -101,10 +100,10 @@ from ._kernel_registry import captured_occurrences as captured_occurrences
 from ._kernel_registry import leaf_refusal as leaf_refusal
 from ._kernel_run import (
     PreparedRun,
-    call_layout,
     exclusive_run,
     fresh_outputs,
     kernel_params,
+    needed_layout,
     prepare_run,
     run_exclusive_prepared,
     run_kernel,
@@ -211,10 +210,7 @@ def kernel_scan(
         return None
     captured = lookup[2]
     element = element_shape(leaves, dim)
-    layout = None  # contiguous leaves into fresh outputs: run_kernel's own, cheaper check
-    read = read_leaves(leaves, positions)
-    if outs is not None or any(not x.is_contiguous() for x in read):
-        layout = call_layout(leaves, dim, positions, dropped, outs)
+    layout = needed_layout(leaves, dim, positions, dropped, outs)
     gather = layout is not None and layout.gather and leaves[0].numel() > 0
     kernel = _forward_entry(
         lookup, combine_fn, spec, leaves, element, positions, dropped, gather=gather

@@ -73,7 +73,7 @@ from ._cpp_build import compiler_problem
 from ._kernel_entry import Entry, is_ready, slot_key
 from ._kernel_layout import element_shape
 from ._kernel_registry import leaf_refusal, lookup_kernels
-from ._kernel_run import PreparedRun, call_layout, prepare_run, run_kernel, run_prepared
+from ._kernel_run import PreparedRun, gathered, prepare_run, run_kernel, run_prepared
 from .cpu_kernel import kernel_scan, precompile
 from .inductor_calls import call_directly
 
@@ -228,7 +228,7 @@ def _remember(
         return
     holder, aliases, captured = lookup
     slots = holder.kernels.get("cpp")
-    gather = not _contiguous(xs) and call_layout(xs, 0).gather  # the variant that served
+    gather = gathered(xs, 0)  # the variant that served
     key = slot_key(aliases, element_shape(xs, 0), (), (), False, False, False, gather)
     entry = None if slots is None else slots.peek(key)
     where = {id(t): i for i, t in enumerate(tensors)}
