@@ -9,7 +9,7 @@ It is how the reversed segmented row tiles' fault was found (docs/performance.md
 took their groups from the last against their prefetch, 2x from memory).
 
     PYTHONPATH=. taskset -c 0 python scripts/segmented_from_memory.py [--shape 4096,256]
-        [--dim 1] [--ops cumsum,cumprod,logcumsumexp] [--outputs 6] [--reps 41]
+        [--dim 1] [--ops cumsum,cumprod,logcumsumexp,cummax,cummin] [--outputs 6] [--reps 41]
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def prepared(op, x: torch.Tensor, dim: int, reverse: bool, reset: torch.Tensor |
     return seen[-1]
 
 
-def cache_and_memory(call, outs: list[torch.Tensor], reps: int) -> tuple[float, float]:
+def cache_and_memory(call, outs: list[list[torch.Tensor]], reps: int) -> tuple[float, float]:
     """Medians of ``call`` into one output, then into ``outs`` in turn."""
     turn = iter(range(10**9))
     one = median_us(lambda: call(outs[0]), reps)
@@ -70,16 +70,19 @@ def main() -> None:
     shape = tuple(int(v) for v in args.shape.split(","))
     x = torch.rand(shape)
     reset = torch.arange(shape[args.dim]) % 97 == 13
-    outs = [torch.empty_like(x) for _ in range(args.outputs)]
     print(f"{args.shape} dim {args.dim}, 1 thread, us: one output / {args.outputs} in turn")
     for name in args.ops.split(","):
         op = getattr(fscan, name)
+        # cummax/cummin write two outputs (values, indices): a set of both each turn.
+        like = op(x, args.dim)
+        like = tuple(like) if isinstance(like, tuple) else (like,)
+        outs = [[torch.empty_like(y) for y in like] for _ in range(args.outputs)]
         for mask in (None, reset):
             for reverse in (False, True):
                 run = prepared(op, x, args.dim, reverse, mask)
                 flags = () if mask is None else (reset, *run.flag_strides)
-                call = lambda y, run=run, flags=flags: run.kernel(
-                    x, y, *run.sizes, 1, *run.tail, *flags
+                call = lambda ys, run=run, flags=flags: run.kernel(
+                    x, *ys, *run.sizes, 1, *run.tail, *flags
                 )
                 one, many = cache_and_memory(call, outs, args.reps)
                 kind = "inclusive" if mask is None else "reset"

@@ -1,5 +1,6 @@
 """cummax/cummin's segmented walk without branches on the data (``SEG_EXTREMUM``:
-``seg_extremum_step`` in fscan/_engines/cpp/csrc/segmented_chains.h): the combine is
+``seg_extremum_step`` and ``seg_extremum_blocks`` in
+fscan/_engines/cpp/csrc/segmented_extremum.h): the combine is
 recognised from its translation, and the walk (a max/min and a conditional move or mask,
 NaN on a branch of its own) gives what torch's ``>=`` / ``<=`` and NaN rules give: ties to
 the later step (+0/-0 included, by the sign), a NaN kept until the next restart (a later
@@ -192,3 +193,38 @@ def test_chunked_lanes_around_chunk_sizes(threads, n, name):
             values, indices = oracle("cummax", sign * x, 0, reset, reverse)
             torch.testing.assert_close(got[1], indices, rtol=0, atol=0)
             torch.testing.assert_close(got[0].double(), sign * values, equal_nan=True)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("name", ["cummax", "cummin"])
+def test_dense_float32_blocks_and_their_carries(name, reverse):
+    """Dense float32 chains go 16 steps a vector where AVX-512 is compiled in
+    (``seg_extremum_blocks``: blocks of steps [1, 17), [17, 33), ..., then the rest a step at
+    a time): chains of 16-50 steps; restarts on a block's first and last lanes and their
+    neighbours, at random, per lane; ties everywhere (the later wins, across the carry
+    too), a first element beyond all the rest (the carry wins every lane), zeros of both
+    signs, a NaN inside a block (walked a step at a time) carried into the next blocks;
+    and the same data strided (the walk a step at a time) against the same oracle."""
+    gen = torch.Generator().manual_seed(5)
+    sign = 1.0 if name == "cummax" else -1.0
+    for n in (16, 17, 18, 32, 33, 34, 49, 50):
+        t = torch.arange(n)
+        x = torch.randint(-2, 3, (5, n), generator=gen).float()
+        x[1, 0 if not reverse else -1] = 9.0 * sign
+        x[2] = torch.where(torch.rand(n, generator=gen) < 0.5, 0.0, -0.0)
+        x[3, n // 2] = float("nan")
+        x[4] = torch.rand(n, generator=gen)
+        resets = [
+            torch.zeros(n, dtype=torch.bool),
+            t % 16 == 1,
+            t % 16 == 0,
+            (t % 16 == 2) | (t % 16 == 15),
+            torch.rand(n, generator=gen) < 0.2,
+            torch.rand((5, n), generator=gen) < 0.1,
+        ]
+        strided = torch.stack([x, x + 1], -1)[..., 0]
+        assert strided.stride(1) == 2
+        for reset in resets:
+            want = walked(name, x, 1, reset, reverse)
+            same(run(name, x, 1, reset, reverse), want)
+            same(run(name, strided, 1, reset, reverse), want)

@@ -175,13 +175,16 @@ _EXTREMUM_BODY = re.compile(
 def extremum(program: Program, positions: Sequence[int]) -> int:
     """1 where ``program`` is cummax's combine of a (value, index) pair (the index leaf
     a position), -1 cummin's, else 0: ``SEG_EXTREMUM``, which walks the pair without
-    branches on the data (``seg_extremum_step``, csrc/segmented_chains.h). The drop-ins'
+    branches on the data (``seg_extremum_step``, csrc/segmented_extremum.h). The drop-ins'
     ``reset=`` rows, a restart every 97 steps, 1 thread, thread CPU time (standalone loops
     of the walk, float32, (1048576,)): the combine's own branches 1.5-1.7 ns an element,
     mispredicted at each new maximum (~5 a segment of 97), without them 0.95-1.1, where
     torch's inclusive cummax runs ~1.0. More chains interleaved (2, 4, 8 chunks of a 1-D
     input, heads fixed up after) gained nothing on one (1.07-1.6): one chain is already
-    bound by its instructions a step (11-13, two stores), not by the select's latency."""
+    bound by its instructions a step (11-13, two stores), not by the select's latency.
+    Dense float32 chains go 16 steps a vector instead where AVX-512 is compiled in
+    (``seg_extremum_blocks``): (1048576,) 577 us standalone against the step walk's 860-900
+    and an inclusive walk's 681-686 (docs/performance.md)."""
     if tuple(positions) != (1,) or program.params:
         return 0
     lines = [line.strip() for line in program.body.strip().splitlines()]
@@ -216,7 +219,9 @@ def segmented_source(
         tuning=csrc("tuning.h"),
         tiles=tile_structs(read_idx if transposed else None, list(every), program.expensive),
         segmented=csrc("segmented.h"),
-        segmented_chains=csrc("chain_tiles.h") + csrc("segmented_chains.h"),
+        segmented_chains=csrc("chain_tiles.h")
+        + csrc("segmented_extremum.h")
+        + csrc("segmented_chains.h"),
         seg_tiled="true" if chains_tiled(program) else "false",
         seg_tile_rows="true" if transposed else "false",
         seg_interleave=str(chains_interleaved(positions)),

@@ -20,42 +20,6 @@ static FSCAN_INLINE SegChain seg_chain(const In x, const Out y, const Flags R, c
                   row(shift(R, o, S.nb, 0, i), t0), t0};
 }
 
-// One step of cummax's (EXT 1) or cummin's (EXT -1) (value, index) pair (SEG_EXTREMUM:
-// the combine recognised as torch's, see fscan._engines.cpp._kernel_segmented.extremum):
-// a the running pair, u the step's element, `restart` its flag. No branch on the data:
-// one ordered compare selects the index (cmovbe) and the value is a max/min instruction
-// (vmaxss: the running value where it is greater, else the element, ties included, as
-// torch's `>=`); a restart is a branch (mispredicted once a segment), and a NaN on
-// either side (unordered) one of its own: the element where it is NaN, else the running
-// NaN stays. The combine's own selects compiled to a branch, mispredicted at each new
-// maximum (~5 a segment of 97 random steps): 1.4-1.6 ns an element, ~1.0 so ((1048576,),
-// a restart every 97 steps). Without any restart, where that branch almost never
-// mispredicts, 0.90 -> 1.05-1.15. (The restart as the running value set to the identity,
-// -inf / +inf, and the compare after it: 1.2 ns an element at a restart every step,
-// against 0.9 so and 0.7 before.)
-template <int EXT, typename V>
-static FSCAN_INLINE void seg_extremum_step(V& a, const V& u, bool restart) {
-  using Value = decltype(a.v0);  // the value leaf's compute type
-  if (__builtin_expect(restart, 0)) {
-    a = u;
-    return;
-  }
-  if constexpr (std::is_floating_point_v<Value>) {
-    if (__builtin_expect(__builtin_isunordered(a.v0, u.v0), 0)) {
-      if (u.v0 != u.v0) a = u;
-      return;
-    }
-  }
-  const bool keep = EXT > 0 ? a.v0 > u.v0 : a.v0 < u.v0;
-  if constexpr (std::is_floating_point_v<Value>) {
-    a.v1 = keep ? a.v1 : u.v1;
-  } else {
-    // As a mask: `keep ? a.v1 : u.v1` became a branch beside the value's vpmaxsd.
-    a.v1 ^= (a.v1 ^ u.v1) & -(int64_t)!keep;
-  }
-  a.v0 = keep ? a.v0 : u.v0;
-}
-
 // Chains walked one step at a time, NG side by side (their combines overlap: one chain
 // waits on each combine's latency), writing every output. Chain g is steps [s0[g], s1[g])
 // of lane lane[g] (o * inner + i); carry[g] (or nullptr) its inclusive carry-in.
@@ -140,7 +104,10 @@ static void seg_chains(const In x, const Out y, const Par p, const Flags R, cons
   // select's latency overlapped, each chunk's head fixed up after) gained nothing in a
   // standalone loop (1.07-1.6 ns, 8 needing the chunks skewed off 4 KiB apart): one
   // chain is bound by its instructions a step (two stores among them), not by latency.)
-  for (int64_t k = 1; k < common; ++k) {
+  int64_t from = 1;  // the first step walked below: cummax's / cummin's dense float32
+  if constexpr (NG == 1 && SEG_EXTREMUM != 0)  // chain goes 16 steps a vector first
+    from = seg_extremum_blocks<SEG_EXTREMUM>(c[0], acc[0], s1[0] - s0[0], rev);
+  for (int64_t k = from; k < common; ++k) {
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) walk(g, k);
   }

@@ -1,0 +1,182 @@
+// cummax's and cummin's segmented walk (SEG_EXTREMUM: the combine recognised as torch's,
+// see fscan._engines.cpp._kernel_segmented.extremum), placed by fscan._engines.cpp.
+// _kernel_segmented after chain_tiles.h and before segmented_chains.h, whose seg_chains
+// walks a chain with seg_extremum_step and, where a float32 chain is dense, 16 steps at a
+// time with seg_extremum_blocks.
+
+// One step of cummax's (EXT 1) or cummin's (EXT -1) (value, index) pair (SEG_EXTREMUM:
+// the combine recognised as torch's, see fscan._engines.cpp._kernel_segmented.extremum):
+// a the running pair, u the step's element, `restart` its flag. No branch on the data:
+// one ordered compare selects the index (cmovbe) and the value is a max/min instruction
+// (vmaxss: the running value where it is greater, else the element, ties included, as
+// torch's `>=`); a restart is a branch (mispredicted once a segment), and a NaN on
+// either side (unordered) one of its own: the element where it is NaN, else the running
+// NaN stays. The combine's own selects compiled to a branch, mispredicted at each new
+// maximum (~5 a segment of 97 random steps): 1.4-1.6 ns an element, ~1.0 so ((1048576,),
+// a restart every 97 steps). Without any restart, where that branch almost never
+// mispredicts, 0.90 -> 1.05-1.15. (The restart as the running value set to the identity,
+// -inf / +inf, and the compare after it: 1.2 ns an element at a restart every step,
+// against 0.9 so and 0.7 before.)
+template <int EXT, typename V>
+static FSCAN_INLINE void seg_extremum_step(V& a, const V& u, bool restart) {
+  using Value = decltype(a.v0);  // the value leaf's compute type
+  if (__builtin_expect(restart, 0)) {
+    a = u;
+    return;
+  }
+  if constexpr (std::is_floating_point_v<Value>) {
+    if (__builtin_expect(__builtin_isunordered(a.v0, u.v0), 0)) {
+      if (u.v0 != u.v0) a = u;
+      return;
+    }
+  }
+  const bool keep = EXT > 0 ? a.v0 > u.v0 : a.v0 < u.v0;
+  if constexpr (std::is_floating_point_v<Value>) {
+    a.v1 = keep ? a.v1 : u.v1;
+  } else {
+    // As a mask: `keep ? a.v1 : u.v1` became a branch beside the value's vpmaxsd.
+    a.v1 ^= (a.v1 ^ u.v1) & -(int64_t)!keep;
+  }
+  a.v0 = keep ? a.v0 : u.v0;
+}
+
+// Where the chain's value leaf is float32 and its input, both outputs and its flags are
+// one element apart along the walk (either direction): 16 steps a vector (AVX-512), each
+// block scanned on its own in registers, then the carry put in. Per block, in scan order:
+//  - v, the block's segmented extremum: four shifted max/min steps (log-step), each lane
+//    taking from lanes no flag separates it from (a block without a flag, most of them,
+//    skips the masks);
+//  - each lane's index: the last lane at or before it equal to its v (a record: the later
+//    of ties, as torch's >= / <=), found as the highest set bit of the records' mask below
+//    it; its value is that lane's element (so a zero's sign is the element's, not the
+//    max instruction's);
+//  - the carry (the running pair before the block) where no flag precedes the lane and
+//    the carry is strictly beyond v (ties go to the block's later element).
+// A block with a NaN (or after one, the carry NaN) is walked a step at a time. The walk a
+// step at a time is latency- and branch-bound (a new maximum ~5 times a segment of 97
+// random steps); this one by its ~50 instructions a block. Standalone copies (g++ -O3,
+// the kernel's AVX-512 flags, a restart every 97 steps, 1 thread, thread CPU time): (32768,)
+// in cache 18 us forward, 21-23 reversed (its lanes reversed at the loads and stores),
+// against the step walk's 27 and an inclusive branchy walk's 21-23; (1048576,) 577 and
+// 652-665 against 860-900 and 681-686. Returns the first step not written (>= 1).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// Each lane's highest set bit (the lane holding fewer than 24 bits), -127 where none: the
+// exponent of the lane converted to float (AVX-512CD's vplzcntd is not among the flags).
+static FSCAN_INLINE __m512i fscan_top_bit(__m512i v) {
+  const __m512i e = _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(v)), 23);
+  return _mm512_sub_epi32(e, _mm512_set1_epi32(127));
+}
+#endif
+
+template <int EXT, typename V, typename C>
+static int64_t seg_extremum_blocks(const C& c, V& acc, int64_t n, bool rev) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if constexpr (EXT != 0 && std::is_same_v<decltype(c.x.x0), Ptr<const float>> &&
+                std::is_same_v<decltype(c.y.y0), Ptr<float>> &&
+                std::is_same_v<decltype(c.y.y1), Ptr<int64_t>>) {
+    const int64_t dt = rev ? -1 : 1;
+    if (n < 17 || c.x.x0.st != 1 || c.y.y0.st != 1 || c.y.y1.st != 1 || c.r.st != 1) return 1;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i below = _mm512_sub_epi32(_mm512_sllv_epi32(_mm512_set1_epi32(2), lane), _mm512_set1_epi32(1));
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i rev16 = _mm512_setr_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i rev8 = _mm512_setr_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+    const __m128i revb = _mm_setr_epi8(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i fill = _mm512_castps_si512(_mm512_set1_ps(EXT > 0 ? -INFINITY : INFINITY));
+    auto ext = [](__m512 a, __m512 b) { return EXT > 0 ? _mm512_max_ps(a, b) : _mm512_min_ps(a, b); };
+    auto ext_in = [](__m512 a, __mmask16 m, __m512 b) {
+      return EXT > 0 ? _mm512_mask_max_ps(a, m, a, b) : _mm512_mask_min_ps(a, m, a, b);
+    };
+    // Lane j's value s lanes before it, the identity below lane s.
+#define FSCAN_BEFORE(v, s) \
+  _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(v), fill, 16 - (s)))
+    const float* const xp = c.x.x0.p;
+    float* const vp = c.y.y0.p;
+    int64_t* const ip = c.y.y1.p;
+    const uint8_t* const rp = c.r.p;
+    const int64_t t0 = c.t0 + c.x.pos0;
+    // The running pair in every lane (a block's last lane broadcast): kept as vectors, the
+    // carry's path from block to block is a compare, a blend and a permute. (Taken out as
+    // scalars, on a branch where the carry won the last lane, the branch mispredicted as
+    // often as blocks ended inside a segment's run: 780 us for (1048576,), 640 without it,
+    // 577 as vectors, the inclusive walk 685.)
+    __m512 cv = _mm512_set1_ps(acc.v0);
+    __m512i ci = _mm512_set1_epi64(acc.v1);
+    bool nan_carry = acc.v0 != acc.v0;
+    int64_t k = 1;
+    for (; k + 16 <= n; k += 16) {
+      __m512 xv;
+      __mmask16 F;
+      if (!rev) {
+        xv = _mm512_loadu_ps(xp + k);
+        F = _mm_test_epi8_mask(_mm_loadu_si128((const __m128i*)(rp + k)), _mm_set1_epi8(-1));
+      } else {
+        xv = _mm512_permutexvar_ps(rev16, _mm512_loadu_ps(xp - k - 15));
+        const __m128i f = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i*)(rp - k - 15)), revb);
+        F = _mm_test_epi8_mask(f, _mm_set1_epi8(-1));
+      }
+      if (__builtin_expect(_mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q) != 0 || nan_carry, 0)) {
+        acc.v0 = _mm512_cvtss_f32(cv);
+        acc.v1 = _mm_cvtsi128_si64(_mm512_castsi512_si128(ci));
+        for (int64_t j = k; j < k + 16; ++j) {
+          const int64_t d = j * dt;
+          seg_extremum_step<EXT>(acc, load_t(c.x, d, c.t0 + d), step(c.r, d) != 0);
+          store_t(c.y, d, acc);
+        }
+        cv = _mm512_set1_ps(acc.v0);
+        ci = _mm512_set1_epi64(acc.v1);
+        nan_carry = acc.v0 != acc.v0;
+        continue;
+      }
+      __m512 v = xv;
+      __mmask16 reach;  // lanes no flag of the block precedes or is on: the carry's
+      if (__builtin_expect(F == 0, 1)) {
+        v = ext(v, FSCAN_BEFORE(v, 1));
+        v = ext(v, FSCAN_BEFORE(v, 2));
+        v = ext(v, FSCAN_BEFORE(v, 4));
+        v = ext(v, FSCAN_BEFORE(v, 8));
+        reach = 0xffff;
+      } else {
+        const __m512i flags = _mm512_and_si512(_mm512_set1_epi32(F), below);
+        // each lane's segment start in the block (0 where it began before)
+        const __m512i start = _mm512_max_epi32(fscan_top_bit(flags), zero);
+        for (int q = 0; q < 4; ++q) {
+          const __m512i from = _mm512_sub_epi32(lane, _mm512_set1_epi32(1 << q));
+          const __mmask16 m = _mm512_cmpge_epi32_mask(from, start);
+          v = ext_in(v, m, FSCAN_BEFORE(v, 1 << q));
+        }
+        reach = _mm512_cmpeq_epi32_mask(flags, zero);
+      }
+      const __mmask16 records = _mm512_cmp_ps_mask(xv, v, _CMP_EQ_OQ);
+      const __m512i r = fscan_top_bit(_mm512_and_si512(_mm512_set1_epi32(records), below));
+      const __mmask16 carried = EXT > 0 ? _mm512_mask_cmp_ps_mask(reach, v, cv, _CMP_LT_OQ)
+                                        : _mm512_mask_cmp_ps_mask(reach, v, cv, _CMP_GT_OQ);
+      const __m512 val = _mm512_mask_mov_ps(_mm512_permutexvar_ps(r, xv), carried, cv);
+      const __m512i base = _mm512_set1_epi64(t0 + k * dt);
+      const __m512i r0 = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(r));
+      const __m512i r1 = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(r, 1));
+      __m512i i0 = rev ? _mm512_sub_epi64(base, r0) : _mm512_add_epi64(base, r0);
+      __m512i i1 = rev ? _mm512_sub_epi64(base, r1) : _mm512_add_epi64(base, r1);
+      i0 = _mm512_mask_mov_epi64(i0, (__mmask8)carried, ci);
+      i1 = _mm512_mask_mov_epi64(i1, (__mmask8)(carried >> 8), ci);
+      if (!rev) {
+        _mm512_storeu_ps(vp + k, val);
+        _mm512_storeu_si512(ip + k, i0);
+        _mm512_storeu_si512(ip + k + 8, i1);
+      } else {
+        _mm512_storeu_ps(vp - k - 15, _mm512_permutexvar_ps(rev16, val));
+        _mm512_storeu_si512(ip - k - 15, _mm512_permutexvar_epi64(rev8, i1));
+        _mm512_storeu_si512(ip - k - 7, _mm512_permutexvar_epi64(rev8, i0));
+      }
+      cv = _mm512_permutexvar_ps(_mm512_set1_epi32(15), val);
+      ci = _mm512_permutexvar_epi64(_mm512_set1_epi64(7), i1);
+    }
+#undef FSCAN_BEFORE
+    acc.v0 = _mm512_cvtss_f32(cv);
+    acc.v1 = _mm_cvtsi128_si64(_mm512_castsi512_si128(ci));
+    return k;
+  }
+#endif
+  (void)c; (void)acc; (void)n; (void)rev;
+  return 1;
+}
