@@ -1,6 +1,6 @@
 """cummax/cummin's segmented walk without branches on the data (``SEG_EXTREMUM``:
-``seg_extremum_step`` and ``seg_extremum_blocks`` in
-fscan/_engines/cpp/csrc/segmented_extremum.h): the combine is
+``extremum_step`` and ``extremum_blocks`` in
+fscan/_engines/cpp/csrc/extremum.h): the combine is
 recognised from its translation, and the walk (a max/min and a conditional move or mask,
 NaN on a branch of its own) gives what torch's ``>=`` / ``<=`` and NaN rules give: ties to
 the later step (+0/-0 included, by the sign), a NaN kept until the next restart (a later
@@ -15,9 +15,11 @@ import torch
 from helpers import torch_threads
 from test_segmented_kernel import mask, oracle, run
 
+import fscan
 from fscan._engines.cpp._cpp_codegen import TraceInput, translate_combine
-from fscan._engines.cpp._kernel_segmented import extremum, segmented_source
-from fscan._routing.cumulative import kernel_call
+from fscan._engines.cpp._cpp_tiles import extremum
+from fscan._engines.cpp._kernel_segmented import segmented_source
+from fscan._routing.cumulative import kernel_call, path
 
 EXTREMA = {"cummax": torch.cummax, "cummin": torch.cummin}
 DTYPES = [
@@ -199,7 +201,7 @@ def test_chunked_lanes_around_chunk_sizes(threads, n, name):
 @pytest.mark.parametrize("name", ["cummax", "cummin"])
 def test_dense_float32_blocks_and_their_carries(name, reverse):
     """Dense float32 chains go 16 steps a vector where AVX-512 is compiled in
-    (``seg_extremum_blocks``: blocks of steps [1, 17), [17, 33), ..., then the rest a step at
+    (``extremum_blocks``: blocks of steps [1, 17), [17, 33), ..., then the rest a step at
     a time): chains of 16-50 steps; restarts on a block's first and last lanes and their
     neighbours, at random, per lane; ties everywhere (the later wins, across the carry
     too), a first element beyond all the rest (the carry wins every lane), zeros of both
@@ -228,3 +230,41 @@ def test_dense_float32_blocks_and_their_carries(name, reverse):
             want = walked(name, x, 1, reset, reverse)
             same(run(name, x, 1, reset, reverse), want)
             same(run(name, strided, 1, reset, reverse), want)
+
+
+@pytest.mark.parametrize("name", ["cummax", "cummin"])
+def test_forward_kernel_blocks_inclusive_and_exclusive(name):
+    """The forward kernel's lone chains (cummax/cummin walked one at a time from
+    ``WALK_FROM`` steps) take the same 16-step blocks, inclusive and exclusive (the blocks
+    write through the outputs shifted a step): reversed lanes of 128-161 steps and a
+    forward 1-D row of 2**17 + 5 (both the kernel's cells), ties, signed zeros, a first
+    element beyond the rest, NaN; against the step walk's oracle, shifted for exclusive."""
+    gen = torch.Generator().manual_seed(11)
+    sign = 1.0 if name == "cummax" else -1.0
+    cases = [((1024, n), 1, True) for n in (128, 129, 143, 144, 145, 161)]
+    cases.append(((2**17 + 5,), 0, False))
+    op = getattr(fscan, name)
+    for shape, dim, reverse in cases:
+        n = shape[dim]
+        x = torch.randint(-2, 3, shape, generator=gen).float()
+        rows = x.view(-1, n) if dim == len(shape) - 1 else x.view(1, -1)
+        rows[0, -1 if reverse else 0] = 9.0 * sign
+        if rows.shape[0] > 1:
+            rows[1] = torch.where(torch.rand(n, generator=gen) < 0.5, 0.0, -0.0)
+            rows[2, n // 3] = float("nan")
+        else:
+            rows[0, 1000::40000] = float("nan")
+        none = torch.zeros(n, dtype=torch.bool)
+        values, indices = walked(name, x, dim, none, reverse)
+        with fscan.config.override(cpu_kernel="eager"):
+            got = op(x, dim, reverse=reverse)
+            shifted = op(x, dim, reverse=reverse, exclusive=True)
+        assert path(getattr(torch, name), x, dim, reverse) == "cpp"
+        same(got, (values, indices))
+        at, source = (0, 1) if reverse else (1, 0)  # output step t holds step t -+ 1's
+        same(
+            tuple(y.narrow(dim, at, n - 1) for y in shifted),
+            (values.narrow(dim, source, n - 1), indices.narrow(dim, source, n - 1)),
+        )
+        first = n - 1 if reverse else 0
+        assert (shifted[1].select(dim, first) == -1).all()

@@ -70,7 +70,7 @@ from ._cpp_structs import (
     param_ctype,
     param_dtype,
 )
-from ._cpp_tiles import prefix_op, prefix_structs, tile_structs, tiled
+from ._cpp_tiles import extremum, prefix_op, prefix_structs, tile_structs, tiled
 
 __all__ = [
     "backward_argtypes",
@@ -238,12 +238,15 @@ def forward_source(
             wide=[k for k in kept if k in positions],
         )
         + f"\nstatic constexpr int64_t WALK_FROM = {WALK_FROM if positions else 'INT64_MAX'};\n"
+        # cummax's / cummin's pair, both outputs kept: its lone chains walk by extremum.h.
+        + f"static constexpr int EXTREMUM = {0 if dropped else extremum(program, positions)};\n"
         + prefix_structs(prefix_op(program, st, positions, dropped)),
         exclusive="true" if exclusive else "false",
         gather="true" if gather else "false",
         forward=csrc("forward_lanes.h")
         + csrc("forward_prefix.h")
         + csrc("chain_tiles.h")
+        + csrc("extremum.h")
         + csrc("forward_chains.h")
         + csrc("forward.h"),
         arguments=", ".join(

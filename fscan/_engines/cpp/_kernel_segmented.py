@@ -15,7 +15,6 @@ ready, or where it cannot serve, None: the caller scans the pairs.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -37,7 +36,7 @@ from ._cpp_source import (
     leaf_structs,
     suspect_check,
 )
-from ._cpp_tiles import tile_structs, tiled
+from ._cpp_tiles import extremum, tile_structs, tiled
 from ._kernel_entry import BuildCall, is_ready, kernel_slots, slot_key
 from ._kernel_layout import element_shape, read_leaves, strided_view
 from ._kernel_registry import ready_derived, serving_lookup
@@ -153,48 +152,6 @@ def chains_interleaved(positions: Sequence[int]) -> int:
     return 1 if positions else 3
 
 
-# cummax's / cummin's combine (fscan._routing.cumulative's _take_max / _take_min) as the
-# translator writes it for one compute type T: take the right operand where r0 >= l0 (<=)
-# or r0 is NaN, for the value and its index alike. Float16/bfloat16 compare rounded
-# values (fscan_round_*), which a select of loaded elements never changes: read through.
-_EXTREMUM_BODY = re.compile(
-    r"const bool (\w+) = static_cast<bool>\(\(static_cast<([\w:]+)>\(r0\) (>=|<=) "
-    r"static_cast<\2>\(l0\)\)\);\n"
-    r"const bool (\w+) = static_cast<bool>\(\(static_cast<\2>\(r0\) != static_cast<\2>\(r0\)\)\);\n"
-    r"const bool (\w+) = static_cast<bool>\(\(static_cast<bool>\(\1\) \| "
-    r"static_cast<bool>\(\4\)\)\);\n"
-    r"const \2 (\w+) = static_cast<\2>\(\(static_cast<bool>\(\5\) \? static_cast<\2>\(r0\) : "
-    r"static_cast<\2>\(l0\)\)\);\n"
-    r"const int64_t (\w+) = static_cast<int64_t>\(\(static_cast<bool>\(\5\) \? "
-    r"static_cast<int64_t>\(r1\) : static_cast<int64_t>\(l1\)\)\);\n"
-    r"o0 = static_cast<\2>\(\6\);\n"
-    r"o1 = static_cast<int64_t>\(\7\);\n?"
-)
-
-
-def extremum(program: Program, positions: Sequence[int]) -> int:
-    """1 where ``program`` is cummax's combine of a (value, index) pair (the index leaf
-    a position), -1 cummin's, else 0: ``SEG_EXTREMUM``, which walks the pair without
-    branches on the data (``seg_extremum_step``, csrc/segmented_extremum.h). The drop-ins'
-    ``reset=`` rows, a restart every 97 steps, 1 thread, thread CPU time (standalone loops
-    of the walk, float32, (1048576,)): the combine's own branches 1.5-1.7 ns an element,
-    mispredicted at each new maximum (~5 a segment of 97), without them 0.95-1.1, where
-    torch's inclusive cummax runs ~1.0. More chains interleaved (2, 4, 8 chunks of a 1-D
-    input, heads fixed up after) gained nothing on one (1.07-1.6): one chain is already
-    bound by its instructions a step (11-13, two stores), not by the select's latency.
-    Dense float32 chains go 16 steps a vector instead where AVX-512 is compiled in
-    (``seg_extremum_blocks``): (1048576,) 577 us standalone against the step walk's 860-900
-    and an inclusive walk's 681-686 (docs/performance.md)."""
-    if tuple(positions) != (1,) or program.params:
-        return 0
-    lines = [line.strip() for line in program.body.strip().splitlines()]
-    body = re.sub(r"fscan_round_\w+\((\w+)\)", r"\1", "\n".join(lines))
-    found = _EXTREMUM_BODY.fullmatch(body)
-    if found is None:
-        return 0
-    return 1 if found.group(3) == ">=" else -1
-
-
 def segmented_source(
     dtypes: Sequence[torch.dtype], program: Program, positions: Sequence[int]
 ) -> str:
@@ -219,9 +176,7 @@ def segmented_source(
         tuning=csrc("tuning.h"),
         tiles=tile_structs(read_idx if transposed else None, list(every), program.expensive),
         segmented=csrc("segmented.h"),
-        segmented_chains=csrc("chain_tiles.h")
-        + csrc("segmented_extremum.h")
-        + csrc("segmented_chains.h"),
+        segmented_chains=csrc("chain_tiles.h") + csrc("extremum.h") + csrc("segmented_chains.h"),
         seg_tiled="true" if chains_tiled(program) else "false",
         seg_tile_rows="true" if transposed else "false",
         seg_interleave=str(chains_interleaved(positions)),

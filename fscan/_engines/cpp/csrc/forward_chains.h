@@ -44,6 +44,16 @@ static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const 
     acc[g] = combine(acc[g], load_t(xp[g], s * tstep, t0[g] + s * tstep), p, elem[g]);
     if (WRITE) store_t(yp[g], (s + X) * tstep, acc[g]);
   };
+  // cummax's / cummin's lone chain (EXTREMUM): 16 steps a vector where it is dense float32
+  // (extremum_blocks, extremum.h), the rest a step at a time. X: step s's result is output
+  // s + 1, so the blocks write through the outputs shifted a step.
+  if constexpr (NG == 1 && WRITE && EXTREMUM != 0) {
+    const int64_t n = len[0] - X;
+    const int64_t done = extremum_blocks<EXTREMUM, false>(xp[0], row(yp[0], X * tstep), nullptr, 0,
+                                                          t0[0], n, tstep < 0, acc[0]);
+    for (int64_t s = done; s < n; ++s) walk(0, s);
+    return;
+  }
   // Lanes a multiple of 4 KiB apart (T a power of two, inner 1) walked in step put every
   // chain's current lines in one L1 set: (64, 16384) over the last dim ran 17 ns an
   // element against 1.5 for T = 16400. So on long chains, chain g walks SKEW * g steps

@@ -47,7 +47,7 @@ static void seg_chains(const In x, const Out y, const Par p, const Flags R, cons
     const int64_t d = k * dt;
     const Vals u = load_t(c[g].x, d, c[g].t0 + d);
     if constexpr (SEG_EXTREMUM != 0) {
-      seg_extremum_step<SEG_EXTREMUM>(acc[g], u, step(c[g].r, d) != 0);
+      extremum_step<SEG_EXTREMUM>(acc[g], u, step(c[g].r, d) != 0);
     } else if constexpr (SEG_G == 1) {
       // A combine that selects (positions: cummax/cummin's pairs, before SEG_EXTREMUM)
       // compiles to a branch, and so did the pick after it: the flag tested first, the
@@ -99,14 +99,14 @@ static void seg_chains(const In x, const Out y, const Par p, const Flags R, cons
   // 0.84-0.94 for an inclusive branchy walk and 0.65-0.99 for the same traffic copied
   // (values and flags read, values and int64 indices written): the four transposes (1.5
   // shuffles an element) cost more than the mispredictions they remove. Not taken on.)
-  // (cummax/cummin now walk without those branches (seg_extremum_step): one chain,
+  // (cummax/cummin now walk without those branches (extremum_step): one chain,
   // ~1.0 ns an element there. 2, 4 or 8 chunks of the lane interleaved on top (the
   // select's latency overlapped, each chunk's head fixed up after) gained nothing in a
   // standalone loop (1.07-1.6 ns, 8 needing the chunks skewed off 4 KiB apart): one
   // chain is bound by its instructions a step (two stores among them), not by latency.)
   int64_t from = 1;  // the first step walked below: cummax's / cummin's dense float32
   if constexpr (NG == 1 && SEG_EXTREMUM != 0)  // chain goes 16 steps a vector first
-    from = seg_extremum_blocks<SEG_EXTREMUM>(c[0], acc[0], s1[0] - s0[0], rev);
+    from = extremum_blocks<SEG_EXTREMUM, true>(c[0].x, c[0].y, c[0].r.p, c[0].r.st, c[0].t0, s1[0] - s0[0], rev, acc[0]);
   for (int64_t k = from; k < common; ++k) {
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) walk(g, k);

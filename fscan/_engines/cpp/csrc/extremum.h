@@ -1,8 +1,9 @@
-// cummax's and cummin's segmented walk (SEG_EXTREMUM: the combine recognised as torch's,
-// see fscan._engines.cpp._kernel_segmented.extremum), placed by fscan._engines.cpp.
-// _kernel_segmented after chain_tiles.h and before segmented_chains.h, whose seg_chains
-// walks a chain with seg_extremum_step and, where a float32 chain is dense, 16 steps at a
-// time with seg_extremum_blocks.
+// cummax's and cummin's walk of their (value, index) pairs (EXTREMUM in the forward kernel,
+// SEG_EXTREMUM in the segmented one: the combine recognised as torch's, see
+// fscan._engines.cpp._cpp_tiles.extremum), a step at a time (extremum_step) or, where a
+// float32 chain is dense, 16 steps a vector (extremum_blocks). Placed by
+// fscan._engines.cpp._cpp_source before forward_chains.h and by _kernel_segmented before
+// segmented_chains.h, after the generated part (Vals, In, Out, row).
 
 // One step of cummax's (EXT 1) or cummin's (EXT -1) (value, index) pair (SEG_EXTREMUM:
 // the combine recognised as torch's, see fscan._engines.cpp._kernel_segmented.extremum):
@@ -18,7 +19,7 @@
 // -inf / +inf, and the compare after it: 1.2 ns an element at a restart every step,
 // against 0.9 so and 0.7 before.)
 template <int EXT, typename V>
-static FSCAN_INLINE void seg_extremum_step(V& a, const V& u, bool restart) {
+static FSCAN_INLINE void extremum_step(V& a, const V& u, bool restart) {
   using Value = decltype(a.v0);  // the value leaf's compute type
   if (__builtin_expect(restart, 0)) {
     a = u;
@@ -40,9 +41,21 @@ static FSCAN_INLINE void seg_extremum_step(V& a, const V& u, bool restart) {
   a.v0 = keep ? a.v0 : u.v0;
 }
 
-// Where the chain's value leaf is float32 and its input, both outputs and its flags are
-// one element apart along the walk (either direction): 16 steps a vector (AVX-512), each
-// block scanned on its own in registers, then the carry put in. Per block, in scan order:
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// Each lane's highest set bit (the lane holding fewer than 24 bits), -127 where none: the
+// exponent of the lane converted to float (AVX-512CD's vplzcntd is not among the flags).
+static FSCAN_INLINE __m512i fscan_top_bit(__m512i v) {
+  const __m512i e = _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(v)), 23);
+  return _mm512_sub_epi32(e, _mm512_set1_epi32(127));
+}
+#endif
+
+// Steps [1, n) of a chain whose step s reads x at s * dt (dt = rev ? -1 : 1), its position
+// t0 + s * dt (plus x.pos0), writes y at s * dt and, where FLAGS, restarts where rp[s * dt]
+// is set; acc holds the running pair after step 0 and is left after the last step done.
+// Where the value leaf is float32 and the input, both outputs and the flags are one element
+// apart along the walk (either direction): 16 steps a vector (AVX-512), each block scanned
+// on its own in registers, then the carry put in. Per block, in scan order:
 //  - v, the block's segmented extremum: four shifted max/min steps (log-step), each lane
 //    taking from lanes no flag separates it from (a block without a flag, most of them,
 //    skips the masks);
@@ -59,23 +72,15 @@ static FSCAN_INLINE void seg_extremum_step(V& a, const V& u, bool restart) {
 // in cache 18 us forward, 21-23 reversed (its lanes reversed at the loads and stores),
 // against the step walk's 27 and an inclusive branchy walk's 21-23; (1048576,) 577 and
 // 652-665 against 860-900 and 681-686. Returns the first step not written (>= 1).
+template <int EXT, bool FLAGS, typename I, typename O, typename V>
+static int64_t extremum_blocks(const I& x, const O& y, const uint8_t* rp, int64_t rst, int64_t t0,
+                               int64_t n, bool rev, V& acc) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// Each lane's highest set bit (the lane holding fewer than 24 bits), -127 where none: the
-// exponent of the lane converted to float (AVX-512CD's vplzcntd is not among the flags).
-static FSCAN_INLINE __m512i fscan_top_bit(__m512i v) {
-  const __m512i e = _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(v)), 23);
-  return _mm512_sub_epi32(e, _mm512_set1_epi32(127));
-}
-#endif
-
-template <int EXT, typename V, typename C>
-static int64_t seg_extremum_blocks(const C& c, V& acc, int64_t n, bool rev) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  if constexpr (EXT != 0 && std::is_same_v<decltype(c.x.x0), Ptr<const float>> &&
-                std::is_same_v<decltype(c.y.y0), Ptr<float>> &&
-                std::is_same_v<decltype(c.y.y1), Ptr<int64_t>>) {
+  if constexpr (EXT != 0 && std::is_same_v<decltype(x.x0), Ptr<const float>> &&
+                std::is_same_v<decltype(y.y0), Ptr<float>> &&
+                std::is_same_v<decltype(y.y1), Ptr<int64_t>>) {
     const int64_t dt = rev ? -1 : 1;
-    if (n < 17 || c.x.x0.st != 1 || c.y.y0.st != 1 || c.y.y1.st != 1 || c.r.st != 1) return 1;
+    if (n < 17 || x.x0.st != 1 || y.y0.st != 1 || y.y1.st != 1 || (FLAGS && rst != 1)) return 1;
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i below = _mm512_sub_epi32(_mm512_sllv_epi32(_mm512_set1_epi32(2), lane), _mm512_set1_epi32(1));
     const __m512i zero = _mm512_setzero_si512();
@@ -90,11 +95,10 @@ static int64_t seg_extremum_blocks(const C& c, V& acc, int64_t n, bool rev) {
     // Lane j's value s lanes before it, the identity below lane s.
 #define FSCAN_BEFORE(v, s) \
   _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(v), fill, 16 - (s)))
-    const float* const xp = c.x.x0.p;
-    float* const vp = c.y.y0.p;
-    int64_t* const ip = c.y.y1.p;
-    const uint8_t* const rp = c.r.p;
-    const int64_t t0 = c.t0 + c.x.pos0;
+    const float* const xp = x.x0.p;
+    float* const vp = y.y0.p;
+    int64_t* const ip = y.y1.p;
+    const int64_t base = t0 + x.pos0;
     // The running pair in every lane (a block's last lane broadcast): kept as vectors, the
     // carry's path from block to block is a compare, a blend and a permute. (Taken out as
     // scalars, on a branch where the carry won the last lane, the branch mispredicted as
@@ -109,19 +113,27 @@ static int64_t seg_extremum_blocks(const C& c, V& acc, int64_t n, bool rev) {
       __mmask16 F;
       if (!rev) {
         xv = _mm512_loadu_ps(xp + k);
-        F = _mm_test_epi8_mask(_mm_loadu_si128((const __m128i*)(rp + k)), _mm_set1_epi8(-1));
+        F = 0;
+        if (FLAGS) F = _mm_test_epi8_mask(_mm_loadu_si128((const __m128i*)(rp + k)), _mm_set1_epi8(-1));
       } else {
         xv = _mm512_permutexvar_ps(rev16, _mm512_loadu_ps(xp - k - 15));
-        const __m128i f = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i*)(rp - k - 15)), revb);
-        F = _mm_test_epi8_mask(f, _mm_set1_epi8(-1));
+        F = 0;
+        if (FLAGS) {
+          const __m128i f = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i*)(rp - k - 15)), revb);
+          F = _mm_test_epi8_mask(f, _mm_set1_epi8(-1));
+        }
       }
       if (__builtin_expect(_mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q) != 0 || nan_carry, 0)) {
         acc.v0 = _mm512_cvtss_f32(cv);
         acc.v1 = _mm_cvtsi128_si64(_mm512_castsi512_si128(ci));
         for (int64_t j = k; j < k + 16; ++j) {
           const int64_t d = j * dt;
-          seg_extremum_step<EXT>(acc, load_t(c.x, d, c.t0 + d), step(c.r, d) != 0);
-          store_t(c.y, d, acc);
+          V u;
+          u.v0 = xp[d];
+          u.v1 = base + d;
+          extremum_step<EXT>(acc, u, FLAGS && rp[d] != 0);
+          vp[d] = acc.v0;
+          ip[d] = acc.v1;
         }
         cv = _mm512_set1_ps(acc.v0);
         ci = _mm512_set1_epi64(acc.v1);
@@ -152,11 +164,11 @@ static int64_t seg_extremum_blocks(const C& c, V& acc, int64_t n, bool rev) {
       const __mmask16 carried = EXT > 0 ? _mm512_mask_cmp_ps_mask(reach, v, cv, _CMP_LT_OQ)
                                         : _mm512_mask_cmp_ps_mask(reach, v, cv, _CMP_GT_OQ);
       const __m512 val = _mm512_mask_mov_ps(_mm512_permutexvar_ps(r, xv), carried, cv);
-      const __m512i base = _mm512_set1_epi64(t0 + k * dt);
+      const __m512i at = _mm512_set1_epi64(base + k * dt);
       const __m512i r0 = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(r));
       const __m512i r1 = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(r, 1));
-      __m512i i0 = rev ? _mm512_sub_epi64(base, r0) : _mm512_add_epi64(base, r0);
-      __m512i i1 = rev ? _mm512_sub_epi64(base, r1) : _mm512_add_epi64(base, r1);
+      __m512i i0 = rev ? _mm512_sub_epi64(at, r0) : _mm512_add_epi64(at, r0);
+      __m512i i1 = rev ? _mm512_sub_epi64(at, r1) : _mm512_add_epi64(at, r1);
       i0 = _mm512_mask_mov_epi64(i0, (__mmask8)carried, ci);
       i1 = _mm512_mask_mov_epi64(i1, (__mmask8)(carried >> 8), ci);
       if (!rev) {
@@ -177,6 +189,6 @@ static int64_t seg_extremum_blocks(const C& c, V& acc, int64_t n, bool rev) {
     return k;
   }
 #endif
-  (void)c; (void)acc; (void)n; (void)rev;
+  (void)x; (void)y; (void)rp; (void)rst; (void)t0; (void)n; (void)rev; (void)acc;
   return 1;
 }
