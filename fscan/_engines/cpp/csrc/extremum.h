@@ -57,8 +57,7 @@ static FSCAN_INLINE __m512i fscan_top_bit(__m512i v) {
 // apart along the walk (either direction): 16 steps a vector (AVX-512), each block scanned
 // on its own in registers, then the carry put in. Per block, in scan order:
 //  - v, the block's segmented extremum: four shifted max/min steps (log-step), each lane
-//    taking from lanes no flag separates it from (a block without a flag, most of them,
-//    skips the masks);
+//    taking from lanes no flag separates it from (masks made from the flags' bits);
 //  - each lane's index: the last lane at or before it equal to its v (a record: the later
 //    of ties, as torch's >= / <=), found as the highest set bit of the records' mask below
 //    it; its value is that lane's element (so a zero's sign is the element's, not the
@@ -83,12 +82,10 @@ static int64_t extremum_blocks(const I& x, const O& y, const uint8_t* rp, int64_
     if (n < 17 || x.x0.st != 1 || y.y0.st != 1 || y.y1.st != 1 || (FLAGS && rst != 1)) return 1;
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i below = _mm512_sub_epi32(_mm512_sllv_epi32(_mm512_set1_epi32(2), lane), _mm512_set1_epi32(1));
-    const __m512i zero = _mm512_setzero_si512();
     const __m512i rev16 = _mm512_setr_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i rev8 = _mm512_setr_epi64(7, 6, 5, 4, 3, 2, 1, 0);
     const __m128i revb = _mm_setr_epi8(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i fill = _mm512_castps_si512(_mm512_set1_ps(EXT > 0 ? -INFINITY : INFINITY));
-    auto ext = [](__m512 a, __m512 b) { return EXT > 0 ? _mm512_max_ps(a, b) : _mm512_min_ps(a, b); };
     auto ext_in = [](__m512 a, __mmask16 m, __m512 b) {
       return EXT > 0 ? _mm512_mask_max_ps(a, m, a, b) : _mm512_mask_min_ps(a, m, a, b);
     };
@@ -140,25 +137,18 @@ static int64_t extremum_blocks(const I& x, const O& y, const uint8_t* rp, int64_
         nan_carry = acc.v0 != acc.v0;
         continue;
       }
+      // Lane j takes lane j - s's partial where no flag is on lanes j - s + 1 .. j: the
+      // flags OR-ed over windows of 1, 2, 4, 8 and 16 lanes, in general registers beside
+      // the vector work, the same masked steps for a block with flags as without (a
+      // branch to a masked path for blocks with a flag mispredicted about twice a
+      // segment: (1048576,) forward 1.13-1.21x the inclusive call, which has no flags).
+      const uint32_t w1 = F, w2 = w1 | (w1 << 1), w4 = w2 | (w2 << 2), w8 = w4 | (w4 << 4);
+      const __mmask16 reach = (__mmask16)~(w8 | (w8 << 8));  // the carry's lanes
       __m512 v = xv;
-      __mmask16 reach;  // lanes no flag of the block precedes or is on: the carry's
-      if (__builtin_expect(F == 0, 1)) {
-        v = ext(v, FSCAN_BEFORE(v, 1));
-        v = ext(v, FSCAN_BEFORE(v, 2));
-        v = ext(v, FSCAN_BEFORE(v, 4));
-        v = ext(v, FSCAN_BEFORE(v, 8));
-        reach = 0xffff;
-      } else {
-        const __m512i flags = _mm512_and_si512(_mm512_set1_epi32(F), below);
-        // each lane's segment start in the block (0 where it began before)
-        const __m512i start = _mm512_max_epi32(fscan_top_bit(flags), zero);
-        for (int q = 0; q < 4; ++q) {
-          const __m512i from = _mm512_sub_epi32(lane, _mm512_set1_epi32(1 << q));
-          const __mmask16 m = _mm512_cmpge_epi32_mask(from, start);
-          v = ext_in(v, m, FSCAN_BEFORE(v, 1 << q));
-        }
-        reach = _mm512_cmpeq_epi32_mask(flags, zero);
-      }
+      v = ext_in(v, (__mmask16)~w1, FSCAN_BEFORE(v, 1));
+      v = ext_in(v, (__mmask16)~w2, FSCAN_BEFORE(v, 2));
+      v = ext_in(v, (__mmask16)~w4, FSCAN_BEFORE(v, 4));
+      v = ext_in(v, (__mmask16)~w8, FSCAN_BEFORE(v, 8));
       const __mmask16 records = _mm512_cmp_ps_mask(xv, v, _CMP_EQ_OQ);
       const __m512i r = fscan_top_bit(_mm512_and_si512(_mm512_set1_epi32(records), below));
       const __mmask16 carried = EXT > 0 ? _mm512_mask_cmp_ps_mask(reach, v, cv, _CMP_LT_OQ)
