@@ -6,7 +6,9 @@ leaves' storage), :func:`tile_structs` writes the tile types and their transpose
 leaf layout (stubs where chains are walked instead), and how many vectors of TV chains a
 tile holds (by the combine's cost). Where the combine has a vector form (:func:`prefix_op`),
 chains take a third kind instead, a chain at a time by in-register prefix scans
-(csrc/forward_prefix.h); :func:`prefix_structs` writes what it reads.
+(csrc/forward_prefix.h); :func:`prefix_structs` writes what it reads. cummax's and
+cummin's combine is recognised by :func:`extremum`: their lone chains (and the segmented
+kernel's) walk 16 steps a vector instead (csrc/extremum.h).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 
 from ._cpp_ops import Program
 
-__all__ = ["prefix_op", "prefix_structs", "tile_structs", "tiled"]
+__all__ = ["extremum", "prefix_op", "prefix_structs", "tile_structs", "tiled"]
 
 
 def tiled(storage: Sequence[str], positions: Sequence[int], with_positions: bool = False) -> bool:
