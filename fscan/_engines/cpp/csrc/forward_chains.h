@@ -46,11 +46,12 @@ static FSCAN_INLINE void chains(const In* xb, const Out* yb, const Par p, const 
   };
   // cummax's / cummin's lone chain (EXTREMUM): 16 steps a vector where it is dense float32
   // (extremum_blocks, extremum.h), the rest a step at a time. X: step s's result is output
-  // s + 1, so the blocks write through the outputs shifted a step.
+  // s + 1, so the blocks write through the outputs shifted a step (formed only where the
+  // chain has a step to walk: a one-step reversed chain's shift would point before it).
   if constexpr (NG == 1 && WRITE && EXTREMUM != 0) {
     const int64_t n = len[0] - X;
-    const int64_t done = extremum_blocks<EXTREMUM, false>(xp[0], row(yp[0], X * tstep), nullptr, 0,
-                                                          t0[0], n, tstep < 0, acc[0]);
+    const int64_t done = n <= 1 ? 1 : extremum_blocks<EXTREMUM, false>(xp[0], row(yp[0], X * tstep), nullptr, 0,
+                                                                        t0[0], n, tstep < 0, acc[0]);
     for (int64_t s = done; s < n; ++s) walk(0, s);
     return;
   }
