@@ -22,6 +22,7 @@ from helpers import maximum as cmax
 import fscan
 from fscan._engines.cpp._cpp_build import compiler_problem
 from fscan._engines.cpp.cpu_kernel import kernel_scan
+from fscan._routing.cumulative import path
 
 pytestmark = [
     pytest.mark.skipif(
@@ -140,6 +141,40 @@ def test_transposed_float32_input_reads_its_chains_in_place():
 
 
 @pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("name", sorted(COMBINES))
+def test_transposed_views_tile_their_rows(name, dim, reverse):
+    # x.t() of (lanes, steps) memory scanned into torch's contiguous outputs: one of the
+    # two has its steps a row apart, its group's chains side by side (tile_rows_fit: rows
+    # copied, the other transposed). dim 0: the input's steps dense, the outputs rows; dim
+    # 1: the input rows, the outputs dense. 37 and 70 lanes: whole groups, a group split
+    # across no boundary, the rest walked; steps around the tile's edge.
+    for lanes, steps in [(37, 15), (37, 17), (70, 33), (40, 100)]:
+        memory = (lanes, steps) if dim == 0 else (steps, lanes)
+        xs = optree.tree_map(lambda x: x.t(), _data(name, memory, torch.float32, seed=lanes))
+        _check(name, xs, dim, reverse, 1)
+    if name == "affine":  # one leaf transposed, the other contiguous: rows for one only
+        a, b = _data(name, (64, 40), torch.float32, seed=9)
+        _check(name, (a.t().contiguous(), b.t()), 1 - dim, reverse, 1)
+        _check(name, (a.t(), b.t().contiguous()), 1 - dim, reverse, 2)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_transposed_views_tile_their_rows_exclusive(reverse):
+    # The exclusive variant's tiles write each step's carry-in through the same rows.
+    x = torch.randn(130, 300, generator=torch.Generator().manual_seed(2)).t()  # kernel-sized
+    for dim in (0, 1):
+        with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):
+            for _ in range(2):  # the second call: the drop-ins' exclusive kernel run, if any
+                got = fscan.cumsum(x, dim, reverse=reverse, exclusive=True)
+            assert path(torch.cumsum, x, dim, reverse) == "cpp"
+        wide = x.double().flip(dim) if reverse else x.double()
+        want = torch.cumsum(wide, dim) - wide
+        want = want.flip(dim) if reverse else want
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("name", ["add", "max", "last_nonzero", "affine", "lse"])
 def test_every_partial_tile_length_matches_the_oracle(name, reverse):
     # Every chain length from 1 to 35 steps: tiles of 16 and a partial last tile of
@@ -211,6 +246,7 @@ def _extremum_oracle(op, x: torch.Tensor, dim: int, reverse: bool, first: int):
         *[((37, steps), 1) for steps in (1, 15, 16, 17, 33, 100, 127, 128, 130)],
         *[((32, 256), 1), ((4, 8, 64), 2), ((2047,), 0), ((2048 * 16 + 17,), 0), ((70001,), 0)],
         *[((300, 40), 1), ((64, 300), 0)],  # a transpose's chains: read in place
+        ((300, 41), 1),  # a transpose's rows: copied into the tiles (tile_rows_fit)
     ],
 )
 @pytest.mark.parametrize("op", [torch.cummax, torch.cummin], ids=["cummax", "cummin"])
@@ -231,6 +267,8 @@ def test_cummax_indices_come_out_of_tiles(op, shape, dim, reverse, threads):
         x = x.t().contiguous().t()  # (300, 40) of (40, 300) memory: chains along dim 1
     if shape == (64, 300):
         x = torch.randn(300, 64, generator=gen).t()
+    if shape == (300, 41):
+        x = x.t().contiguous().t()  # dim 1's steps 300 apart, its lanes side by side
     combine, spec, leaves, positions = kernel_call(op, x)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -134,12 +134,14 @@ def test_gradients_of_views_match_torch(kernel_route, name, layout):
 # view, dim).
 ROUTED = [
     ((64, 1024), lambda x: x.t(), 0),  # 64 lanes after dim, read in place
-    ((64, 4096), lambda x: x.t(), 1),  # innermost, 4096 apart: cumsum/cumprod/logcumsumexp
+    ((64, 4096), lambda x: x.t(), 1),  # innermost, 4096 apart, its lanes side by side
     ((64, 2048), lambda x: x[:, ::2], 0),
     ((64, 1), lambda x: x.expand(64, 1024), 0),
     ((4, 64, 256), lambda x: x.transpose(1, 2), 1),
 ]
-INNERMOST_FAR = 1  # the case of ROUTED where cummax/cummin stay torch's
+# Innermost, 4096 apart, lanes not side by side (2 apart): cummax/cummin stay torch's.
+INNERMOST_FAR = len(ROUTED)
+ROUTED.append(((64, 4096, 2), lambda x: x[..., 0].t(), 1))
 
 
 @needs_compiler

@@ -27,8 +27,10 @@ engine       when
              twice), cumsum/cumprod forward if contiguous from 2**20 elements and
              cummax/cummin forward in float32 from 2**17;
              over several lanes not contiguous, read in place, reversed (torch
-             copies to flip) or cumsum/cumprod at ``stride >= 4096`` (torch's walk
-             jumps pages). Not for
+             copies to flip), cumsum/cumprod at ``stride >= 4096`` (torch's walk
+             jumps pages), or float32 cumsum/cumprod/cummax/cummin whose lanes lie
+             side by side (``ROW_TILE_MIN_LANES``: ``x.t()``, the kernel's tiles
+             copying rows). Not for
              logcumsumexp off float types, cummax/cummin on complex inputs
 ``blocked``  fscan's two-level parallel scan (:mod:`fscan._engines.blocked`), where
              the kernel is not picked or not compiled yet: on CPU, at ``stride >= 64``
@@ -75,6 +77,7 @@ __all__ = [
     "MIN_STRIDE",
     "NATIVE_BELOW",
     "ONE_THREAD_MIN_LENGTH",
+    "ROW_TILE_MIN_LANES",
     "SPAN_BYTES",
     "SUMS",
     "dtype_refusals",
@@ -176,6 +179,12 @@ LANE_PATH_INNER = 8  # the kernel's lane path needs this many lanes after dim
 # the kernel ran 0.3-0.8x over several lanes and one, if it reads the view in place
 # (channels-last over W, which it copies first: 1.6x for cumsum).
 KERNEL_MIN_STRIDE = 4096
+# ... unless its lanes lie side by side (the lane dim before dim at stride 1, this many
+# lanes or more: x.t() of contiguous memory): the kernel's tiles then copy rows in and
+# transpose out (float32; 1 thread, scanning dim 1 of (S, M).t(), S = 4096 ... 16):
+# cumsum 0.47-0.83x torch's op, cummax 0.61-0.85x (torch's 1.5-4.7 ms, its walk jumping
+# S elements a step).
+ROW_TILE_MIN_LANES = 64
 _FAR_STRIDE_OPS = (torch.cumsum, torch.cumprod)  # innermost, forward, >= KERNEL_MIN_STRIDE
 # Forward over a single lane (and < LANE_PATH_INNER elements after dim), the kernel's
 # minimum size per op; the others stay torch's there.
@@ -245,7 +254,8 @@ def _cells(
             kernel = True
         else:  # torch copies to flip; a far-strided walk lands every step on a new page
             far = n != numel and stride >= KERNEL_MIN_STRIDE and op in _FAR_STRIDE_OPS
-            kernel = (reverse or far) and reads_in_place(x, dim % x.ndim)  # else a copy: 1.6x
+            rows = op in _ROW_TILE_OPS and _row_tiles(x, dim % x.ndim)
+            kernel = (reverse or far or rows) and reads_in_place(x, dim % x.ndim)  # else a copy
     parallel = stride >= MIN_STRIDE and _parallel_wins(
         op, x.size(dim) if n is None else n, stride, numel, x.element_size()
     )
@@ -256,6 +266,24 @@ def _cells(
 
 
 _ONE_THREAD_OPS = (torch.cumsum, torch.cumprod)  # rows on one thread: the kernel wins
+_ROW_TILE_OPS = (torch.cumsum, torch.cumprod, torch.cummax, torch.cummin)
+
+
+def _row_tiles(x: torch.Tensor, dim: int) -> bool:
+    """Whether the kernel tiles a scan over the innermost ``dim`` of a view whose lanes lie
+    side by side (the lane dim before ``dim`` at stride 1, ``ROW_TILE_MIN_LANES`` of them or
+    more: ``x.t()`` of contiguous memory, say), float32: its tiles copy rows of the input
+    (``tile_rows_fit`` in csrc/forward_chains.h) where torch's op walks each lane across
+    pages. See ``ROW_TILE_MIN_LANES``."""
+    if x.dtype != torch.float32:
+        return False
+    shape, stride = x.shape, x.stride()
+    if math.prod(shape[dim + 1 :]) != 1:
+        return False
+    for d in range(dim - 1, -1, -1):
+        if shape[d] != 1:
+            return stride[d] == 1 and shape[d] >= ROW_TILE_MIN_LANES
+    return False
 
 
 def _extremum_forward(x: torch.Tensor) -> bool:

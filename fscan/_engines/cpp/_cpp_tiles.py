@@ -70,6 +70,8 @@ def tile_structs(
                 "static constexpr bool TILED = false;",
                 "struct InTile {}; struct OutTile {};",
                 "static FSCAN_INLINE bool tileable(const In, const Out) { return false; }",
+                "static FSCAN_INLINE bool tile_rows_fit(const In*, const Out*, const int64_t*) "
+                "{ return false; }",
                 "static FSCAN_INLINE void tile_in(const In*, const int64_t*, InTile&, unsigned) {}",
                 "static FSCAN_INLINE void tile_out(const Out*, const int64_t*, const OutTile&, "
                 "unsigned) {}",
@@ -100,10 +102,26 @@ def tile_structs(
             tile("OutTile", ys),
             "static FSCAN_INLINE bool tileable(const In x, const Out y) "
             "{ (void)x; (void)y; return " + " && ".join(units or ["true"]) + "; }",
+            # A tile's chains side by side in memory (see tile_rows_fit): T stride not 1.
+            "static FSCAN_INLINE bool tile_rows_fit(const In* x, const Out* y, const int64_t* t0) "
+            "{ for (int g = 1; g < TW; ++g) { if (t0[g] != t0[0]"
+            + "".join(
+                f" || (x[0].{f}.st != 1 && x[g].{f}.p != x[0].{f}.p + g)"
+                f" || x[g].{f}.st != x[0].{f}.st"
+                for f in xs
+            )
+            + "".join(
+                f" || (y[0].{f}.st != 1 && y[g].{f}.p != y[0].{f}.p + g)"
+                f" || y[g].{f}.st != y[0].{f}.st"
+                for f in ys
+            )
+            + ") return false; } return true; }",
             "static FSCAN_INLINE void tile_in(const In* x, const int64_t* t, InTile& b, "
             "unsigned m) { (void)m; "
             + " ".join(
-                f"for (int h = 0; h < TW; h += TV) {{ const float* s[TV]; "
+                f"for (int h = 0; h < TW; h += TV) {{ if (x[h].{f}.st != 1) {{ "
+                f"fscan_rows_in<TV, TB>(x[h].{f}.p + t[h] * x[h].{f}.st, x[h].{f}.st, "
+                f"b.{f} + h * TB, m); continue; }} const float* s[TV]; "
                 f"for (int g = 0; g < TV; ++g) s[g] = x[h + g].{f}.p + t[h + g]; "
                 f"fscan_tile_in(s, b.{f} + h * TB, m); }}"
                 for f in xs
@@ -113,7 +131,9 @@ def tile_structs(
             "unsigned m) "
             "{ (void)m; "
             + " ".join(
-                f"for (int h = 0; h < TW; h += TV) {{ {ctype(f)}* d[TV]; "
+                f"for (int h = 0; h < TW; h += TV) {{ if (y[h].{f}.st != 1) {{ "
+                f"fscan_rows_out<TV, TB>(b.{f} + h * TB, y[h].{f}.p + t[h] * y[h].{f}.st, "
+                f"y[h].{f}.st, m); continue; }} {ctype(f)}* d[TV]; "
                 f"for (int g = 0; g < TV; ++g) d[g] = y[h + g].{f}.p + t[h + g]; "
                 f"{transpose_out(f)}(b.{f} + h * TB, d, m); }}"
                 for f in ys
@@ -125,7 +145,9 @@ def tile_structs(
             + " ".join(f"__builtin_prefetch(x.{f}.p + d + 16 * k, 0, 2);" for f in xs)
             + " if (W) { "
             + " ".join(
-                f"__builtin_prefetch(y.{f}.p + d + 16 * k{a}, 1, 2);" for f in ys for a in lines(f)
+                f"if (y.{f}.st == 1) __builtin_prefetch(y.{f}.p + d + 16 * k{a}, 1, 2);"
+                for f in ys
+                for a in lines(f)
             )
             + " } } }",
             "static FSCAN_INLINE In tile_row(const In x, const InTile& b, int64_t j) { In r = x; "

@@ -209,6 +209,31 @@ static FSCAN_INLINE void fscan_tile_in(const float* const*, float*, unsigned) {}
 static FSCAN_INLINE void fscan_tile_out(const float*, float* const*, unsigned) {}
 static FSCAN_INLINE void fscan_tile_out_i64(const int64_t*, int64_t* const*, unsigned) {}
 #endif
+// A tile's rows where its chains lie side by side (a row of a tile: one step of TV chains,
+// adjacent elements; row j at src + j * st): copied in and out, not transposed. This is a
+// transposed input scanned into torch's contiguous outputs (or the reverse): its chains
+// are steps-dense in one tensor and rows in the other (see tile_rows_fit). Rows outside m
+// are read as 0 and not written, as fscan_tile_in and fscan_tile_out do.
+template <int TV_, int TB_, typename T>
+static FSCAN_INLINE void fscan_rows_in(const T* src, int64_t st, T* dst, unsigned m) {
+  for (int j = 0; j < TB_; ++j) {
+    if ((m >> j) & 1u) {
+#pragma GCC unroll 16
+      for (int g = 0; g < TV_; ++g) dst[j * TV_ + g] = src[j * st + g];
+    } else {
+#pragma GCC unroll 16
+      for (int g = 0; g < TV_; ++g) dst[j * TV_ + g] = T(0);
+    }
+  }
+}
+template <int TV_, int TB_, typename T>
+static FSCAN_INLINE void fscan_rows_out(const T* src, T* dst, int64_t st, unsigned m) {
+  for (int j = 0; j < TB_; ++j) {
+    if (!((m >> j) & 1u)) continue;
+#pragma GCC unroll 16
+    for (int g = 0; g < TV_; ++g) dst[j * st + g] = src[j * TV_ + g];
+  }
+}
 
 // The ops below as torch computes them (tests/test_cpu_kernel_ops.py checks each against
 // eager torch on every dtype, special values included).
