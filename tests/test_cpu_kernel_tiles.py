@@ -159,6 +159,30 @@ def test_transposed_views_tile_their_rows(name, dim, reverse):
         _check(name, (a.t(), b.t().contiguous()), 1 - dim, reverse, 2)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("name", sorted(COMBINES))
+def test_step_sliced_views_gather_their_tiles(name, reverse, threads):
+    # Steps 2 apart, chains neither dense nor side by side: an expensive combine's tiles
+    # gather and scatter them an element at a time (TILE_ANY), the others walk. Rows of
+    # 37 lanes, a 1-D slice (one lane in chunks, their tiles' chains at different steps),
+    # and the outputs into a step-sliced out= (scattered too).
+    cases = [((37, 2 * 40), 1, lambda x: x[:, ::2]), ((2 * 5001,), 0, lambda x: x[::2])]
+    for memory, dim, view in cases:
+        xs = optree.tree_map(view, _data(name, memory, torch.float32, seed=len(memory)))
+        _check(name, xs, dim, reverse, threads)
+    x = _data("add", (37, 2 * 40), torch.float32, seed=4)[:, ::2]
+    out = torch.full((37, 2 * 40), -7.0)
+    with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):
+        leaves, spec = optree.tree_flatten(x)
+        (got,) = kernel_scan("test", lse, spec, leaves, 1, reverse, out=[out[:, 1::2]])
+    assert got.data_ptr() == out[:, 1::2].data_ptr()  # written in place, not copied
+    want = torch.logcumsumexp(x.double().flip(1) if reverse else x.double(), 1)
+    want = want.flip(1) if reverse else want
+    torch.testing.assert_close(out[:, 1::2].double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[:, ::2], torch.full((37, 40), -7.0))
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_transposed_views_tile_their_rows_exclusive(reverse):
     # The exclusive variant's tiles write each step's carry-in through the same rows.

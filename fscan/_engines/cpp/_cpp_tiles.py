@@ -62,7 +62,13 @@ def tile_structs(
     computed in the tile scan: not read), whose out tiles hold int64 and transpose out by
     ``fscan_tile_out_i64``."""
     ways = tile_ways(expensive) if read is not None else 1
-    shape = [f"static constexpr int WAYS = {ways};", "static constexpr int TW = TV * WAYS;"]
+    # An expensive combine's chains are tiled in any layout (see chain_group).
+    gathers = "true" if read is not None and expensive else "false"
+    shape = [
+        f"static constexpr int WAYS = {ways};",
+        "static constexpr int TW = TV * WAYS;",
+        f"static constexpr bool TILE_ANY = {gathers};",
+    ]
     if read is None:
         return "\n".join(
             [
@@ -116,12 +122,17 @@ def tile_structs(
                 for f in ys
             )
             + ") return false; } return true; }",
+            # Each vector of TV chains: transposed (steps dense), rows copied (side by
+            # side, as tile_rows_fit checks), or (TILE_ANY) gathered an element at a time.
             "static FSCAN_INLINE void tile_in(const In* x, const int64_t* t, InTile& b, "
             "unsigned m) { (void)m; "
             + " ".join(
-                f"for (int h = 0; h < TW; h += TV) {{ if (x[h].{f}.st != 1) {{ "
-                f"fscan_rows_in<TV, TB>(x[h].{f}.p + t[h] * x[h].{f}.st, x[h].{f}.st, "
-                f"b.{f} + h * TB, m); continue; }} const float* s[TV]; "
+                f"for (int h = 0; h < TW; h += TV) {{ const float* s[TV]; "
+                f"const int64_t st = x[h].{f}.st; if (st != 1) {{ "
+                f"for (int g = 0; g < TV; ++g) s[g] = x[h + g].{f}.p + t[h + g] * st; "
+                f"if (TILE_ANY && !fscan_side_by_side<TV>(s)) "
+                f"fscan_gather_in<TV, TB>(s, st, b.{f} + h * TB, m); "
+                f"else fscan_rows_in<TV, TB>(s[0], st, b.{f} + h * TB, m); continue; }} "
                 f"for (int g = 0; g < TV; ++g) s[g] = x[h + g].{f}.p + t[h + g]; "
                 f"fscan_tile_in(s, b.{f} + h * TB, m); }}"
                 for f in xs
@@ -131,9 +142,12 @@ def tile_structs(
             "unsigned m) "
             "{ (void)m; "
             + " ".join(
-                f"for (int h = 0; h < TW; h += TV) {{ if (y[h].{f}.st != 1) {{ "
-                f"fscan_rows_out<TV, TB>(b.{f} + h * TB, y[h].{f}.p + t[h] * y[h].{f}.st, "
-                f"y[h].{f}.st, m); continue; }} {ctype(f)}* d[TV]; "
+                f"for (int h = 0; h < TW; h += TV) {{ {ctype(f)}* d[TV]; "
+                f"const int64_t st = y[h].{f}.st; if (st != 1) {{ "
+                f"for (int g = 0; g < TV; ++g) d[g] = y[h + g].{f}.p + t[h + g] * st; "
+                f"if (TILE_ANY && !fscan_side_by_side<TV>(d)) "
+                f"fscan_scatter_out<TV, TB>(b.{f} + h * TB, d, st, m); "
+                f"else fscan_rows_out<TV, TB>(b.{f} + h * TB, d[0], st, m); continue; }} "
                 f"for (int g = 0; g < TV; ++g) d[g] = y[h + g].{f}.p + t[h + g]; "
                 f"{transpose_out(f)}(b.{f} + h * TB, d, m); }}"
                 for f in ys

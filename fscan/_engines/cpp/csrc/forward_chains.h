@@ -168,12 +168,13 @@ static void chain_group(const In* xb, const Out* yb, const Par p, int ng, const 
   if (ng == CG && !lone) {
     bool heads = false;
     for (int g = 0; g < ng; ++g) heads |= head[g];
-    // Tiled where every chain's steps are dense, or where a tensor whose steps are not
-    // holds the group's chains side by side (tile_rows_fit: rows copied, not transposed).
-    // A transposed input scanned into torch's contiguous outputs is the second: walked
-    // there, logcumsumexp over (256, 4096).t() dim 0 took 11.1-11.7 ms, 4.7x the same scan
-    // of contiguous memory.
-    if (TILED && !heads && (tileable(xb[0], yb[0]) || tile_rows_fit(xb, yb, t0))) {
+    // Tiled where every chain's steps are dense, where a tensor whose steps are not holds
+    // the group's chains side by side (tile_rows_fit: rows copied, not transposed), and
+    // for an expensive combine in any layout (TILE_ANY: elements gathered into the tile
+    // where neither holds). A transposed input scanned into torch's contiguous outputs
+    // is the second: walked, logcumsumexp over (256, 4096).t() dim 0 took 11.1-11.7 ms,
+    // 4.7x the same scan of contiguous memory; x[:, ::2] dim 1 the third.
+    if (TILED && !heads && (tileable(xb[0], yb[0]) || TILE_ANY || tile_rows_fit(xb, yb, t0))) {
       if (tstep > 0) tile_chains<WRITE, true, EXCL>(xb, yb, p, t0, len, elem, carry, has, last, hb, head, tl);
       else tile_chains<WRITE, false, EXCL>(xb, yb, p, t0, len, elem, carry, has, last, hb, head, tl);
       return;

@@ -209,11 +209,12 @@ static FSCAN_INLINE void fscan_tile_in(const float* const*, float*, unsigned) {}
 static FSCAN_INLINE void fscan_tile_out(const float*, float* const*, unsigned) {}
 static FSCAN_INLINE void fscan_tile_out_i64(const int64_t*, int64_t* const*, unsigned) {}
 #endif
-// A tile's rows where its chains lie side by side (a row of a tile: one step of TV chains,
-// adjacent elements; row j at src + j * st): copied in and out, not transposed. This is a
-// transposed input scanned into torch's contiguous outputs (or the reverse): its chains
-// are steps-dense in one tensor and rows in the other (see tile_rows_fit). Rows outside m
-// are read as 0 and not written, as fscan_tile_in and fscan_tile_out do.
+// A tile's rows where its chains' steps are not dense: copied in and out, not transposed,
+// where the chains lie side by side (row j at src + j * st, TV adjacent elements: a
+// transposed input scanned into torch's contiguous outputs, or the reverse; see
+// tile_rows_fit), else gathered an element at a time (chain g's step at row 0 at
+// src[g]). Rows outside m are read as 0 and not written, as fscan_tile_in and
+// fscan_tile_out do.
 template <int TV_, int TB_, typename T>
 static FSCAN_INLINE void fscan_rows_in(const T* src, int64_t st, T* dst, unsigned m) {
   for (int j = 0; j < TB_; ++j) {
@@ -232,6 +233,24 @@ static FSCAN_INLINE void fscan_rows_out(const T* src, T* dst, int64_t st, unsign
     if (!((m >> j) & 1u)) continue;
 #pragma GCC unroll 16
     for (int g = 0; g < TV_; ++g) dst[j * st + g] = src[j * TV_ + g];
+  }
+}
+template <int TV_, typename P>
+static FSCAN_INLINE bool fscan_side_by_side(P* const* p) {
+  bool side = true;
+  for (int g = 1; g < TV_; ++g) side &= p[g] == p[0] + g;
+  return side;
+}
+template <int TV_, int TB_, typename T>
+__attribute__((noinline)) static void fscan_gather_in(const T* const* src, int64_t st, T* dst, unsigned m) {
+  for (int j = 0; j < TB_; ++j)
+    for (int g = 0; g < TV_; ++g) dst[j * TV_ + g] = (m >> j) & 1u ? src[g][j * st] : T(0);
+}
+template <int TV_, int TB_, typename T>
+__attribute__((noinline)) static void fscan_scatter_out(const T* src, T* const* dst, int64_t st, unsigned m) {
+  for (int j = 0; j < TB_; ++j) {
+    if (!((m >> j) & 1u)) continue;
+    for (int g = 0; g < TV_; ++g) dst[g][j * st] = src[j * TV_ + g];
   }
 }
 
