@@ -36,6 +36,21 @@ ROWS = [
     (torch.cumsum, (8192, ONE_THREAD_MIN_LENGTH // 2), 1, False, False),  # short rows
     (torch.cumprod, (8192, ONE_THREAD_MIN_LENGTH // 2), 1, True, False),
 ]
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op", [torch.cumsum, torch.cumprod])
+def test_forward_rows_and_one_lane_off_float32_and_float64_are_torchs(op, dtype):
+    # Forward, the kernel walks these dtypes a step at a time, slower than torch's op
+    # (CHAIN_SUM_DTYPES); reversed (torch flips twice) it keeps them.
+    rows, lane = torch.ones(1024, 256, dtype=dtype), torch.ones(2**20, dtype=dtype)
+    with torch_threads(1):
+        for x, dim in ((rows, 1), (lane, 0)):
+            assert route(op, x, dim, False) == (False, False)
+            assert route(op, x, dim, True)[0]
+            assert route(op, x.double(), dim, False)[0]
+
+
 # (op, dtype, shape, dim, reverse, kernel): cummax/cummin over several contiguous lanes, the
 # same cell on 1 and 2 threads
 TILED = EXTREMUM_FORWARD_MIN_NUMEL // 16

@@ -21,10 +21,11 @@ engine       when
              reversed in float32 or at ``n >= 128`` (``WALK_FROM``), forward in
              float32 over the innermost dim from 2**17 elements (the kernel's
              tiles under 128 steps, its lone walk from 128); on one thread
-             (``torch.get_num_threads() == 1``) at ``n >= 256``
-             (``ONE_THREAD_MIN_LENGTH``) cumsum and cumprod, both directions;
-             over one lane, logcumsumexp, every op reversed (torch flips
-             twice), cumsum/cumprod forward if contiguous from 2**20 elements and
+             (``torch.get_num_threads() == 1``) at ``n >= 128``
+             (``ONE_THREAD_MIN_LENGTH``) cumsum and cumprod reversed, and forward
+             in float32/float64 (``CHAIN_SUM_DTYPES``); over one lane,
+             logcumsumexp, every op reversed (torch flips twice), cumsum/cumprod
+             forward in float32/float64 if contiguous from 2**20 elements and
              cummax/cummin forward in float32 from 2**17;
              over several lanes not contiguous, read in place, reversed (torch
              copies to flip), cumsum/cumprod at ``stride >= 4096`` (torch's walk
@@ -65,6 +66,7 @@ import torch
 from .._engines.cpp.cpu_kernel import KERNEL_MIN_NUMEL, WALK_FROM, kernel_possible, reads_in_place
 
 __all__ = [
+    "CHAIN_SUM_DTYPES",
     "CUMSUM_MIN_STRIDE",
     "EXTREMA",
     "EXTREMUM_FORWARD_MIN_NUMEL",
@@ -139,8 +141,19 @@ CUMSUM_MIN_STRIDE = 1024
 # at a time and short ones tile: see EXTREMUM_FORWARD_MIN_NUMEL). On 2 threads cumsum's and
 # cumprod's rows stay torch's (see above; the shared machine's wall clock could not settle
 # them).
-ONE_THREAD_MIN_LENGTH = 256
+# Re-measured December 6 (thread CPU, medians, kernel / torch, forward): the tiles have
+# since taken float32 rows from 128 steps (1024, 128) 0.60 / 0.65 (cumsum / cumprod),
+# (2048, 128) 0.55 / 0.59, (8192, 96) 0.58 / 0.63, (4096, 64) 0.72 / 0.79, (1024, 48)
+# 1.02 / 1.12; float64 (1024, 128) 0.92 / 0.91, (8192, 96) 1.02 / 1.03, (4096, 192) 0.75.
+ONE_THREAD_MIN_LENGTH = 128
 KERNEL_MIN_NUMEL_ONE_LANE = 2**20  # cumsum/cumprod over one lane: past the ties below
+# ... in float32 and float64 only (the chains tiled, or walked in double): forward in other
+# dtypes the kernel walked them a step at a time, slower than torch's op (1 thread, thread
+# CPU, medians, December 6; kernel / torch): one lane of 2**20 int64 cumsum 2.32, cumprod
+# 1.06, bfloat16 1.51 / 2.21, float16 1.21-1.24; rows of 256-4096 steps int64 cumsum 1.95-
+# 15.9 (interleaved chains a power of two apart thrash the L1's sets), cumprod 0.78-6.4,
+# bfloat16 1.07-1.84, float16 0.91-1.02. Reversed (torch flips twice) the kernel stays.
+CHAIN_SUM_DTYPES = (torch.float32, torch.float64)
 # cummax/cummin over several contiguous lanes: torch's walk of them is serial on any thread
 # count (torch.cummax (65536, 16) dim 1: 3.06 ms on 1 thread, 2.98 on 2; (4096, 256) 1.17 /
 # 1.20), so the kernel runs them on one thread too (cumulative.kernel_threads) and these
@@ -244,7 +257,7 @@ def _cells(
             large = numel >= _ONE_LANE_KERNEL_FROM.get(op, math.inf) or (
                 op in EXTREMA and _extremum_forward(x)
             )
-            kernel = reverse or large
+            kernel = reverse or (large and (op not in SUMS or x.dtype in CHAIN_SUM_DTYPES))
     else:
         shape = x.shape
         n = shape[dim]
@@ -298,12 +311,15 @@ def _rows(
     """The kernel's cells over several contiguous lanes (``n`` steps each, ``stride``
     apart) besides logcumsumexp's: cummax/cummin's on any thread count (see
     ``EXTREMUM_FORWARD_MIN_NUMEL``), and on one thread (``threads``, None: torch's count
-    now) rows of at least ``ONE_THREAD_MIN_LENGTH`` steps, cumsum and cumprod."""
+    now) rows of at least ``ONE_THREAD_MIN_LENGTH`` steps, cumsum and cumprod (forward in
+    ``CHAIN_SUM_DTYPES`` only)."""
     if op in EXTREMA:
         if reverse:
             return n >= WALK_FROM or x.dtype == torch.float32
         return stride == 1 and _extremum_forward(x)
     if n < ONE_THREAD_MIN_LENGTH or op not in _ONE_THREAD_OPS:
+        return False
+    if not reverse and x.dtype not in CHAIN_SUM_DTYPES:
         return False
     return (torch.get_num_threads() if threads is None else threads) == 1
 
