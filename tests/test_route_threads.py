@@ -51,16 +51,6 @@ def test_forward_rows_and_one_lane_off_float32_and_float64_are_torchs(op, dtype)
             assert route(op, x.double(), dim, False)[0]
 
 
-@pytest.mark.parametrize("op", [torch.cummax, torch.cummin])
-def test_forward_float16_extrema_are_torchs(op):
-    # The kernel's float16 pairs run no faster than torch's op forward; reversed they win.
-    for shape, dim in (((1024, 8, 64), 1), ((4096, 256), 0), ((2**20,), 0)):
-        x = torch.ones(shape, dtype=torch.float16)
-        assert route(op, x, dim, False) == (False, False)
-        assert route(op, x, dim, True)[0]
-        assert route(op, x.bfloat16(), dim, False)[0] is (shape != (2**20,))
-
-
 # (op, dtype, shape, dim, reverse, kernel): cummax/cummin over several contiguous lanes, the
 # same cell on 1 and 2 threads
 TILED = EXTREMUM_FORWARD_MIN_NUMEL // 16

@@ -154,10 +154,6 @@ KERNEL_MIN_NUMEL_ONE_LANE = 2**20  # cumsum/cumprod over one lane: past the ties
 # 15.9 (interleaved chains a power of two apart thrash the L1's sets), cumprod 0.78-6.4,
 # bfloat16 1.07-1.84, float16 0.91-1.02. Reversed (torch flips twice) the kernel stays.
 CHAIN_SUM_DTYPES = (torch.float32, torch.float64)
-# Forward float16 cummax/cummin stay torch's on every layout: the kernel's float16 pairs run
-# 15-30x slower than its bfloat16 ones (7.3-8.4 ms over 2**20 elements, against 0.27-0.51;
-# a finding left open), which leaves it at torch's time or above: (1024, 8, 64) dim 1
-# 1.18-1.31x, (4096, 256) dim 0 0.95-1.15. Reversed it stays (0.72-0.92x: torch flips twice).
 # cummax/cummin over several contiguous lanes: torch's walk of them is serial on any thread
 # count (torch.cummax (65536, 16) dim 1: 3.06 ms on 1 thread, 2.98 on 2; (4096, 256) 1.17 /
 # 1.20), so the kernel runs them on one thread too (cumulative.kernel_threads) and these
@@ -273,8 +269,6 @@ def _cells(
             far = n != numel and stride >= KERNEL_MIN_STRIDE and op in _FAR_STRIDE_OPS
             rows = op in _ROW_TILE_OPS and _row_tiles(x, dim % x.ndim)
             kernel = (reverse or far or rows) and reads_in_place(x, dim % x.ndim)  # else a copy
-    if kernel and x.dtype == torch.float16 and op in EXTREMA and not reverse:
-        kernel = False  # see the note below CHAIN_SUM_DTYPES
     parallel = stride >= MIN_STRIDE and _parallel_wins(
         op, x.size(dim) if n is None else n, stride, numel, x.element_size()
     )
