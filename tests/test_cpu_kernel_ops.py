@@ -474,3 +474,39 @@ def test_integer_negative_powers_raise_as_the_torch_engine_does():
     with pytest.raises(RuntimeError, match="negative integer powers") as eager:
         _scan(fn, x)
     assert str(off.value) == str(eager.value)
+
+
+@pytest.mark.skipif(compiler_problem() is not None, reason="no C++ kernel here")
+@pytest.mark.parametrize("dim", [0, 1])  # 0: the lane loops (bit arithmetic); 1: a walk
+def test_float16_loads_and_stores_every_bit_pattern_as_torch(dim):
+    """float16 converts in the kernel by bit arithmetic in the lane loops and by F16C where
+    chains are walked (fscan_f16_load / fscan_f16_walk in csrc/prelude.h): every one of
+    the 65536 bit patterns read and written back unchanged (NaN as a NaN), and float
+    running values rounded to float16 as torch rounds them (to nearest even, subnormals,
+    overflow to inf), bit for bit."""
+    from fscan._engines.cpp.cpu_kernel import kernel_scan
+
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    x = every.reshape(256, 256)
+    x = x.contiguous() if dim == 0 else x.t().contiguous()  # each pattern once either way
+    last = lambda a, b: b
+    leaves, spec = optree.tree_flatten(x)
+    with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):
+        (out,) = kernel_scan("test", last, spec, leaves, dim, False)
+    nan = x.isnan()
+    assert torch.equal(out.view(torch.int16)[~nan], x.view(torch.int16)[~nan])
+    assert out[nan].isnan().all()
+    # Products of two float16 values are exact in float: each rounded once to float16,
+    # as torch rounds them (ties to even, subnormal results, overflow to inf).
+    finite = every[every.isfinite()]
+    gen = torch.Generator().manual_seed(dim)
+    pairs = finite[torch.randint(len(finite), (2, 32768), generator=gen)]
+    y = pairs.contiguous() if dim == 0 else pairs.t().contiguous()
+    leaves, spec = optree.tree_flatten(y)
+    with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):
+        (got,) = kernel_scan("test", lambda a, b: a * b, spec, leaves, dim, False)
+    want = torch.stack([pairs[0], (pairs[0].float() * pairs[1].float()).half()])
+    want = want if dim == 0 else want.t()
+    assert torch.equal(
+        got.nan_to_num(0.5).view(torch.int16), want.nan_to_num(0.5).view(torch.int16)
+    )

@@ -23,7 +23,7 @@ class Unsupported(Exception):
 
 
 # Storage C type of each supported leaf dtype (bool as bytes: GCC if-converts selects on
-# loaded bytes, not on loaded C++ bools; half types as their bits or _Float16).
+# loaded bytes, not on loaded C++ bools; half types as their bits, see fscan_f16_load).
 STORAGE = {
     torch.bool: "uint8_t",
     torch.uint8: "uint8_t",
@@ -31,7 +31,7 @@ STORAGE = {
     torch.int16: "int16_t",
     torch.int32: "int32_t",
     torch.int64: "int64_t",
-    torch.float16: "_Float16",
+    torch.float16: "uint16_t",
     torch.bfloat16: "uint16_t",
     torch.float32: "float",
     torch.float64: "double",

@@ -30,17 +30,25 @@ __all__ = [
 ]
 
 
-def _load(dtype: torch.dtype, expr: str, ctype: str) -> str:
+def _load(dtype: torch.dtype, expr: str, ctype: str, walked: bool = False) -> str:
+    """A load of ``expr`` into ``ctype``; ``walked``: in a walk a step at a time (``load_t``),
+    where float16 converts by its one instruction instead of the bit arithmetic that the
+    lane loops' vectoriser packs (see fscan_f16_load in csrc/prelude.h)."""
     if dtype == torch.bfloat16:
         return f"static_cast<{ctype}>(fscan_bf16_load({expr}))"
+    if dtype == torch.float16:
+        return f"static_cast<{ctype}>(fscan_f16_{'walk' if walked else 'load'}({expr}))"
     if dtype == torch.bool:
         return f"({expr} != 0)"
     return f"static_cast<{ctype}>({expr})"
 
 
-def _store(dtype: torch.dtype, expr: str) -> str:
+def _store(dtype: torch.dtype, expr: str, walked: bool = False) -> str:
+    """A store of ``expr`` (see :func:`_load`)."""
     if dtype == torch.bfloat16:
         return f"fscan_bf16_store(static_cast<float>({expr}))"
+    if dtype == torch.float16:
+        return f"fscan_f16_{'put' if walked else 'store'}(static_cast<float>({expr}))"
     return f"static_cast<{STORAGE[dtype]}>({expr})"
 
 
@@ -167,11 +175,11 @@ def leaf_structs(
     bt = ["uint8_t" if c == "bool" else c for c in compute]
     narrowest = min(torch.empty((), dtype=d).element_size() for d in dtypes)
 
-    def loads(ref: str) -> str:
+    def loads(ref: str, walked: bool = False) -> str:
         return " ".join(
             f"v.v{k} = static_cast<{compute[k]}>(t + x.pos0);"
             if k in positions
-            else f"v.v{k} = {_load(dtypes[k], ref.format(f=f'x.x{k}'), compute[k])};"
+            else f"v.v{k} = {_load(dtypes[k], ref.format(f=f'x.x{k}'), compute[k], walked)};"
             for k in R
         )
 
@@ -200,14 +208,16 @@ def leaf_structs(
         "static FSCAN_INLINE Vals load_i(const In x, int64_t i, int64_t t) "
         "{ Vals v; (void)x; (void)i; (void)t; " + loads("lane<true>({f}, i)") + " return v; }",
         "static FSCAN_INLINE Vals load_t(const In x, int64_t k, int64_t t) "
-        "{ Vals v; (void)x; (void)k; (void)t; " + loads("step({f}, k)") + " return v; }",
+        "{ Vals v; (void)x; (void)k; (void)t; "
+        + loads("step({f}, k)", walked=True)
+        + " return v; }",
         "static FSCAN_INLINE void store_i(const Out y, int64_t i, const Vals& v) { "
         "(void)y; (void)i; (void)v; "
         + " ".join(f"lane<true>(y.y{k}, i) = {_store(dtypes[k], f'v.v{k}')};" for k in kept)
         + " }",
         "static FSCAN_INLINE void store_t(const Out y, int64_t t, const Vals& v) { "
         "(void)y; (void)t; (void)v; "
-        + " ".join(f"step(y.y{k}, t) = {_store(dtypes[k], f'v.v{k}')};" for k in kept)
+        + " ".join(f"step(y.y{k}, t) = {_store(dtypes[k], f'v.v{k}', True)};" for k in kept)
         + " }",
         "static FSCAN_INLINE Vals get(const Buf b, int64_t i) { Vals v; (void)b; (void)i; "
         + " ".join(f"v.v{k} = b.v{k}[i];" if k in live else f"v.v{k} = 0;" for k in R)
@@ -308,11 +318,11 @@ def backward_structs(
     gone = [j for j, k in enumerate(F) if k in dead]
     read = [j for j in J if j not in gone]
 
-    def g_load(access: str) -> str:
+    def g_load(access: str, walked: bool = False) -> str:
         return " ".join(
             f"v.v{j} = 0;"
             if j in gone
-            else f"v.v{j} = {_load(dtypes[k], access.format(g=f'g.g{j}'), lam_types[j])};"
+            else f"v.v{j} = {_load(dtypes[k], access.format(g=f'g.g{j}'), lam_types[j], walked)};"
             for j, k in enumerate(F)
         )
 
@@ -326,7 +336,7 @@ def backward_structs(
         + g_load("lane<true>({g}, i)")
         + " return v; }",
         "static FSCAN_INLINE Lam load_g_t(const Grad g, int64_t t) { (void)g; (void)t; Lam v; "
-        + g_load("step({g}, t)")
+        + g_load("step({g}, t)", walked=True)
         + " return v; }",
         "static FSCAN_INLINE void store_bar_i(const Bar b, int64_t i, const Lam& v) { "
         + " ".join(
@@ -334,7 +344,9 @@ def backward_structs(
         )
         + " }",
         "static FSCAN_INLINE void store_bar_t(const Bar b, int64_t t, const Lam& v) { "
-        + " ".join(f"step(b.b{j}, t) = {_store(dtypes[k], f'v.v{j}')};" for j, k in enumerate(F))
+        + " ".join(
+            f"step(b.b{j}, t) = {_store(dtypes[k], f'v.v{j}', True)};" for j, k in enumerate(F)
+        )
         + " }",
         "static FSCAN_INLINE Lam get_lam(const LamBuf b, int64_t i) { (void)b; (void)i; Lam v; "
         + " ".join(f"v.v{j} = 0;" if j in gone else f"v.v{j} = b.v{j}[i];" for j in J)
