@@ -128,7 +128,9 @@ def test_one_dim_chunks_in_tiles_match_the_oracle(name, length, reverse, threads
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("name", ["add", "max", "last_nonzero"])
 def test_other_dtypes_walk_and_match_the_oracle(name, dtype, reverse):
-    for shape, dim in [((37, 33), 1), ((5000,), 0)]:
+    # (19, 700): two groups of 8 chains interleaved, each chain SKEW steps ahead of the
+    # one before (from 512 steps), and 3 walked alone.
+    for shape, dim in [((37, 33), 1), ((5000,), 0), ((19, 700), 1)]:
         xs = _data(name, shape, dtype, seed=3)
         _check(name, xs, dim, reverse, 1)
 
