@@ -267,8 +267,9 @@ def _cells(
             kernel = True
         else:  # torch copies to flip; a far-strided walk lands every step on a new page
             far = n != numel and stride >= KERNEL_MIN_STRIDE and op in _FAR_STRIDE_OPS
-            rows = op in _ROW_TILE_OPS and _row_tiles(x, dim % x.ndim)
-            kernel = (reverse or far or rows) and reads_in_place(x, dim % x.ndim)  # else a copy
+            d = dim % x.ndim
+            rows = op in _ROW_TILE_OPS and _row_tiles(x, d)
+            kernel = (reverse or far or rows) and reads_in_place(x, d)  # else a copy
     parallel = stride >= MIN_STRIDE and _parallel_wins(
         op, x.size(dim) if n is None else n, stride, numel, x.element_size()
     )
@@ -279,7 +280,7 @@ def _cells(
 
 
 _ONE_THREAD_OPS = (torch.cumsum, torch.cumprod)  # rows on one thread: the kernel wins
-_ROW_TILE_OPS = (torch.cumsum, torch.cumprod, torch.cummax, torch.cummin)
+_ROW_TILE_OPS = (*SUMS, *EXTREMA)
 
 
 def _row_tiles(x: torch.Tensor, dim: int) -> bool:

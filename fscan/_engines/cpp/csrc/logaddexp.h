@@ -17,14 +17,12 @@
 // where it is subnormal (tests/test_logaddexp_kernel.py checks 2 ulps over a sweep, and
 // torch's special values); torch's own float32 logaddexp (SLEEF's u10 expf and log1pf)
 // is within 4 ulps of it (tests/test_cpu_kernel_ops.py).
-static FSCAN_INLINE float fscan_bits_float(int32_t i) { float f; std::memcpy(&f, &i, 4); return f; }
-static FSCAN_INLINE int32_t fscan_float_bits(float f) { int32_t i; std::memcpy(&i, &f, 4); return i; }
 static FSCAN_INLINE float fscan_log1p_exp(float d) {
   // exp(d): below -105 it rounds to 0 (-inf lands there, and NaN: the callers select).
   const float x = d > -105.0f ? d : -105.0f;
   const float shifted = x * 0x1.715476p+0f + 0x1.8p23f;  // k = nearest(x / log 2), in the low bits
   const float k = shifted - 0x1.8p23f;
-  const int32_t ki = fscan_float_bits(shifted) - 0x4b400000;
+  const int32_t ki = (int32_t)(fscan_f32_bits(shifted) - 0x4b400000u);
   const float r = std::fma(k, -0x1.62e4p-1f, x) - k * 0x1.7f7d1cp-20f;  // log 2 in two parts
   float p = 1.9875691500e-4f;
   p = std::fma(p, r, 1.3981999507e-3f);
@@ -34,7 +32,7 @@ static FSCAN_INLINE float fscan_log1p_exp(float d) {
   p = std::fma(p, r, 5.0000001201e-1f);
   p = std::fma(p, r * r, r) + 1.0f;
   const int32_t k1 = ki >> 1, k2 = ki - k1;  // k in [-152, 0]: both halves are normal scales
-  const float e = p * fscan_bits_float((k1 + 127) << 23) * fscan_bits_float((k2 + 127) << 23);
+  const float e = p * fscan_bits_f32((uint32_t)(k1 + 127) << 23) * fscan_bits_f32((uint32_t)(k2 + 127) << 23);
   // log1p(e), e in [0, 1]: log1p(e) = e - (e*e/2 - s (e*e/2 + R(s*s))), s = e / (2 + e)
   // <= 1/3 and R the atanh series to s**14 (its tail below 2**-29 of the result).
   // Without a reduction to |s| <= 0.2 (e >= 1/2: log(2) + log1p((e - 1) / 2)): two more

@@ -342,6 +342,7 @@ static FSCAN_INLINE uint16_t fscan_bf16_store(float f) {
 // integer and float operations the loop vectoriser packs: GCC 12 converts _Float16 one
 // element at a time (vcvtph2ps on a scalar), which kept every float16 loop scalar (cumsum
 // over (4096, 256) dim 0: 790 us against bfloat16's 167).
+// A float32's bits and back (also logaddexp.h's exp scaling).
 static FSCAN_INLINE float fscan_bits_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 static FSCAN_INLINE uint32_t fscan_f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 static FSCAN_INLINE float fscan_f16_load(uint16_t h) {
