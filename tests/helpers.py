@@ -76,6 +76,19 @@ def sequential_total(fn: Callable, xs: Any, dim: int, reverse: bool, wide: bool 
     return acc
 
 
+def assert_within_sum_bound(total: torch.Tensor, x: torch.Tensor, dim: int) -> None:
+    """A float32 sum's total within the kernel's bound of the exact one (csrc/reduce.h,
+    sum_rows and dense_sum: blocks of at most 16 elements summed in float32, the rest in
+    double, rounded once): ``15 u sum|x| + u |exact|``, u = 2**-24, per lane, with room
+    for the double part's own rounding."""
+    exact = x.double().sum(dim)
+    u = 2.0**-24
+    bound = 15 * u * x.double().abs().sum(dim) + u * exact.abs() + 1e-30
+    err = (total.double() - exact).abs()
+    assert total.dtype == torch.float32 and total.shape == exact.shape
+    assert bool((err <= bound * (1 + 1e-9)).all()), f"max error / bound {(err / bound).max():.3g}"
+
+
 def tolerance(dtype: torch.dtype) -> dict[str, float]:
     """Per-dtype tolerances for comparing a parallel scan with the oracle."""
     table = {

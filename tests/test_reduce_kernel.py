@@ -9,7 +9,7 @@ import logging
 import optree
 import pytest
 import torch
-from helpers import sequential_total
+from helpers import assert_within_sum_bound, sequential_total
 
 import fscan
 from fscan._engines.cpp._cpp_build import compiler_problem
@@ -207,27 +207,31 @@ BLOCK_SHAPES += [((9000, 16), 0)]  # chunked on 2 and 3 threads
 @pytest.mark.parametrize(("shape", "dim"), BLOCK_SHAPES)
 @pytest.mark.parametrize("reverse", [False, True])
 def test_float32_blocks_keep_the_order(shape, dim, reverse, threads, engines):
-    """float32 add and mul, accumulated in double, take the lane path's blocks of rows
+    """float32 mul, accumulated in double, takes the lane path's blocks of rows
     (csrc/reduce.h, block_rows: 8 rows by 4 lanes in registers): lengths that leave 0 to 7
     rows behind the blocks, lane counts that leave 1 to 3 lanes behind the 4-lane blocks.
     Unchunked (1 thread, or columns enough for the threads), the total is the sequential
-    double loop's, rounded once, bit for bit, and the scan's last output; chunked, close."""
+    double loop's, rounded once, bit for bit, and the scan's last output; chunked, close.
+    float32 add sums blocks of 16 rows in float32 first (sum_rows): within its bound of
+    the exact total (tests/test_reduce_sum.py has the rest)."""
     gen = torch.Generator().manual_seed(shape[dim] * 3 + dim)
     x = torch.randn(shape, generator=gen)
     g = torch.rand(shape, generator=gen) * 0.2 + 0.9
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for fn, data in ((torch.add, x), (torch.mul, g)):
-            got = _reduce_twice(fn, data, dim, reverse)
-            assert engines()[-1] == "cpp"
-            last = fscan.associative_scan(fn, data, dim, reverse=reverse).select(
-                dim, 0 if reverse else -1
-            )
-            want = sequential_total(fn, data, dim, reverse).float()
-            if threads == 1 or shape == (2, 307, 24):
-                assert torch.equal(got, want) and torch.equal(got, last)
-            else:
-                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        got = _reduce_twice(torch.mul, g, dim, reverse)
+        assert engines()[-1] == "cpp"
+        last = fscan.associative_scan(torch.mul, g, dim, reverse=reverse).select(
+            dim, 0 if reverse else -1
+        )
+        want = sequential_total(torch.mul, g, dim, reverse).float()
+        if threads == 1 or shape == (2, 307, 24):
+            assert torch.equal(got, want) and torch.equal(got, last)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        total = _reduce_twice(torch.add, x, dim, reverse)
+        assert engines()[-1] == "cpp"
+        assert_within_sum_bound(total, x, dim)
     finally:
         torch.set_num_threads(previous)

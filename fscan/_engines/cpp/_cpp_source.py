@@ -70,7 +70,7 @@ from ._cpp_structs import (
     param_ctype,
     param_dtype,
 )
-from ._cpp_tiles import extremum, prefix_op, prefix_structs, tile_structs, tiled
+from ._cpp_tiles import extremum, float32_sum, prefix_op, prefix_structs, tile_structs, tiled
 
 __all__ = [
     "backward_argtypes",
@@ -443,6 +443,8 @@ def reduce_source(dtypes: Sequence[torch.dtype], program: Program) -> str:
         # of (4096, 256) took 0.24-0.25 ns an element so, 0.31-0.34 with one (the affine
         # pair about the same: 0.91-1.07 against 0.86-1.13); see tile_total in csrc/reduce.h.
         tiles=tile_structs(list(range(len(dtypes))) if tiled(st, ()) else None, (), True),
+        sum_f32=str(float32_sum(program, st)).lower(),
+        reduce_sum=csrc("reduce_sum.h"),
         reduce=csrc("reduce.h"),
         arguments=", ".join(
             _signature(dtypes, program, [f"{st[k]}* z{k}" for k in range(len(dtypes))], ())

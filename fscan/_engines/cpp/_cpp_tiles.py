@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from ._cpp_ops import Program
 
-__all__ = ["extremum", "prefix_op", "prefix_structs", "tile_structs", "tiled"]
+__all__ = ["extremum", "float32_sum", "prefix_op", "prefix_structs", "tile_structs", "tiled"]
 
 
 def tiled(storage: Sequence[str], positions: Sequence[int], with_positions: bool = False) -> bool:
@@ -179,6 +179,24 @@ _PREFIX_BODY = re.compile(
     r"const float v0 = static_cast<float>\(fscan_(max|min)\(static_cast<float>\(l0\), "
     r"static_cast<float>\(r0\)\)\);\no0 = static_cast<float>\(v0\);"
 )
+# The body the translator writes for the sum of one float32 leaf accumulated in double
+# (torch.add, ``a + b``, ``b + a``).
+_SUM_BODY = re.compile(
+    r"const double v0 = static_cast<double>\(\(static_cast<double>\("
+    r"(l0\) \+ static_cast<double>\(r0|r0\) \+ static_cast<double>\(l0)"
+    r"\)\)\);\no0 = static_cast<double>\(v0\);"
+)
+
+
+def float32_sum(program: Program, storage: Sequence[str]) -> bool:
+    """Whether the combine is the sum of one float32 leaf held in double (the reduce's
+    ``SUM_F32``: csrc/reduce.h sums blocks of rows in float32 and widens each block's sum
+    once). Float addition is commutative, so ``r0 + l0`` counts too."""
+    if list(storage) != ["float"] or not program.wide or program.params:
+        return False
+    return _SUM_BODY.fullmatch(program.body) is not None
+
+
 # The vector forms csrc/forward_prefix.h has (its PREFIX values).
 _PREFIX_OPS = {"max": 1, "min": 2}
 

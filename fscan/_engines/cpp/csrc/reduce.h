@@ -3,14 +3,17 @@
 // columns (vector loops along each row), others as chains (tiled where every leaf is
 // float32 and the steps are dense, else G interleaved); where that
 // leaves threads idle, or a lone chain waits on each combine's latency, a lane's steps
-// are split into chunks whose totals are combined in scan order.
+// are split into chunks whose totals are combined in scan order. The sum of one float32
+// leaf (SUM_F32) is the exception to scan order: its blocks are summed in float32 and
+// widened once (sum_rows on lanes, dense_sum on chains whose steps are dense), as a sum
+// may be regrouped and reordered at the cost of rounding only.
 // fscan.engine._cpp_source places this after the forward's generated part (Vals, In,
 // Out, Par, Buf, Store, InRow, LANE_BLOCK, load_*/store_*/get_all/put_all, combine)
 // and before the generated entry point, which calls reduce().
 
 // The total of steps [s0, s1) (in scan order, s1 > s0) of lanes [i0, i0 + w) of outer
 // index o, into acc (w entries, every leaf). Where a lane holds one float32 leaf widened
-// to double (BLOCKED: add, mul), dense rows are read RB at a time by block_rows: LB
+// to double (BLOCKED: add, mul; add takes sum_rows first), dense rows are read RB at a time by block_rows: LB
 // lanes' running values stay in registers across the RB combines (in scan order, so the
 // total is the row-by-row one) and acc is read and written once per RB rows; row by row,
 // acc's load and store around every combine bounded the loop (add over (4096, 256) dim 0:
@@ -96,6 +99,12 @@ static void lane_total(const In x, const Par p, const Geo& S, int64_t o, int64_t
   }
   int64_t s = s0 + 1;
   if (!GATHER && BLOCKED) {
+    if constexpr (SUM_F32) {
+      for (; s + SUM_RB <= s1; s += SUM_RB) {
+        sum_rows(xs, dt, w, acc);
+        xs = row(xs, SUM_RB * dt);
+      }
+    }
     for (; s + RB <= s1; s += RB) {
       block_rows<RB>(xs, dt, rev ? T - 1 - s : s, p, e0, w, acc);
       xs = row(xs, RB * dt);
@@ -353,6 +362,9 @@ static void tile_totals(const In* xb, const Par p, const int64_t* t0, const int6
 static constexpr int CG = TILED ? TW : G;
 
 static void reduce_chains(const In x, const Out z, const Par p, const Geo& S, bool rev, int nt) {
+  if constexpr (SUM_F32) {
+    if (x.x0.st == 1) return sum_chains(x, z, S, nt);
+  }
   const int64_t T = S.T, inner = S.inner, lanes = S.outer * inner;
   // Not where a chain holds one float32 leaf widened to double (BLOCKED: add, mul): on
   // AVX2 (Zen) every element's widening (vcvtps2pd) costs about a torch.sum and the
