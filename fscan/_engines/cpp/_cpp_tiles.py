@@ -8,7 +8,8 @@ tile holds (by the combine's cost). Where the combine has a vector form (:func:`
 chains take a third kind instead, a chain at a time by in-register prefix scans
 (csrc/forward_prefix.h); :func:`prefix_structs` writes what it reads. cummax's and
 cummin's combine is recognised by :func:`extremum`: their lone chains (and the segmented
-kernel's) walk 16 steps a vector instead (csrc/extremum.h).
+kernel's) walk 16 steps a vector instead (csrc/extremum.h). A float32 sum is recognised by
+:func:`float32_sum`: the reduce kernel sums its blocks in float32 (csrc/reduce_sum.h).
 """
 
 from __future__ import annotations
