@@ -73,25 +73,34 @@ def test_large_kernel_outputs_are_advised_and_exact(advised):
     torch.testing.assert_close(ys[1].double(), expect, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("ends_first", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_pages_are_faulted_in_before_threads_start(threads):
-    # On more than one thread the advised pages are written (one zero byte per huge page)
-    # before the kernel's threads start: the output is fresh, so nothing the caller holds
+def test_pages_are_faulted_in_at_their_ends(threads, ends_first):
+    # The advised pages are written (one zero byte at the end of each huge page, so that
+    # Linux clears each from its start up) before the kernel runs: on one thread unless
+    # the caller's kernel writes each page's end first (``ends_first``), always on more
+    # (before the threads start). The output is fresh, so nothing the caller holds
     # changes, and the values are the kernel's own.
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         out = torch.full((_memory.HUGE_MIN_BYTES,), 171, dtype=torch.uint8)
         start = out.untyped_storage().data_ptr()
-        _memory.advise_huge_pages(out)
+        _memory.advise_huge_pages(out, ends_first)
         first = ((start + HUGE - 1) & ~(HUGE - 1)) - start  # the interior: [first, last)
         last = ((start + out.numel()) & ~(HUGE - 1)) - start
-        faulted = out[first:last:HUGE]
-        assert faulted.numel() >= 2
-        assert bool((faulted == 0).all()) == (threads > 1 and _memory._madvise is not None)
+        assert last - first >= 2 * HUGE
+        ends = out[first + HUGE - 1 : last : HUGE]
+        faulted = (threads > 1 or not ends_first) and _memory._madvise is not None
+        assert bool((ends == 0).all()) == faulted
+        untouched = out[first:last].view(-1, HUGE)[:, :-1]
+        assert bool((untouched == 171).all()) and bool((out[:first] == 171).all())
         x = torch.randn(_memory.HUGE_MIN_BYTES // 4 // 256, 256)
         with fscan.config.override(cpu_kernel="eager"):
             y = fscan.associative_scan(torch.add, x, 0)
+            z = fscan.associative_scan(torch.add, x, 0, reverse=True)
         torch.testing.assert_close(y.double(), x.double().cumsum(0), rtol=1e-5, atol=1e-4)
+        flipped = x.double().flip(0).cumsum(0).flip(0)
+        torch.testing.assert_close(z.double(), flipped, rtol=1e-5, atol=1e-4)
     finally:
         torch.set_num_threads(before)

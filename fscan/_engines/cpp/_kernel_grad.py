@@ -336,8 +336,8 @@ def _run(
         for k in floats
     ]
     if outer * steps * inner >= HUGE_MIN_BYTES // 16:  # as the forward's fresh outputs
-        for bar in bars:
-            advise_huge_pages(bar)
+        for bar in bars:  # (the backward walks against the scan: a forward one's from the end)
+            advise_huge_pages(bar, not reverse and inner > 1)
     # Per element position, summed over the steps (zero where no step combines).
     pbars = [torch.zeros(outer * inner, dtype=torch.float64) for _ in entry.pfloats]
     if outer * steps * inner:

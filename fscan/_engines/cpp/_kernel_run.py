@@ -87,7 +87,7 @@ def run_kernel(
     if outer * steps * inner == 0:
         return ys
     if outs is None and outer * steps * inner >= _HUGE_GATE:
-        _advise(ys)
+        _advise(ys, reverse and inner > 1)
     params = (
         kernel_params(program, captured, shape[:dim] + shape[dim + 1 :]) if program.params else []
     )
@@ -302,7 +302,7 @@ def run_prepared(
         x = leaves[0]
         y = _empty_like(x)
         if y.numel() >= _HUGE_GATE:
-            advise_huge_pages(y)
+            advise_huge_pages(y, _ends_first(run.sizes))
         if params:
             run.kernel(x, y, *params, *run.sizes, threads, *run.tail)
         else:
@@ -310,7 +310,7 @@ def run_prepared(
         return [y]
     ys = fresh_outputs(leaves, run.positions)
     if ys[0].numel() >= _HUGE_GATE:
-        _advise(ys)
+        _advise(ys, _ends_first(run.sizes))
     run.kernel(*leaves, *ys, *params, *run.sizes, threads, *run.tail)
     return ys
 
@@ -355,7 +355,7 @@ def run_exclusive_prepared(run: PreparedRun, x: torch.Tensor) -> list[torch.Tens
     inclusive call on (1024, 8, 64) dim 1.)"""
     ys = fresh_outputs([x], run.positions)
     if x.numel() >= _HUGE_GATE:
-        _advise(ys)
+        _advise(ys, _ends_first(run.sizes))
     threads = torch.get_num_threads()
     if run.threads is not None:
         threads = min(run.threads, threads)
@@ -393,10 +393,17 @@ def _copied_out(
 _HUGE_GATE = HUGE_MIN_BYTES // 16
 
 
-def _advise(ys: Sequence[torch.Tensor | None]) -> None:
+def _advise(ys: Sequence[torch.Tensor | None], ends_first: bool) -> None:
     for y in ys:
         if y is not None:
-            advise_huge_pages(y)
+            advise_huge_pages(y, ends_first)
+
+
+def _ends_first(sizes: tuple[int, ...]) -> bool:
+    """Whether the kernel writes each output page's end first: a reverse scan along lanes
+    (inner > 1; see fscan._memory on where a page is first written)."""
+    _, _, inner, reverse = sizes
+    return bool(reverse & 1) and inner > 1
 
 
 def _fresh(x: torch.Tensor) -> torch.Tensor:
