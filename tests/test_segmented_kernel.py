@@ -158,6 +158,19 @@ def test_matches_the_walk(name, shape, dim, reverse, flags):
     check(name, x, dim, reset, reverse)
 
 
+@pytest.mark.parametrize("name", ["cumsum", "cummax", "logcumsumexp"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape,dim", [((50, 200), 0), ((30, 2, 130), 1), ((40, 64), 0)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_element_flags_reversed_over_wide_rows(name, dtype, shape, dim, threads):
+    """A flag per lane, reversed, over rows of 64 lanes and more: the loop that reads the
+    flags walks a row in descending blocks of 64 lanes (FLAG_LANES, csrc/segmented.h), then
+    the lanes left below them; rows of 200, 130 and 64 lanes leave 8, 2 and 0 of them."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    check(name, x, dim, mask(shape, 0.05, seed=4), True, threads)
+    check(name, x, dim, mask(shape, 0.05, seed=4), False, threads)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("shape,dim", [((6000, 16), 0), ((9001,), 0), ((3, 5000), 1)])
 @pytest.mark.parametrize("flags", ["row", "element", "none", "sparse"])

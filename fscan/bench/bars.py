@@ -204,6 +204,12 @@ def variant_rows() -> Iterator[Row]:
         n = shape[dim]
         # A segment start about every 97 steps, the same along every other dim.
         reset = torch.arange(n) % 97 == 13
+        # And a mask of x's shape, each lane its own starts (episodes ending at different
+        # steps): the segmented kernel reads a flag per lane, its other loops. Not over the
+        # 64 MiB shape, which the row mask covers out of cache.
+        per_lane = None
+        if len(shape) > 1 and x.numel() <= 2**20:
+            per_lane = torch.rand(shape, generator=torch.Generator().manual_seed(97)) < 1 / 97
         for name in OPS:
             op = getattr(fscan, name)
             for reverse in (False, True):
@@ -213,6 +219,10 @@ def variant_rows() -> Iterator[Row]:
                     "exclusive": functools.partial(op, x, dim, reverse=reverse, exclusive=True),
                     "reset": functools.partial(op, x, dim, reverse=reverse, reset=reset),
                 }
+                if per_lane is not None:
+                    variants["reset per lane"] = functools.partial(
+                        op, x, dim, reverse=reverse, reset=per_lane
+                    )
                 for variant, run in variants.items():
                     yield Row(group, f"{where}, {variant}", run, "inclusive", inclusive, 1, 1.05)
 

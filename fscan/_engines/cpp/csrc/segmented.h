@@ -16,6 +16,12 @@ using Flags = Ptr<const uint8_t>;
 // them through their stride in the loop doubled the lane path's instantiations: a
 // segmented kernel took 8.2 s of CPU to build with it, against 5.3 without).
 enum { ROW = 0, LANE = 1 };
+// The lanes of a descending block (fscan_lanes) where a loop reads a flag per lane (LANE):
+// a cache line of the flags' bytes. GCC vectorises a loop by its narrowest type, 64 bytes
+// a vector with AVX-512, so LANE_BLOCK's 16 float32 lanes with a flag each ran scalar:
+// fscan.cumsum reversed with a full reset= mask over (4096, 256) dim 0 took 0.66 ms against
+// 0.23-0.29 forward, now 0.26-0.28; over (16384, 1024) 14.4 ms, now 9.4-10.0.
+static constexpr int64_t FLAG_LANES = LANE_BLOCK > 64 ? LANE_BLOCK : 64;
 
 // Row t's flags as LANE reads them: w adjacent bytes. Gathered in the order opposite to
 // the one the row's loop reads them in (fscan_lanes: down, from the top block), so that
@@ -68,7 +74,7 @@ static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, co
       if (!WRITE && rr.p[0]) std::memset(seen, 1, (size_t)w);
     } else if (MODE == ROW || !first) {
       const Buf left = s == s0 ? *carry : acc;
-      fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
+      fscan_lanes<MODE == LANE ? FLAG_LANES : LANE_BLOCK>(w, rev, [&](int64_t i) {
         const Vals u = load_i(xr, i, t);
         const Vals c = combine<false>(get_as<ALL>(left, i), u, p, e0 + i);
         // A flagged lane takes its element: the combine's result (of anything, NaN
