@@ -52,6 +52,7 @@ from ._kernel_layout import element_shape, strided_view
 from ._kernel_registry import ready_entry, serving_lookup
 from ._kernel_run import (
     PreparedRun,
+    ends_first,
     gathered,
     kernel_params,
     prepare_run,
@@ -336,8 +337,8 @@ def _run(
         for k in floats
     ]
     if outer * steps * inner >= HUGE_MIN_BYTES // 16:  # as the forward's fresh outputs
-        for bar in bars:  # (the backward walks against the scan: a forward one's from the end)
-            advise_huge_pages(bar, not reverse and inner > 1)
+        for bar in bars:  # (the backward walks against the scan)
+            advise_huge_pages(bar, ends_first(not reverse, inner))
     # Per element position, summed over the steps (zero where no step combines).
     pbars = [torch.zeros(outer * inner, dtype=torch.float64) for _ in entry.pfloats]
     if outer * steps * inner:

@@ -26,6 +26,7 @@ __all__ = [
     "PreparedRun",
     "call_layout",
     "contiguous_strides",
+    "ends_first",
     "exclusive_run",
     "fresh_outputs",
     "gathered",
@@ -87,7 +88,7 @@ def run_kernel(
     if outer * steps * inner == 0:
         return ys
     if outs is None and outer * steps * inner >= _HUGE_GATE:
-        _advise(ys, reverse and inner > 1)
+        _advise(ys, ends_first(reverse, inner))
     params = (
         kernel_params(program, captured, shape[:dim] + shape[dim + 1 :]) if program.params else []
     )
@@ -399,11 +400,17 @@ def _advise(ys: Sequence[torch.Tensor | None], ends_first: bool) -> None:
             advise_huge_pages(y, ends_first)
 
 
+def ends_first(descending: bool, inner: int) -> bool:
+    """Whether a kernel writes each page of a fresh output's end first (see fscan._memory
+    on where a page is first written): rows of lanes (inner > 1) walked down in memory, as
+    a reverse scan walks them, and the backward of a forward one."""
+    return descending and inner > 1
+
+
 def _ends_first(sizes: tuple[int, ...]) -> bool:
-    """Whether the kernel writes each output page's end first: a reverse scan along lanes
-    (inner > 1; see fscan._memory on where a page is first written)."""
+    """:func:`ends_first` of a prepared run's (outer, steps, inner, reverse bits)."""
     _, _, inner, reverse = sizes
-    return bool(reverse & 1) and inner > 1
+    return ends_first(bool(reverse & 1), inner)
 
 
 def _fresh(x: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,10 @@
 
 // The total of steps [s0, s1) (in scan order, s1 > s0) of lanes [i0, i0 + w) of outer
 // index o, into acc (w entries, every leaf). Where a lane holds one float32 leaf widened
-// to double (BLOCKED: add, mul; add takes sum_rows first), dense rows are read RB at a time by block_rows: LB
-// lanes' running values stay in registers across the RB combines (in scan order, so the
-// total is the row-by-row one) and acc is read and written once per RB rows; row by row,
+// to double (BLOCKED: add, mul; add takes sum_rows first), dense rows are read RB at a
+// time by block_rows: LB lanes' running values stay in registers across the RB combines
+// (in scan order, so the total is the row-by-row one) and acc is read and written once
+// per RB rows; row by row,
 // acc's load and store around every combine bounded the loop (add over (4096, 256) dim 0:
 // 1.4x torch.sum). Wider lanes (the affine pair) go row by row: block_rows with two leaves stayed
 // scalar (GCC packed neither leaf: the affine pair over (4096, 256) dim 0 took 1.4-2.9 ms
