@@ -18,10 +18,10 @@
 // (in scan order, so the total is the row-by-row one) and acc is read and written once
 // per RB rows; row by row,
 // acc's load and store around every combine bounded the loop (add over (4096, 256) dim 0:
-// 1.4x torch.sum). Wider lanes (the affine pair) go row by row: block_rows with two leaves stayed
-// scalar (GCC packed neither leaf: the affine pair over (4096, 256) dim 0 took 1.4-2.9 ms
-// with N = 1-8 against 0.45 ms row by row), and two rows a pass of the row loop gained
-// nothing. Strided rows are gathered one at a time.
+// 1.4x torch.sum). Wider lanes go row by row, or (a range-checked combine: the affine pair)
+// in blocks of rows_total: block_rows with two leaves stayed scalar (GCC packed neither
+// leaf: the affine pair over (4096, 256) dim 0 took 1.4-2.9 ms with N = 1-8 against 0.45 ms
+// row by row). Strided rows are gathered one at a time.
 static constexpr int64_t RB = 8;
 // Lanes a block: one vector of the running values (4 doubles with AVX2).
 static constexpr int64_t LB = 4;
@@ -50,7 +50,7 @@ static FSCAN_INLINE void block_rows(const In x0, int64_t dt, int64_t t, const Pa
   int64_t i = 0;
   for (; i + LB <= w; i += LB) {
     Vals v[LB];
-    int64_t outside = 0;
+    FscanWatch outside;
 #pragma GCC unroll 8
     for (int k = 0; k < LB; ++k) v[k] = get_all(acc, i + k);
 #pragma GCC unroll 8
@@ -59,7 +59,7 @@ static FSCAN_INLINE void block_rows(const In x0, int64_t dt, int64_t t, const Pa
 #pragma GCC unroll 8
       for (int k = 0; k < LB; ++k) v[k] = combine<false, RANGED>(v[k], load_i(xj, i + k, t + j * dt), p, e0 + i + k, outside);
     }
-    if (RANGED && outside) {
+    if (RANGED && fscan_watched(outside)) {
 #pragma GCC unroll 8
       for (int k = 0; k < LB; ++k) v[k] = get_all(acc, i + k);
       for (int j = 0; j < N; ++j) {
@@ -124,16 +124,37 @@ static void lane_total(const In x, const Par p, const Geo& S, int64_t o, int64_t
   }
 }
 
+// Rows t + j * dt (j < N; x1: row t) of lanes [0, w) combined into the running values in
+// `from`, written to `to`: a vector loop along the lanes, each lane's values held in
+// registers across the N rows. WATCH (see FscanWatch): the range checks left out, and
+// whether one would have changed a value returned.
+template <int N, bool WATCH>
+static FSCAN_INLINE bool rows_total(const In x1, int64_t dt, int64_t t, const Par p, int64_t e0, int64_t w,
+                                    const Buf from, const Buf to) {
+  FscanWatch watch;
+#pragma GCC ivdep
+  for (int64_t i = 0; i < w; ++i) {
+    Vals v = get_all(from, i);
+#pragma GCC unroll 16
+    for (int j = 0; j < N; ++j) v = combine<false, WATCH>(v, load_i(row(x1, j * dt), i, t + j * dt), p, e0 + i, watch);
+    put_all(to, i, v);
+  }
+  return WATCH && fscan_watched(watch);
+}
+// Dense rows a block of rows_total (the affine pair: 16 lanes a pass of the vector loop,
+// AVX-512; 8 rows spilled, 300 us over (4096, 256) dim 0 with 4 rows, 390-460 with 8).
+static constexpr int WB = 4;
+
 // lane_total for a combine that range-checks a value held wider than its dtype (RANGED:
-// the affine pair's product, float32 in double). The check in the loop bound it (the
-// affine pair over (4096, 256) dim 0 read at 3.4x a read with it, 1.3x without it:
-// scripts/roofline.py, AVX2): here each row runs watched (the checks left out, a flag OR-ed
-// across the row where one would have changed a value) from `cur` into `next`, and runs
-// again checked only where the flag came back set; bit for bit the checked loop's totals
-// (see fscan_range_f32). A row at a time, as lane_total takes wide lanes. Measured
-// (1 thread, thread CPU time, best of 150 calls, 2 shared cores at load 5-12): 519-1148
-// us a call against 923-1419 us with the check in the loop; a lane's running values go
-// through two buffers in turn (L1), as the row may have to run again from the first.
+// the affine pair's product, float32 in double). Dense rows go WB at a time, watched
+// (rows_total: the checks left out, FscanWatch), and a block runs again checked only
+// where the watch says a check would have changed a value: bit for bit the checked loop's
+// totals. A block's running values go from one buffer to the other (L1), as the block may
+// have to run again from the first. Neither half alone gained (the affine pair over
+// (4096, 256) dim 0, AVX-512, one process, standalone: a row at a time with the compares
+// of fscan_outside watched 400 us, blocks of 4 rows with them 385, a row at a time with
+// FscanWatch 437 against 445 (a noisier run), both 300; with the check in the loop it was
+// 3.4x a read, AVX2). Strided rows are gathered a row at a time.
 template <bool GATHER>
 static void lane_total_watched(const In x, const Par p, const Geo& S, int64_t o, int64_t i0, int64_t w,
                                int64_t s0, int64_t s1, bool rev, const Buf acc, const Buf spare,
@@ -148,19 +169,22 @@ static void lane_total_watched(const In x, const Par p, const Geo& S, int64_t o,
   }
   Buf cur = acc, next = spare;
   bool moved = false;  // the totals are in spare
-  for (int64_t s = s0 + 1; s < s1; ++s) {
+  int64_t s = s0 + 1;
+  if constexpr (!GATHER) {
+    for (; s + WB <= s1; s += WB) {
+      const int64_t t = rev ? T - 1 - s : s;
+      const In x1 = row(xs, dt);
+      if (rows_total<WB, true>(x1, dt, t, p, e0, w, cur, next)) rows_total<WB, false>(x1, dt, t, p, e0, w, cur, next);
+      xs = row(xs, WB * dt);
+      std::swap(cur, next);
+      moved = !moved;
+    }
+  }
+  for (; s < s1; ++s) {
     const int64_t t = rev ? T - 1 - s : s;
     xs = row(xs, dt);
     const In xr = GATHER ? gather(xs, rows, w, rev) : xs;
-    int64_t outside = 0;
-    fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
-      put_all(next, i, combine<false, true>(get_all(cur, i), load_i(xr, i, t), p, e0 + i, outside));
-    });
-    if (outside) {
-      fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
-        put_all(next, i, combine<false>(get_all(cur, i), load_i(xr, i, t), p, e0 + i));
-      });
-    }
+    if (rows_total<1, true>(xr, dt, t, p, e0, w, cur, next)) rows_total<1, false>(xr, dt, t, p, e0, w, cur, next);
     std::swap(cur, next);
     moved = !moved;
   }
@@ -264,9 +288,9 @@ static FSCAN_INLINE void chain_totals(const In* xb, const Par p, const int64_t* 
 // the checks left out, and the return value set where one would have changed a value;
 // tile_totals then runs the tile again checked (see fscan_range_f32 and lane_total_watched).
 template <bool UP, int64_t K0, bool WATCH>
-FSCAN_REDUCE_TILE static int64_t tile_total(const In x, const Par p, const int64_t* elem, const Buf from,
-                                            const Buf to, const InTile& in) {
-  int64_t outside = 0;
+FSCAN_REDUCE_TILE static bool tile_total(const In x, const Par p, const int64_t* elem, const Buf from,
+                                         const Buf to, const InTile& in) {
+  FscanWatch outside;
 #pragma GCC ivdep
   for (int g = 0; g < TV; ++g) {
     Vals a[WAYS];
@@ -282,7 +306,7 @@ FSCAN_REDUCE_TILE static int64_t tile_total(const In x, const Par p, const int64
     }
     for (int w = 0; w < WAYS; ++w) put_all(to, w * TV + g, a[w]);
   }
-  return outside;
+  return WATCH && fscan_watched(outside);
 }
 // Steps [K0, n) of a partial tile (n < TB), a row at a time (as tile_scan_part: a vector
 // loop over the chains only where the steps inside it are a constant count).
