@@ -3,7 +3,7 @@ dtype: an affine pair's product ``a_t * h`` that leaves the dtype's range is inf
 from there on, as in eager torch, on every path (lanes, chains, the reduce), in every
 position of a row (its first and last lane, inside a vector, in a partial vector) and
 both directions. The reduce's lane path runs rows with the checks left out and runs a
-row again checked where a value left the range (csrc/reduce.h, lane_total_watched):
+row again checked where a value left the range (csrc/reduce_lanes.h, lane_total_watched):
 these rows are the ones it runs again."""
 
 from __future__ import annotations

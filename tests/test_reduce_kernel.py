@@ -208,7 +208,7 @@ BLOCK_SHAPES += [((9000, 16), 0)]  # chunked on 2 and 3 threads
 @pytest.mark.parametrize("reverse", [False, True])
 def test_float32_blocks_keep_the_order(shape, dim, reverse, threads, engines):
     """float32 mul, accumulated in double, takes the lane path's blocks of rows
-    (csrc/reduce.h, block_rows: 8 rows by 4 lanes in registers): lengths that leave 0 to 7
+    (csrc/reduce_lanes.h, block_rows: 8 rows by 4 lanes in registers): lengths that leave 0 to 7
     rows behind the blocks, lane counts that leave 1 to 3 lanes behind the 4-lane blocks.
     Unchunked (1 thread, or columns enough for the threads), the total is the sequential
     double loop's, rounded once, bit for bit, and the scan's last output; chunked, close.

@@ -1,5 +1,5 @@
 // The reduce section's own floors (scripts/roofline.py --section reduce): a column total
-// of a float32 (T, N) leaf as the reduce kernel reads it (csrc/reduce.h, block_rows):
+// of a float32 (T, N) leaf as the reduce kernel reads it (csrc/reduce_lanes.h, block_rows):
 // 8 rows by 4 lanes a block, the running values in registers between the rows of a block,
 // in a row of scratch between blocks. Written with AVX2 intrinsics (the kernel's packing,
 // not a guess at what a compiler makes of it): each 4 floats widened straight from memory

@@ -427,9 +427,10 @@ def reduce_argtypes(dtypes: Sequence[torch.dtype], program: Program) -> list[str
 
 def reduce_source(dtypes: Sequence[torch.dtype], program: Program) -> str:
     """The complete reduce kernel (the forward's structs and combine around
-    ``csrc/reduce.h``): ``kernel(x.., z.., p.., outer, T, inner, rev, threads, nb,
-    x strides..)``. The inputs ``x`` are read through their strides; the totals ``z``
-    are contiguous ``(outer, inner)``, one element per lane, nothing else written."""
+    ``csrc/reduce_lanes.h`` and ``csrc/reduce.h``): ``kernel(x.., z.., p.., outer, T,
+    inner, rev, threads, nb, x strides..)``. The inputs ``x`` are read through their
+    strides; the totals ``z`` are contiguous ``(outer, inner)``, one element per lane,
+    nothing else written."""
     compute = [compute_ctype(d, program.wide) for d in dtypes]
     st = [STORAGE[d] for d in dtypes]
     read = [f"x{k}" for k in range(len(dtypes))]
@@ -445,7 +446,7 @@ def reduce_source(dtypes: Sequence[torch.dtype], program: Program) -> str:
         tiles=tile_structs(list(range(len(dtypes))) if tiled(st, ()) else None, (), True),
         sum_f32=str(float32_sum(program, st)).lower(),
         reduce_sum=csrc("reduce_sum.h"),
-        reduce=csrc("reduce.h"),
+        reduce=csrc("reduce_lanes.h") + csrc("reduce.h"),
         arguments=", ".join(
             _signature(dtypes, program, [f"{st[k]}* z{k}" for k in range(len(dtypes))], ())
         ),

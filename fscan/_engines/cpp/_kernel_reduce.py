@@ -3,7 +3,7 @@
 :func:`kernel_reduce` serves ``fscan.associative_reduce`` on CPU where the scan kernel
 would serve the scan (the same lookup, refusals and build policy: the forward entry
 of the same key is built, or counted towards its build, first). The reduce kernel is
-made from that entry's translation (``csrc/reduce.h`` around the same generated
+made from that entry's translation (``csrc/reduce*.h`` around the same generated
 structs and ``combine``): no second trace; it is compiled as the forward is (now for
 ``cpu_kernel="eager"``, else in the background) and kept beside it in the knowledge
 entry's kernel slots. Until it is ready, or where it cannot serve, None: the caller

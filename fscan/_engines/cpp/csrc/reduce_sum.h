@@ -4,7 +4,7 @@
 // the cost of rounding only; the bound that costs is stated at each loop, and
 // tests/test_reduce_sum.py holds the kernel to it and to torch.sum's accuracy.
 // fscan._engines.cpp._cpp_source places this after the forward's generated part and tuning.h,
-// and before reduce.h, which calls sum_rows (lanes) and sum_chains (chains).
+// and before reduce_lanes.h and reduce.h, which call sum_rows (lanes) and sum_chains (chains).
 
 // SUM_F32 (the sum of one float32 leaf held in double): rows t + j * dt (j < SUM_RB) of
 // lanes [0, w) summed in float32, in scan order, and each lane's block sum widened once
