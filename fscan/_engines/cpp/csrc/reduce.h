@@ -56,7 +56,7 @@ static FSCAN_INLINE void chain_totals(const In* xb, const Par p, const int64_t* 
 // into `to` (the same buffer, or another). Flushed (fscan_flush_f32) at the tile's last
 // step only, as the forward's tile_scan. WATCH (a combine with a range check, RANGED):
 // the checks left out, and the return value set where one would have changed a value;
-// tile_totals then runs the tile again checked (see fscan_range_f32 and lane_total_watched).
+// tile_totals then runs the tile again checked (see FscanWatch and lane_total_watched).
 template <bool UP, int64_t K0, bool WATCH>
 FSCAN_REDUCE_TILE static bool tile_total(const In x, const Par p, const int64_t* elem, const Buf from,
                                          const Buf to, const InTile& in) {

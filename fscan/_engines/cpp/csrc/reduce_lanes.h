@@ -35,7 +35,7 @@ static constexpr bool BLOCKED = sizeof(Vals) == 8 && std::is_same_v<decltype(Val
 // over (4096, 256) dim 0, AVX2, the kernel alone: 150 us as fscan_lanes at RB = 4 with
 // the rows in an array; 122 us as an omp simd loop at 8; 93-100 us this way; a float32
 // column sum 85-93 us; blocks of 8 lanes 138 us: not packed). A combine with a range check
-// (RANGED) runs a block watched (see fscan_range_f32) and again checked from acc where a
+// (RANGED) runs a block watched (see FscanWatch) and again checked from acc where a
 // check would have changed a value: bit for bit the checked loop's totals.
 template <int N>
 static FSCAN_INLINE void block_rows(const In x0, int64_t dt, int64_t t, const Par p, int64_t e0, int64_t w,
