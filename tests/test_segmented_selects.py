@@ -1,5 +1,5 @@
 """The segmented chain path's walk for a combine that selects (cummax/cummin's (value,
-index) pairs: csrc/segmented_chains.h, seg_chains with SEG_G == 1, the flag tested before
+index) pairs: csrc/segmented_walk.h, seg_chains with SEG_G == 1, the flag tested before
 the combine), against a per-segment torch loop: every segment length from 1 to 35 (around
 the 16-step stretches the other paths tile by and the chunks' edges), a restart at every
 offset of a 16-step stretch, ties (the latest equal value wins) and NaN (the first NaN's

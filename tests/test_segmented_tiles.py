@@ -1,5 +1,5 @@
 """The segmented chain path's register-transposed tiles (float32, steps dense: csrc/
-segmented_chains.h, seg_transposed_chains): chain lengths around the tiles' 16 steps,
+segmented_tiles.h, seg_transposed_chains): chain lengths around the tiles' 16 steps,
 a restart at every offset inside a tile, both directions, 1-3 threads (chunks of
 unequal lengths, carries composed), row and element flags, against a float64 walk.
 logcumsumexp tiles every group of chains; cumsum and cumprod only whole lanes reading a

@@ -63,7 +63,7 @@ def segmented_argtypes(
 
 def chains_tiled(program: Program) -> bool:
     """Whether the segmented chain path tiles its chains (``SEG_TILED``, see
-    csrc/segmented_chains.h): for an expensive combine, whose math the tiles' vector loops
+    csrc/segmented_tiles.h): for an expensive combine, whose math the tiles' vector loops
     run vectorised. Per element over (1048576,), a restart every 97 steps, 1 thread:
     logcumsumexp walked 14 ns, tiled 5.5 (the inclusive scan, tiled too: 7.5); cumsum and
     cumprod walked 0.4, tiled 0.95 (the tiles' scalar gathers cost more than the combine).
@@ -129,7 +129,7 @@ def chains_tiled(program: Program) -> bool:
 
 def chains_interleaved(positions: Sequence[int]) -> int:
     """Chains the segmented chain path walks interleaved where it does not tile them
-    (``SEG_G``, see csrc/segmented_chains.h): 3, so that an arithmetic combine's latency
+    (``SEG_G``, see csrc/segmented_walk.h): 3, so that an arithmetic combine's latency
     (add's, mul's) hides behind the other chains' while each chain's pointers (input,
     output, flags) stay in registers; 1 where a leaf is a position (cummax/cummin's
     (value, index) pairs), whose combine selects one operand and compiles to a branch, so
@@ -176,7 +176,11 @@ def segmented_source(
         tuning=csrc("tuning.h"),
         tiles=tile_structs(read_idx if transposed else None, list(every), program.expensive),
         segmented=csrc("segmented.h"),
-        segmented_chains=csrc("chain_tiles.h") + csrc("extremum.h") + csrc("segmented_chains.h"),
+        segmented_chains=csrc("chain_tiles.h")
+        + csrc("extremum.h")
+        + csrc("segmented_walk.h")
+        + csrc("segmented_tiles.h")
+        + csrc("segmented_chains.h"),
         seg_tiled="true" if chains_tiled(program) else "false",
         seg_tile_rows="true" if transposed else "false",
         seg_interleave=str(chains_interleaved(positions)),

@@ -1,5 +1,5 @@
 // The chain path's tiles, shared by the forward scan (forward_chains.h: tile_chains) and
-// the segmented one (segmented_chains.h: seg_row_tiles, seg_transposed_chains): TW chains'
+// the segmented one (segmented_tiles.h: seg_row_tiles, seg_transposed_chains): TW chains'
 // TB steps transposed in registers into a tile, scanned, transposed out. Placed by
 // fscan._engines.cpp._cpp_source and fscan._engines.cpp._kernel_segmented after the tile
 // types (fscan._engines.cpp._cpp_tiles) and the combine, before the chain paths.

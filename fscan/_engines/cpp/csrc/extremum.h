@@ -3,7 +3,7 @@
 // fscan._engines.cpp._cpp_tiles.extremum), a step at a time (extremum_step) or, where a
 // float32 chain is dense, 16 steps a vector (extremum_blocks). Placed by
 // fscan._engines.cpp._cpp_source before forward_chains.h and by _kernel_segmented before
-// segmented_chains.h, after the generated part (Vals, In, Out, row).
+// segmented_walk.h, after the generated part (Vals, In, Out, row).
 
 // One step of cummax's (EXT 1) or cummin's (EXT -1) (value, index) pair (SEG_EXTREMUM:
 // the combine recognised as torch's, see fscan._engines.cpp._kernel_segmented.extremum):
