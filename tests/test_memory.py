@@ -104,3 +104,31 @@ def test_pages_are_faulted_in_at_their_ends(threads, ends_first):
         torch.testing.assert_close(z.double(), flipped, rtol=1e-5, atol=1e-4)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_segmented_outputs_are_faulted_in_as_the_forward_scans_are(monkeypatch, reverse):
+    # The segmented kernel (reset=) writes its outputs in the order the forward kernel
+    # does: a reverse scan along lanes writes each page's end first, so on one thread its
+    # pages fault in as written (ends_first), on the first call and on the repeat route's.
+    calls: list[bool] = []
+    monkeypatch.setattr(_memory, "_madvise", lambda addr, length, advice: 0)
+    monkeypatch.setattr(_memory, "_fault_in", lambda out, lo, hi: calls.append(True))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(_memory.HUGE_MIN_BYTES // 4 // 256, 256)
+        reset = torch.arange(x.shape[0]) % 97 == 13
+        with fscan.config.override(cpu_kernel="eager"):
+            for _ in range(3):
+                calls.clear()
+                y = fscan.cumsum(x, 0, reverse=reverse, reset=reset)
+                assert calls == ([] if reverse else [True])
+    finally:
+        torch.set_num_threads(before)
+    xd, expect = x.double(), torch.empty(x.shape, dtype=torch.float64)
+    h = torch.zeros(x.shape[1], dtype=torch.float64)
+    for t in reversed(range(x.shape[0])) if reverse else range(x.shape[0]):
+        h = xd[t] if bool(reset[t]) else h + xd[t]
+        expect[t] = h
+    torch.testing.assert_close(y.double(), expect, rtol=1e-5, atol=1e-4)

@@ -40,7 +40,7 @@ from ._cpp_tiles import extremum, tile_structs, tiled
 from ._kernel_entry import BuildCall, is_ready, kernel_slots, slot_key
 from ._kernel_layout import element_shape, read_leaves, strided_view
 from ._kernel_registry import ready_derived, serving_lookup
-from ._kernel_run import fresh_outputs, kernel_params
+from ._kernel_run import ends_first, fresh_outputs, kernel_params
 
 __all__ = [
     "PreparedSegmentedRun",
@@ -229,7 +229,7 @@ def kernel_segmented(
         return ys
     if outer * steps * inner >= HUGE_MIN_BYTES // 16:
         for y in ys:
-            advise_huge_pages(y)
+            advise_huge_pages(y, ends_first(reverse, inner))
     read = read_leaves(leaves, positions)
     views, nb, strides = _read_layout(read, flags, shape, dim)
     dense = [nb * steps * inner, steps * inner, inner, 1] * len(ys)
@@ -303,8 +303,9 @@ def run_segmented_prepared(
     reads it through the stored strides): fresh outputs, the position leaves' int64."""
     ys = fresh_outputs([x], run.positions)
     if x.numel() >= HUGE_MIN_BYTES // 16:
+        _, _, inner, reverse = run.sizes
         for y in ys:
-            advise_huge_pages(y)
+            advise_huge_pages(y, ends_first(bool(reverse), inner))
     threads = torch.get_num_threads()
     if run.threads is not None:
         threads = min(run.threads, threads)
