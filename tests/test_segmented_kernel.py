@@ -165,7 +165,9 @@ def test_matches_the_walk(name, shape, dim, reverse, flags):
 def test_element_flags_reversed_over_wide_rows(name, dtype, shape, dim, threads):
     """A flag per lane, reversed, over rows of 64 lanes and more: the loop that reads the
     flags walks a row in descending blocks of 64 lanes (FLAG_LANES, csrc/segmented.h), then
-    the lanes left below them; rows of 200, 130 and 64 lanes leave 8, 2 and 0 of them."""
+    the lanes left below them; rows of 200, 130 and 64 lanes leave 8, 2 and 0 of them.
+    Where a lane moves 16 bytes or more (cummax's pairs, float64: WIDE_FLAGS) rows of more
+    than 64 lanes read the flags widened to int32, in blocks of LANE_BLOCK lanes."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(3), dtype=dtype)
     check(name, x, dim, mask(shape, 0.05, seed=4), True, threads)
     check(name, x, dim, mask(shape, 0.05, seed=4), False, threads)
@@ -297,6 +299,7 @@ def test_strided_inputs_and_masks():
         ((301, 40), (301, 1), 0),
         ((4, 301, 5, 8), (4, 301, 5, 1), 1),  # shared by some lanes only
         ((3, 301, 40), (3, 301, 80), 1),  # every other lane of a wider mask: strided flags
+        ((2, 301, 100), (2, 301, 200), 1),  # the same over rows of more than 64 lanes
     ],
 )
 def test_masks_shared_by_lanes_or_strided_on_the_lane_path(threads, shape, mask_shape, dim):

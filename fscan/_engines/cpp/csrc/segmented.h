@@ -11,41 +11,49 @@
 using Flags = Ptr<const uint8_t>;
 // How a row's flags are read: ROW, one flag for every lane of the row (R.si == 0: a 1-D
 // mask, or one broadcast over the lanes, as a (batch, T) mask over (batch, T, features));
-// LANE, a flag per lane, widened into `wide` first (lane_flags: a third mode reading
+// LANE, a flag per lane, read from adjacent bytes: the mask's own where its lanes are
+// adjacent, else the row's flags gathered into `gathered` first (a third mode reading
 // them through their stride in the loop doubled the lane path's instantiations: a
 // segmented kernel took 8.2 s of CPU to build with it, against 5.3 without).
 enum { ROW = 0, LANE = 1 };
+// The lanes of a descending block (fscan_lanes) where a loop reads a flag per lane (LANE):
+// a cache line of the flags' bytes. GCC vectorises a loop by its narrowest type, 64 bytes
+// a vector with AVX-512, so LANE_BLOCK's 16 float32 lanes with a flag each ran scalar:
+// fscan.cumsum reversed with a full reset= mask over (4096, 256) dim 0 took 0.66 ms against
+// 0.23-0.29 forward, now 0.26-0.28; over (16384, 1024) 14.4 ms, now 9.4-10.0.
+static constexpr int64_t FLAG_LANES = LANE_BLOCK > 64 ? LANE_BLOCK : 64;
 
-// Row t's flags as LANE reads them: w int32 (0 or 1) in `wide`, from the mask's own bytes
-// where its lanes are adjacent, else gathered through their stride. int32, not the bytes:
-// GCC vectorises a loop by its narrowest type, so a loop reading a byte per lane ran 64
-// lanes a vector (AVX-512), and a reversed scan, whose rows go down in blocks of lanes
-// (fscan_lanes), went down in blocks of 64 ascending inside: cummax reversed with a flag
-// per lane over (4096, 256) dim 0 ran 1.5-2.4x its forward call (the generated kernel
-// alone, one process, in turns: 1150-1244 us against 545-578; the same loop without the
-// flags 383-392 either way). Widened, the loop runs LANE_BLOCK lanes a vector as the
-// scan without flags does: 525-587 reversed, 545-549 forward. (Tried before: flagged
-// lanes patched after a loop without flags, their positions found from the bytes as
-// bits: 560-640, the extraction's branches its cost.) Strided flags are gathered in the
-// order opposite to the one the row's loop reads them in (fscan_lanes: down, from the
-// top block), so that the loop's first vector loads find them stored long before, not in
-// the store buffer (gathered ascending, reversed scans over (8, 1024, 256) dim 1 with
-// every other lane of a wider mask ran 1.7-2x their forward ones). The flags' address
-// is returned, not a Flags: a struct returned by value was stored field by field and
-// read back as one vector load every row, which the store buffer cannot forward (perf:
-// 13% of the cumsum's samples over (4096, 256) dim 0 with a mask of x's shape on the
-// one instruction after it).
-static FSCAN_INLINE const int32_t* lane_flags(const Flags rc, int64_t t, int64_t w, bool down,
-                                              int32_t* wide) {
+// Row t's flags as LANE reads them: w adjacent bytes. Gathered in the order opposite to
+// the one the row's loop reads them in (fscan_lanes: down, from the top block), so that
+// the loop's first vector loads find their bytes stored long before, not in the store
+// buffer (gathered ascending, reversed scans over (8, 1024, 256) dim 1 with every other
+// lane of a wider mask ran 1.7-2x their forward ones). The bytes' address, not a Flags:
+// a struct returned by value was stored field by field and read back as one vector load
+// every row, which the store buffer cannot forward (perf: 13% of the cumsum's samples
+// over (4096, 256) dim 0 with a mask of x's shape on the one instruction after it).
+static FSCAN_INLINE const uint8_t* lane_flags(const Flags rc, int64_t t, int64_t w, bool down,
+                                              uint8_t* gathered) {
   const Flags rr = row(rc, t);
-  if (rr.si == 1) {
-#pragma GCC ivdep
-    for (int64_t i = 0; i < w; ++i) wide[i] = rr.p[i] != 0;
-  } else if (down) {
-    for (int64_t i = w - 1; i >= 0; --i) wide[i] = rr.p[i * rr.si] != 0;
+  if (rr.si == 1) return rr.p;
+  if (down) {
+    for (int64_t i = w - 1; i >= 0; --i) gathered[i] = rr.p[i * rr.si];
   } else {
-    for (int64_t i = 0; i < w; ++i) wide[i] = rr.p[i * rr.si] != 0;
+    for (int64_t i = 0; i < w; ++i) gathered[i] = rr.p[i * rr.si];
   }
+  return gathered;
+}
+
+// A row's flags widened to int32 (0 or 1), for the loop that reads them where the bytes'
+// 64-lane blocks cost (WIDE_FLAGS, generated: see fscan._engines.cpp._kernel_segmented.
+// wide_flags): GCC vectorises a loop by its narrowest type, so the loop reading a byte a
+// lane runs 64 lanes a vector and a reversed scan's rows go down in 64-lane blocks,
+// ascending inside; where a lane moves 16 bytes or more (cummax's value and index,
+// float64) that zig-zag through the descending streams cost the reversed scan 1.5-1.7x
+// its forward one. Read as int32 the loop runs LANE_BLOCK lanes a vector, as the scan
+// without flags does.
+static FSCAN_INLINE const int32_t* widened(const uint8_t* f, int64_t w, int32_t* wide) {
+#pragma GCC ivdep
+  for (int64_t i = 0; i < w; ++i) wide[i] = f[i] != 0;
   return wide;
 }
 
@@ -54,16 +62,20 @@ static FSCAN_INLINE const int32_t* lane_flags(const Flags rc, int64_t t, int64_t
 // before s0. !WRITE: a chunk total in acc, and seen[i] set where lane i restarts in the
 // chunk (its total then owes nothing to the chunks before). ALL with WRITE: the outputs
 // written and the total kept, every leaf (a split column's first chunk, whose total no
-// carry precedes: seen is not kept). wide: W int32 (LANE: the row's flags, see lane_flags).
+// carry precedes: seen is not kept). gathered: W bytes (LANE with strided flags); wide:
+// W int32 (LANE where WIDE_FLAGS, see widened).
 template <bool WRITE, bool GATHER, int MODE, bool ALL = !WRITE>
 static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, const Geo& S,
                          int64_t o, int64_t i0, int64_t w, int64_t s0, int64_t s1, bool rev,
                          const Buf* carry, const Buf acc, uint8_t* seen, const InRow& rows,
-                         const OutRow& orows, int32_t* wide) {
+                         const OutRow& orows, uint8_t* gathered, int32_t* wide) {
   const In xc = at(x, S, o, 0, i0);
   const Out yc = at(y, S, o, 0, i0);
   const Flags rc = shift(R, o, S.nb, 0, i0);
   const int64_t e0 = o * S.inner + i0, T = S.T, dt = rev ? -1 : 1;
+  // Widened only going down over more than one block: forward, the bytes' loop ascends
+  // through the row in one pass, and a block alone does not zig-zag.
+  const bool widen = MODE == LANE && WIDE_FLAGS && rev && w > FLAG_LANES;
   if (!WRITE) std::memset(seen, 0, (size_t)w);
   In xs = row(xc, rev ? T - 1 - s0 : s0);
   Out ys = row(yc, rev ? T - 1 - s0 : s0);
@@ -72,19 +84,28 @@ static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, co
     if (s > s0) { xs = row(xs, dt); ys = row(ys, dt); }
     const In xr = GATHER ? gather(xs, rows, w, rev) : xs;
     const Out yr = GATHER ? buffered(ys, orows) : ys;
-    const uint8_t* const rb = row(rc, t).p;  // ROW: the row's one flag
-    const int32_t* const rf = MODE == LANE ? lane_flags(rc, t, w, rev, wide) : nullptr;
+    const uint8_t* const rf = MODE == LANE ? lane_flags(rc, t, w, rev, gathered) : row(rc, t).p;
     const bool first = s == s0 && carry == nullptr;
-    if (MODE == ROW && (first || rb[0])) {  // the whole row restarts: a copy
+    if (MODE == ROW && (first || rf[0])) {  // the whole row restarts: a copy
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
         const Vals v = load_i(xr, i, t);
         put_as<ALL>(acc, i, v);
         if (WRITE) store_i(yr, i, v);
       });
-      if (!WRITE && rb[0]) std::memset(seen, 1, (size_t)w);
+      if (!WRITE && rf[0]) std::memset(seen, 1, (size_t)w);
+    } else if (widen && !first) {
+      const Buf left = s == s0 ? *carry : acc;
+      const int32_t* const rw = widened(rf, w, wide);
+      fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
+        const Vals u = load_i(xr, i, t);
+        const Vals c = combine<false>(get_as<ALL>(left, i), u, p, e0 + i);
+        const Vals v = pick(rw[i] != 0, u, c);  // as below
+        put_as<ALL>(acc, i, v);
+        if (WRITE) store_i(yr, i, v);
+      });
     } else if (MODE == ROW || !first) {
       const Buf left = s == s0 ? *carry : acc;
-      fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
+      fscan_lanes<MODE == LANE ? FLAG_LANES : LANE_BLOCK>(w, rev, [&](int64_t i) {
         const Vals u = load_i(xr, i, t);
         const Vals c = combine<false>(get_as<ALL>(left, i), u, p, e0 + i);
         // A flagged lane takes its element: the combine's result (of anything, NaN
@@ -103,7 +124,7 @@ static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, co
       });
     }
     if (MODE != ROW && !WRITE) {
-      for (int64_t i = 0; i < w; ++i) seen[i] |= (uint8_t)rf[i];
+      for (int64_t i = 0; i < w; ++i) seen[i] |= rf[i];
     }
     if (WRITE && GATHER) scatter(ys, orows, w, rev);
   }
@@ -114,9 +135,9 @@ static FSCAN_INLINE void seg_lanes(bool dense, const In x, const Out y, const Pa
                                    const Geo& S, int64_t o, int64_t i0, int64_t w, int64_t s0,
                                    int64_t s1, bool rev, const Buf* carry, const Buf acc,
                                    uint8_t* seen, const InRow& rows, const OutRow& orows,
-                                   int32_t* wide) {
-  if (dense) seg_lane_run<WRITE, false, MODE, ALL>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows, wide);
-  else seg_lane_run<WRITE, true, MODE, ALL>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows, wide);
+                                   uint8_t* gathered, int32_t* wide) {
+  if (dense) seg_lane_run<WRITE, false, MODE, ALL>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows, gathered, wide);
+  else seg_lane_run<WRITE, true, MODE, ALL>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows, gathered, wide);
 }
 
 // lane_path (forward_lanes.h) with flags: columns of W lanes; where there are fewer columns
@@ -141,16 +162,18 @@ static void seg_lane_path(const In x, const Out y, const Par p, const Flags R, c
     const bool dense = unit(x) && unit(y);
     const InRow rows(dense ? 0 : W);
     const OutRow orows(dense ? 0 : W);
-    std::vector<int32_t> flags(MODE == LANE ? W : 0);
-    int32_t* const wide = flags.data();
+    std::vector<uint8_t> flags(MODE == LANE && R.si != 1 ? W : 0);
+    uint8_t* const gathered = flags.data();
+    std::vector<int32_t> widths(MODE == LANE && WIDE_FLAGS ? W : 0);
+    int32_t* const wide = widths.data();
     if (C > 1) {
 #pragma omp for schedule(static)
       for (int64_t k = 0; k < ncols * (C - 1); ++k) {
         const int64_t col = k / (C - 1), c = k % (C - 1);
         const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
         const Buf total = offset(tb, k * W);
-        if (c == 0) seg_lanes<true, MODE, true>(dense, x, y, p, R, S, o, i0, w, 0, L, rev, nullptr, total, nullptr, rows, orows, wide);
-        else seg_lanes<false, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, total, seen.data() + k * W, rows, orows, wide);
+        if (c == 0) seg_lanes<true, MODE, true>(dense, x, y, p, R, S, o, i0, w, 0, L, rev, nullptr, total, nullptr, rows, orows, gathered, wide);
+        else seg_lanes<false, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, total, seen.data() + k * W, rows, orows, gathered, wide);
       }
 #pragma omp for schedule(static)
       for (int64_t col = 0; col < ncols; ++col) {
@@ -166,7 +189,7 @@ static void seg_lane_path(const In x, const Out y, const Par p, const Flags R, c
             put_all(cur, i, v);
           }
           // Composing is not what the steps give (see suspect): walk the chunk.
-          if (walk) seg_lanes<false, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, (c + 1) * L, rev, &prev, cur, seen.data() + k * W, rows, orows, wide);
+          if (walk) seg_lanes<false, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, (c + 1) * L, rev, &prev, cur, seen.data() + k * W, rows, orows, gathered, wide);
         }
       }
     }
@@ -183,7 +206,7 @@ static void seg_lane_path(const In x, const Out y, const Par p, const Flags R, c
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
       const Buf carry = c > 0 ? offset(tb, (col * (C - 1) + c - 1) * W) : tb;
       const int64_t s1 = std::min(T, (c + 1) * L);
-      seg_lanes<true, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, nullptr, rows, orows, wide);
+      seg_lanes<true, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, nullptr, rows, orows, gathered, wide);
     }
   });
 }
