@@ -87,6 +87,24 @@ def test_chunks_and_threads(threads, shape, dim, flags, reverse):
             check32(x, dim, reset, reverse, threads, name="cumsum")
 
 
+@pytest.mark.parametrize("layout", ["adjacent", "strided"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_element_flags_read_as_bits_or_a_byte_at_a_time(layout, reverse):
+    """Element flags whose steps are adjacent bytes (a whole tile's read 16 a chain as bits,
+    a tile without a restart scanned without its flags) or not (a transposed mask's,
+    gathered a byte at a time): tiles with every step restarted, with one restart on
+    every third lane, with none, and the partial tile at the end."""
+    x = torch.randn(40, 16 * 5 + 3, generator=torch.Generator().manual_seed(5))
+    reset = torch.zeros(x.shape, dtype=torch.bool)
+    reset[:, 16:32] = True
+    reset[::3, 40] = True
+    reset[7, 81] = True
+    if layout == "strided":
+        reset = reset.t().contiguous().t()
+    assert (reset.stride(1) == 1) == (layout == "adjacent")
+    check32(x, 1, reset, reverse)
+
+
 def test_inf_and_nan_stay_in_their_segment():
     x = torch.randn(20, 64)
     x[:, 5] = float("inf")

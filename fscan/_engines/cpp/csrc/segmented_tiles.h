@@ -211,8 +211,27 @@ __attribute__((noinline)) static void seg_row_tiles(const In x, const Out y, con
   }
 }
 
+// A whole tile's TB (16) flags of one chain, adjacent bytes from p, as bits: bit j for the
+// byte at p + j (the tile's row j).
+static FSCAN_INLINE uint32_t tile_flag_bits(const uint8_t* p) {
+  static_assert(TB == 16, "one 16-byte load a chain");
+#if defined(__SSE2__)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (uint32_t)_mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_setzero_si128())) ^ 0xffffu;
+#else
+  uint32_t b = 0;
+  for (int j = 0; j < TB; ++j) b |= (uint32_t)(p[j] != 0) << j;
+  return b;
+#endif
+}
+
 // SEG_TW chains, each its own flags (any mask layout) or carry: TB steps a tile, each
-// chain's flags gathered into the tile's rows (LANE_FLAGS). A function of its own:
+// chain's flags gathered into the tile's rows (LANE_FLAGS). Where the mask's steps are
+// adjacent bytes (R.st == 1: a mask of x's shape along its last dim), a whole tile's flags
+// are read 16 bytes a chain, as bits, and spread into the rows by a vector loop, and a
+// tile without a restart is scanned by the forward's tile_scan; else gathered a byte at a
+// time (a byte load, a compare and a scattered store an element: 38% of the path outside
+// the tile scan, perf on cumsum). A function of its own:
 // inlined into seg_chain_path, GCC spilled the transposes' registers (328 vector stores
 // to the stack there against 64 in the forward's chain_path) and the tiles ran 1.67x the
 // forward's, 1.34x so (cumsum over (4096, 256) dim 1, the kernel alone).
@@ -235,6 +254,7 @@ __attribute__((noinline)) static void seg_transposed_chains(
   }
   const Buf acc = tl.acc.buf();
   int32_t* const fl = tl.flag;
+  const bool dense = R.st == 1;  // each chain's flags adjacent bytes, in step order
   for (int64_t k0 = 0; k0 < common; k0 += TB) {
     const int64_t n = std::min(TB, common - k0);
     const bool part = n < TB;
@@ -243,19 +263,37 @@ __attribute__((noinline)) static void seg_transposed_chains(
     for (int g = 0; g < SEG_TW; ++g) lo[g] = UP ? c[g].t0 + k0 : c[g].t0 - k0 - (TB - 1);
     if (part) tile_in(xb, lo, tl.in, m);
     else tile_in(xb, lo, tl.in, all);
-    for (int g = 0; g < SEG_TW; ++g) {
-      int32_t* f = fl + (g / TV * TB) * TV + g % TV;
-      for (int64_t k = 0; k < n; ++k) f[(UP ? k : TB - 1 - k) * TV] = step(c[g].r, (k0 + k) * dt) != 0;
-    }
     // Each chain's first step: from its carry (the running value), else its element (a
     // restart there). So the scans start at step 0 in every tile: the instantiations
     // from step 1 (a third of the tile scans' build) are not needed.
-    for (int g = 0; k0 == 0 && g < SEG_TW; ++g) {
+    for (int g = 0; k0 == 0 && g < SEG_TW; ++g)
       if (carry[g] != nullptr) put_all(acc, g, *carry[g]);
-      else fl[(g / TV * TB + (UP ? 0 : TB - 1)) * TV + g % TV] = 1;
+    const unsigned first = UP ? 1u : 1u << (TB - 1);  // the tile's row of its first step
+    bool restarts = true;  // whether the tile has any (else scanned without its flags)
+    if (dense && !part) {
+      uint32_t bits[SEG_TW], any = 0;
+      for (int g = 0; g < SEG_TW; ++g) {
+        bits[g] = tile_flag_bits(c[g].r.p + (lo[g] - c[g].t0));
+        if (k0 == 0 && carry[g] == nullptr) bits[g] |= first;
+        any |= bits[g];
+      }
+      restarts = any != 0;
+      for (int w = 0; restarts && w < WAYS; ++w)
+        for (int64_t j = 0; j < TB; ++j) {
+          int32_t* const f = fl + (w * TB + j) * TV;
+#pragma GCC ivdep
+          for (int g = 0; g < TV; ++g) f[g] = (int32_t)((bits[w * TV + g] >> j) & 1u);
+        }
+    } else {
+      for (int g = 0; g < SEG_TW; ++g) {
+        int32_t* f = fl + (g / TV * TB) * TV + g % TV;
+        for (int64_t k = 0; k < n; ++k) f[(UP ? k : TB - 1 - k) * TV] = step(c[g].r, (k0 + k) * dt) != 0;
+        if (k0 == 0 && carry[g] == nullptr) f[(UP ? 0 : TB - 1) * TV] = 1;
+      }
     }
     if (part) seg_tile_scan_part<UP>(x, y, p, lane, acc, tl, n);
-    else seg_tile_scan<UP, LANE_FLAGS>(x, y, p, lane, acc, tl, 0);
+    else if (restarts) seg_tile_scan<UP, LANE_FLAGS>(x, y, p, lane, acc, tl, 0);
+    else tile_scan<true, UP, 0, false>(x, y, p, lane, acc, tl);
     if (part) tile_out(yb, lo, tl.out, m);
     else tile_out(yb, lo, tl.out, all);
   }
