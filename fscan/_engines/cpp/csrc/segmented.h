@@ -164,8 +164,8 @@ static void seg_lane_path(const In x, const Out y, const Par p, const Flags R, c
     const OutRow orows(dense ? 0 : W);
     std::vector<uint8_t> flags(MODE == LANE && R.si != 1 ? W : 0);
     uint8_t* const gathered = flags.data();
-    std::vector<int32_t> widths(MODE == LANE && WIDE_FLAGS ? W : 0);
-    int32_t* const wide = widths.data();
+    std::vector<int32_t> flags32(MODE == LANE && WIDE_FLAGS ? W : 0);
+    int32_t* const wide = flags32.data();
     if (C > 1) {
 #pragma omp for schedule(static)
       for (int64_t k = 0; k < ncols * (C - 1); ++k) {
