@@ -24,6 +24,7 @@ from ._kernel_layout import counters, gathers, read_leaves, strided_layout, stri
 __all__ = [
     "CallLayout",
     "PreparedRun",
+    "advise_outputs",
     "call_layout",
     "contiguous_strides",
     "ends_first",
@@ -87,7 +88,7 @@ def run_kernel(
         ys = [torch.empty_like(x) if x.is_contiguous() else _empty(x) for x in leaves]
     if outer * steps * inner == 0:
         return ys
-    if outs is None and outer * steps * inner >= _HUGE_GATE:
+    if outs is None and outer * steps * inner >= _HUGE_GATE:  # inline: the small calls' path
         _advise(ys, ends_first(reverse, inner))
     params = (
         kernel_params(program, captured, shape[:dim] + shape[dim + 1 :]) if program.params else []
@@ -310,7 +311,7 @@ def run_prepared(
             run.kernel(x, y, *run.sizes, threads, *run.tail)
         return [y]
     ys = fresh_outputs(leaves, run.positions)
-    if ys[0].numel() >= _HUGE_GATE:
+    if ys[0].numel() >= _HUGE_GATE:  # inline: the small calls' path
         _advise(ys, _ends_first(run.sizes))
     run.kernel(*leaves, *ys, *params, *run.sizes, threads, *run.tail)
     return ys
@@ -398,6 +399,16 @@ def _advise(ys: Sequence[torch.Tensor | None], ends_first: bool) -> None:
     for y in ys:
         if y is not None:
             advise_huge_pages(y, ends_first)
+
+
+def advise_outputs(ys: Sequence[torch.Tensor | None], sizes: tuple[int, ...]) -> None:
+    """Huge-page advice for a kernel's fresh outputs ``ys`` (None: not allocated) of a
+    call of ``sizes`` (outer, steps, inner, reverse bits), where they are large enough,
+    each page faulted in where the kernel will not write its end first (:func:`ends_first`).
+    The forward's call paths inline the same gate (a call less on a small call's path)."""
+    outer, steps, inner, _ = sizes
+    if outer * steps * inner >= _HUGE_GATE:
+        _advise(ys, _ends_first(sizes))
 
 
 def ends_first(descending: bool, inner: int) -> bool:

@@ -22,7 +22,6 @@ import torch
 from optree import PyTreeSpec
 
 from ..._config import config
-from ..._memory import HUGE_MIN_BYTES, advise_huge_pages
 from ._cpp_ops import STORAGE, Program, compute_ctype
 from ._cpp_source import (
     _combine_function,
@@ -40,7 +39,7 @@ from ._cpp_tiles import extremum, tile_structs, tiled
 from ._kernel_entry import BuildCall, is_ready, kernel_slots, slot_key
 from ._kernel_layout import element_shape, read_leaves, strided_view
 from ._kernel_registry import ready_derived, serving_lookup
-from ._kernel_run import ends_first, fresh_outputs, kernel_params
+from ._kernel_run import advise_outputs, fresh_outputs, kernel_params
 
 __all__ = [
     "PreparedSegmentedRun",
@@ -244,9 +243,7 @@ def kernel_segmented(
     ]
     if outer * steps * inner == 0:
         return ys
-    if outer * steps * inner >= HUGE_MIN_BYTES // 16:
-        for y in ys:
-            advise_huge_pages(y, ends_first(reverse, inner))
+    advise_outputs(ys, (outer, steps, inner, int(reverse)))
     read = read_leaves(leaves, positions)
     views, nb, strides = _read_layout(read, flags, shape, dim)
     dense = [nb * steps * inner, steps * inner, inner, 1] * len(ys)
@@ -319,10 +316,7 @@ def run_segmented_prepared(
     mask's shape and strides, it was prepared for; a full mask unexpanded: the kernel
     reads it through the stored strides): fresh outputs, the position leaves' int64."""
     ys = fresh_outputs([x], run.positions)
-    if x.numel() >= HUGE_MIN_BYTES // 16:
-        _, _, inner, reverse = run.sizes
-        for y in ys:
-            advise_huge_pages(y, ends_first(bool(reverse), inner))
+    advise_outputs(ys, run.sizes)
     threads = torch.get_num_threads()
     if run.threads is not None:
         threads = min(run.threads, threads)

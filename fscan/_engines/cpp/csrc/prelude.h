@@ -390,7 +390,10 @@ template <typename T> static FSCAN_INLINE T fscan_range(T x, T over, T under) {
 // too, as torch.cumprod/cumsum accumulate float32 in double; only a value that had
 // sunk below 2**-1022 and grew back past 2**-150 (by factors over 2**872) would differ.
 static FSCAN_INLINE double fscan_flush_f32(double x) { return std::fabs(x) < 0x1p-1022 ? std::copysign(0.0, x) : x; }
-static FSCAN_INLINE double fscan_range_f32(double x) { return fscan_range(x, 0x1.ffffffp127, 0x1p-150); }
+// float32's range as a value held in double: from FSCAN_F32_OVER it rounds to inf, up to
+// FSCAN_F32_UNDER to zero (fscan_range_f32, and the watch's bounds in fscan_watched).
+static constexpr double FSCAN_F32_OVER = 0x1.ffffffp127, FSCAN_F32_UNDER = 0x1p-150;
+static FSCAN_INLINE double fscan_range_f32(double x) { return fscan_range(x, FSCAN_F32_OVER, FSCAN_F32_UNDER); }
 static FSCAN_INLINE float fscan_range_f16(float x) { return fscan_range(x, 65520.0f, 0x1p-25f); }
 static FSCAN_INLINE float fscan_range_bf16(float x) { return fscan_range(x, 0x1.ffp127f, 0x1p-134f); }
 // The range check as the generated combine calls it: WATCH false, the check itself;
@@ -420,7 +423,7 @@ static FSCAN_INLINE uint64_t fscan_magnitude_bits(double x) {
   return b << 1;
 }
 static FSCAN_INLINE bool fscan_watched(const FscanWatch& w) {
-  const uint64_t over = fscan_magnitude_bits(0x1.ffffffp127), under = fscan_magnitude_bits(0x1p-150);
+  const uint64_t over = fscan_magnitude_bits(FSCAN_F32_OVER), under = fscan_magnitude_bits(FSCAN_F32_UNDER);
   return (w.flag != 0) | (w.hi >= over) | (w.lo <= under - 1);
 }
 // Where a combine is called without a watch (WATCH false: never written).

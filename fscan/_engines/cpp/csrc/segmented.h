@@ -93,29 +93,30 @@ static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, co
         if (WRITE) store_i(yr, i, v);
       });
       if (!WRITE && rf[0]) std::memset(seen, 1, (size_t)w);
-    } else if (widen && !first) {
-      const Buf left = s == s0 ? *carry : acc;
-      const int32_t* const rw = widened(rf, w, wide);
-      fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
-        const Vals u = load_i(xr, i, t);
-        const Vals c = combine<false>(get_as<ALL>(left, i), u, p, e0 + i);
-        const Vals v = pick(rw[i] != 0, u, c);  // as below
-        put_as<ALL>(acc, i, v);
-        if (WRITE) store_i(yr, i, v);
-      });
     } else if (MODE == ROW || !first) {
-      const Buf left = s == s0 ? *carry : acc;
-      fscan_lanes<MODE == LANE ? FLAG_LANES : LANE_BLOCK>(w, rev, [&](int64_t i) {
-        const Vals u = load_i(xr, i, t);
-        const Vals c = combine<false>(get_as<ALL>(left, i), u, p, e0 + i);
-        // A flagged lane takes its element: the combine's result (of anything, NaN
-        // included) is dropped, as torch.where drops it on the (flag, value) pairs.
-        // pick selects field by field: `flag ? u : c` on the structs went through
-        // memory (a select of addresses), 20 ns an element on the chain path.
-        const Vals v = MODE != ROW ? pick(rf[i] != 0, u, c) : c;
-        put_as<ALL>(acc, i, v);
-        if (WRITE) store_i(yr, i, v);
-      });
+      // The row combined with the running values, flagged lanes taking their element (f:
+      // the row's flags, read in blocks of B lanes).
+      auto combined = [&](auto B, const auto* f) {
+        const Buf left = s == s0 ? *carry : acc;
+        fscan_lanes<decltype(B)::value>(w, rev, [&](int64_t i) {
+          const Vals u = load_i(xr, i, t);
+          const Vals c = combine<false>(get_as<ALL>(left, i), u, p, e0 + i);
+          // A flagged lane takes its element: the combine's result (of anything, NaN
+          // included) is dropped, as torch.where drops it on the (flag, value) pairs.
+          // pick selects field by field: `flag ? u : c` on the structs went through
+          // memory (a select of addresses), 20 ns an element on the chain path.
+          const Vals v = MODE != ROW ? pick(f[i] != 0, u, c) : c;
+          put_as<ALL>(acc, i, v);
+          if (WRITE) store_i(yr, i, v);
+        });
+      };
+      using Block = std::integral_constant<int64_t, MODE == LANE ? FLAG_LANES : LANE_BLOCK>;
+      if constexpr (MODE == LANE && WIDE_FLAGS) {  // (else the int32 loop is not compiled)
+        if (widen) combined(std::integral_constant<int64_t, LANE_BLOCK>{}, widened(rf, w, wide));
+        else combined(Block{}, rf);
+      } else {
+        combined(Block{}, rf);
+      }
     } else {  // the chunk's first row, no carry: its elements, flagged or not
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
         const Vals v = load_i(xr, i, t);
