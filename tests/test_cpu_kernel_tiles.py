@@ -142,6 +142,32 @@ def test_transposed_float32_input_reads_its_chains_in_place():
     _check("affine", (torch.rand(40, 300).t() * 0.5 + 0.5, x.t()), 0, True, 1)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("name", ["add", "last_nonzero", "affine", "lse"])
+def test_whole_lanes_tiled_across_outer_rows(name, reverse, threads):
+    # Groups of whole lanes (lane_tiles, forward_chains.h) step their lanes' bases from the
+    # group's first lane. Steps dense in and out (a permuted input scanned into a permuted
+    # out=) with 10 lanes an outer index: a group's lanes cross from one outer index to the
+    # next, and 3 x 10 or 7 x 10 lanes leave a part group to the chains beside the tiles.
+    for outer, steps in [(3, 16), (7, 33), (7, 5)]:
+        memory = (outer, 10, steps)
+        data = _data(name, memory, torch.float32, seed=outer * steps)
+        xs = optree.tree_map(lambda x: x.permute(0, 2, 1), data)
+        leaves, spec = optree.tree_flatten(xs)
+        outs = [torch.full(memory, -7.0).permute(0, 2, 1) for _ in leaves]
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):
+                got = kernel_scan("test", COMBINES[name], spec, leaves, 1, reverse, out=outs)
+        finally:
+            torch.set_num_threads(previous)
+        assert got is not None and all(g.data_ptr() == o.data_ptr() for g, o in zip(got, outs))
+        for g, r in zip(got, _oracle(COMBINES[name], xs, 1, reverse, None)):
+            torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("dim", [0, 1])
 @pytest.mark.parametrize("name", sorted(COMBINES))

@@ -149,6 +149,45 @@ static void tile_chains(const In* xb, const Out* yb, const Par p, const int64_t*
   }
 }
 
+// TW whole lanes from lane0 on (steps [0, T), no head element), tiled as tile_chains does,
+// but shaped as the segmented kernel's seg_row_tiles (segmented_tiles.h): the lanes' bases
+// stepped from lane0 (one division a group), every chain at the same step, a function of
+// its own. Through chain_group, each chain described apart in the team's loop (its item,
+// its lane's (o, i) and addresses, its head), short chains paid for the set-up: add over
+// (16384, 16) dim 1 took 225 us and over (1024, 8, 64) dim 2 264, against 160 and 232 so
+// (1 thread, alternating processes). The price: tile_step inlined twice more, a fifth more
+// g++ time for a one-leaf kernel (mul 2.3 -> 2.8-3.1 CPU-s); tile_step out of line instead
+// ran add over (4096, 256) dim 1 1.5x slower.
+// EXCL: every lane's carry is start (the exclusive scan's start value, combined with the
+// first step where fold), as chain_path gives a lane's first chunk.
+template <bool UP, bool EXCL>
+__attribute__((noinline)) static void lane_tiles(const In x, const Out y, const Par p, const Geo& S,
+                                                 int64_t lane0, const Vals& start, bool fold,
+                                                 Tiles& tl) {
+  In xb[TW];
+  Out yb[TW];
+  int64_t t0[TW], elem[TW];
+  Vals carry[TW];
+  bool has[TW];
+  const int64_t T = S.T;
+  int64_t o = lane0 / S.inner, i = lane0 - o * S.inner;
+  for (int g = 0; g < TW; ++g) {
+    xb[g] = at(x, S, o, 0, i);
+    yb[g] = at(y, S, o, 0, i);
+    t0[g] = UP ? 0 : T - 1;
+    elem[g] = lane0 + g;
+    carry[g] = start;
+    has[g] = EXCL && fold;
+    if (++i == S.inner) { i = 0; ++o; }
+  }
+  const int64_t low[TW] = {};  // every chain's lowest step: 0 (whole lanes)
+  const int64_t ahead = ahead_lines(xb, low, T);  // the next group's rows (chain_tiles.h)
+  for (int64_t s0 = 0; s0 < T; s0 += TB) {
+    if (ahead) tile_ahead<true>(xb[0], yb[0], TW * T + s0 / TB * ahead * 16, ahead);
+    tile_step<true, UP, EXCL>(xb, yb, p, t0, elem, carry, has, s0, std::min(TB, T - s0), tl);
+  }
+}
+
 // Chains per group: TW where they may be tiled, else G.
 static constexpr int CG = TILED ? TW : G;
 
@@ -254,6 +293,9 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
   std::vector<Vals> tot(C > 1 ? items : 0);
   Vals start{};  // EXCL: the first chunk's carry
   if (EXCL && H.any) start = load_t(head_at(x, H, 0), 0, -1);
+  // Groups of TW whole lanes that chain_group would tile (no heads: the exclusive scan's
+  // are its start value): lane_tiles.
+  const bool whole = TILED && CG == TW && C == 1 && cg == CG && (EXCL || !H.any) && tileable(x, y);
   fscan_team(nt, [&] {
     Tiles tl;
     In xb[CG], hb[CG];
@@ -294,6 +336,11 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
       // Reversed lone chains read memory downwards: their groups from the last too.
       const int64_t gi = rev && cg == 1 ? groups - 1 - gj : gj;
       const int ng = (int)std::min<int64_t>(CG, items - gi * CG);
+      if (whole && ng == CG) {
+        if (rev) lane_tiles<false, EXCL>(x, y, p, S, gi * CG, start, fold, tl);
+        else lane_tiles<true, EXCL>(x, y, p, S, gi * CG, start, fold, tl);
+        continue;
+      }
       Item it = item(gi * CG);
       for (int g = 0; g < ng; ++g, next(it)) {
         describe(it, xb[g], yb[g], t0[g], len[g], elem[g], hb[g], head[g]);
