@@ -1,6 +1,7 @@
 """The drop-ins' route table reads torch's thread count: over several contiguous lanes (the
 innermost dim) the kernel takes cumsum's and cumprod's rows of at least
-``ONE_THREAD_MIN_LENGTH`` steps on one thread, torch's op on more; cummax/cummin's cells
+``ONE_THREAD_MIN_LENGTH`` steps (``ONE_THREAD_MIN_LENGTHS`` for float32 and reversed
+float64) on one thread, torch's op on more; cummax/cummin's cells
 there do not read the count (torch's walk of them is serial: the kernel runs them on one
 thread); the route log names the engine taken and, where the thread count kept the kernel
 away, says so; the drop-ins' repeat keys hold the thread count; values are torch's either
@@ -33,9 +34,37 @@ ROWS = [
     (torch.cumprod, (4096, 256), 1, False, True),
     (torch.cumprod, (4096, 256), 1, True, True),
     (torch.cumsum, (65536, 4), 0, True, True),  # 4 lanes after dim, 65536 steps
-    (torch.cumsum, (8192, ONE_THREAD_MIN_LENGTH // 2), 1, False, False),  # short rows
-    (torch.cumprod, (8192, ONE_THREAD_MIN_LENGTH // 2), 1, True, False),
+    (torch.cumsum, (8192, ONE_THREAD_MIN_LENGTH // 2), 1, False, True),  # float32 tiled
+    (torch.cumprod, (8192, 16), 1, True, True),
+    (torch.cumsum, (8192, 32), 1, False, False),  # short rows
+    (torch.cumprod, (16384, 8), 1, True, False),
 ]
+
+# (op, dtype, steps, reverse, kernel on one thread) over 2**17 elements: the kernel's rows
+# from ONE_THREAD_MIN_LENGTHS' lengths (float32 tiled; float64 walked) or from 128
+LENGTH_ROWS = [
+    (torch.cumsum, torch.float32, 8, True, False),
+    (torch.cumprod, torch.float32, 16, True, True),
+    (torch.cumsum, torch.float32, 48, False, False),
+    (torch.cumprod, torch.float32, 64, False, True),
+    (torch.cumsum, torch.float64, 32, True, False),
+    (torch.cumprod, torch.float64, 64, True, True),
+    (torch.cumsum, torch.float64, 96, False, False),
+    (torch.cumsum, torch.float64, 128, False, True),
+    (torch.cumsum, torch.int64, 64, True, False),
+    (torch.cumprod, torch.bfloat16, 128, True, True),
+]
+
+
+@pytest.mark.parametrize(("op", "dtype", "steps", "reverse", "kernel"), LENGTH_ROWS)
+def test_rows_on_one_thread_take_the_kernel_from_their_dtypes_length(
+    op, dtype, steps, reverse, kernel
+):
+    x = torch.ones(2**17 // steps, steps, dtype=dtype)
+    with torch_threads(1):
+        assert route(op, x, 1, reverse) == (kernel, False)
+    with torch_threads(2):
+        assert route(op, x, 1, reverse) == (False, False)
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bfloat16, torch.float16])

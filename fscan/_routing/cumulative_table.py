@@ -22,8 +22,10 @@ engine       when
              float32 over the innermost dim from 2**17 elements (the kernel's
              tiles under 128 steps, its lone walk from 128); on one thread
              (``torch.get_num_threads() == 1``) at ``n >= 128``
-             (``ONE_THREAD_MIN_LENGTH``) cumsum and cumprod reversed, and forward
-             in float32/float64 (``CHAIN_SUM_DTYPES``); over one lane,
+             (``ONE_THREAD_MIN_LENGTH``; float32 reversed from 16, forward
+             from 64, float64 reversed from 64: ``ONE_THREAD_MIN_LENGTHS``)
+             cumsum and cumprod reversed, and forward in float32/float64
+             (``CHAIN_SUM_DTYPES``); over one lane,
              logcumsumexp, every op reversed (torch flips twice), cumsum/cumprod
              forward in float32/float64 if contiguous from 2**20 elements and
              cummax/cummin forward in float32 from 2**17;
@@ -79,6 +81,7 @@ __all__ = [
     "MIN_STRIDE",
     "NATIVE_BELOW",
     "ONE_THREAD_MIN_LENGTH",
+    "ONE_THREAD_MIN_LENGTHS",
     "ROW_TILE_MIN_LANES",
     "SPAN_BYTES",
     "SUMS",
@@ -145,7 +148,21 @@ CUMSUM_MIN_STRIDE = 1024
 # since taken float32 rows from 128 steps (1024, 128) 0.60 / 0.65 (cumsum / cumprod),
 # (2048, 128) 0.55 / 0.59, (8192, 96) 0.58 / 0.63, (4096, 64) 0.72 / 0.79, (1024, 48)
 # 1.02 / 1.12; float64 (1024, 128) 0.92 / 0.91, (8192, 96) 1.02 / 1.03, (4096, 192) 0.75.
+# Re-measured after the forward's whole-lane tiles (lane_tiles, csrc/forward_chains.h: a
+# group's lanes stepped, not described a chain at a time), scripts/cumulative_rows.py
+# --op cumsum / cumprod (thread CPU, medians of 21, 1 thread, kernel / torch, 2**15, 2**17
+# and 2**20 elements; cumsum, cumprod): float32 reversed at 16 steps 0.55-1.02, 0.80-0.83,
+# at 32 0.59-0.81, at 48-96 0.46-0.72 (at 8: 0.83-1.49); float32 forward at 64 steps
+# 0.69-0.79, 0.78-1.02, at 96 0.58-0.76 (at 48 0.76-1.00, at 32 1.12-1.36, at 16
+# 1.22-2.01); float64 reversed at 64 steps 0.76-0.83, at 96 0.58-0.61 (at 32 0.73-1.13, at
+# 16 0.86-1.58); float64 forward (walked, not tiled) 1.37-4.3 under 128. So on one thread
+# these rows take the kernel from ONE_THREAD_MIN_LENGTHS' lengths, the rest from 128.
 ONE_THREAD_MIN_LENGTH = 128
+ONE_THREAD_MIN_LENGTHS = {  # (dtype, reverse): the kernel's rows from this many steps
+    (torch.float32, True): 16,
+    (torch.float32, False): 64,
+    (torch.float64, True): 64,
+}
 KERNEL_MIN_NUMEL_ONE_LANE = 2**20  # cumsum/cumprod over one lane: past the ties below
 # ... in float32 and float64 only (the chains tiled, or walked in double): forward in other
 # dtypes the kernel walked them a step at a time, slower than torch's op (1 thread, thread
@@ -158,7 +175,7 @@ CHAIN_SUM_DTYPES = (torch.float32, torch.float64)
 # count (torch.cummax (65536, 16) dim 1: 3.06 ms on 1 thread, 2.98 on 2; (4096, 256) 1.17 /
 # 1.20), so the kernel runs them on one thread too (cumulative.kernel_threads) and these
 # cells do not read the count. fscan.cummax end to end (route forced) against torch's op,
-# 1 thread, thread CPU time, medians, December 2026 (scripts/extremum_rows.py):
+# 1 thread, thread CPU time, medians, December 2026 (scripts/cumulative_rows.py):
 # * forward float32 rows under WALK_FROM steps (the chain tiles): from 2**17 elements 0.45-
 #   0.75x ((8192, 16) 0.55, (2048, 64) 0.60, (65536, 16) 0.45-0.73, (2**20 / 96, 96) 0.55-
 #   0.74; (262144 / n, n) 0.46-0.62), at 2**16 0.91-1.30, at 2**15 1.04-1.7 (the call's fixed
@@ -312,13 +329,15 @@ def _rows(
     """The kernel's cells over several contiguous lanes (``n`` steps each, ``stride``
     apart) besides logcumsumexp's: cummax/cummin's on any thread count (see
     ``EXTREMUM_FORWARD_MIN_NUMEL``), and on one thread (``threads``, None: torch's count
-    now) rows of at least ``ONE_THREAD_MIN_LENGTH`` steps, cumsum and cumprod (forward in
-    ``CHAIN_SUM_DTYPES`` only)."""
+    now) rows of at least ``ONE_THREAD_MIN_LENGTH`` steps (``ONE_THREAD_MIN_LENGTHS`` for
+    float32 and reversed float64), cumsum and cumprod (forward in ``CHAIN_SUM_DTYPES``
+    only)."""
     if op in EXTREMA:
         if reverse:
             return n >= WALK_FROM or x.dtype == torch.float32
         return stride == 1 and _extremum_forward(x)
-    if n < ONE_THREAD_MIN_LENGTH or op not in _ONE_THREAD_OPS:
+    shortest = ONE_THREAD_MIN_LENGTHS.get((x.dtype, bool(reverse)), ONE_THREAD_MIN_LENGTH)
+    if n < shortest or op not in _ONE_THREAD_OPS:
         return False
     if not reverse and x.dtype not in CHAIN_SUM_DTYPES:
         return False
