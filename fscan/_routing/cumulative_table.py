@@ -152,10 +152,10 @@ CUMSUM_MIN_STRIDE = 1024
 # group's lanes stepped, not described a chain at a time), scripts/cumulative_rows.py
 # --op cumsum / cumprod (thread CPU, medians of 21, 1 thread, kernel / torch, 2**15, 2**17
 # and 2**20 elements; cumsum, cumprod): float32 reversed at 16 steps 0.55-1.02, 0.80-0.83,
-# at 32 0.59-0.81, at 48-96 0.46-0.72 (at 8: 0.83-1.49); float32 forward at 64 steps
-# 0.69-0.79, 0.78-1.02, at 96 0.58-0.76 (at 48 0.76-1.00, at 32 1.12-1.36, at 16
-# 1.22-2.01); float64 reversed at 64 steps 0.76-0.83, at 96 0.58-0.61 (at 32 0.73-1.13, at
-# 16 0.86-1.58); float64 forward (walked, not tiled) 1.37-4.3 under 128. So on one thread
+# at 32 0.59-0.81, at 48-96 0.38-0.72 (at 8: 0.83-1.49); float32 forward at 64 steps
+# 0.69-0.79, 0.78-1.02, at 96 0.58-0.76 (at 48 0.76-1.00, at 32 1.01-1.36, at 16
+# 1.22-2.45); float64 reversed at 64 steps 0.76-0.83, at 96 0.58-0.61 (at 32 0.73-1.13, at
+# 16 0.86-1.58); float64 forward (walked, not tiled) 1.02-6.2 under 128. So on one thread
 # these rows take the kernel from ONE_THREAD_MIN_LENGTHS' lengths, the rest from 128.
 ONE_THREAD_MIN_LENGTH = 128
 ONE_THREAD_MIN_LENGTHS = {  # (dtype, reverse): the kernel's rows from this many steps
