@@ -125,3 +125,21 @@ static FSCAN_INLINE int64_t ahead_lines(const In* xb, const int64_t* low, int64_
   const int64_t tiles = (steps + TB - 1) / TB;
   return (TW * steps / 16 + tiles - 1) / tiles;
 }
+
+// N whole lanes from lane0 on (lane = o * inner + i): each one's base (its step 0) in x and
+// y, and its element index, the lanes' (o, i) stepped from lane0's (one division a group,
+// not two a lane: see lane_tiles in forward_chains.h, seg_row_tiles in segmented_tiles.h).
+// Returns ahead_lines for them (every chain's lowest tiled step: 0).
+template <int N>
+static FSCAN_INLINE int64_t whole_lanes(const In x, const Out y, const Geo& S, int64_t lane0,
+                                        In* xb, Out* yb, int64_t* elem) {
+  int64_t o = lane0 / S.inner, i = lane0 - o * S.inner;
+  for (int g = 0; g < N; ++g) {
+    xb[g] = at(x, S, o, 0, i);
+    yb[g] = at(y, S, o, 0, i);
+    elem[g] = lane0 + g;
+    if (++i == S.inner) { i = 0; ++o; }
+  }
+  const int64_t low[N] = {};
+  return ahead_lines(xb, low, S.T);
+}

@@ -170,18 +170,12 @@ __attribute__((noinline)) static void lane_tiles(const In x, const Out y, const 
   Vals carry[TW];
   bool has[TW];
   const int64_t T = S.T;
-  int64_t o = lane0 / S.inner, i = lane0 - o * S.inner;
+  const int64_t ahead = whole_lanes<TW>(x, y, S, lane0, xb, yb, elem);  // chain_tiles.h
   for (int g = 0; g < TW; ++g) {
-    xb[g] = at(x, S, o, 0, i);
-    yb[g] = at(y, S, o, 0, i);
     t0[g] = UP ? 0 : T - 1;
-    elem[g] = lane0 + g;
     carry[g] = start;
     has[g] = EXCL && fold;
-    if (++i == S.inner) { i = 0; ++o; }
   }
-  const int64_t low[TW] = {};  // every chain's lowest step: 0 (whole lanes)
-  const int64_t ahead = ahead_lines(xb, low, T);  // the next group's rows (chain_tiles.h)
   for (int64_t s0 = 0; s0 < T; s0 += TB) {
     if (ahead) tile_ahead<true>(xb[0], yb[0], TW * T + s0 / TB * ahead * 16, ahead);
     tile_step<true, UP, EXCL>(xb, yb, p, t0, elem, carry, has, s0, std::min(TB, T - s0), tl);
@@ -295,7 +289,7 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
   if (EXCL && H.any) start = load_t(head_at(x, H, 0), 0, -1);
   // Groups of TW whole lanes that chain_group would tile (no heads: the exclusive scan's
   // are its start value): lane_tiles.
-  const bool whole = TILED && CG == TW && C == 1 && cg == CG && (EXCL || !H.any) && tileable(x, y);
+  const bool whole = TILED && C == 1 && cg == CG && (EXCL || !H.any) && tileable(x, y);
   fscan_team(nt, [&] {
     Tiles tl;
     In xb[CG], hb[CG];

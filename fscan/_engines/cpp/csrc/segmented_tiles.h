@@ -176,17 +176,9 @@ __attribute__((noinline)) static void seg_row_tiles(const In x, const Out y, con
   In xb[SEG_TW];
   Out yb[SEG_TW];
   int64_t elem[SEG_TW];
-  int64_t o = lane0 / S.inner, i = lane0 - o * S.inner;
-  for (int g = 0; g < SEG_TW; ++g) {
-    xb[g] = at(x, S, o, 0, i);
-    yb[g] = at(y, S, o, 0, i);
-    elem[g] = lane0 + g;
-    if (++i == S.inner) { i = 0; ++o; }
-  }
+  const int64_t ahead = whole_lanes<SEG_TW>(x, y, S, lane0, xb, yb, elem);  // chain_tiles.h
   const int64_t T = S.T;
   const Buf acc = tl.acc.buf();
-  const int64_t low[SEG_TW] = {};  // every chain from its step 0 (whole lanes)
-  const int64_t ahead = ahead_lines(xb, low, T);  // the next group's rows (chain_tiles.h)
   for (int64_t k0 = 0; k0 < T; k0 += TB) {
     if (ahead) tile_ahead<true>(xb[0], yb[0], SEG_TW * T + k0 / TB * ahead * 16, ahead);
     const int64_t n = std::min(TB, T - k0);
