@@ -3,7 +3,8 @@ segmented_tiles.h, seg_transposed_chains): chain lengths around the tiles' 16 st
 a restart at every offset inside a tile, both directions, 1-3 threads (chunks of
 unequal lengths, carries composed), row and element flags, against a float64 walk.
 logcumsumexp tiles every group of chains; cumsum and cumprod only whole lanes reading a
-1-D mask (each tile's restarts as bits: SEG_TILE_ROWS), the rest walked."""
+1-D mask or each their own flags as adjacent bytes (a mask of x's shape along its last
+dim): each tile's restarts as bits (SEG_TILE_ROWS, seg_row_tiles), the rest walked."""
 
 from __future__ import annotations
 
@@ -39,16 +40,18 @@ def test_row_flags_around_the_tiles(name, steps, reverse):
     check32(x, 1, reset, reverse, name=name)
 
 
+@pytest.mark.parametrize("name", ["cumsum", "logcumsumexp"])
 @pytest.mark.parametrize("steps", list(range(1, 36)))
 @pytest.mark.parametrize("reverse", [False, True])
-def test_chain_lengths_around_the_tiles(steps, reverse):
+def test_chain_lengths_around_the_tiles(name, steps, reverse):
     """35 lanes (two whole groups of 16 chains, then lanes walked alone), element flags
-    at the first and last steps and about one in eight elsewhere."""
+    at the first and last steps and about one in eight elsewhere; cumsum's whole lanes
+    read their flags as bits (seg_row_tiles, LANES), whole tiles and the partial one."""
     gen = torch.Generator().manual_seed(steps)
     x = torch.randn(35, steps, generator=gen)
     reset = mask((35, steps), 0.12, seed=steps)
     reset[:, 0] = reset[3, -1] = True
-    check32(x, 1, reset, reverse)
+    check32(x, 1, reset, reverse, name=name)
 
 
 @pytest.mark.parametrize("offset", list(range(16)))
@@ -56,14 +59,14 @@ def test_chain_lengths_around_the_tiles(steps, reverse):
 @pytest.mark.parametrize("flags", ["row", "element"])
 def test_a_restart_at_every_offset_in_a_tile(offset, reverse, flags):
     """A restart at one offset of every tile (a whole tile's rows and the partial tile's),
-    shared by every lane (a 1-D mask) or on every other lane; cumsum with a 1-D mask too."""
+    shared by every lane (a 1-D mask) or on every other lane; cumsum and cumprod too (row
+    tiles: the row's bit, or each lane's own)."""
     x = torch.randn(32, 16 * 3 + 7, generator=torch.Generator().manual_seed(offset))
     n = x.shape[1]
     row = torch.arange(n) % 16 == offset
     reset = row if flags == "row" else (row[None, :] & (torch.arange(32)[:, None] % 2 == 0))
-    check32(x, 1, reset, reverse)
-    if flags == "row":
-        check32(x, 1, reset, reverse, name="cumsum")
+    for name in ("logcumsumexp", "cumsum", "cumprod"):
+        check32(x, 1, reset, reverse, name=name)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -87,13 +90,15 @@ def test_chunks_and_threads(threads, shape, dim, flags, reverse):
             check32(x, dim, reset, reverse, threads, name="cumsum")
 
 
+@pytest.mark.parametrize("name", ["cumsum", "cumprod", "logcumsumexp"])
 @pytest.mark.parametrize("layout", ["adjacent", "strided"])
 @pytest.mark.parametrize("reverse", [False, True])
-def test_element_flags_read_as_bits_or_a_byte_at_a_time(layout, reverse):
+def test_element_flags_read_as_bits_or_a_byte_at_a_time(name, layout, reverse):
     """Element flags whose steps are adjacent bytes (a whole tile's read 16 a chain as bits,
     a tile without a restart scanned without its flags) or not (a transposed mask's,
-    gathered a byte at a time): tiles with every step restarted, with one restart on
-    every third lane, with none, and the partial tile at the end."""
+    gathered a byte at a time; cumsum and cumprod walk those): tiles with every step
+    restarted, with one restart on every third lane, with none, and the partial tile at
+    the end."""
     x = torch.randn(40, 16 * 5 + 3, generator=torch.Generator().manual_seed(5))
     reset = torch.zeros(x.shape, dtype=torch.bool)
     reset[:, 16:32] = True
@@ -102,7 +107,7 @@ def test_element_flags_read_as_bits_or_a_byte_at_a_time(layout, reverse):
     if layout == "strided":
         reset = reset.t().contiguous().t()
     assert (reset.stride(1) == 1) == (layout == "adjacent")
-    check32(x, 1, reset, reverse)
+    check32(x, 1, reset, reverse, name=name)
 
 
 def test_inf_and_nan_stay_in_their_segment():
@@ -165,9 +170,12 @@ def test_row_tiles_a_restart_at_every_offset(name, offset, reverse):
 def test_row_tiles_lanes_over_leading_dims(threads, name, reverse):
     """Lanes over two leading dims ((3, 23, 70) along the last: 69 lanes, four whole
     groups then walked ones), each group's lanes stepped from its first, on 1-3 threads;
-    the same mask as a full one (each lane's own flags read: no row bits)."""
+    the same mask as a full one (each lane's own flags read as bits: LANES), and a mask of
+    each leading row's own flags broadcast over the middle dim (stride 0 there)."""
     x = torch.randn(3, 23, 70, generator=torch.Generator().manual_seed(threads))
     reset = torch.arange(70) % 9 == 4
+    per_row = mask((3, 1, 70), 0.1, seed=threads)
     with torch_threads(threads):
         check_rows(name, x, 2, reset, reverse, threads)
         check32(x, -1, reset.expand(3, 23, 70).contiguous(), reverse, threads, name=name)
+        check32(x, -1, per_row, reverse, threads, name=name)

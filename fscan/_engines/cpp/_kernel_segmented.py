@@ -122,7 +122,15 @@ def chains_tiled(program: Program) -> bool:
     row at the same step (one offset for the tile), a tile without a restart scanned by
     the forward's own tile_scan (chain_tiles.h, shared). The kernel alone against the
     forward's (min of 60 rounds, load 4-6): cumsum 1.05-1.12 -> 0.95-1.0, cumprod
-    0.98-1.10 -> 0.94-1.0; the drop-in calls as the bench's rows: see docs/performance.md."""
+    0.98-1.10 -> 0.94-1.0; the drop-in calls as the bench's rows: see docs/performance.md.
+    Whole lanes reading each their own flags as adjacent bytes (a mask of x's shape along
+    its last dim) go there too (s48): each lane's 16 flags of a tile read by one load as
+    bits, blended on each lane's bit (LANE_BITS), a tile without a restart scanned without
+    them. Against the inclusive call in the same process, a restart about every 100 steps
+    a lane, alternating processes, 1 thread, thread CPU: cumsum (4096, 256) dim 1
+    1.75-2.81x walked -> 1.16-1.43x, reversed 1.29-2.46x -> 1.13-1.27x, cumprod 1.93-2.12x
+    -> 1.27-1.43x, (1024, 8, 64) dim 2 1.62-1.82x -> 1.09-1.15x (docs/performance.md, "A
+    mask of x's shape along the last dim, tiled")."""
     return program.expensive
 
 
@@ -180,7 +188,8 @@ def segmented_source(
     read = [f"x{k}" for k in read_idx]
     # The chain tiles transpose in registers where the forward's would (float32, no
     # positions): every group of chains where they tile at all (chains_tiled), else groups
-    # that share a 1-D mask's rows (SEG_TILE_ROWS, see chains_tiled).
+    # that share a 1-D mask's rows or read each their own as adjacent bytes (SEG_TILE_ROWS,
+    # see chains_tiled).
     transposed = tiled(st, positions)
     written = [f"y{k}" for k in every]
     return _kernel(

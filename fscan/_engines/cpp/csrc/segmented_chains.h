@@ -6,7 +6,8 @@
 // lanes of vector loops, TB steps at a time (a tile, gathered into SoA rows, the flags
 // with them); else SEG_G chains (generated: 3, or 1 where the combine selects) are walked
 // interleaved, but where SEG_TILE_ROWS (float32 leaves, no positions: cumsum, cumprod)
-// and whole lanes read a 1-D mask, tiled as the forward's. One chain walked alone (the reduce
+// and whole lanes read a 1-D mask, or each their own flags as adjacent bytes, tiled as the
+// forward's (seg_row_tiles). One chain walked alone (the reduce
 // pass over one lane's chunks, the old split) ran 2-3x the forward's chain path; walked
 // chains kept cummax's and logcumsumexp's combines scalar (7 and 36 ns an element).
 // Its walked chains are csrc/segmented_walk.h, its tiled ones csrc/segmented_tiles.h,
@@ -68,7 +69,13 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
   // stride over a dim of one need not be 0): a stride 0, or one lane, along each lane dim.
   const bool shared = (R.sa == 0 || S.outer <= S.nb) && (R.sb == 0 || S.nb == 1) && (R.si == 0 || inner == 1);
   bool tiled = SEG_TILED;
-  if (!SEG_TILED && SEG_TILE_ROWS && TILED && tileable(x, y)) tiled = shared && chunks(SEG_TW) == 1;
+  // Whole lanes reading each their own flags, a lane's steps adjacent bytes (a mask of x's
+  // shape along its last dim): tiled too (seg_row_tiles, LANES).
+  bool lane_rows = false;
+  if (!SEG_TILED && SEG_TILE_ROWS && TILED && tileable(x, y) && chunks(SEG_TW) == 1) {
+    lane_rows = !shared && R.st == 1;
+    tiled = shared || lane_rows;
+  }
   const int64_t cg = tiled ? SEG_TW : SEG_G;
   int64_t C = chunks(cg);
   int64_t L = (T + C - 1) / C;
@@ -84,7 +91,7 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
   for (int64_t s = 0; s < (bits.empty() ? 0 : T); ++s)
     bits[s / TB] |= (uint32_t)(step(R, rev ? T - 1 - s : s) != 0) << (s % TB);
   const uint32_t* const rows = bits.empty() ? nullptr : bits.data();
-  const bool row_tiles = rows != nullptr && TILED && tileable(x, y);
+  const bool row_tiles = (rows != nullptr && TILED && tileable(x, y)) || lane_rows;
   fscan_team(nt, [&] {
     SegTiles tiles;
     SegTile tl(tiles);
@@ -142,8 +149,13 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
       const int64_t gi = rev && !row_tiles ? groups - 1 - gj : gj;
       const int ng = (int)std::min<int64_t>(cg, items - gi * cg);
       if (row_tiles && ng == SEG_TW) {  // whole lanes (C == 1): item gi * cg is lane gi * cg
-        if (rev) seg_row_tiles<false>(x, y, p, S, gi * cg, rows, tiles);
-        else seg_row_tiles<true>(x, y, p, S, gi * cg, rows, tiles);
+        if (lane_rows) {
+          if (rev) seg_row_tiles<false, true>(x, y, p, R, S, gi * cg, nullptr, tiles);
+          else seg_row_tiles<true, true>(x, y, p, R, S, gi * cg, nullptr, tiles);
+        } else {
+          if (rev) seg_row_tiles<false, false>(x, y, p, R, S, gi * cg, rows, tiles);
+          else seg_row_tiles<true, false>(x, y, p, R, S, gi * cg, rows, tiles);
+        }
         continue;
       }
       for (int g = 0; g < ng; ++g) describe(g, gi * cg + g, true);

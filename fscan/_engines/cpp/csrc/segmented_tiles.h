@@ -99,13 +99,16 @@ struct SegTiles : Tiles {
 // a tile of 8 chains with them, 154 without): ROW_BITS, restarts shared by every chain (a
 // 1-D mask): bit k of `rows` for step k, a blend of a broadcast mask; LANE_FLAGS, each
 // chain's own, from the tile's flags (tl.flag).
-enum { ROW_BITS = 1, LANE_FLAGS = 2 };
+// LANE_BITS, each chain's own as bits (bit j of bits[chain] for the tile's row j), as
+// seg_row_tiles reads a mask of x's shape along its last dim.
+enum { ROW_BITS = 1, LANE_FLAGS = 2, LANE_BITS = 3 };
 
 // The TB steps (in scan order; UP: ascending rows) of a whole tile, the running values
 // in registers, as tile_scan (chain_tiles.h: see there for why a function of its own).
 template <bool UP, int FLAGS>
 FSCAN_TILE_SCAN static void seg_tile_scan(const In x, const Out y, const Par p, const int64_t* elem,
-                                        const Buf acc, SegTiles& tl, unsigned rows) {
+                                        const Buf acc, SegTiles& tl, unsigned rows,
+                                        const uint32_t* bits = nullptr) {
   const int32_t* const fl = tl.flag;
 #pragma GCC ivdep
   for (int g = 0; g < TV; ++g) {
@@ -121,6 +124,7 @@ FSCAN_TILE_SCAN static void seg_tile_scan(const In x, const Out y, const Par p, 
         const int64_t e = elem[w * TV + g];
         const Vals c = k == TB - 1 ? combine<true>(a[w], v, p, e) : combine<false>(a[w], v, p, e);
         if (FLAGS == ROW_BITS) a[w] = pick(((rows >> k) & 1u) != 0, v, c);
+        else if (FLAGS == LANE_BITS) a[w] = pick(((bits[w * TV + g] >> j) & 1u) != 0, v, c);
         else a[w] = pick(fl[(w * TB + j) * TV + g] != 0, v, c);
         store_i(tile_row(y, tl.out, w * TB + j), g, a[w]);
       }
@@ -160,49 +164,6 @@ static FSCAN_INLINE void seg_row_flags(SegTiles& tl, unsigned r, int64_t n) {
       for (int g = 0; g < TV; ++g) tl.flag[(w * TB + (UP ? k : TB - 1 - k)) * TV + g] = (r >> k) & 1u;
 }
 
-// SEG_TW whole lanes from lane0 on (steps [0, T), no carry) that read one 1-D mask, its
-// restarts bit k of rows[k0 / TB] for step k0 + k: shaped as the forward's tile_chains
-// (forward_chains.h), with its tiles (chain_tiles.h). The lanes' bases are stepped from lane0 (one division a group, not
-// two a chain), and every chain is at the same step, so a tile's rows are each lane's
-// base plus one offset. A tile without a restart is scanned by the forward's tile_scan,
-// one with some by a blend on the row's bit (ROW_BITS). (Through
-// seg_transposed_chains, each chain described apart, the group's set-up divided 2-3
-// times a chain (its item, its lane's (o, i)): with the tiles' row pointers rebuilt from
-// the chains each tile, 9% of cumsum's segmented kernel over (4096, 256) dim 1, where
-// the forward's chain_path spends 6%: see fscan._engines.cpp._kernel_segmented.chains_tiled.)
-template <bool UP>
-__attribute__((noinline)) static void seg_row_tiles(const In x, const Out y, const Par p, const Geo& S,
-                                                    int64_t lane0, const uint32_t* rows, SegTiles& tl) {
-  In xb[SEG_TW];
-  Out yb[SEG_TW];
-  int64_t elem[SEG_TW];
-  const int64_t ahead = whole_lanes<SEG_TW>(x, y, S, lane0, xb, yb, elem);  // chain_tiles.h
-  const int64_t T = S.T;
-  const Buf acc = tl.acc.buf();
-  for (int64_t k0 = 0; k0 < T; k0 += TB) {
-    if (ahead) tile_ahead<true>(xb[0], yb[0], SEG_TW * T + k0 / TB * ahead * 16, ahead);
-    const int64_t n = std::min(TB, T - k0);
-    const bool part = n < TB;
-    const unsigned all = (1u << TB) - 1, m = tile_rows<UP>(n);
-    int64_t lo[SEG_TW];  // each chain's step at the tile's lowest address: one for all
-    for (int g = 0; g < SEG_TW; ++g) lo[g] = UP ? k0 : T - 1 - k0 - (TB - 1);
-    if (part) tile_in(xb, lo, tl.in, m);
-    else tile_in(xb, lo, tl.in, all);
-    // The first step restarts too: each chain's element (acc, not yet set, is dropped).
-    const unsigned r = rows[k0 / TB] | (k0 == 0 ? 1u : 0u);
-    if (part) {
-      seg_row_flags<UP>(tl, r, n);
-      seg_tile_scan_part<UP>(x, y, p, elem, acc, tl, n);
-    } else if (r != 0) {
-      seg_tile_scan<UP, ROW_BITS>(x, y, p, elem, acc, tl, r);
-    } else {
-      tile_scan<true, UP, 0, false>(x, y, p, elem, acc, tl);
-    }
-    if (part) tile_out(yb, lo, tl.out, m);
-    else tile_out(yb, lo, tl.out, all);
-  }
-}
-
 // A whole tile's TB (16) flags of one chain, adjacent bytes from p, as bits: bit j for the
 // byte at p + j (the tile's row j).
 static FSCAN_INLINE uint32_t tile_flag_bits(const uint8_t* p) {
@@ -215,6 +176,81 @@ static FSCAN_INLINE uint32_t tile_flag_bits(const uint8_t* p) {
   for (int j = 0; j < TB; ++j) b |= (uint32_t)(p[j] != 0) << j;
   return b;
 #endif
+}
+
+// SEG_TW whole lanes from lane0 on (steps [0, T), no carry), shaped as the forward's
+// lane_tiles (forward_chains.h) with its tiles (chain_tiles.h): the lanes' bases stepped
+// from lane0 (one division a group, not two a chain), every chain at the same step, so a
+// tile's rows are each lane's base plus one offset. Their restarts: !LANES, one 1-D mask
+// every lane reads, bit k of rows[k0 / TB] for step k0 + k (a blend on the row's bit,
+// ROW_BITS); LANES, each lane's own, a mask of x's shape along its last dim (R.st == 1:
+// a tile's 16 flags of a lane are 16 adjacent bytes, read as bits by one load, then a
+// blend on each lane's bit, LANE_BITS). A tile without a restart is scanned by the
+// forward's tile_scan. (Through seg_transposed_chains, each chain described apart, the
+// group's set-up divided 2-3 times a chain (its item, its lane's (o, i)): with the tiles'
+// row pointers rebuilt from the chains each tile, 9% of cumsum's segmented kernel over
+// (4096, 256) dim 1, where the forward's chain_path spends 6%: see
+// fscan._engines.cpp._kernel_segmented.chains_tiled.)
+template <bool UP, bool LANES>
+__attribute__((noinline)) static void seg_row_tiles(const In x, const Out y, const Par p, const Flags R,
+                                                    const Geo& S, int64_t lane0, const uint32_t* rows,
+                                                    SegTiles& tl) {
+  In xb[SEG_TW];
+  Out yb[SEG_TW];
+  int64_t elem[SEG_TW];
+  const uint8_t* rb[SEG_TW];  // LANES: each lane's flags at step 0
+  const int64_t ahead = whole_lanes<SEG_TW>(x, y, S, lane0, xb, yb, elem);  // chain_tiles.h
+  if constexpr (LANES) {
+    int64_t o = lane0 / S.inner, i = lane0 - o * S.inner;
+    for (int g = 0; g < SEG_TW; ++g) {
+      rb[g] = shift(R, o, S.nb, 0, i).p;
+      if (++i == S.inner) { i = 0; ++o; }
+    }
+  }
+  const int64_t T = S.T;
+  const Buf acc = tl.acc.buf();
+  const unsigned first = UP ? 1u : 1u << (TB - 1);  // the tile's row of step 0
+  for (int64_t k0 = 0; k0 < T; k0 += TB) {
+    if (ahead) tile_ahead<true>(xb[0], yb[0], SEG_TW * T + k0 / TB * ahead * 16, ahead);
+    const int64_t n = std::min(TB, T - k0);
+    const bool part = n < TB;
+    const unsigned all = (1u << TB) - 1, m = tile_rows<UP>(n);
+    const int64_t low = UP ? k0 : T - 1 - k0 - (TB - 1);  // every chain's step at row 0
+    int64_t lo[SEG_TW];
+    for (int g = 0; g < SEG_TW; ++g) lo[g] = low;
+    if (part) tile_in(xb, lo, tl.in, m);
+    else tile_in(xb, lo, tl.in, all);
+    if (part) {
+      // The first step restarts too: each chain's element (acc, not yet set, is dropped).
+      if constexpr (LANES) {
+        for (int g = 0; g < SEG_TW; ++g) {
+          int32_t* f = tl.flag + (g / TV * TB) * TV + g % TV;
+          for (int64_t k = 0; k < n; ++k) {
+            const int64_t s = k0 + k;
+            f[(UP ? k : TB - 1 - k) * TV] = s == 0 || rb[g][UP ? s : T - 1 - s] != 0;
+          }
+        }
+      } else {
+        seg_row_flags<UP>(tl, rows[k0 / TB] | (k0 == 0 ? 1u : 0u), n);
+      }
+      seg_tile_scan_part<UP>(x, y, p, elem, acc, tl, n);
+    } else if constexpr (LANES) {
+      alignas(64) uint32_t bits[SEG_TW];
+      uint32_t any = 0;
+      for (int g = 0; g < SEG_TW; ++g) {
+        bits[g] = tile_flag_bits(rb[g] + low) | (k0 == 0 ? first : 0u);
+        any |= bits[g];
+      }
+      if (any != 0) seg_tile_scan<UP, LANE_BITS>(x, y, p, elem, acc, tl, 0, bits);
+      else tile_scan<true, UP, 0, false>(x, y, p, elem, acc, tl);
+    } else {
+      const unsigned r = rows[k0 / TB] | (k0 == 0 ? 1u : 0u);
+      if (r != 0) seg_tile_scan<UP, ROW_BITS>(x, y, p, elem, acc, tl, r);
+      else tile_scan<true, UP, 0, false>(x, y, p, elem, acc, tl);
+    }
+    if (part) tile_out(yb, lo, tl.out, m);
+    else tile_out(yb, lo, tl.out, all);
+  }
 }
 
 // SEG_TW chains, each its own flags (any mask layout) or carry: TB steps a tile, each
