@@ -69,13 +69,12 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
   // stride over a dim of one need not be 0): a stride 0, or one lane, along each lane dim.
   const bool shared = (R.sa == 0 || S.outer <= S.nb) && (R.sb == 0 || S.nb == 1) && (R.si == 0 || inner == 1);
   bool tiled = SEG_TILED;
+  if (!SEG_TILED && SEG_TILE_ROWS && TILED && tileable(x, y)) tiled = shared && chunks(SEG_TW) == 1;
   // Whole lanes reading each their own flags, a lane's steps adjacent bytes (a mask of x's
-  // shape along its last dim): tiled too (seg_row_tiles, LANES).
-  bool lane_rows = false;
-  if (!SEG_TILED && SEG_TILE_ROWS && TILED && tileable(x, y) && chunks(SEG_TW) == 1) {
-    lane_rows = !shared && R.st == 1;
-    tiled = shared || lane_rows;
-  }
+  // shape along its last dim): row tiles too (seg_row_tiles, LANES).
+  const bool lane_rows = (SEG_TILED || SEG_TILE_ROWS) && TILED && tileable(x, y) && !shared &&
+                         R.st == 1 && chunks(SEG_TW) == 1;
+  tiled |= lane_rows;
   const int64_t cg = tiled ? SEG_TW : SEG_G;
   int64_t C = chunks(cg);
   int64_t L = (T + C - 1) / C;
