@@ -141,6 +141,25 @@ def test_a_fresh_output_limit_is_timed_and_shown_beside_the_judged_ratio(tmp_pat
     assert json.loads((tmp_path / "rows.json").read_text())[0]["fresh_s"] == results[0].fresh_s
 
 
+def test_a_bar_on_the_time_over_the_baseline_is_judged_on_the_difference(tmp_path):
+    """A compiled call's overhead bar (+<= 30 us over the eager call) judges fscan_s -
+    base_s, not the ratio: a row 40 us over a 10 us call is OVER at a ratio of 5."""
+    slow = lambda: time.sleep(0)
+    row = _rows.Row("g", "over", slow, "eager", slow, more_bar_s=30e-6)
+    (result,) = _rows.run_rows([row], budget_s=0.002)
+    assert result.more_bar_s == 30e-6
+    over = _rows.Result("g", "over", 1, "cpp", 50e-6, "eager", 10e-6, None, more_bar_s=30e-6)
+    under = _rows.Result("g", "under", 1, "cpp", 35e-6, "eager", 10e-6, None, more_bar_s=30e-6)
+    plain = _rows.Result("h", "ratio", 1, "cpp", 35e-6, "eager", 10e-6, 4.0)
+    over_text, plain_text = _rows.render([over, under, plain]).split("\n\n")
+    assert "+<=30 us OVER" in over_text and "+<=30 us ok" in over_text
+    assert "the most time over the baseline" in over_text
+    assert "<=4 ok" in plain_text and "+<=" not in plain_text
+    _rows.to_json([over], str(tmp_path / "rows.json"))
+    assert json.loads((tmp_path / "rows.json").read_text())[0]["more_bar_s"] == 30e-6
+    assert next(r for r in bars.compile_rows() if "(64,)" in r.label).more_bar_s == 30e-6
+
+
 def test_only_rows_with_outputs_of_32_mib_or_more_get_the_clone_limit():
     fresh = {r.label.split(" dim")[0] for r in bars.kernel_rows(False, 1) if r.fresh is not None}
     assert {label.split(" ", 1)[1] for label in fresh} == {"(16384, 1024)"}

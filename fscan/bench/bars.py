@@ -351,6 +351,7 @@ def compile_rows() -> Iterator[Row]:
         "eager",
         lambda: add(x),
         engine=lambda: "(" + _compiled_engine() + ")",
+        more_bar_s=30e-6,
     )
 
 
