@@ -9,6 +9,7 @@ fallback tests still run.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import warnings
 from collections.abc import Iterator
@@ -239,6 +240,32 @@ def test_float32_sum_accumulates_in_double():
     err = ((out.double() - exact).abs() / exact).max().item()
     torch_err = ((x.cumsum(0).double() - exact).abs() / exact).max().item()
     assert err <= 2 * max(torch_err, 1e-7)
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_chunk_totals_summed_keep_special_values_and_zero_signs(threads, reverse):
+    """A 1-D float32 add is chunked, and its chunks' totals are plain double sums
+    (chunk_sums in csrc/forward_chains.h): chunk lengths that are no multiple of the
+    sums' 32 lanes, an inf and a -inf in different chunks (NaN from there on), a NaN,
+    a run of -0.0 (a sum of -0.0 stays -0.0 across chunks), against the walk in float64
+    rounded once."""
+    n = 70001
+    x = torch.randn(n, generator=torch.Generator().manual_seed(threads))
+    for values in (x, torch.full((n,), -0.0)):
+        for special in ({}, {10007: float("inf"), 50003: float("-inf")}, {30011: float("nan")}):
+            data = values.clone()
+            for i, v in special.items():
+                data[i] = v
+            (out,) = kernel_scan(
+                "test", add, optree.tree_flatten(0)[1], [data], 0, reverse, threads=threads
+            )
+            # Python's floats add as the walk does (torch's cumsum starts from +0.0)
+            steps = data.double().tolist()[:: -1 if reverse else 1]
+            walked = torch.tensor(list(itertools.accumulate(steps))[:: -1 if reverse else 1])
+            torch.testing.assert_close(out, walked.float(), rtol=0, atol=0, equal_nan=True)
+            assert torch.equal(out.signbit(), walked.float().signbit())
 
 
 def mul(a, b):

@@ -240,7 +240,9 @@ def forward_source(
         + f"\nstatic constexpr int64_t WALK_FROM = {WALK_FROM if positions else 'INT64_MAX'};\n"
         # cummax's / cummin's pair, both outputs kept: its lone chains walk by extremum.h.
         + f"static constexpr int EXTREMUM = {0 if dropped else extremum(program, positions)};\n"
-        + prefix_structs(prefix_op(program, st, positions, dropped)),
+        + prefix_structs(prefix_op(program, st, positions, dropped))
+        # The chunked chain path's totals as plain sums (chunk_sums in forward_chains.h).
+        + f"static constexpr bool SUM_TOTALS = {str(float32_sum(program, st)).lower()};\n",
         exclusive="true" if exclusive else "false",
         gather="true" if gather else "false",
         forward=csrc("forward_lanes.h")

@@ -192,7 +192,9 @@ _SUM_BODY = re.compile(
 def float32_sum(program: Program, storage: Sequence[str]) -> bool:
     """Whether the combine is the sum of one float32 leaf held in double (the reduce's
     ``SUM_F32``: csrc/reduce.h sums blocks of rows in float32 and widens each block's sum
-    once). Float addition is commutative, so ``r0 + l0`` counts too."""
+    once; the forward's ``SUM_TOTALS``: the chain path's chunk totals summed in double,
+    chunk_sums in csrc/forward_chains.h). Float addition is commutative, so ``r0 + l0``
+    counts too."""
     if list(storage) != ["float"] or not program.wide or program.params:
         return False
     return _SUM_BODY.fullmatch(program.body) is not None

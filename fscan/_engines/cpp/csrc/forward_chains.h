@@ -227,6 +227,40 @@ static void chain_group(const In* xb, const Out* yb, const Par p, int ng, const 
   }
 }
 
+// The totals of a chunked lane's chunks where the combine is the sum of one float32 leaf
+// held in double (SUM_TOTALS, generated: fscan._engines.cpp._cpp_tiles.float32_sum) and
+// its steps are dense: summed in double by a vector loop (32 running sums, added
+// pairwise at the end), where the tiles transposed each chunk in and scanned it without
+// writes for its last value (31% of a 1-D add's samples). The order changes the total's
+// rounding only, in double, far below the float32 outputs' unit (tests/test_cpu_kernel.py:
+// test_float32_sum_accumulates_in_double); sums from -0.0, as the scan's own first
+// step keeps a sum of zeros' sign. Every step widened: float32 blocks as the reduce
+// sums them (reduce_sum.h: dense_sum) would bound a total by the blocks' float32
+// rounding, which the scan's double accumulation is there to avoid. (x's and the
+// values' types template parameters, so that only a SUM_TOTALS kernel compiles it.)
+template <bool SUM = SUM_TOTALS, typename I, typename V>
+static void chunk_sums(const I* xb, const int64_t* t0, const int64_t* len, int ng, int64_t tstep, V* last) {
+  if constexpr (SUM) {
+    constexpr int DL = 32;
+    for (int g = 0; g < ng; ++g) {
+      const float* const p = xb[g].x0.p + (tstep > 0 ? t0[g] : t0[g] - len[g] + 1);
+      const int64_t n = len[g];
+      double acc[DL];
+      for (int l = 0; l < DL; ++l) acc[l] = -0.0;
+      int64_t k = 0;
+      for (; k + DL <= n; k += DL)
+#pragma GCC unroll 32
+        for (int l = 0; l < DL; ++l) acc[l] += static_cast<double>(p[k + l]);
+#pragma GCC unroll 8
+      for (int h = DL / 2; h >= 1; h /= 2)
+        for (int l = 0; l < h; ++l) acc[l] += acc[l + h];
+      double total = acc[0];
+      for (; k < n; ++k) total += static_cast<double>(p[k]);
+      last[g].v0 = total;
+    }
+  }
+}
+
 // EXCL: the exclusive scan (see scan in forward.h): its start value (the heads' first
 // element, position -1) is every lane's first chunk's carry (has where fold), so that
 // chunk may be tiled.
@@ -290,6 +324,8 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
   // Groups of TW whole lanes that chain_group would tile (no heads: the exclusive scan's
   // are its start value): lane_tiles.
   const bool whole = TILED && C == 1 && cg == CG && (EXCL || !H.any) && tileable(x, y);
+  // Chunks' totals as plain sums (chunk_sums): no carry or head element in any of them.
+  const bool summed = SUM_TOTALS && !EXCL && !H.any && steps_dense(x);
   fscan_team(nt, [&] {
     Tiles tl;
     In xb[CG], hb[CG];
@@ -307,7 +343,8 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
           has[g] = EXCL && it.c == 0 && fold;
           if (EXCL && it.c == 0) carry[g] = start;
         }
-        chain_group<false>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, tot.data() + gi * CG, hb, head, tl);
+        if (summed) chunk_sums(xb, t0, len, ng, tstep, tot.data() + gi * CG);
+        else chain_group<false>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, tot.data() + gi * CG, hb, head, tl);
       }
 #pragma omp for schedule(static)
       for (int64_t lane = 0; lane < lanes; ++lane)
