@@ -162,3 +162,36 @@ def test_logcumsumexp_rides_on_the_kernel_and_matches_torch(caplog):
             got = fscan.logcumsumexp(x, 0)
     assert [r.fscan_engine for r in caplog.records] == ["cpp"]
     torch.testing.assert_close(got, torch.logcumsumexp(x, 0), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_chunk_totals_as_logsumexp_keep_the_steps_special_values(threads, reverse):
+    """A 1-D float32 logaddexp scan is chunked, and its chunks' totals are each a
+    logsumexp over the chunk's maximum (chunk_totals in csrc/forward_chains.h): chunks
+    all -inf (their total -inf, adding nothing), a +inf (+inf from there on), a NaN,
+    large and small magnitudes (the maximum's shift), against the float64 walk."""
+    n = 70001
+    base = torch.randn(n, generator=torch.Generator().manual_seed(threads)) * 30
+    cases = [{}, {"neg": 40000}, {10007: INF}, {30011: NAN}, {"neg": 40000, 50003: INF}]
+    for case in cases:
+        x = base.clone()
+        for where, value in case.items():
+            if where == "neg":
+                x[:value] = -INF  # several whole chunks, from either end's view
+            else:
+                x[where] = value
+        ref = _sequential(x, 0, reverse)
+        with fscan.config.override(cpu_kernel="eager"), torch.no_grad():
+            (got,) = cpu_kernel.kernel_scan(
+                "test",
+                torch.logaddexp,
+                optree.tree_flatten(0)[1],
+                [x],
+                0,
+                reverse,
+                threads=threads,
+            )
+        torch.testing.assert_close(got.double(), ref, rtol=2e-6, atol=2e-6, equal_nan=True)
+        assert torch.equal(got.isposinf(), ref.isposinf())
+        assert torch.equal(got.isneginf(), ref.isneginf())

@@ -70,7 +70,15 @@ from ._cpp_structs import (
     param_ctype,
     param_dtype,
 )
-from ._cpp_tiles import extremum, float32_sum, prefix_op, prefix_structs, tile_structs, tiled
+from ._cpp_tiles import (
+    chunk_totals,
+    extremum,
+    float32_sum,
+    prefix_op,
+    prefix_structs,
+    tile_structs,
+    tiled,
+)
 
 __all__ = [
     "backward_argtypes",
@@ -241,8 +249,8 @@ def forward_source(
         # cummax's / cummin's pair, both outputs kept: its lone chains walk by extremum.h.
         + f"static constexpr int EXTREMUM = {0 if dropped else extremum(program, positions)};\n"
         + prefix_structs(prefix_op(program, st, positions, dropped))
-        # The chunked chain path's totals as plain sums (chunk_sums in forward_chains.h).
-        + f"static constexpr bool SUM_TOTALS = {str(float32_sum(program, st)).lower()};\n",
+        # How the chunked chain path takes its chunks' totals (forward_chains.h).
+        + f"static constexpr int CHUNK_TOTALS = {chunk_totals(program, st)};\n",
         exclusive="true" if exclusive else "false",
         gather="true" if gather else "false",
         forward=csrc("forward_lanes.h")

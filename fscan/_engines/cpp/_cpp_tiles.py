@@ -19,7 +19,15 @@ from collections.abc import Sequence
 
 from ._cpp_ops import Program
 
-__all__ = ["extremum", "float32_sum", "prefix_op", "prefix_structs", "tile_structs", "tiled"]
+__all__ = [
+    "chunk_totals",
+    "extremum",
+    "float32_sum",
+    "prefix_op",
+    "prefix_structs",
+    "tile_structs",
+    "tiled",
+]
 
 
 def tiled(storage: Sequence[str], positions: Sequence[int], with_positions: bool = False) -> bool:
@@ -192,12 +200,32 @@ _SUM_BODY = re.compile(
 def float32_sum(program: Program, storage: Sequence[str]) -> bool:
     """Whether the combine is the sum of one float32 leaf held in double (the reduce's
     ``SUM_F32``: csrc/reduce.h sums blocks of rows in float32 and widens each block's sum
-    once; the forward's ``SUM_TOTALS``: the chain path's chunk totals summed in double,
-    chunk_sums in csrc/forward_chains.h). Float addition is commutative, so ``r0 + l0``
-    counts too."""
+    once; the forward's chunk totals summed in double: :func:`chunk_totals`). Float
+    addition is commutative, so ``r0 + l0`` counts too."""
     if list(storage) != ["float"] or not program.wide or program.params:
         return False
     return _SUM_BODY.fullmatch(program.body) is not None
+
+
+# The body the translator writes for logaddexp of one float32 leaf held in double
+# (fscan.logcumsumexp's combine; either operand order).
+_LOGADDEXP_BODY = re.compile(
+    r"const double v0 = static_cast<double>\(fscan_logaddexp_f32\("
+    r"(static_cast<double>\(l0\), static_cast<double>\(r0\)|"
+    r"static_cast<double>\(r0\), static_cast<double>\(l0\))"
+    r"\)\);\no0 = static_cast<double>\(v0\);"
+)
+
+
+def chunk_totals(program: Program, storage: Sequence[str]) -> int:
+    """How the forward's chunked chain path takes its chunks' totals (``CHUNK_TOTALS``,
+    chunk_totals in csrc/forward_chains.h): 1, a sum in double (:func:`float32_sum`); 2,
+    a logsumexp over the chunk's maximum (logaddexp of one float32 leaf held in double,
+    commutative too); 0, by the tiles (a scan without writes)."""
+    if float32_sum(program, storage):
+        return 1
+    one = list(storage) == ["float"] and program.wide and not program.params
+    return 2 if one and _LOGADDEXP_BODY.fullmatch(program.body) is not None else 0
 
 
 # The vector forms csrc/forward_prefix.h has (its PREFIX values).

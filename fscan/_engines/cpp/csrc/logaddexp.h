@@ -17,7 +17,9 @@
 // where it is subnormal (tests/test_logaddexp_kernel.py checks 2 ulps over a sweep, and
 // torch's special values); torch's own float32 logaddexp (SLEEF's u10 expf and log1pf)
 // is within 4 ulps of it (tests/test_cpu_kernel_ops.py).
-static FSCAN_INLINE float fscan_log1p_exp(float d) {
+// fscan_exp_le0(d) = exp(d) for d <= 0, the first half of fscan_log1p_exp (also the terms
+// of a chunk's logsumexp: chunk_totals in forward_chains.h).
+static FSCAN_INLINE float fscan_exp_le0(float d) {
   // exp(d): below -105 it rounds to 0 (-inf lands there, and NaN: the callers select).
   const float x = d > -105.0f ? d : -105.0f;
   const float shifted = x * 0x1.715476p+0f + 0x1.8p23f;  // k = nearest(x / log 2), in the low bits
@@ -32,7 +34,10 @@ static FSCAN_INLINE float fscan_log1p_exp(float d) {
   p = std::fma(p, r, 5.0000001201e-1f);
   p = std::fma(p, r * r, r) + 1.0f;
   const int32_t k1 = ki >> 1, k2 = ki - k1;  // k in [-152, 0]: both halves are normal scales
-  const float e = p * fscan_bits_f32((uint32_t)(k1 + 127) << 23) * fscan_bits_f32((uint32_t)(k2 + 127) << 23);
+  return p * fscan_bits_f32((uint32_t)(k1 + 127) << 23) * fscan_bits_f32((uint32_t)(k2 + 127) << 23);
+}
+static FSCAN_INLINE float fscan_log1p_exp(float d) {
+  const float e = fscan_exp_le0(d);
   // log1p(e), e in [0, 1]: log1p(e) = e - (e*e/2 - s (e*e/2 + R(s*s))), s = e / (2 + e)
   // <= 1/3 and R the atanh series to s**14 (its tail below 2**-29 of the result).
   // Without a reduction to |s| <= 0.2 (e >= 1/2: log(2) + log1p((e - 1) / 2)): two more
