@@ -11,6 +11,7 @@ import math
 import optree
 import pytest
 import torch
+from helpers import torch_threads
 
 import fscan
 from fscan._engines.cpp import cpu_kernel
@@ -195,3 +196,53 @@ def test_chunk_totals_as_logsumexp_keep_the_steps_special_values(threads, revers
         torch.testing.assert_close(got.double(), ref, rtol=2e-6, atol=2e-6, equal_nan=True)
         assert torch.equal(got.isposinf(), ref.isposinf())
         assert torch.equal(got.isneginf(), ref.isneginf())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("name", ["cumsum", "logcumsumexp"])
+@pytest.mark.parametrize("start", [None, 5.0], ids=["drop-in", "initial"])
+def test_exclusive_chunk_totals_fold_the_start_value(caplog, threads, reverse, name, start):
+    """The exclusive variant's chunked 1-D path takes its chunks' totals as the inclusive
+    one does (chunk_totals), its start value combined with each lane's first total: the
+    drop-ins' exclusive calls (the op's identity) and associative_scan's with initial=5
+    on the kernel, against the float64 walk from the start value shifted a step; a +inf
+    and a -inf in the middle (NaN after them) or none."""
+    n = 2**20 + 3
+    gen = torch.Generator().manual_seed(threads)
+    combine = torch.add if name == "cumsum" else torch.logaddexp
+    first = start if start is not None else (0.0 if name == "cumsum" else -INF)
+    for special in ({}, {300007: INF, 700001: -INF}):
+        x = torch.randn(n, generator=gen) * 4
+        for where, value in special.items():
+            x[where] = value
+        steps = torch.cat(
+            [
+                torch.tensor([first], dtype=torch.float64),
+                x.double().flip(0) if reverse else x.double(),
+            ]
+        )
+        walked = steps.cumsum(0) if name == "cumsum" else torch.logcumsumexp(steps, 0)
+        ref = walked[:-1].flip(0) if reverse else walked[:-1]
+
+        def call():
+            if start is None:
+                return getattr(fscan, name)(x, 0, reverse=reverse, exclusive=True)
+            initial = torch.tensor(start)
+            return fscan.associative_scan(
+                combine, x, 0, reverse=reverse, initial=initial, exclusive=True
+            )
+
+        with fscan.config.override(cpu_kernel="eager"), torch_threads(threads):
+            call()  # built on a first call
+            with caplog.at_level(logging.DEBUG, logger="fscan"):
+                caplog.clear()
+                got = call()
+        assert [r.fscan_engine for r in caplog.records] == ["cpp"]
+        # cumsum: the float64 sum rounded once, but reversed from an initial (one float32
+        # unit of the running magnitude there, before chunk_totals too)
+        finite = ref[ref.isfinite()].abs().max().item()
+        tol = 2 * torch.finfo(torch.float32).eps * finite if name == "cumsum" else 2e-6
+        torch.testing.assert_close(
+            got.double(), ref.float().double(), rtol=0, atol=tol, equal_nan=True
+        )

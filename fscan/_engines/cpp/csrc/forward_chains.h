@@ -367,8 +367,10 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
   // Groups of TW whole lanes that chain_group would tile (no heads: the exclusive scan's
   // are its start value): lane_tiles.
   const bool whole = TILED && C == 1 && cg == CG && (EXCL || !H.any) && tileable(x, y);
-  // Chunks' totals by chunk_totals: no carry or head element in any of them.
-  const bool summed = CHUNK_TOTALS != TOTAL_NONE && !EXCL && !H.any && steps_dense(x);
+  // Chunks' totals by chunk_totals where no chunk reads a head element (the exclusive
+  // scan's start value, the drop-ins' identity, is a carry: folded into its lane's first
+  // chunk's total where fold, as the tiles fold it).
+  const bool summed = CHUNK_TOTALS != TOTAL_NONE && (EXCL || !H.any) && steps_dense(x);
   fscan_team(nt, [&] {
     Tiles tl;
     In xb[CG], hb[CG];
@@ -386,8 +388,18 @@ static void chain_path(const In x, const Out y, const Par p, const Geo& S, bool 
           has[g] = EXCL && it.c == 0 && fold;
           if (EXCL && it.c == 0) carry[g] = start;
         }
-        if (summed) chunk_totals(xb, t0, len, ng, tstep, tot.data() + gi * CG);
-        else chain_group<false>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, tot.data() + gi * CG, hb, head, tl);
+        Vals* const last = tot.data() + gi * CG;
+        bool walk = !summed;
+        if (summed) {
+          chunk_totals(xb, t0, len, ng, tstep, last);
+          for (int g = 0; g < ng; ++g) {
+            if (!has[g]) continue;
+            const Vals v = combine(carry[g], last[g], p, elem[g]);
+            walk |= suspect(carry[g], last[g], v);  // not what the steps give: walk the group
+            last[g] = v;
+          }
+        }
+        if (walk) chain_group<false>(xb, yb, p, ng, t0, len, elem, tstep, carry, has, last, hb, head, tl);
       }
 #pragma omp for schedule(static)
       for (int64_t lane = 0; lane < lanes; ++lane)
