@@ -247,7 +247,7 @@ def test_float32_sum_accumulates_in_double():
 @pytest.mark.parametrize("reverse", [False, True])
 def test_chunk_totals_summed_keep_special_values_and_zero_signs(threads, reverse):
     """A 1-D float32 add is chunked, and its chunks' totals are plain double sums
-    (chunk_totals in csrc/forward_chains.h): chunk lengths that are no multiple of the
+    (chunk_totals in csrc/chunk_totals.h): chunk lengths that are no multiple of the
     sums' 32 lanes, an inf and a -inf in different chunks (NaN from there on), a NaN,
     a run of -0.0 (a sum of -0.0 stays -0.0 across chunks), against the walk in float64
     rounded once."""

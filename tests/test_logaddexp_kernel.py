@@ -169,7 +169,7 @@ def test_logcumsumexp_rides_on_the_kernel_and_matches_torch(caplog):
 @pytest.mark.parametrize("reverse", [False, True])
 def test_chunk_totals_as_logsumexp_keep_the_steps_special_values(threads, reverse):
     """A 1-D float32 logaddexp scan is chunked, and its chunks' totals are each a
-    logsumexp over the chunk's maximum (chunk_totals in csrc/forward_chains.h): chunks
+    logsumexp over the chunk's maximum (chunk_totals in csrc/chunk_totals.h): chunks
     all -inf (their total -inf, adding nothing), a +inf (+inf from there on), a NaN,
     large and small magnitudes (the maximum's shift), against the float64 walk."""
     n = 70001

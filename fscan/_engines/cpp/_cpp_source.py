@@ -6,8 +6,9 @@ and scratch buffers (``Buf``), with loads, stores (:mod:`._cpp_structs`) and
 ``combine``. The algorithms are fixed C++ written once against those names, in
 files shipped with the package (``fscan/_engines/cpp/csrc``): ``prelude.h`` (ops as
 torch computes them, strided pointers), ``tuning.h`` (the constants),
-``forward.h`` (with ``forward_lanes.h`` and ``forward_chains.h``, its two paths, and
-``forward_prefix.h``, the chain path's prefix chains) and
+``forward.h`` (with ``forward_lanes.h`` and ``forward_chains.h``, its two paths,
+``forward_prefix.h``, the chain path's prefix chains, and ``chunk_totals.h``, its chunks'
+totals for a sum or logaddexp) and
 ``backward.h`` (the scans); each kernel is a template
 (``forward.cpp.in``, ``backward.cpp.in``, ``step.cpp.in``, with ``combine.cpp.in``)
 whose ``${name}`` holes this module fills. The files' text is part of the source
@@ -257,6 +258,7 @@ def forward_source(
         + csrc("forward_prefix.h")
         + csrc("chain_tiles.h")
         + csrc("extremum.h")
+        + csrc("chunk_totals.h")
         + csrc("forward_chains.h")
         + csrc("forward.h"),
         arguments=", ".join(

@@ -219,7 +219,7 @@ _LOGADDEXP_BODY = re.compile(
 
 def chunk_totals(program: Program, storage: Sequence[str]) -> int:
     """How the forward's chunked chain path takes its chunks' totals (``CHUNK_TOTALS``,
-    chunk_totals in csrc/forward_chains.h): 1, a sum in double (:func:`float32_sum`); 2,
+    chunk_totals in csrc/chunk_totals.h): 1, a sum in double (:func:`float32_sum`); 2,
     a logsumexp over the chunk's maximum (logaddexp of one float32 leaf held in double,
     commutative too); 0, by the tiles (a scan without writes)."""
     if float32_sum(program, storage):

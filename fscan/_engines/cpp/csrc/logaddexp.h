@@ -18,7 +18,7 @@
 // torch's special values); torch's own float32 logaddexp (SLEEF's u10 expf and log1pf)
 // is within 4 ulps of it (tests/test_cpu_kernel_ops.py).
 // fscan_exp_le0(d) = exp(d) for d <= 0, the first half of fscan_log1p_exp (also the terms
-// of a chunk's logsumexp: chunk_totals in forward_chains.h).
+// of a chunk's logsumexp: chunk_totals in chunk_totals.h).
 static FSCAN_INLINE float fscan_exp_le0(float d) {
   // exp(d): below -105 it rounds to 0 (-inf lands there, and NaN: the callers select).
   const float x = d > -105.0f ? d : -105.0f;
