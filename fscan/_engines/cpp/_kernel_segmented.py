@@ -128,8 +128,9 @@ def chains_tiled(program: Program) -> bool:
     bits, blended on each lane's bit (LANE_BITS), a tile without a restart scanned without
     them. Against the inclusive call in the same process, a restart about every 100 steps
     a lane, alternating processes, 1 thread, thread CPU: cumsum (4096, 256) dim 1
-    1.75-2.81x walked -> 1.16-1.43x, reversed 1.29-2.46x -> 1.13-1.27x, cumprod 1.93-2.12x
-    -> 1.27-1.43x, (1024, 8, 64) dim 2 1.62-1.82x -> 1.09-1.15x; logcumsumexp's whole
+    1.75-2.81x walked -> 1.16-1.38x (one round 2.01x), reversed 1.29-2.46x -> 1.13-1.43x,
+    cumprod 1.93-2.12x -> 1.27-1.43x, (1024, 8, 64) dim 2 1.62-1.82x -> 1.09-1.14x;
+    logcumsumexp's whole
     lanes with such a mask too (SEG_TILED: each chain described apart before), (4096, 256)
     dim 1 1.32-1.67x -> 0.99-1.24x (docs/performance.md, "A mask of x's shape along the
     last dim, tiled")."""
