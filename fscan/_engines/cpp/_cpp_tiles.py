@@ -202,9 +202,14 @@ def float32_sum(program: Program, storage: Sequence[str]) -> bool:
     ``SUM_F32``: csrc/reduce.h sums blocks of rows in float32 and widens each block's sum
     once; the forward's chunk totals summed in double: :func:`chunk_totals`). Float
     addition is commutative, so ``r0 + l0`` counts too."""
+    return _one_float32_held_in_double(program, storage, _SUM_BODY)
+
+
+def _one_float32_held_in_double(program: Program, storage: Sequence[str], body: re.Pattern) -> bool:
+    """Whether the combine is ``body`` over one float32 leaf held in double, no params."""
     if list(storage) != ["float"] or not program.wide or program.params:
         return False
-    return _SUM_BODY.fullmatch(program.body) is not None
+    return body.fullmatch(program.body) is not None
 
 
 # The body the translator writes for logaddexp of one float32 leaf held in double
@@ -224,8 +229,7 @@ def chunk_totals(program: Program, storage: Sequence[str]) -> int:
     commutative too); 0, by the tiles (a scan without writes)."""
     if float32_sum(program, storage):
         return 1
-    one = list(storage) == ["float"] and program.wide and not program.params
-    return 2 if one and _LOGADDEXP_BODY.fullmatch(program.body) is not None else 0
+    return 2 if _one_float32_held_in_double(program, storage, _LOGADDEXP_BODY) else 0
 
 
 # The vector forms csrc/forward_prefix.h has (its PREFIX values).
