@@ -9,12 +9,10 @@ depended on torch's split of work among threads would differ.
 
 from __future__ import annotations
 
-import os
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
+import gloo_ranks
 import torch
 import torch.distributed as dist
 from distributed_cases import Case, check
@@ -32,27 +30,10 @@ SPLITS = {
 }
 
 
-def worker(rank: int, world: int, port: int, queue: Any, timeout_s: float) -> None:
-    """Join the group, run every case, put ``(rank, {case: verdict})`` on ``queue``."""
-    torch.set_num_threads(1 + rank % 2)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    results: dict[str, str] = {}
-    try:
-        timeout = timedelta(seconds=timeout_s)
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-        for name, case in CASES.items():
-            try:
-                case(rank, world)
-                results[name] = "ok"
-            except Exception:
-                results[name] = traceback.format_exc(limit=-4)
-                break  # the ranks may be out of step: stop, do not wait
-    except Exception:
-        results["<setup>"] = traceback.format_exc()
-    queue.put((rank, results))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def worker(rank: int, world: int, port: int, results: Any) -> None:
+    """A rank of tests/test_distributed_deterministic.py: every case of :data:`CASES`
+    (gloo_ranks), on 1 or 2 threads by rank (module doc)."""
+    gloo_ranks.run_cases(CASES, rank, world, port, results, threads=1 + rank % 2)
 
 
 # ---- comparing bits ------------------------------------------------------------------

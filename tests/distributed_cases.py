@@ -13,14 +13,12 @@ makes one rank raise before the collective: every rank must see an error.
 
 from __future__ import annotations
 
-import os
-import socket
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import gloo_ranks
 import optree
 import torch
 import torch.distributed as dist
@@ -33,38 +31,9 @@ TOL = 1e-9
 UNEVEN = {1: [5], 2: [6, 0], 3: [4, 0, 3], 4: [3, 0, 5, 1]}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def worker(rank: int, world: int, port: int, queue: Any, timeout_s: float) -> None:
-    """Join the group, run every case, put ``(rank, {case: verdict})`` on ``queue``."""
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    results: dict[str, str] = {}
-    try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
-        )
-        failed = None
-        for name, case in CASES.items():
-            if failed is not None:  # the ranks may be out of step: stop, do not wait
-                results[name] = f"not run: this rank stopped after case {failed!r} failed"
-                continue
-            try:
-                case(rank, world)
-                results[name] = "ok"
-            except Exception:
-                results[name] = traceback.format_exc(limit=-4)
-                failed = name
-    except Exception:
-        results["<setup>"] = traceback.format_exc()
-    queue.put((rank, results))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def worker(rank: int, world: int, port: int, results: Any) -> None:
+    """A rank of tests/test_distributed.py: every case of :data:`CASES` (gloo_ranks)."""
+    gloo_ranks.run_cases(CASES, rank, world, port, results)
 
 
 # ---- comparing one case ------------------------------------------------------------

@@ -11,15 +11,13 @@ splits are cheap to sweep here. ``test_on_gloo_ranks`` then runs the cases of
 
 from __future__ import annotations
 
-import queue as queue_module
 import random
 
+import gloo_ranks
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from deterministic_cases import CASES, assert_bitwise, worker
-from distributed_cases import free_port
 from helpers import add, linear_recurrence, logaddexp, matmul, maximum, parametrize, sequential_scan
 
 import fscan
@@ -309,52 +307,13 @@ def test_compile(what):
 # ---- gloo groups of 1 to 4 ranks ----------------------------------------------------
 
 WORLD_SIZES = (1, 2, 3, 4)
-TIMEOUT_S = 30.0  # a collective's; the parent stops waiting after JOIN_S
-JOIN_S = 240.0
-
-
-def spawn(world: int) -> dict[int, dict[str, str]]:
-    """Start ``world`` ranks, run every case of ``deterministic_cases``, return
-    ``{rank: {case: verdict}}`` (as tests/test_distributed.py does)."""
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch._dynamo", "deterministic_cases"])
-    else:
-        ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=worker, args=(r, world, port, results, TIMEOUT_S), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    got: dict[int, dict[str, str]] = {}
-    try:
-        for _ in range(world):
-            rank, verdicts = results.get(timeout=JOIN_S)
-            got[rank] = verdicts
-    except queue_module.Empty:
-        pass  # reported below as missing ranks
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()  # only the ranks this function started
-    return got
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")
-def verdicts(request):
-    return request.param, spawn(request.param)
+def ranks(request):
+    return gloo_ranks.spawn(request.param, ["deterministic_cases"], worker)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_on_gloo_ranks(verdicts, case):
-    world, got = verdicts
-    missing = [r for r in range(world) if r not in got]
-    assert not missing, f"ranks {missing} of {world} sent no result (hung or crashed)"
-    setup = {r: v["<setup>"] for r, v in got.items() if "<setup>" in v}
-    assert not setup, setup
-    failed = {r: v.get(case, "not run") for r, v in got.items() if v.get(case) != "ok"}
-    assert not failed, "\n".join(f"rank {r}/{world}:\n{msg}" for r, msg in failed.items())
+def test_on_gloo_ranks(ranks, case):
+    gloo_ranks.assert_case(ranks, case)

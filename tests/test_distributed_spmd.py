@@ -5,9 +5,10 @@ Every rank must end each case with a clear error (the same one wherever the rank
 disagree), never hang in a collective or abort inside gloo, and the group must stay
 usable afterwards. Each world size is started once and runs every case in its ranks;
 a rank checks its own outcome against the case's expectation and sends back a
-verdict and its error message. Collectives time out after ``TIMEOUT_S`` and the
-parent stops waiting after ``JOIN_S`` (then kills the ranks it started), so a hang
-or a crash fails the test instead of stalling the run.
+verdict and its error message. Collectives time out after ``TIMEOUT_S`` (short: a
+case whose peers never enter the collective waits that long) and a hang or a crash
+fails the test, with the silent rank's stacks (``gloo_ranks``), instead of stalling
+the run.
 
 Pieces are uneven with an empty piece (rank 1's), and the rank that differs is
 sometimes the empty one, sometimes one with data. Matching calls in between are
@@ -16,19 +17,16 @@ checked against a sequential float64 loop, values and gradients.
 
 from __future__ import annotations
 
-import os
-import queue as queue_module
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
+import gloo_ranks
 import optree
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fscan
 import fscan.distributed as fd
@@ -39,7 +37,6 @@ pytestmark = pytest.mark.skipif(
 
 WORLD_SIZES = (2, 3)
 TIMEOUT_S = 15.0
-JOIN_S = 240.0
 # each rank's piece length: uneven, rank 1's piece empty
 LENGTHS = {1: [5], 2: [4, 0], 3: [3, 0, 2]}
 
@@ -364,77 +361,38 @@ def _verdict(case: Case, rank: int, world: int) -> tuple[str, str]:
 
 def worker(rank: int, world: int, port: int, results: Any) -> None:
     """Join the group, run every case, put ``(rank, {case: (verdict, message)})``."""
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    verdicts: dict[str, tuple[str, str]] = {}
-    try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S)
-        )
-        with fscan.config.override(cpu_kernel="off"):  # no background builds in the ranks
-            stopped = None
-            for name, case in CASES.items():
-                if stopped is not None:  # out of step with the others: do not wait on them
-                    verdicts[name] = (f"not run: stopped after {stopped!r}", "")
-                    continue
-                verdicts[name] = _verdict(case, rank, world)
-                if verdicts[name][0] != "ok":
-                    stopped = name
-    except Exception:
-        verdicts["<setup>"] = (traceback.format_exc(), "")
-    results.put((rank, verdicts))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    gloo_ranks.run_cases(
+        CASES,
+        rank,
+        world,
+        port,
+        results,
+        timeout_s=TIMEOUT_S,
+        verdict=_verdict,
+        ok=_ok_verdict,
+        # no background builds in the ranks
+        setting=lambda: fscan.config.override(cpu_kernel="off"),
+    )
 
 
-def spawn(world: int) -> dict[int, dict[str, tuple[str, str]]]:
-    from distributed_cases import free_port
+def _ok_verdict(verdict: tuple[str, str] | str) -> bool:
+    return verdict[0] == "ok" if isinstance(verdict, tuple) else verdict == "ok"
 
-    if "forkserver" in mp.get_all_start_methods():  # see tests/test_distributed.py
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch._dynamo", "test_distributed_spmd"])
-    else:
-        ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=worker, args=(r, world, port, results), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    got: dict[int, dict[str, tuple[str, str]]] = {}
-    try:
-        for _ in range(world):
-            rank, verdicts = results.get(timeout=JOIN_S)
-            got[rank] = verdicts
-    except queue_module.Empty:
-        pass  # reported by the tests as missing ranks
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()  # only the ranks this function started
-    return got
+
+def _verdict_text(verdict: tuple[str, str] | str) -> str:
+    return verdict[0] if isinstance(verdict, tuple) else verdict
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")
-def verdicts(request):
-    return request.param, spawn(request.param)
+def ranks(request):
+    return gloo_ranks.spawn(request.param, ["test_distributed_spmd"], worker)
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_every_rank_raises_the_expected_error(verdicts, name):
-    world, got = verdicts
-    missing = [r for r in range(world) if r not in got]
-    assert not missing, f"ranks {missing} of {world} sent no result (hung or crashed)"
-    setup = {r: v["<setup>"][0] for r, v in got.items() if "<setup>" in v}
-    assert not setup, setup
-    failed = {r: v[name][0] for r, v in got.items() if v[name][0] != "ok"}
-    assert not failed, "\n".join(f"rank {r}/{world}: {msg}" for r, msg in failed.items())
+def test_every_rank_raises_the_expected_error(ranks, name):
+    gloo_ranks.assert_case(ranks, name, ok=_ok_verdict, text=_verdict_text)
     if CASES[name].same_message:
-        messages = {v[name][1] for v in got.values()}
+        messages = {v[name][1] for v in ranks.got.values()}
         assert len(messages) == 1, messages
 
 

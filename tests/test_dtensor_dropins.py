@@ -7,26 +7,21 @@ inclusive: cummax/cummin's indices bitwise) and against a sequential float64 loo
 over even, uneven and empty shards. Other placements scan locally; ``Partial()`` is
 reduced first, as torch does; the refusals name the argument and the fix.
 
-Each world size is started once (module-scoped fixture) and runs every case of
-``CASES`` in its ranks; each test reads one case's verdict on every rank. Collectives
-time out after ``TIMEOUT_S`` and the parent stops waiting after ``JOIN_S``.
+Each world size is started once (module-scoped fixture, ``gloo_ranks.spawn``) and
+runs every case of ``CASES`` in its ranks; each test reads one case's verdict on
+every rank.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
-import queue as queue_module
-import socket
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
+import gloo_ranks
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fscan
 
@@ -35,8 +30,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 WORLD_SIZES = (1, 2, 3, 4)
-TIMEOUT_S = 20.0
-JOIN_S = 240.0
 # Global lengths: even and uneven shards, at W = 4 an empty one (13: 4, 4, 4, 1;
 # 3: 1, 1, 1, 0; 5 at W = 3 and 4: 2, 2, 1 (, 0)), and no element at all.
 LENGTHS = (13, 5, 3, 0)
@@ -434,75 +427,18 @@ CASES: dict[str, Callable[[int, int], None]] = {
 # ---- running every case in every rank --------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, results: Any) -> None:
-    """Join the group, run every case, put ``(rank, {case: verdict})`` on ``results``."""
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    verdicts: dict[str, str] = {}
-    try:
-        timeout = timedelta(seconds=TIMEOUT_S)
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-        failed = None
-        for name, case in CASES.items():
-            if failed is not None:  # the ranks may be out of step: stop, do not wait
-                verdicts[name] = f"not run: this rank stopped after case {failed!r} failed"
-                continue
-            try:
-                case(rank, world)
-                verdicts[name] = "ok"
-            except Exception:
-                verdicts[name] = traceback.format_exc(limit=-4)
-                failed = name
-    except Exception:
-        verdicts["<setup>"] = traceback.format_exc()
-    results.put((rank, verdicts))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    gloo_ranks.run_cases(CASES, rank, world, port, results)
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")
-def verdicts(request):
-    world = request.param
-    if "forkserver" in mp.get_all_start_methods():  # imports paid once, not per rank
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch._dynamo", "fscan", __name__])
-    else:
-        ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, results)) for r in range(world)]
-    for p in procs:
-        p.daemon = True
-        p.start()
-    got: dict[int, dict[str, str]] = {}
-    try:
-        for _ in range(world):
-            rank, verdict = results.get(timeout=JOIN_S)
-            got[rank] = verdict
-    except queue_module.Empty:
-        pass  # reported as missing ranks
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()  # only the ranks started here
-    return world, got
+def ranks(request):
+    return gloo_ranks.spawn(request.param, [__name__], _worker)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_case_on_every_rank(verdicts, case):
-    world, got = verdicts
-    missing = [r for r in range(world) if r not in got]
-    assert not missing, f"ranks {missing} of {world} sent no result (hung or crashed)"
-    setup = {r: v["<setup>"] for r, v in got.items() if "<setup>" in v}
-    assert not setup, setup
-    failed = {r: v[case] for r, v in got.items() if v.get(case) != "ok"}
-    assert not failed, "\n".join(f"rank {r}/{world}:\n{msg}" for r, msg in failed.items())
+def test_case_on_every_rank(ranks, case):
+    gloo_ranks.assert_case(ranks, case)
 
 
 def test_plain_tensors_keep_their_path():
