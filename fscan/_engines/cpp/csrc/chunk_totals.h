@@ -75,7 +75,10 @@ static void chunk_totals(const I* xb, const int64_t* t0, const int64_t* len, int
   if constexpr (KIND != TOTAL_NONE) {
     for (int g = 0; g < ng; ++g) {
       const float* const p = xb[g].x0.p + (tstep > 0 ? t0[g] : t0[g] - len[g] + 1);
-      last[g].v0 = KIND == TOTAL_SUM ? chunk_sum(p, len[g]) : chunk_logsumexp(p, len[g]);
+      if constexpr (KIND == TOTAL_SUM)  // (a sum kernel does not compile the exps)
+        last[g].v0 = chunk_sum(p, len[g]);
+      else
+        last[g].v0 = chunk_logsumexp(p, len[g]);
     }
   }
 }
