@@ -158,14 +158,20 @@ def spawn(
         ]
         for p in procs:
             p.start()
-        try:
-            for _ in range(world):
-                rank, verdicts = results.get(timeout=max(0.1, deadline - time.time()))
+        while len(ranks.got) < world and time.time() < deadline:
+            with contextlib.suppress(queue_module.Empty):
+                rank, verdicts = results.get(timeout=min(1.0, max(0.1, deadline - time.time())))
                 ranks.got[rank] = verdicts
-        except queue_module.Empty:
-            pass  # explained below
+                continue
+            if not any(p.is_alive() for r, p in enumerate(procs) if r not in ranks.got):
+                # every silent rank ended (a crash): what one put may still be in the pipe
+                with contextlib.suppress(queue_module.Empty):
+                    while len(ranks.got) < world:
+                        rank, verdicts = results.get(timeout=2.0)
+                        ranks.got[rank] = verdicts
+                break
         for rank, p in enumerate(procs):
-            p.join(timeout=10)
+            p.join(timeout=10 if rank in ranks.got else 1)  # a silent one had its time
             if rank in ranks.got:
                 if p.is_alive():
                     p.kill()  # only the ranks started here
