@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -118,19 +120,34 @@ def _seeded(request: pytest.FixtureRequest) -> None:
 
 
 @pytest.fixture
-def served_exclusive(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+def runs_of(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[object]]:
+    """``runs_of(name, *modules, kept=...)``: the runs (each call's first argument) that
+    the function ``name`` of ``modules`` serves, as they happen: one function, wrapped in
+    each module that holds it (its first module's), a run kept where ``kept(out)``."""
+
+    def record(name: str, *modules: Any, kept: Callable[[Any], bool] = lambda out: True):
+        runs: list[object] = []
+        original = getattr(modules[0], name)
+
+        def counted(run: object, *args: Any) -> Any:
+            out = original(run, *args)
+            if kept(out):
+                runs.append(run)
+            return out
+
+        for module in modules:
+            monkeypatch.setattr(module, name, counted)
+        return runs
+
+    return record
+
+
+@pytest.fixture
+def served_exclusive(runs_of: Callable[..., list[object]]) -> list[object]:
     """The exclusive runs the drop-ins' repeat route served, as they happen."""
     from fscan._routing import repeat_drop_ins
 
-    runs: list[object] = []
-    run_exclusive = repeat_drop_ins.run_exclusive
-
-    def counted(found, x):
-        runs.append(found)
-        return run_exclusive(found, x)
-
-    monkeypatch.setattr(repeat_drop_ins, "run_exclusive", counted)
-    return runs
+    return runs_of("run_exclusive", repeat_drop_ins)
 
 
 @pytest.fixture

@@ -26,18 +26,9 @@ pytestmark = [
 
 
 @pytest.fixture
-def served(monkeypatch):
+def served(runs_of):
     """The runs the repeat route served, as they happen."""
-    runs: list[object] = []
-    run_reduce = router.run_reduce
-
-    def counted(run, leaves, captured):
-        out = run_reduce(run, leaves, captured)
-        runs.append(run)
-        return out
-
-    monkeypatch.setattr(router, "run_reduce", counted)
-    return runs
+    return runs_of("run_reduce", router)
 
 
 def oracle(fn, xs, dim: int, reverse: bool):

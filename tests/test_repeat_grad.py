@@ -25,19 +25,9 @@ pytestmark = [
 
 
 @pytest.fixture
-def served(monkeypatch):
+def served(runs_of):
     """The grad runs the repeat route served, as they happen."""
-    runs: list[object] = []
-    run_grad_prepared = repeat.run_grad_prepared
-
-    def counted(run, *args):
-        out = run_grad_prepared(run, *args)
-        if out is not None:
-            runs.append(run)
-        return out
-
-    monkeypatch.setattr(repeat, "run_grad_prepared", counted)
-    return runs
+    return runs_of("run_grad_prepared", repeat, kept=lambda out: out is not None)
 
 
 add = lambda a, b: a + b

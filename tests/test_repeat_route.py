@@ -30,19 +30,9 @@ pytestmark = [
 
 
 @pytest.fixture
-def served(monkeypatch):
-    """The runs the repeat shortcut served, as they happen."""
-    runs: list[object] = []
-    run_prepared = repeat.run_prepared
-
-    def counted(run, leaves, captured):
-        out = run_prepared(run, leaves, captured)
-        runs.append(run)
-        return out
-
-    monkeypatch.setattr(repeat, "run_prepared", counted)  # the scan's
-    monkeypatch.setattr(repeat_drop_ins, "run_prepared", counted)  # the drop-ins'
-    return runs
+def served(runs_of):
+    """The runs the repeat shortcut served, as they happen: the scan's and the drop-ins'."""
+    return runs_of("run_prepared", repeat, repeat_drop_ins)
 
 
 def reference(x: torch.Tensor, dim: int, reverse: bool, op=torch.add) -> torch.Tensor:

@@ -28,17 +28,9 @@ pytestmark = [
 
 
 @pytest.fixture
-def served(monkeypatch):
+def served(runs_of):
     """The segmented runs the repeat shortcut served, as they happen."""
-    runs: list[object] = []
-    run = repeat_drop_ins.run_segmented_prepared
-
-    def counted(found, x, reset):
-        runs.append(found)
-        return run(found, x, reset)
-
-    monkeypatch.setattr(repeat_drop_ins, "run_segmented_prepared", counted)
-    return runs
+    return runs_of("run_segmented_prepared", repeat_drop_ins)
 
 
 STEP = {
