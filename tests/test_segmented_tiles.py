@@ -179,3 +179,30 @@ def test_row_tiles_lanes_over_leading_dims(threads, name, reverse):
         check_rows(name, x, 2, reset, reverse, threads)
         check32(x, -1, reset.expand(3, 23, 70).contiguous(), reverse, threads, name=name)
         check32(x, -1, per_row, reverse, threads, name=name)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("name", ["cumsum", "cumprod"])
+@pytest.mark.parametrize("flags", ["row", "sparse", "dense", "none"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_chunks_of_one_lane_tiled(threads, name, flags, reverse):
+    """One lane long enough for a whole group of chunks (16 * 2048 steps and more: each
+    chunk a chain of the transposed tiles, reading its own steps' flags as bits, its carry
+    the chunks' totals composed), the last chunk shorter (walked on after the tiles); the
+    mask a restart every 97 steps, a few, one every other step, or none; also as a
+    (2, n) input along its last dim (two lanes, still fewer than a group)."""
+    n = 16 * 2048 * 2 + 1234
+    gen = torch.Generator().manual_seed(threads)
+    x = torch.randn(n, generator=gen)
+    if flags == "row":
+        reset = torch.arange(n) % 97 == 13
+    elif flags == "sparse":
+        reset = mask((n,), 0.0005, seed=threads)
+    elif flags == "dense":
+        reset = torch.arange(n) % 2 == 1
+    else:
+        reset = torch.zeros(n, dtype=torch.bool)
+    with torch_threads(threads):
+        check32(x, 0, reset, reverse, threads, name=name)
+        two = torch.randn(2, n // 2, generator=gen)
+        check32(two, 1, mask((2, n // 2), 0.01, seed=threads + 1), reverse, threads, name=name)

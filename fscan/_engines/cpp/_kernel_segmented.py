@@ -133,7 +133,15 @@ def chains_tiled(program: Program) -> bool:
     logcumsumexp's whole
     lanes with such a mask too (SEG_TILED: each chain described apart before), (4096, 256)
     dim 1 1.32-1.67x -> 0.99-1.24x (docs/performance.md, "A mask of x's shape along the
-    last dim, tiled")."""
+    last dim, tiled").
+    Chunks of one lane (a 1-D input, fewer lanes than a group of chains a thread), whose
+    flags are adjacent bytes, tile too (s50): each chunk a chain of seg_transposed_chains,
+    its carry the chunks' totals composed, a tile's flags read as bits (LANE_BITS, as
+    seg_row_tiles; spread into the tile's 32-bit rows before). Cumsum over (1048576,), a
+    restart every 97 steps, 1 thread, thread CPU time against the inclusive call in the
+    same process, medians of 60, two alternating rounds: walked 571-575 us (1.13-1.19x),
+    tiled with the flags spread 530-558 (1.07-1.09x), as bits 509-539 (1.05-1.08x);
+    cumprod 1.09-1.12x -> 0.91-0.94x."""
     return program.expensive
 
 

@@ -7,7 +7,8 @@
 // with them); else SEG_G chains (generated: 3, or 1 where the combine selects) are walked
 // interleaved, but where SEG_TILE_ROWS (float32 leaves, no positions: cumsum, cumprod)
 // and whole lanes read a 1-D mask, or each their own flags as adjacent bytes, tiled as the
-// forward's (seg_row_tiles). One chain walked alone (the reduce
+// forward's (seg_row_tiles), and chunks of fewer lanes (a 1-D input) whose flags are
+// adjacent bytes, each chunk a tiled chain (seg_transposed_chains). One chain walked alone (the reduce
 // pass over one lane's chunks, the old split) ran 2-3x the forward's chain path; walked
 // chains kept cummax's and logcumsumexp's combines scalar (7 and 36 ns an element).
 // Its walked chains are csrc/segmented_walk.h, its tiled ones csrc/segmented_tiles.h,
@@ -75,6 +76,14 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
   const bool lane_rows = (SEG_TILED || SEG_TILE_ROWS) && TILED && tileable(x, y) && !shared &&
                          R.st == 1 && chunks(SEG_TW) == 1;
   tiled |= lane_rows;
+  // Lanes split into chunks (fewer lanes than a group of chains a thread: a 1-D input),
+  // each chunk's steps' flags adjacent bytes: each chunk a chain of the transposed tiles
+  // (seg_transposed_chains), its flags read as bits. Walked (3 chunks interleaved), cumsum
+  // over (1048576,) with a restart every 97 steps ran 1.13-1.19x its inclusive call; so
+  // 1.05-1.08x (see fscan._engines.cpp._kernel_segmented.chains_tiled).
+  const bool chunk_rows = (SEG_TILED || SEG_TILE_ROWS) && TILED && tileable(x, y) &&
+                          R.st == 1 && chunks(SEG_TW) > 1;
+  tiled |= chunk_rows;
   const int64_t cg = tiled ? SEG_TW : SEG_G;
   int64_t C = chunks(cg);
   int64_t L = (T + C - 1) / C;

@@ -255,9 +255,11 @@ __attribute__((noinline)) static void seg_row_tiles(const In x, const Out y, con
 
 // SEG_TW chains, each its own flags (any mask layout) or carry: TB steps a tile, each
 // chain's flags gathered into the tile's rows (LANE_FLAGS). Where the mask's steps are
-// adjacent bytes (R.st == 1: a mask of x's shape along its last dim), a whole tile's flags
-// are read 16 bytes a chain, as bits, and spread into the rows by a vector loop, and a
-// tile without a restart is scanned by the forward's tile_scan; else gathered a byte at a
+// adjacent bytes (R.st == 1: a mask of x's shape along its last dim, a 1-D mask's chunks),
+// a whole tile's flags are read 16 bytes a chain, as bits, blended on each chain's bit
+// (LANE_BITS, as seg_row_tiles; spread into the rows first, cumsum over (1048576,) with a
+// restart every 97 steps ran 4-5% slower), and a tile without a restart is scanned by the
+// forward's tile_scan; else gathered a byte at a
 // time (a byte load, a compare and a scattered store an element: 38% of the path outside
 // the tile scan, perf on cumsum). A function of its own:
 // inlined into seg_chain_path, GCC spilled the transposes' registers (328 vector stores
@@ -297,31 +299,25 @@ __attribute__((noinline)) static void seg_transposed_chains(
     for (int g = 0; k0 == 0 && g < SEG_TW; ++g)
       if (carry[g] != nullptr) put_all(acc, g, *carry[g]);
     const unsigned first = UP ? 1u : 1u << (TB - 1);  // the tile's row of its first step
-    bool restarts = true;  // whether the tile has any (else scanned without its flags)
-    if (dense && !part) {
-      uint32_t bits[SEG_TW], any = 0;
+    if (dense && !part) {  // the tile's flags as bits, blended on each chain's (LANE_BITS)
+      alignas(64) uint32_t bits[SEG_TW];
+      uint32_t any = 0;
       for (int g = 0; g < SEG_TW; ++g) {
         bits[g] = tile_flag_bits(c[g].r.p + (lo[g] - c[g].t0));
         if (k0 == 0 && carry[g] == nullptr) bits[g] |= first;
         any |= bits[g];
       }
-      restarts = any != 0;
-      for (int w = 0; restarts && w < WAYS; ++w)
-        for (int64_t j = 0; j < TB; ++j) {
-          int32_t* const f = fl + (w * TB + j) * TV;
-#pragma GCC ivdep
-          for (int g = 0; g < TV; ++g) f[g] = (int32_t)((bits[w * TV + g] >> j) & 1u);
-        }
+      if (any != 0) seg_tile_scan<UP, LANE_BITS>(x, y, p, lane, acc, tl, 0, bits);
+      else tile_scan<true, UP, 0, false>(x, y, p, lane, acc, tl);
     } else {
       for (int g = 0; g < SEG_TW; ++g) {
         int32_t* f = fl + (g / TV * TB) * TV + g % TV;
         for (int64_t k = 0; k < n; ++k) f[(UP ? k : TB - 1 - k) * TV] = step(c[g].r, (k0 + k) * dt) != 0;
         if (k0 == 0 && carry[g] == nullptr) f[(UP ? 0 : TB - 1) * TV] = 1;
       }
+      if (part) seg_tile_scan_part<UP>(x, y, p, lane, acc, tl, n);
+      else seg_tile_scan<UP, LANE_FLAGS>(x, y, p, lane, acc, tl, 0);
     }
-    if (part) seg_tile_scan_part<UP>(x, y, p, lane, acc, tl, n);
-    else if (restarts) seg_tile_scan<UP, LANE_FLAGS>(x, y, p, lane, acc, tl, 0);
-    else tile_scan<true, UP, 0, false>(x, y, p, lane, acc, tl);
     if (part) tile_out(yb, lo, tl.out, m);
     else tile_out(yb, lo, tl.out, all);
   }
