@@ -334,15 +334,15 @@ def _run_out(
     stacklevel: int,
 ) -> Any:
     """:func:`_run` with ``out=`` (checked: a tensor, or cummax/cummin's pair) written:
-    by the engine itself where :func:`direct_out` allows it (an inclusive call without
-    ``reset=``), else copied in after (``stacklevel``: :func:`write_out`'s, the caller's
+    by the engine itself where :func:`direct_out` allows it (an inclusive call, with or
+    without ``reset=``), else copied in after (``stacklevel``: :func:`write_out`'s, the caller's
     line). ``out`` itself is returned, as torch does."""
     if out is None:
         return _run(api, op, x, dim, reverse, reset, exclusive)
     outs = [out] if isinstance(out, torch.Tensor) else list(out)
     into = None
-    if reset is None and not exclusive:
-        into = direct_out(outs, x, [x.dtype, torch.int64][: len(outs)])
+    if not exclusive:
+        into = direct_out(outs, x, [x.dtype, torch.int64][: len(outs)], reset)
     result = _run(api, op, x, dim, reverse, reset, exclusive, into)
     results = [result] if isinstance(out, torch.Tensor) else list(result)
     if into is None or not all(written(r, o) for r, o in zip(results, outs)):

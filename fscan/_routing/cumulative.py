@@ -136,15 +136,15 @@ def cumulative(
     ``x`` in the dtype torch computes in, ``dim`` checked and non-negative. With
     ``reset=`` (torch's op has none), :func:`segmented` runs it. ``out``: the caller's
     ``out=`` tensors (``x``'s shape and dtype, storage of their own), which the kernel
-    and torch's op forward write directly (see :func:`engine`); the result is then
-    ``out``'s memory, else a new tensor the caller copies in.
+    (the segmented one too) and torch's op forward write directly (see :func:`engine`);
+    the result is then ``out``'s memory, else a new tensor the caller copies in.
 
     Example:
         >>> cumulative("fscan.cumsum", torch.cumsum, torch.tensor([1, 2, 3]), 0, True)
         tensor([6, 5, 3])
     """
     if reset is not None:
-        return segmented(api, op, x, dim, reverse, reset, remember=True)
+        return segmented(api, op, x, dim, reverse, reset, remember=out is None, out=out)
     return engine(api, op, x, dim, reverse, out)
 
 
@@ -191,6 +191,7 @@ def segmented(
     reverse: bool,
     reset: Any,
     remember: bool = False,
+    out: list | None = None,
 ) -> Any:
     """``op`` restarted wherever the bool mask ``reset`` is True (``out[i] = x[i]``
     there): fscan's segmented scan (:mod:`fscan._segmented`) of the op's combine, on the
@@ -199,6 +200,8 @@ def segmented(
     checked here first, so that its errors name ``api``. ``remember``: the call is the
     drop-in's own (not an exclusive one's part): a run on the segmented kernel is stored
     for an identical call (:func:`~fscan._routing.repeat_drop_ins.repeat_segmented`).
+    ``out``: memory the segmented kernel writes (as :func:`cumulative`'s; the scan of the
+    pairs writes new tensors).
 
     Example:
         >>> reset = torch.tensor([False, False, True, False])
@@ -217,7 +220,7 @@ def segmented(
     if segmented_route(runs_at([x]), [x]) is None:
         combine, spec, leaves, positions = kernel_call(op, x)
         threads = kernel_threads(x, dim)
-        found = run_segmented(combine, spec, leaves, dim, reverse, reset, positions, threads)
+        found = run_segmented(combine, spec, leaves, dim, reverse, reset, positions, threads, out)
         if found is not None:
             if remember:
                 call = (combine, spec, leaves, positions)

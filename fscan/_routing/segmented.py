@@ -59,16 +59,18 @@ def run_segmented(
     reset: torch.Tensor,
     positions: tuple[int, ...] = (),
     threads: int | None = None,
+    out: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor] | None:
     """The segmented kernel's scan of ``leaves`` (``dim`` non-negative) restarting where
     ``reset`` (checked: 1-D of the scan's length, or the leaves' dimensions with sizes 1
-    or theirs) is True, logged as ``cpp``; None where it does not serve (yet): the caller
-    scans the pairs. :func:`segmented_route` said yes."""
+    or theirs) is True, logged as ``cpp``, into fresh outputs or ``out`` (see
+    :func:`~fscan._engines.cpp._kernel_segmented.kernel_segmented`); None where it does
+    not serve (yet): the caller scans the pairs. :func:`segmented_route` said yes."""
     shape = leaves[0].shape
     if any(x.shape != shape for x in leaves):
         return None
     flags = reset if reset.ndim == 1 else reset.expand(shape)  # 1-D: one flag a step
-    found = kernel_segmented(combine_fn, spec, leaves, dim, reverse, flags, positions, threads)
+    found = kernel_segmented(combine_fn, spec, leaves, dim, reverse, flags, positions, threads, out)
     if found is not None:
         ran("cpp")
     return found

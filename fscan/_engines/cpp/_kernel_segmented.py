@@ -241,11 +241,14 @@ def kernel_segmented(
     flags: torch.Tensor,
     positions: tuple[int, ...] = (),
     threads: int | None = None,
+    out: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor] | None:
     """The scan of ``leaves`` along ``dim`` restarting where ``flags`` (bool: the leaves'
     shape, an expanded mask read in place; or 1-D, one flag a step shared by every lane)
-    is True, by the segmented kernel, into
-    fresh contiguous outputs; or None (module doc). ``positions``: as for
+    is True, by the segmented kernel, into fresh contiguous outputs, or into ``out`` (one
+    tensor per leaf, the position leaves' int64: contiguous, the leaves' shape, sharing
+    memory with no input, the mask or each other, as a drop-in's ``out=`` checked by
+    :func:`fscan._ops_out.direct_out`); or None (module doc). ``positions``: as for
     :func:`~.cpu_kernel.kernel_scan`. ``threads``: at most this many."""
     found = _ready_kernel(combine_fn, spec, leaves, dim, positions)
     if found is None:
@@ -256,14 +259,19 @@ def kernel_segmented(
     outer, steps, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
     # As run_kernel's (a few us a call, 5-10% of a 2**20-element scan on the lane path):
     # empty_like where it gives contiguous memory, huge pages asked only where they may
-    # be granted, and contiguous inputs' strides written down, not laid out.
-    ys = [
-        torch.empty_like(x) if x.is_contiguous() else torch.empty(shape, dtype=x.dtype)
-        for x in leaves
-    ]
+    # be granted (fresh outputs only: a caller's memory is left as it is), and contiguous
+    # inputs' strides written down, not laid out.
+    if out is not None:
+        ys = list(out)
+    else:
+        ys = [
+            torch.empty_like(x) if x.is_contiguous() else torch.empty(shape, dtype=x.dtype)
+            for x in leaves
+        ]
     if outer * steps * inner == 0:
         return ys
-    advise_outputs(ys, (outer, steps, inner, int(reverse)))
+    if out is None:
+        advise_outputs(ys, (outer, steps, inner, int(reverse)))
     read = read_leaves(leaves, positions)
     views, nb, strides = _read_layout(read, flags, shape, dim)
     dense = [nb * steps * inner, steps * inner, inner, 1] * len(ys)
