@@ -169,6 +169,7 @@ def exclusive(
     inputs: Sequence[Any],
     reset: torch.Tensor | None = None,
     reset_starts: Sequence[Start] | None = None,
+    into: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """The exclusive scan (module doc) from the door's ``inclusive`` scan.
 
@@ -176,6 +177,8 @@ def exclusive(
     each output's start value at the first step; ``reset_starts`` (default ``starts``)
     where ``reset`` (the door's mask, 1-D or with ``dim``, checked) is True. ``inputs``:
     the tensors whose ``requires_grad`` decides whether autograd records (module doc).
+    ``into``: the outputs' memory where nothing records (a drop-in's checked ``out=``,
+    contiguous, sharing memory with no input), else fresh tensors.
 
     Example:
         >>> x = torch.tensor([1.0, 2.0, 3.0])
@@ -196,7 +199,7 @@ def exclusive(
                 start = s.unsqueeze(shift.dim) if isinstance(s, torch.Tensor) else s
                 outs[i] = torch.where(shift.mask(reset, o.ndim), start, o)
         return outs
-    return _written(shift, inclusive, outputs, device, starts, reset, reset_starts)
+    return _written(shift, inclusive, outputs, device, starts, reset, reset_starts, into)
 
 
 def _written(
@@ -207,11 +210,15 @@ def _written(
     starts: Sequence[Start],
     reset: torch.Tensor | None,
     reset_starts: Sequence[Start] | None,
+    into: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """:func:`exclusive` where nothing records: into the later steps of fresh outputs."""
+    """:func:`exclusive` where nothing records: into the later steps of fresh outputs (or
+    of ``into``)."""
     dim = shift.dim
-    # Huge pages where large, as the kernel's own fresh outputs (see fscan._memory).
-    outs = [advise_huge_pages(torch.empty(s, dtype=d, device=device)) for s, d in outputs]
+    if into is not None:
+        outs = list(into)
+    else:  # huge pages where large, as the kernel's own fresh outputs (see fscan._memory)
+        outs = [advise_huge_pages(torch.empty(s, dtype=d, device=device)) for s, d in outputs]
     views = [shift.later(o) for o in outs]
     found = inclusive(Steps(shift, True), views)
     for o, view, f, s in zip(outs, views, found, starts):

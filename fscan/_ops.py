@@ -334,15 +334,14 @@ def _run_out(
     stacklevel: int,
 ) -> Any:
     """:func:`_run` with ``out=`` (checked: a tensor, or cummax/cummin's pair) written:
-    by the engine itself where :func:`direct_out` allows it (an inclusive call, with or
-    without ``reset=``), else copied in after (``stacklevel``: :func:`write_out`'s, the caller's
+    by the engine itself where :func:`direct_out` allows it (inclusive or exclusive, with
+    or without ``reset=``; the exclusive ``reset=`` shift and torch's op reversed write
+    new memory), else copied in after (``stacklevel``: :func:`write_out`'s, the caller's
     line). ``out`` itself is returned, as torch does."""
     if out is None:
         return _run(api, op, x, dim, reverse, reset, exclusive)
     outs = [out] if isinstance(out, torch.Tensor) else list(out)
-    into = None
-    if not exclusive:
-        into = direct_out(outs, x, [x.dtype, torch.int64][: len(outs)], reset)
+    into = direct_out(outs, x, [x.dtype, torch.int64][: len(outs)], reset)
     result = _run(api, op, x, dim, reverse, reset, exclusive, into)
     results = [result] if isinstance(out, torch.Tensor) else list(result)
     if into is None or not all(written(r, o) for r, o in zip(results, outs)):
@@ -362,9 +361,9 @@ def _run(
     into: list | None = None,
 ):
     """The checked call on the drop-ins' router, inclusive or exclusive; ``into``: memory
-    the inclusive call's engine may write its result to (see :func:`_run_out`)."""
+    the call's engine may write its result to (see :func:`_run_out`)."""
     if reset is not None and is_dtensor(reset):
         refuse_dtensor_reset(api)  # with a plain `input`: DTensor inputs never get here
     if exclusive:
-        return exclusive_cumulative(api, op, x, dim, reverse, reset)
+        return exclusive_cumulative(api, op, x, dim, reverse, reset, into)
     return cumulative(api, op, x, dim, reverse, reset, into)

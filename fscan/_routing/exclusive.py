@@ -51,10 +51,19 @@ _EXTREMA = {torch.cummax: torch.return_types.cummax, torch.cummin: torch.return_
 
 
 def exclusive_cumulative(
-    api: str, op: Any, x: torch.Tensor, dim: int, reverse: bool, reset: Any = None
+    api: str,
+    op: Any,
+    x: torch.Tensor,
+    dim: int,
+    reverse: bool,
+    reset: Any = None,
+    out: list[torch.Tensor] | None = None,
 ) -> Any:
     """The exclusive drop-in ``api`` of torch's ``op`` on ``x`` (checked, in the dtype
-    torch computes in, ``dim`` non-negative), restarted where ``reset`` is True.
+    torch computes in, ``dim`` non-negative), restarted where ``reset`` is True, written
+    into ``out`` where given (a drop-in's ``out=``, checked by
+    :func:`fscan._ops_out.direct_out`: the result is then ``out``'s memory, except
+    reversed on torch's op, whose flipped result the caller copies in).
 
     Example:
         >>> exclusive_cumulative("fscan.cumsum", torch.cumsum, torch.tensor([1, 2, 3]), 0, False)
@@ -70,7 +79,7 @@ def exclusive_cumulative(
     cells = route(op, x, dim, reverse)  # as the inclusive drop-in on `x` is routed
     on_torch = cells == (False, False) and reset is None and shift.n > 1
     if on_torch and not torch.compiler.is_compiling() and not recorded([x]):
-        return _native_exclusive(op, x, dim, reverse)
+        return _native_exclusive(op, x, dim, reverse, into=out)
 
     def inclusive(steps: Steps, outs: list[torch.Tensor] | None) -> list[torch.Tensor]:
         part = steps(x)
@@ -92,9 +101,9 @@ def exclusive_cumulative(
         call = kernel_call(op, x)
         found = remember_exclusive(op, call, dim, reverse, kernel_threads(x, dim, op), starts)
         if found is not None:  # (an identical call repeats it, before the checks)
-            out = run_exclusive(found, x)
+            found = run_exclusive(found, x, out)
             ran("cpp")
-            return _EXTREMA[op](out) if extremum else out[0]
+            return _EXTREMA[op](found) if extremum else found[0]
         combine, spec, leaves, positions = call
         variant = x.is_contiguous() and not _is_compiling()  # a call the variant would take
         if variant and not kernel_ready(combine, spec, leaves, dim, positions):
@@ -102,8 +111,8 @@ def exclusive_cumulative(
             # on the engine the table passes over to (the route of a kernel still to be
             # built), so that no inclusive kernel is built for exclusive calls alone.
             cells = (False, cells[1])
-    out = exclusive(shift, inclusive, outputs, x.device, starts, [x], reset)
-    return _EXTREMA[op](out) if extremum else out[0]
+    found = exclusive(shift, inclusive, outputs, x.device, starts, [x], reset, into=out)
+    return _EXTREMA[op](found) if extremum else found[0]
 
 
 def native_first_exclusive(op: Any, x: Any, dim: Any, reverse: bool) -> Any:
@@ -134,10 +143,16 @@ def native_first_exclusive(op: Any, x: Any, dim: Any, reverse: bool) -> Any:
 
 
 def _native_exclusive(
-    op: Any, x: torch.Tensor, dim: int, reverse: bool, dtype: torch.dtype | None = None
+    op: Any,
+    x: torch.Tensor,
+    dim: int,
+    reverse: bool,
+    dtype: torch.dtype | None = None,
+    into: list[torch.Tensor] | None = None,
 ) -> Any:
     """The exclusive drop-in on torch's ``op`` where nothing records, written directly
-    (in ``dtype``, default ``x``'s; cumsum/cumprod compute in it): torch's op writes the
+    (in ``dtype``, default ``x``'s; cumsum/cumprod compute in it; forward, into ``into``
+    where given, a checked ``out=``): torch's op writes the
     first ``n - 1`` steps of ``x`` one step later into a fresh buffer, and the identity
     fills its first step. Reversed, the exclusive scan of ``x`` is the forward one of
     ``x.flip(dim)``, flipped back: a flip, the op and a flip, as the inclusive drop-in
@@ -155,7 +170,12 @@ def _native_exclusive(
         start = _identities[op, dtype] = identity(op, dtype)
     first = dim == 0 or dim == -x.ndim
     small = x.numel() <= _FILLED_WHOLE
-    if small:  # the start value written everywhere, the op's steps over it
+    if reverse:  # flipped after: the caller copies the flipped result into its out=
+        into = None
+    if into is not None:
+        values = into[0]
+        values.select(dim, 0).fill_(start)
+    elif small:  # the start value written everywhere, the op's steps over it
         values = _filled(source, start, dtype)
     else:
         values = torch.empty_like(source, dtype=dtype)
@@ -167,7 +187,10 @@ def _native_exclusive(
     if op not in _EXTREMA:
         op(part, dim, dtype=dtype, out=later) if op in SUMS else op(part, dim, out=later)
         return values.flip(dim) if reverse else values
-    if small:
+    if into is not None:
+        indices = into[1]
+        indices.select(dim, 0).fill_(-1)
+    elif small:
         indices = torch.full_like(source, -1, dtype=torch.int64)
     else:
         indices = torch.empty_like(source, dtype=torch.int64)

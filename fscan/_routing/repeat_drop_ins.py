@@ -167,10 +167,13 @@ def repeat_exclusive(op: Any, x: Any, dim: Any, reverse: Any) -> Any:
     return EXTREMA[op]((out[0], out[1])) if len(out) == 2 else out[0]
 
 
-def run_exclusive(found: ExclusiveRun, x: torch.Tensor) -> list[torch.Tensor]:
+def run_exclusive(
+    found: ExclusiveRun, x: torch.Tensor, outs: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """``found`` on ``x`` (of the dtype, shape and layout it was stored for): fresh outputs
-    the kernel writes in one pass, the first step in scan order the start values."""
-    return run_exclusive_prepared(found.run, x)
+    (or ``outs``, a checked ``out=``) the kernel writes in one pass, the first step in
+    scan order the start values."""
+    return run_exclusive_prepared(found.run, x, outs)
 
 
 def remember_exclusive(
