@@ -129,8 +129,8 @@ def runs_of(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[object]]:
         runs: list[object] = []
         original = getattr(modules[0], name)
 
-        def counted(run: object, *args: Any) -> Any:
-            out = original(run, *args)
+        def counted(run: object, *args: Any, **kwargs: Any) -> Any:
+            out = original(run, *args, **kwargs)
             if kept(out):
                 runs.append(run)
             return out

@@ -282,15 +282,13 @@ def test_non_contiguous_inputs(served_exclusive, name):
 
 
 @pytest.mark.parametrize("name", OPS)
-def test_first_exclusive_call_runs_the_variant(fresh_eager_kernel, monkeypatch, name):
+def test_first_exclusive_call_runs_the_variant(fresh_eager_kernel, runs_of, name):
     """In mode "eager" the first exclusive call of a shape builds the kernel's exclusive
     variant and runs it (not the shift), after an inclusive call or without one: the
     oracle, both directions."""
     from fscan._routing import exclusive as router
 
-    runs = []
-    run_exclusive = router.run_exclusive
-    monkeypatch.setattr(router, "run_exclusive", lambda f, x: runs.append(f) or run_exclusive(f, x))
+    runs = runs_of("run_exclusive", router)
     for shape, dim in [((512, 64), 0), ((300, 40), 1)]:
         for reverse in [False, True]:
             for inclusive_first in [True, False]:

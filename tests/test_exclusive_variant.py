@@ -33,12 +33,9 @@ def entries(name, x):
 
 
 @pytest.fixture
-def variant_runs(monkeypatch):
+def variant_runs(runs_of):
     """The exclusive router's runs of the variant, as they happen."""
-    runs = []
-    run_exclusive = router.run_exclusive
-    monkeypatch.setattr(router, "run_exclusive", lambda f, x: runs.append(f) or run_exclusive(f, x))
-    return runs
+    return runs_of("run_exclusive", router)
 
 
 @needs_compiler

@@ -396,3 +396,45 @@ def test_exclusive_writes_out_directly(name, dim, reverse, mask, on, monkeypatch
     assert bool(copies) == (on == "torch" and reverse and reset is None)
     for g, w in zip(_tensors(got), _tensors(want)):
         torch.testing.assert_close(g, w, atol=0, rtol=0, equal_nan=True)
+
+
+@needs_compiler
+@parametrize(name=OPS, reverse=[False, True])
+def test_out_takes_an_identical_call_s_stored_run(name, reverse, monkeypatch):
+    """An ``out=`` call on the kernel reuses the run an identical call stored (the checked
+    path, then the run into ``out``), on every op; an exclusive drop-in's views of its
+    later steps (slices along dim 0: laid out as fresh outputs) take it too, and an out
+    of another layout does not (the full kernel path writes it through its strides)."""
+    from fscan._routing import repeat_drop_ins
+
+    fscan.clear_caches()  # no run stored by an earlier case
+    monkeypatch.setattr(router, "route", lambda op, x, d, r: (True, False))
+    monkeypatch.setattr(_ops, "native_first", lambda *args: None)
+    monkeypatch.setattr(_ops, "native_first_into", lambda op, x, d, out: None)
+    runs = []
+    repeat_into = repeat_drop_ins.repeat_into
+    monkeypatch.setattr(router, "repeat_into", lambda *a: runs.append(1) or repeat_into(*a))
+    x = torch.randn(96, 40, generator=torch.Generator().manual_seed(7))
+    op = getattr(torch, name)
+    with fscan.config.override(cpu_kernel="eager"):
+        want = getattr(fscan, name)(x, 0, reverse=reverse)  # builds and stores the run
+        out = _out_like(name, x.shape)
+        got = getattr(fscan, name)(x, 0, reverse=reverse, out=out)
+        assert all(g is o for g, o in zip(_tensors(got), _tensors(out))) and len(runs) == 1
+        for g, w in zip(_tensors(got), _tensors(want)):
+            torch.testing.assert_close(g, w, atol=0, rtol=0)
+        # the steps after the first of a larger output, as the exclusive shift writes them
+        big = _out_like(name, (97, 40))
+        views = [b[1:] for b in _tensors(big)]
+        found = router.engine("fscan." + name, op, x, 0, reverse, views, (True, False))
+        assert len(runs) == 2
+        for g, v, w in zip(_tensors(found), views, _tensors(want)):
+            assert g.data_ptr() == v.data_ptr()
+            torch.testing.assert_close(g, w, atol=0, rtol=0)
+        # a transposed out: not the run's layout
+        strided = tuple(t.t() for t in _tensors(_out_like(name, (40, 96))))
+        strided = strided if name in EXTREMA else strided[0]
+        got = getattr(fscan, name)(x, 0, reverse=reverse, out=strided)
+        assert len(runs) == 2
+        for g, w in zip(_tensors(got), _tensors(want)):  # (logaddexp: another path's rounding)
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)

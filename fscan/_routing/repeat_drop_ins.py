@@ -14,7 +14,9 @@ holds all the route table reads: dtype, shape, a contiguous layout, ``dim``,
 ``reverse``, requires_grad and grad mode; the kernel's thread cap follows from the
 shape), and :func:`repeat_cumulative` answers an identical call with it before the
 drop-in's checks. Only calls the router ran without ``dtype=``, ``out=``, ``reset=``
-or ``exclusive=`` and without promoting the input (a float input) are stored.
+or ``exclusive=`` and without promoting the input (a float input) are repeated there;
+a call with ``out=`` runs the checks (torch's ``out=`` rules) and then the stored run
+into ``out`` where it is laid out as the run's fresh outputs (:func:`repeat_into`).
 
 Their exclusive form (``exclusive=True``, no ``dtype=``, ``out=`` or ``reset=``) is
 served the same way, under its own key (the same ``call_parts``, marked exclusive):
@@ -80,6 +82,7 @@ __all__ = [
     "remember_segmented",
     "repeat_cumulative",
     "repeat_exclusive",
+    "repeat_into",
     "repeat_segmented",
     "run_exclusive",
 ]
@@ -113,6 +116,19 @@ def repeat_cumulative(op: Any, x: Any, dim: Any, reverse: Any) -> Any:
         return None
     ran("cpp")
     return EXTREMA[op]((out[0], out[1])) if run.positions else out[0]
+
+
+def repeat_into(
+    op: Any, x: torch.Tensor, dim: int, reverse: bool, outs: list[torch.Tensor]
+) -> list[torch.Tensor] | None:
+    """The kernel run an identical call made (as :func:`repeat_cumulative`), written into
+    ``outs`` (contiguous, ``x``'s shape and the outputs' dtypes, sharing no memory with
+    ``x`` or each other: the caller checked them), or None. For the checked path of
+    ``out=``, whose arguments torch's rules must see first: it skips the kernel's lookup
+    and layout (a (256, 256) cumsum with ``out=`` 48.7 -> 28.5 us, 19.4 without ``out=``;
+    cummax 79.8 -> 38.4, 29.3 without; 1 thread, medians of 300)."""
+    run = _stored(_CUMULATIVE, op, x, dim, reverse)
+    return None if run is None else run_prepared(run, [x], (), outs=outs)
 
 
 def _stored(kind: str, op: Any, x: Any, dim: Any, reverse: Any) -> Any:
