@@ -137,11 +137,16 @@ def chains_tiled(program: Program) -> bool:
     Chunks of one lane (a 1-D input, fewer lanes than a group of chains a thread), whose
     flags are adjacent bytes, tile too (s50): each chunk a chain of seg_transposed_chains,
     its carry the chunks' totals composed, a tile's flags read as bits (LANE_BITS, as
-    seg_row_tiles; spread into the tile's 32-bit rows before). Cumsum over (1048576,), a
-    restart every 97 steps, 1 thread, thread CPU time against the inclusive call in the
-    same process, medians of 60, two alternating rounds: walked 571-575 us (1.13-1.19x),
-    tiled with the flags spread 530-558 (1.07-1.09x), as bits 509-539 (1.05-1.08x);
-    cumprod 1.09-1.12x -> 0.91-0.94x."""
+    seg_row_tiles; spread into the tile's 32-bit rows before). Cumsum over (1048576,),
+    1 thread, thread CPU time against the inclusive call in the same process, medians of
+    60, 4 rounds of alternating processes: with a random mask (a restart about every
+    100 steps) walked 571-582 us (1.15-1.18x), tiled 504-530 (1.02-1.07x; with the flags
+    spread 530-558); but with the bench's mask (a restart every 97 steps exactly) walked
+    494-501 (1.00-1.02x), tiled 521-565 (1.03-1.12x), reversed 1.00 -> 1.06-1.08x: the
+    walk is 15% faster on the regular mask (not explained: the same flags' density, the
+    select branchless), the tiles alike on both. Cumprod, 2 rounds: random 1.00-1.09x ->
+    0.93-1.02x, regular 0.96-0.97x -> 0.94-1.00x. Kept for the worst case (1.18x ->
+    1.12x); which of the two a user's mask is like is not known here."""
     return program.expensive
 
 

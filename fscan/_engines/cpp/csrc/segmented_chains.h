@@ -78,9 +78,10 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
   tiled |= lane_rows;
   // Lanes split into chunks (fewer lanes than a group of chains a thread: a 1-D input),
   // each chunk's steps' flags adjacent bytes: each chunk a chain of the transposed tiles
-  // (seg_transposed_chains), its flags read as bits. Walked (3 chunks interleaved), cumsum
-  // over (1048576,) with a restart every 97 steps ran 1.13-1.19x its inclusive call; so
-  // 1.05-1.08x (see fscan._engines.cpp._kernel_segmented.chains_tiled).
+  // (seg_transposed_chains), its flags read as bits. Cumsum over (1048576,) against its
+  // inclusive call, walked (3 chunks interleaved) -> tiled: a random mask 1.15-1.18x ->
+  // 1.02-1.07x, a restart every 97 steps 1.00-1.02x -> 1.03-1.12x (see
+  // fscan._engines.cpp._kernel_segmented.chains_tiled).
   const bool chunk_rows = (SEG_TILED || SEG_TILE_ROWS) && TILED && tileable(x, y) &&
                           R.st == 1 && chunks(SEG_TW) > 1;
   tiled |= chunk_rows;
