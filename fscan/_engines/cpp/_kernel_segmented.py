@@ -142,11 +142,13 @@ def chains_tiled(program: Program) -> bool:
     60, 4 rounds of alternating processes: with a random mask (a restart about every
     100 steps) walked 571-582 us (1.15-1.18x), tiled 504-530 (1.02-1.07x; with the flags
     spread 530-558); but with the bench's mask (a restart every 97 steps exactly) walked
-    494-501 (1.00-1.02x), tiled 521-565 (1.03-1.12x), reversed 1.00 -> 1.06-1.08x: the
-    walk is 15% faster on the regular mask (not explained: the same flags' density, the
-    select branchless), the tiles alike on both. Cumprod, 2 rounds: random 1.00-1.09x ->
-    0.93-1.02x, regular 0.96-0.97x -> 0.94-1.00x. Kept for the worst case (1.18x ->
-    1.12x); which of the two a user's mask is like is not known here."""
+    494-501 (1.00-1.02x), tiled 521-565 (1.03-1.12x), reversed 1.00 -> 1.06-1.08x. The
+    walk is 15% faster on the regular mask because GCC compiles its pick as a branch
+    (seg_chains: `cmpb $0x0,(flag)`, `jne` past the add, objdump of cumsum's segmented
+    kernel), which the predictor learns on a mask of a fixed period and misses at each
+    restart of a random one; the tiles blend, alike on both. Cumprod, 2 rounds: random
+    1.00-1.09x -> 0.93-1.02x, regular 0.96-0.97x -> 0.94-1.00x. Kept: episodes do not end
+    on a fixed period, and the worst case goes 1.18x -> 1.12x."""
     return program.expensive
 
 
