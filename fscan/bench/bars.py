@@ -206,10 +206,13 @@ def variant_rows() -> Iterator[Row]:
         reset = torch.arange(n) % 97 == 13
         # And a mask of x's shape, each lane its own starts (episodes ending at different
         # steps): the segmented kernel reads a flag per lane, its other loops. Not over the
-        # 64 MiB shape, which the row mask covers out of cache.
+        # 64 MiB shape, which the row mask covers out of cache. Over one lane, the same
+        # density at random steps: a walk whose select is a branch learns the row mask's
+        # fixed period and misses at each random start (docs/performance.md).
         per_lane = None
-        if len(shape) > 1 and x.numel() <= 2**20:
+        if x.numel() <= 2**20:
             per_lane = torch.rand(shape, generator=torch.Generator().manual_seed(97)) < 1 / 97
+        random_name = "reset per lane" if len(shape) > 1 else "reset at random steps"
         for name in OPS:
             op = getattr(fscan, name)
             for reverse in (False, True):
@@ -220,7 +223,7 @@ def variant_rows() -> Iterator[Row]:
                     "reset": functools.partial(op, x, dim, reverse=reverse, reset=reset),
                 }
                 if per_lane is not None:
-                    variants["reset per lane"] = functools.partial(
+                    variants[random_name] = functools.partial(
                         op, x, dim, reverse=reverse, reset=per_lane
                     )
                 for variant, run in variants.items():
