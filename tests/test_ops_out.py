@@ -45,6 +45,16 @@ def path(request, monkeypatch):
     return request.param
 
 
+def pin_route(monkeypatch, kernel=True, *routers):
+    """Send the drop-ins (and ``routers``' own reads of the table) to the kernel, or to
+    torch's op, past the checks: no call served by torch's op before them."""
+    table = lambda op, x, d, r: (kernel, False)
+    for module in (router, *routers):
+        monkeypatch.setattr(module, "route", table)
+    monkeypatch.setattr(_ops, "native_first", lambda *args: None)
+    monkeypatch.setattr(_ops, "native_first_into", lambda op, x, d, out: None)
+
+
 def _fresh(value):
     """A copy of a call's argument with its layout kept (its memory copied: strides,
     expanded dims and requires_grad as they were)."""
@@ -291,18 +301,14 @@ def test_out_under_torch_compile():
 
 @needs_compiler
 @parametrize(name=OPS, dim=[0, 1], reverse=[False, True])
-def test_the_kernel_writes_out_directly(name, dim, reverse, monkeypatch):
+def test_the_kernel_writes_out_directly(name, dim, reverse, monkeypatch, runs_of):
     """Where the kernel serves the call, it writes ``out`` itself (no result copied in);
     an ``out`` that shares the input's storage, or is strided, still gets the copy."""
-    monkeypatch.setattr(router, "route", lambda op, x, d, r: (True, False))
-    monkeypatch.setattr(_ops, "native_first", lambda *args: None)
-    monkeypatch.setattr(_ops, "native_first_into", lambda op, x, d, out: None)
+    pin_route(monkeypatch)
     x = torch.randn(40, 24)
     want = getattr(fscan, name)(x, dim, reverse=reverse)
     with fscan.config.override(cpu_kernel="eager"):
-        copies = []
-        write_out = _ops.write_out
-        monkeypatch.setattr(_ops, "write_out", lambda *a: copies.append(1) or write_out(*a))
+        copies = runs_of("write_out", _ops)
         in_place = cpu_kernel.counters.in_place
         out = _out_like(name, x.shape)
         got = getattr(fscan, name)(x, dim, reverse=reverse, out=out)
@@ -325,7 +331,7 @@ def test_the_kernel_writes_out_directly(name, dim, reverse, monkeypatch):
 
 @needs_compiler
 @parametrize(name=OPS, dim=[0, 1], reverse=[False, True], mask=["row", "element"])
-def test_the_segmented_kernel_writes_out_directly(name, dim, reverse, mask, monkeypatch):
+def test_the_segmented_kernel_writes_out_directly(name, dim, reverse, mask, runs_of):
     """With ``reset=`` too, the segmented kernel writes ``out`` itself (copying its result
     in cost cummax's pair 2-2.5x the call without ``out=``); an ``out`` that shares the
     mask's storage (the kernel reads the mask as it writes) gets the copy."""
@@ -337,9 +343,7 @@ def test_the_segmented_kernel_writes_out_directly(name, dim, reverse, mask, monk
         reset = torch.rand(x.shape, generator=gen) < 0.2
     with fscan.config.override(cpu_kernel="eager"):
         want = getattr(fscan, name)(x, dim, reverse=reverse, reset=reset)
-        copies = []
-        write_out = _ops.write_out
-        monkeypatch.setattr(_ops, "write_out", lambda *a: copies.append(1) or write_out(*a))
+        copies = runs_of("write_out", _ops)
         out = _out_like(name, x.shape)
         got = getattr(fscan, name)(x, dim, reverse=reverse, reset=reset, out=out)
         assert all(g is o for g, o in zip(_tensors(got), _tensors(out)))
@@ -362,18 +366,14 @@ def test_the_segmented_kernel_writes_out_directly(name, dim, reverse, mask, monk
 @parametrize(
     name=OPS, dim=[0, 1], reverse=[False, True], mask=[None, "row", "element"], on=["cpp", "torch"]
 )
-def test_exclusive_writes_out_directly(name, dim, reverse, mask, on, monkeypatch):
+def test_exclusive_writes_out_directly(name, dim, reverse, mask, on, monkeypatch, runs_of):
     """``exclusive=True`` with ``out=``: the kernel's exclusive variant, the shift's scan
     into the out's later steps and torch's op forward write ``out`` itself (the result
     scanned into new memory and copied in cost cummax's pair 2.3-2.9x the call without
     ``out=``); reversed, torch's op writes a flipped result, copied in."""
     from fscan._routing import exclusive as exclusive_router
 
-    table = lambda op, x, d, r: (on == "cpp", False)
-    monkeypatch.setattr(router, "route", table)
-    monkeypatch.setattr(exclusive_router, "route", table)
-    monkeypatch.setattr(_ops, "native_first", lambda *args: None)
-    monkeypatch.setattr(_ops, "native_first_into", lambda op, x, d, out: None)
+    pin_route(monkeypatch, on == "cpp", exclusive_router)
     monkeypatch.setattr(_ops, "native_first_exclusive", lambda *args: None)
     monkeypatch.setattr(_ops, "repeat_exclusive", lambda *args: None)  # an earlier case's run
     x = torch.randn(40, 24, generator=torch.Generator().manual_seed(5))
@@ -387,9 +387,7 @@ def test_exclusive_writes_out_directly(name, dim, reverse, mask, on, monkeypatch
     with fscan.config.override(cpu_kernel="eager"):
         for _ in range(2):  # the first call builds (or counts) the exclusive variant
             want = getattr(fscan, name)(x, dim, **kw)
-        copies = []
-        write_out = _ops.write_out
-        monkeypatch.setattr(_ops, "write_out", lambda *a: copies.append(1) or write_out(*a))
+        copies = runs_of("write_out", _ops)
         out = _out_like(name, x.shape)
         got = getattr(fscan, name)(x, dim, out=out, **kw)
     assert all(g is o for g, o in zip(_tensors(got), _tensors(out)))
@@ -400,20 +398,14 @@ def test_exclusive_writes_out_directly(name, dim, reverse, mask, on, monkeypatch
 
 @needs_compiler
 @parametrize(name=OPS, reverse=[False, True])
-def test_out_takes_an_identical_call_s_stored_run(name, reverse, monkeypatch):
+def test_out_takes_an_identical_call_s_stored_run(name, reverse, monkeypatch, runs_of):
     """An ``out=`` call on the kernel reuses the run an identical call stored (the checked
     path, then the run into ``out``), on every op; an exclusive drop-in's views of its
     later steps (slices along dim 0: laid out as fresh outputs) take it too, and an out
     of another layout does not (the full kernel path writes it through its strides)."""
-    from fscan._routing import repeat_drop_ins
-
     fscan.clear_caches()  # no run stored by an earlier case
-    monkeypatch.setattr(router, "route", lambda op, x, d, r: (True, False))
-    monkeypatch.setattr(_ops, "native_first", lambda *args: None)
-    monkeypatch.setattr(_ops, "native_first_into", lambda op, x, d, out: None)
-    runs = []
-    repeat_into = repeat_drop_ins.repeat_into
-    monkeypatch.setattr(router, "repeat_into", lambda *a: runs.append(1) or repeat_into(*a))
+    pin_route(monkeypatch)
+    runs = runs_of("repeat_into", router)
     x = torch.randn(96, 40, generator=torch.Generator().manual_seed(7))
     op = getattr(torch, name)
     with fscan.config.override(cpu_kernel="eager"):

@@ -8,8 +8,8 @@
 // interleaved, but where SEG_TILE_ROWS (float32 leaves, no positions: cumsum, cumprod)
 // and whole lanes read a 1-D mask, or each their own flags as adjacent bytes, tiled as the
 // forward's (seg_row_tiles), and chunks of fewer lanes (a 1-D input) whose flags are
-// adjacent bytes, each chunk a tiled chain (seg_transposed_chains). One chain walked alone (the reduce
-// pass over one lane's chunks, the old split) ran 2-3x the forward's chain path; walked
+// adjacent bytes, each chunk a tiled chain (seg_transposed_chains). One chain walked alone
+// (the reduce pass over one lane's chunks, the old split) ran 2-3x the forward's chain path; walked
 // chains kept cummax's and logcumsumexp's combines scalar (7 and 36 ns an element).
 // Its walked chains are csrc/segmented_walk.h, its tiled ones csrc/segmented_tiles.h,
 // both placed before this file (the groups of chains and the path).
@@ -71,20 +71,17 @@ static void seg_chain_path(const In x, const Out y, const Par p, const Flags R, 
   const bool shared = (R.sa == 0 || S.outer <= S.nb) && (R.sb == 0 || S.nb == 1) && (R.si == 0 || inner == 1);
   bool tiled = SEG_TILED;
   if (!SEG_TILED && SEG_TILE_ROWS && TILED && tileable(x, y)) tiled = shared && chunks(SEG_TW) == 1;
-  // Whole lanes reading each their own flags, a lane's steps adjacent bytes (a mask of x's
-  // shape along its last dim): row tiles too (seg_row_tiles, LANES).
-  const bool lane_rows = (SEG_TILED || SEG_TILE_ROWS) && TILED && tileable(x, y) && !shared &&
-                         R.st == 1 && chunks(SEG_TW) == 1;
-  tiled |= lane_rows;
-  // Lanes split into chunks (fewer lanes than a group of chains a thread: a 1-D input),
-  // each chunk's steps' flags adjacent bytes: each chunk a chain of the transposed tiles
-  // (seg_transposed_chains), its flags read as bits. Cumsum over (1048576,) against its
-  // inclusive call, walked (3 chunks interleaved) -> tiled: a random mask 1.15-1.18x ->
-  // 1.02-1.07x, a restart every 97 steps 1.00-1.02x -> 1.03-1.12x (see
-  // fscan._engines.cpp._kernel_segmented.chains_tiled).
-  const bool chunk_rows = (SEG_TILED || SEG_TILE_ROWS) && TILED && tileable(x, y) &&
-                          R.st == 1 && chunks(SEG_TW) > 1;
-  tiled |= chunk_rows;
+  // Where the tiles transpose in registers and each chain's steps' flags are adjacent bytes:
+  const bool step_bytes = (SEG_TILED || SEG_TILE_ROWS) && TILED && tileable(x, y) && R.st == 1;
+  // whole lanes reading each their own flags (a mask of x's shape along its last dim): row
+  // tiles too (seg_row_tiles, LANES);
+  const bool lane_rows = step_bytes && !shared && chunks(SEG_TW) == 1;
+  // lanes split into chunks (fewer lanes than a group of chains a thread: a 1-D input):
+  // each chunk a chain of the transposed tiles (seg_transposed_chains), its flags read as
+  // bits. Cumsum over (1048576,) against its inclusive call, walked (3 chunks interleaved)
+  // -> tiled: a random mask 1.15-1.18x -> 1.02-1.07x, a restart every 97 steps 1.00-1.02x
+  // -> 1.03-1.12x (see fscan._engines.cpp._kernel_segmented.chains_tiled).
+  tiled |= lane_rows || (step_bytes && chunks(SEG_TW) > 1);
   const int64_t cg = tiled ? SEG_TW : SEG_G;
   int64_t C = chunks(cg);
   int64_t L = (T + C - 1) / C;

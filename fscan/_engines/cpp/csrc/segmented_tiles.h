@@ -258,8 +258,8 @@ __attribute__((noinline)) static void seg_row_tiles(const In x, const Out y, con
 // adjacent bytes (R.st == 1: a mask of x's shape along its last dim, a 1-D mask's chunks),
 // a whole tile's flags are read 16 bytes a chain, as bits, blended on each chain's bit
 // (LANE_BITS, as seg_row_tiles; spread into the rows first, cumsum over (1048576,) with a
-// random restart about every 100 steps ran 4-5% slower), and a tile without a restart is scanned by the
-// forward's tile_scan; else gathered a byte at a
+// random restart about every 100 steps ran 4-5% slower), and a tile without a restart is
+// scanned by the forward's tile_scan; else gathered a byte at a
 // time (a byte load, a compare and a scattered store an element: 38% of the path outside
 // the tile scan, perf on cumsum). A function of its own:
 // inlined into seg_chain_path, GCC spilled the transposes' registers (328 vector stores
