@@ -48,6 +48,110 @@ static FSCAN_INLINE __m512i fscan_top_bit(__m512i v) {
   const __m512i e = _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(v)), 23);
   return _mm512_sub_epi32(e, _mm512_set1_epi32(127));
 }
+
+// extremum_blocks' loop (below) on the chain's raw pointers (xp, vp, ip, rp at its step
+// 0), a function per direction (REV). Inlined into seg_chains with the direction a
+// runtime test, GCC kept two branches a block on it and rebuilt three constants every
+// block (broadcasts from general registers): cummax over (1048576,), 1 thread, the
+// bench's rows, inclusive 600-640 -> 550-590 us, reversed 740-820 -> 660-680, with a
+// restart every 97 steps 700-710 -> 630-660; over (4096, 256) dim 1 reversed 870-1010
+// -> 745-775.
+template <int EXT, bool FLAGS, bool REV, typename V>
+__attribute__((noinline)) static int64_t extremum_run(const float* const xp, float* const vp,
+                                                      int64_t* const ip, const uint8_t* const rp,
+                                                      const int64_t base, const int64_t n, V& acc) {
+  constexpr int64_t dt = REV ? -1 : 1;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i below = _mm512_sub_epi32(_mm512_sllv_epi32(_mm512_set1_epi32(2), lane), _mm512_set1_epi32(1));
+  const __m512i rev16 = _mm512_setr_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i rev8 = _mm512_setr_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m128i revb = _mm_setr_epi8(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i last_f = _mm512_set1_epi32(15), last_q = _mm512_set1_epi64(7);
+  const __m128i ones = _mm_set1_epi8(-1);
+  const __m512i fill = _mm512_castps_si512(_mm512_set1_ps(EXT > 0 ? -INFINITY : INFINITY));
+  auto ext_in = [](__m512 a, __mmask16 m, __m512 b) {
+    return EXT > 0 ? _mm512_mask_max_ps(a, m, a, b) : _mm512_mask_min_ps(a, m, a, b);
+  };
+  // Lane j's value s lanes before it, the identity below lane s.
+#define FSCAN_BEFORE(v, s) \
+  _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(v), fill, 16 - (s)))
+  // The running pair in every lane (a block's last lane broadcast): kept as vectors, the
+  // carry's path from block to block is a compare, a blend and a permute. (Taken out as
+  // scalars, on a branch where the carry won the last lane, the branch mispredicted as
+  // often as blocks ended inside a segment's run: 780 us for (1048576,), 640 without it,
+  // 577 as vectors, the inclusive walk 685.)
+  __m512 cv = _mm512_set1_ps(acc.v0);
+  __m512i ci = _mm512_set1_epi64(acc.v1);
+  bool nan_carry = acc.v0 != acc.v0;
+  int64_t k = 1;
+  for (; k + 16 <= n; k += 16) {
+    __m512 xv;
+    __mmask16 F = 0;
+    if (!REV) {
+      xv = _mm512_loadu_ps(xp + k);
+      if (FLAGS) F = _mm_test_epi8_mask(_mm_loadu_si128((const __m128i*)(rp + k)), ones);
+    } else {
+      xv = _mm512_permutexvar_ps(rev16, _mm512_loadu_ps(xp - k - 15));
+      if (FLAGS) F = _mm_test_epi8_mask(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i*)(rp - k - 15)), revb), ones);
+    }
+    if (__builtin_expect(_mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q) != 0 || nan_carry, 0)) {
+      acc.v0 = _mm512_cvtss_f32(cv);
+      acc.v1 = _mm_cvtsi128_si64(_mm512_castsi512_si128(ci));
+      for (int64_t j = k; j < k + 16; ++j) {
+        const int64_t d = j * dt;
+        V u;
+        u.v0 = xp[d];
+        u.v1 = base + d;
+        extremum_step<EXT>(acc, u, FLAGS && rp[d] != 0);
+        vp[d] = acc.v0;
+        ip[d] = acc.v1;
+      }
+      cv = _mm512_set1_ps(acc.v0);
+      ci = _mm512_set1_epi64(acc.v1);
+      nan_carry = acc.v0 != acc.v0;
+      continue;
+    }
+    // Lane j takes lane j - s's partial where no flag is on lanes j - s + 1 .. j: the
+    // flags OR-ed over windows of 1, 2, 4, 8 and 16 lanes, in general registers beside
+    // the vector work, the same masked steps for a block with flags as without. (A
+    // branch to a masked path, each lane's segment start found as fscan_top_bit of the
+    // flags below it, ran alike standalone: 579-586 us against 584 for (1048576,).)
+    const uint32_t w1 = F, w2 = w1 | (w1 << 1), w4 = w2 | (w2 << 2), w8 = w4 | (w4 << 4);
+    const __mmask16 reach = (__mmask16)~(w8 | (w8 << 8));  // the carry's lanes
+    __m512 v = xv;
+    v = ext_in(v, (__mmask16)~w1, FSCAN_BEFORE(v, 1));
+    v = ext_in(v, (__mmask16)~w2, FSCAN_BEFORE(v, 2));
+    v = ext_in(v, (__mmask16)~w4, FSCAN_BEFORE(v, 4));
+    v = ext_in(v, (__mmask16)~w8, FSCAN_BEFORE(v, 8));
+    const __mmask16 records = _mm512_cmp_ps_mask(xv, v, _CMP_EQ_OQ);
+    const __m512i r = fscan_top_bit(_mm512_and_si512(_mm512_set1_epi32(records), below));
+    const __mmask16 carried = EXT > 0 ? _mm512_mask_cmp_ps_mask(reach, v, cv, _CMP_LT_OQ)
+                                      : _mm512_mask_cmp_ps_mask(reach, v, cv, _CMP_GT_OQ);
+    const __m512 val = _mm512_mask_mov_ps(_mm512_permutexvar_ps(r, xv), carried, cv);
+    const __m512i at = _mm512_set1_epi64(base + k * dt);
+    const __m512i r0 = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(r));
+    const __m512i r1 = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(r, 1));
+    __m512i i0 = REV ? _mm512_sub_epi64(at, r0) : _mm512_add_epi64(at, r0);
+    __m512i i1 = REV ? _mm512_sub_epi64(at, r1) : _mm512_add_epi64(at, r1);
+    i0 = _mm512_mask_mov_epi64(i0, (__mmask8)carried, ci);
+    i1 = _mm512_mask_mov_epi64(i1, (__mmask8)(carried >> 8), ci);
+    if (!REV) {
+      _mm512_storeu_ps(vp + k, val);
+      _mm512_storeu_si512(ip + k, i0);
+      _mm512_storeu_si512(ip + k + 8, i1);
+    } else {
+      _mm512_storeu_ps(vp - k - 15, _mm512_permutexvar_ps(rev16, val));
+      _mm512_storeu_si512(ip - k - 15, _mm512_permutexvar_epi64(rev8, i1));
+      _mm512_storeu_si512(ip - k - 7, _mm512_permutexvar_epi64(rev8, i0));
+    }
+    cv = _mm512_permutexvar_ps(last_f, val);
+    ci = _mm512_permutexvar_epi64(last_q, i1);
+  }
+#undef FSCAN_BEFORE
+  acc.v0 = _mm512_cvtss_f32(cv);
+  acc.v1 = _mm_cvtsi128_si64(_mm512_castsi512_si128(ci));
+  return k;
+}
 #endif
 
 // Steps [1, n) of a chain whose step s reads x at s * dt (dt = rev ? -1 : 1), its position
@@ -78,104 +182,15 @@ static int64_t extremum_blocks(const I& x, const O& y, const uint8_t* rp, int64_
   if constexpr (EXT != 0 && std::is_same_v<decltype(x.x0), Ptr<const float>> &&
                 std::is_same_v<decltype(y.y0), Ptr<float>> &&
                 std::is_same_v<decltype(y.y1), Ptr<int64_t>>) {
-    const int64_t dt = rev ? -1 : 1;
     if (n < 17 || x.x0.st != 1 || y.y0.st != 1 || y.y1.st != 1 || (FLAGS && rst != 1)) return 1;
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i below = _mm512_sub_epi32(_mm512_sllv_epi32(_mm512_set1_epi32(2), lane), _mm512_set1_epi32(1));
-    const __m512i rev16 = _mm512_setr_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i rev8 = _mm512_setr_epi64(7, 6, 5, 4, 3, 2, 1, 0);
-    const __m128i revb = _mm_setr_epi8(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i fill = _mm512_castps_si512(_mm512_set1_ps(EXT > 0 ? -INFINITY : INFINITY));
-    auto ext_in = [](__m512 a, __mmask16 m, __m512 b) {
-      return EXT > 0 ? _mm512_mask_max_ps(a, m, a, b) : _mm512_mask_min_ps(a, m, a, b);
-    };
-    // Lane j's value s lanes before it, the identity below lane s.
-#define FSCAN_BEFORE(v, s) \
-  _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(v), fill, 16 - (s)))
-    const float* const xp = x.x0.p;
-    float* const vp = y.y0.p;
-    int64_t* const ip = y.y1.p;
     const int64_t base = t0 + x.pos0;
-    // The running pair in every lane (a block's last lane broadcast): kept as vectors, the
-    // carry's path from block to block is a compare, a blend and a permute. (Taken out as
-    // scalars, on a branch where the carry won the last lane, the branch mispredicted as
-    // often as blocks ended inside a segment's run: 780 us for (1048576,), 640 without it,
-    // 577 as vectors, the inclusive walk 685.)
-    __m512 cv = _mm512_set1_ps(acc.v0);
-    __m512i ci = _mm512_set1_epi64(acc.v1);
-    bool nan_carry = acc.v0 != acc.v0;
-    int64_t k = 1;
-    for (; k + 16 <= n; k += 16) {
-      __m512 xv;
-      __mmask16 F;
-      if (!rev) {
-        xv = _mm512_loadu_ps(xp + k);
-        F = 0;
-        if (FLAGS) F = _mm_test_epi8_mask(_mm_loadu_si128((const __m128i*)(rp + k)), _mm_set1_epi8(-1));
-      } else {
-        xv = _mm512_permutexvar_ps(rev16, _mm512_loadu_ps(xp - k - 15));
-        F = 0;
-        if (FLAGS) {
-          const __m128i f = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i*)(rp - k - 15)), revb);
-          F = _mm_test_epi8_mask(f, _mm_set1_epi8(-1));
-        }
-      }
-      if (__builtin_expect(_mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q) != 0 || nan_carry, 0)) {
-        acc.v0 = _mm512_cvtss_f32(cv);
-        acc.v1 = _mm_cvtsi128_si64(_mm512_castsi512_si128(ci));
-        for (int64_t j = k; j < k + 16; ++j) {
-          const int64_t d = j * dt;
-          V u;
-          u.v0 = xp[d];
-          u.v1 = base + d;
-          extremum_step<EXT>(acc, u, FLAGS && rp[d] != 0);
-          vp[d] = acc.v0;
-          ip[d] = acc.v1;
-        }
-        cv = _mm512_set1_ps(acc.v0);
-        ci = _mm512_set1_epi64(acc.v1);
-        nan_carry = acc.v0 != acc.v0;
-        continue;
-      }
-      // Lane j takes lane j - s's partial where no flag is on lanes j - s + 1 .. j: the
-      // flags OR-ed over windows of 1, 2, 4, 8 and 16 lanes, in general registers beside
-      // the vector work, the same masked steps for a block with flags as without. (A
-      // branch to a masked path, each lane's segment start found as fscan_top_bit of the
-      // flags below it, ran alike standalone: 579-586 us against 584 for (1048576,).)
-      const uint32_t w1 = F, w2 = w1 | (w1 << 1), w4 = w2 | (w2 << 2), w8 = w4 | (w4 << 4);
-      const __mmask16 reach = (__mmask16)~(w8 | (w8 << 8));  // the carry's lanes
-      __m512 v = xv;
-      v = ext_in(v, (__mmask16)~w1, FSCAN_BEFORE(v, 1));
-      v = ext_in(v, (__mmask16)~w2, FSCAN_BEFORE(v, 2));
-      v = ext_in(v, (__mmask16)~w4, FSCAN_BEFORE(v, 4));
-      v = ext_in(v, (__mmask16)~w8, FSCAN_BEFORE(v, 8));
-      const __mmask16 records = _mm512_cmp_ps_mask(xv, v, _CMP_EQ_OQ);
-      const __m512i r = fscan_top_bit(_mm512_and_si512(_mm512_set1_epi32(records), below));
-      const __mmask16 carried = EXT > 0 ? _mm512_mask_cmp_ps_mask(reach, v, cv, _CMP_LT_OQ)
-                                        : _mm512_mask_cmp_ps_mask(reach, v, cv, _CMP_GT_OQ);
-      const __m512 val = _mm512_mask_mov_ps(_mm512_permutexvar_ps(r, xv), carried, cv);
-      const __m512i at = _mm512_set1_epi64(base + k * dt);
-      const __m512i r0 = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(r));
-      const __m512i r1 = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(r, 1));
-      __m512i i0 = rev ? _mm512_sub_epi64(at, r0) : _mm512_add_epi64(at, r0);
-      __m512i i1 = rev ? _mm512_sub_epi64(at, r1) : _mm512_add_epi64(at, r1);
-      i0 = _mm512_mask_mov_epi64(i0, (__mmask8)carried, ci);
-      i1 = _mm512_mask_mov_epi64(i1, (__mmask8)(carried >> 8), ci);
-      if (!rev) {
-        _mm512_storeu_ps(vp + k, val);
-        _mm512_storeu_si512(ip + k, i0);
-        _mm512_storeu_si512(ip + k + 8, i1);
-      } else {
-        _mm512_storeu_ps(vp - k - 15, _mm512_permutexvar_ps(rev16, val));
-        _mm512_storeu_si512(ip - k - 15, _mm512_permutexvar_epi64(rev8, i1));
-        _mm512_storeu_si512(ip - k - 7, _mm512_permutexvar_epi64(rev8, i0));
-      }
-      cv = _mm512_permutexvar_ps(_mm512_set1_epi32(15), val);
-      ci = _mm512_permutexvar_epi64(_mm512_set1_epi64(7), i1);
-    }
-#undef FSCAN_BEFORE
-    acc.v0 = _mm512_cvtss_f32(cv);
-    acc.v1 = _mm_cvtsi128_si64(_mm512_castsi512_si128(ci));
+    // Through a copy: the caller's running pair, its address not taken, stays in
+    // registers for the steps it walks after the blocks (passed itself, it lived on the
+    // stack there, a store and a load each step).
+    V a = acc;
+    const int64_t k = rev ? extremum_run<EXT, FLAGS, true>(x.x0.p, y.y0.p, y.y1.p, rp, base, n, a)
+                          : extremum_run<EXT, FLAGS, false>(x.x0.p, y.y0.p, y.y1.p, rp, base, n, a);
+    acc = a;
     return k;
   }
 #endif
