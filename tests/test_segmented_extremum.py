@@ -268,3 +268,43 @@ def test_forward_kernel_blocks_inclusive_and_exclusive(name):
         )
         first = n - 1 if reverse else 0
         assert (shifted[1].select(dim, first) == -1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.int32])
+@pytest.mark.parametrize("name", ["cummax", "cummin"])
+def test_lane_path_restarts_join_the_combine(name, dtype):
+    """Lanes side by side (the scanned dim not the last: the lane path, a row of lanes a
+    step) take a restart inside the combine's own select (``restarted`` in
+    csrc/segmented.h): flagged lanes take their element, a NaN element is taken (and kept
+    until the lane's next restart), ties go to the later step, zeros keep their sign; masks
+    per lane, per row and broadcast over a middle dim, rows of 1-200 lanes (the byte loop's
+    64-lane blocks and the widened int32 flags of a reversed row over more than one), both
+    directions."""
+    gen = torch.Generator().manual_seed(11)
+    for shape, dim in [
+        ((40, 200), 0),
+        ((33, 64), 0),
+        ((9, 6, 70), 1),
+        ((30, 1), 0),
+        ((7, 3, 5), 0),
+    ]:
+        x = torch.randint(-2, 3, shape, generator=gen).to(dtype)
+        if dtype.is_floating_point:
+            x[torch.rand(shape, generator=gen) < 0.03] = float("nan")
+            zeros = torch.rand(shape, generator=gen) < 0.1
+            x[zeros] = torch.where(torch.rand(shape, generator=gen) < 0.5, 0.0, -0.0)[zeros].to(
+                dtype
+            )
+        n = shape[dim]
+        per_row = [1] * len(shape)
+        per_row[dim] = n
+        resets = [
+            torch.rand(shape, generator=gen) < 0.15,
+            (torch.rand(per_row, generator=gen) < 0.3).expand(shape),
+            torch.zeros(shape, dtype=torch.bool),
+        ]
+        if len(shape) == 3:  # one flag per (outer, step), broadcast over the last dim
+            resets.append((torch.rand((*shape[:2], 1), generator=gen) < 0.2).expand(shape))
+        for reset in resets:
+            for reverse in (False, True):
+                same(run(name, x, dim, reset, reverse), walked(name, x, dim, reset, reverse))

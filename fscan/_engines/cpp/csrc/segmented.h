@@ -47,14 +47,35 @@ static FSCAN_INLINE const uint8_t* lane_flags(const Flags rc, int64_t t, int64_t
 // 64-lane blocks cost (WIDE_FLAGS, generated: see fscan._engines.cpp._kernel_segmented.
 // wide_flags): GCC vectorises a loop by its narrowest type, so the loop reading a byte a
 // lane runs 64 lanes a vector and a reversed scan's rows go down in 64-lane blocks,
-// ascending inside; where a lane moves 16 bytes or more (cummax's value and index,
-// float64) that zig-zag through the descending streams cost the reversed scan 1.5-1.7x
-// its forward one. Read as int32 the loop runs LANE_BLOCK lanes a vector, as the scan
-// without flags does.
+// ascending inside; where a lane moves 16 bytes or more (float64; cummax's value and
+// index before its restart joined the combine's select: see restarted) that zig-zag
+// through the descending streams cost the reversed scan 1.5-1.7x its forward one. Read as
+// int32 the loop runs LANE_BLOCK lanes a vector, as the scan without flags does.
 static FSCAN_INLINE const int32_t* widened(const uint8_t* f, int64_t w, int32_t* wide) {
 #pragma GCC ivdep
   for (int64_t i = 0; i < w; ++i) wide[i] = f[i] != 0;
   return wide;
+}
+
+// A lane's running value l combined with its element u, or u where the lane restarts (f).
+// A flagged lane takes its element: the combine's result (of anything, NaN included) is
+// dropped, as torch.where drops it on the (flag, value) pairs. pick selects field by
+// field: `flag ? u : c` on the structs went through memory (a select of addresses), 20 ns
+// an element on the chain path. cummax's / cummin's pair (SEG_EXTREMUM) folds the restart
+// into the combine's own select instead (u where flagged, NaN, or at or beyond l: one
+// mask and a blend a field, not a second blend a field after the combine's).
+template <typename V>
+static FSCAN_INLINE V restarted(bool f, const V& l, const V& u, const Par& p, int64_t e) {
+  if constexpr (SEG_EXTREMUM != 0) {
+    (void)p; (void)e;
+    const bool take = f | (u.v0 != u.v0) | (SEG_EXTREMUM > 0 ? u.v0 >= l.v0 : u.v0 <= l.v0);
+    V o;
+    o.v0 = take ? u.v0 : l.v0;
+    o.v1 = take ? u.v1 : l.v1;
+    return o;
+  } else {
+    return pick(f, u, combine<false>(l, u, p, e));
+  }
 }
 
 // Steps [s0, s1) (in scan order) of lanes [i0, i0 + w) of outer index o, as lane_run in
@@ -100,12 +121,8 @@ static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, co
         const Buf left = s == s0 ? *carry : acc;
         fscan_lanes<decltype(B)::value>(w, rev, [&](int64_t i) {
           const Vals u = load_i(xr, i, t);
-          const Vals c = combine<false>(get_as<ALL>(left, i), u, p, e0 + i);
-          // A flagged lane takes its element: the combine's result (of anything, NaN
-          // included) is dropped, as torch.where drops it on the (flag, value) pairs.
-          // pick selects field by field: `flag ? u : c` on the structs went through
-          // memory (a select of addresses), 20 ns an element on the chain path.
-          const Vals v = MODE != ROW ? pick(f[i] != 0, u, c) : c;
+          const Vals v = MODE != ROW ? restarted(f[i] != 0, get_as<ALL>(left, i), u, p, e0 + i)
+                                     : combine<false>(get_as<ALL>(left, i), u, p, e0 + i);
           put_as<ALL>(acc, i, v);
           if (WRITE) store_i(yr, i, v);
         });
