@@ -179,14 +179,16 @@ def chains_interleaved(positions: Sequence[int]) -> int:
 
 def wide_flags(dtypes: Sequence[torch.dtype], positions: Sequence[int]) -> bool:
     """Whether the lane path reads a flag per lane widened to int32 where it goes down a
-    row in blocks (``WIDE_FLAGS``, see ``widened`` in csrc/segmented.h): where a lane moves
+    row in blocks (``WIDE_FLAGS``, see ``down_widened`` in csrc/segmented.h): where a lane moves
     16 bytes or more, read and written (a position leaf is written as int64, not read).
     The generated kernel alone over (4096, 256) dim 0, a flag per lane about 1 in 100, one
     process timing both in turns, reversed / forward, bytes then widened: cummax (float32
     value, int64 index: 16 bytes) 931-1001 / 582-584 us then 591-634 / 565-586; float64
     cumsum (16 bytes) 608-629 / 381-388 then 369-380 / 386-396; float32 cumsum (8 bytes)
-    209 / 210, widened 273 / 267: its widening pass not paid back. Forward rows keep the
-    bytes (one ascending loop over the row: widened, no gain above)."""
+    209 / 210, widened 273 / 267: its widening pass not paid back (those by a pass of
+    their own a row; widened in registers a block at a time, as now, float32 cumsum's
+    reversed rows still ran 1.17x its inclusive call against 1.05x on the bytes). Forward
+    rows keep the bytes (one ascending loop over the row: widened, no gain above)."""
     size = lambda d: torch.empty((), dtype=d).element_size()
     read = sum(size(d) for k, d in enumerate(dtypes) if k not in positions)
     written = sum(8 if k in positions else size(d) for k, d in enumerate(dtypes))

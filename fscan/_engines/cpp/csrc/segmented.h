@@ -43,18 +43,34 @@ static FSCAN_INLINE const uint8_t* lane_flags(const Flags rc, int64_t t, int64_t
   return gathered;
 }
 
-// A row's flags widened to int32 (0 or 1), for the loop that reads them where the bytes'
-// 64-lane blocks cost (WIDE_FLAGS, generated: see fscan._engines.cpp._kernel_segmented.
-// wide_flags): GCC vectorises a loop by its narrowest type, so the loop reading a byte a
-// lane runs 64 lanes a vector and a reversed scan's rows go down in 64-lane blocks,
-// ascending inside; where a lane moves 16 bytes or more (float64; cummax's value and
-// index before its restart joined the combine's select: see restarted) that zig-zag
-// through the descending streams cost the reversed scan 1.5-1.7x its forward one. Read as
-// int32 the loop runs LANE_BLOCK lanes a vector, as the scan without flags does.
-static FSCAN_INLINE const int32_t* widened(const uint8_t* f, int64_t w, int32_t* wide) {
+// fscan_lanes going down a row (blocks of B lanes, descending) where each lane reads its
+// flag byte, each block's B flags widened to int32 first, in registers: lane(i, flag).
+// GCC vectorises a loop by its narrowest type, so a loop reading a byte a lane runs 64
+// lanes a vector and a reversed row goes down in 64-lane blocks, ascending inside; where a
+// lane moves 16 bytes or more (WIDE_FLAGS, generated: float64; cummax's value and index,
+// see fscan._engines.cpp._kernel_segmented.wide_flags) that zig-zag through the descending
+// streams cost the reversed scan 1.5-2x its inclusive call. B flags widened to int32 make
+// the block's loop run LANE_BLOCK lanes a vector, as the scan without flags does. Before,
+// each row's flags were widened into a buffer by a loop of their own and read back: the
+// bench's cummax over (1024, 8, 64) dim 1 reversed with a mask of x's shape 1.45-1.62x
+// its inclusive call (265-305 us against 185-195), 1.06-1.14x this way (194-208 us);
+// (4096, 256) dim 0 reversed 1.22-1.48x -> 1.02-1.04x, float64 cumsum (1024, 8, 64) dim 1
+// 1.30-1.96x -> 1.14-1.18x (alternating processes). Forward rows keep the bytes' loop:
+// widened so, float64 cumsum over (4096, 256) dim 0 went 1.11-1.14x -> 1.20-1.23x; nor
+// float32 cumsum (8 bytes a lane) either way: 1.03-1.06x -> 1.17-1.20x.
+template <int64_t B, typename F>
+static FSCAN_INLINE void down_widened(int64_t w, const uint8_t* f, F&& lane) {
+  int64_t hi = w;
+  for (; hi >= B; hi -= B) {
+    alignas(64) int32_t fb[B];
+#pragma GCC unroll 64
+    for (int64_t j = 0; j < B; ++j) fb[j] = f[hi - B + j] != 0;
 #pragma GCC ivdep
-  for (int64_t i = 0; i < w; ++i) wide[i] = f[i] != 0;
-  return wide;
+#pragma GCC unroll 1
+    for (int64_t j = 0; j < B; ++j) lane(hi - B + j, fb[j] != 0);
+  }
+#pragma GCC ivdep
+  for (int64_t i = 0; i < hi; ++i) lane(i, f[i] != 0);
 }
 
 // A lane's running value l combined with its element u, or u where the lane restarts (f).
@@ -86,21 +102,21 @@ static FSCAN_INLINE V restarted(bool f, const V& l, const V& u, const Par& p, in
 // chunk (its total then owes nothing to the chunks before). ALL with WRITE: the outputs
 // written and the total kept, every leaf (a split column's first chunk, whose total no
 // carry precedes: seen is not kept). gathered: W bytes (LANE with strided flags); wide:
-// W int32 (LANE where WIDE_FLAGS, see widened).
+// W int32, at least FLAG_LANES * WIDE_ROWS (LANE where WIDE_FLAGS, see widened).
 template <bool WRITE, bool GATHER, int MODE, bool ALL = !WRITE>
 static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, const Geo& S,
                          int64_t o, int64_t i0, int64_t w, int64_t s0, int64_t s1, bool rev,
                          const Buf* carry, const Buf acc, uint8_t* seen, const InRow& rows,
-                         const OutRow& orows, uint8_t* gathered, int32_t* wide) {
+                         const OutRow& orows, uint8_t* gathered) {
   const In xc = at(x, S, o, 0, i0);
   const Out yc = at(y, S, o, 0, i0);
   const Flags rc = shift(R, o, S.nb, 0, i0);
   const int64_t e0 = o * S.inner + i0, T = S.T, dt = rev ? -1 : 1;
-  // Widened only going down over more than one block of LANE_BLOCK lanes: forward, the
-  // bytes' loop ascends through the row in one pass. (Once only over more than one
-  // 64-lane block of bytes: but rows of one such block, read ascending while the rows go
-  // down, zig-zag too: cummax over (4096, 8, 64) dim 1 reversed with a mask of x's shape
-  // 2410-2435 us, 1.85-2.05x the inclusive call; widened 1310-1376, 1.12-1.19x.)
+  // Widened only going down over more than one block of LANE_BLOCK lanes (see
+  // down_widened): forward, the bytes' loop ascends through the row in one pass. (Rows of
+  // one 64-lane block of bytes, read ascending while the rows go down, zig-zag too: cummax
+  // over (4096, 8, 64) dim 1 reversed with a mask of x's shape 2410-2435 us unwidened,
+  // 1.85-2.05x the inclusive call.)
   const bool widen = MODE == LANE && WIDE_FLAGS && rev && w > LANE_BLOCK;
   if (!WRITE) std::memset(seen, 0, (size_t)w);
   In xs = row(xc, rev ? T - 1 - s0 : s0);
@@ -122,22 +138,21 @@ static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, co
     } else if (MODE == ROW || !first) {
       // The row combined with the running values, flagged lanes taking their element (f:
       // the row's flags, read in blocks of B lanes).
-      auto combined = [&](auto B, const auto* f) {
-        const Buf left = s == s0 ? *carry : acc;
-        fscan_lanes<decltype(B)::value>(w, rev, [&](int64_t i) {
-          const Vals u = load_i(xr, i, t);
-          const Vals v = MODE != ROW ? restarted(f[i] != 0, get_as<ALL>(left, i), u, p, e0 + i)
-                                     : combine<false>(get_as<ALL>(left, i), u, p, e0 + i);
-          put_as<ALL>(acc, i, v);
-          if (WRITE) store_i(yr, i, v);
-        });
+      const Buf left = s == s0 ? *carry : acc;
+      auto lane = [&](int64_t i, bool f) {
+        const Vals u = load_i(xr, i, t);
+        const Vals v = MODE != ROW ? restarted(f, get_as<ALL>(left, i), u, p, e0 + i)
+                                   : combine<false>(get_as<ALL>(left, i), u, p, e0 + i);
+        put_as<ALL>(acc, i, v);
+        if (WRITE) store_i(yr, i, v);
       };
-      using Block = std::integral_constant<int64_t, MODE == LANE ? FLAG_LANES : LANE_BLOCK>;
-      if constexpr (MODE == LANE && WIDE_FLAGS) {  // (else the int32 loop is not compiled)
-        if (widen) combined(std::integral_constant<int64_t, LANE_BLOCK>{}, widened(rf, w, wide));
-        else combined(Block{}, rf);
+      if constexpr (MODE == ROW) {
+        fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) { lane(i, false); });
+      } else if constexpr (WIDE_FLAGS) {  // (else the widening loop is not compiled)
+        if (widen) down_widened<LANE_BLOCK>(w, rf, lane);
+        else fscan_lanes<FLAG_LANES>(w, rev, [&](int64_t i) { lane(i, rf[i] != 0); });
       } else {
-        combined(Block{}, rf);
+        fscan_lanes<FLAG_LANES>(w, rev, [&](int64_t i) { lane(i, rf[i] != 0); });
       }
     } else {  // the chunk's first row, no carry: its elements, flagged or not
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
@@ -158,9 +173,9 @@ static FSCAN_INLINE void seg_lanes(bool dense, const In x, const Out y, const Pa
                                    const Geo& S, int64_t o, int64_t i0, int64_t w, int64_t s0,
                                    int64_t s1, bool rev, const Buf* carry, const Buf acc,
                                    uint8_t* seen, const InRow& rows, const OutRow& orows,
-                                   uint8_t* gathered, int32_t* wide) {
-  if (dense) seg_lane_run<WRITE, false, MODE, ALL>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows, gathered, wide);
-  else seg_lane_run<WRITE, true, MODE, ALL>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows, gathered, wide);
+                                   uint8_t* gathered) {
+  if (dense) seg_lane_run<WRITE, false, MODE, ALL>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows, gathered);
+  else seg_lane_run<WRITE, true, MODE, ALL>(x, y, p, R, S, o, i0, w, s0, s1, rev, carry, acc, seen, rows, orows, gathered);
 }
 
 // lane_path (forward_lanes.h) with flags: columns of W lanes; where there are fewer columns
@@ -187,16 +202,14 @@ static void seg_lane_path(const In x, const Out y, const Par p, const Flags R, c
     const OutRow orows(dense ? 0 : W);
     std::vector<uint8_t> flags(MODE == LANE && R.si != 1 ? W : 0);
     uint8_t* const gathered = flags.data();
-    std::vector<int32_t> flags32(MODE == LANE && WIDE_FLAGS ? W : 0);
-    int32_t* const wide = flags32.data();
     if (C > 1) {
 #pragma omp for schedule(static)
       for (int64_t k = 0; k < ncols * (C - 1); ++k) {
         const int64_t col = k / (C - 1), c = k % (C - 1);
         const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
         const Buf total = offset(tb, k * W);
-        if (c == 0) seg_lanes<true, MODE, true>(dense, x, y, p, R, S, o, i0, w, 0, L, rev, nullptr, total, nullptr, rows, orows, gathered, wide);
-        else seg_lanes<false, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, total, seen.data() + k * W, rows, orows, gathered, wide);
+        if (c == 0) seg_lanes<true, MODE, true>(dense, x, y, p, R, S, o, i0, w, 0, L, rev, nullptr, total, nullptr, rows, orows, gathered);
+        else seg_lanes<false, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, (c + 1) * L, rev, nullptr, total, seen.data() + k * W, rows, orows, gathered);
       }
 #pragma omp for schedule(static)
       for (int64_t col = 0; col < ncols; ++col) {
@@ -212,7 +225,7 @@ static void seg_lane_path(const In x, const Out y, const Par p, const Flags R, c
             put_all(cur, i, v);
           }
           // Composing is not what the steps give (see suspect): walk the chunk.
-          if (walk) seg_lanes<false, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, (c + 1) * L, rev, &prev, cur, seen.data() + k * W, rows, orows, gathered, wide);
+          if (walk) seg_lanes<false, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, (c + 1) * L, rev, &prev, cur, seen.data() + k * W, rows, orows, gathered);
         }
       }
     }
@@ -229,7 +242,7 @@ static void seg_lane_path(const In x, const Out y, const Par p, const Flags R, c
       const int64_t o = col / ntiles, i0 = (col % ntiles) * W, w = std::min(W, inner - i0);
       const Buf carry = c > 0 ? offset(tb, (col * (C - 1) + c - 1) * W) : tb;
       const int64_t s1 = std::min(T, (c + 1) * L);
-      seg_lanes<true, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, nullptr, rows, orows, gathered, wide);
+      seg_lanes<true, MODE>(dense, x, y, p, R, S, o, i0, w, c * L, s1, rev, c == 0 ? nullptr : &carry, acc, nullptr, rows, orows, gathered);
     }
   });
 }
