@@ -437,6 +437,37 @@ def test_compile_failure_warns_once_and_falls_back(monkeypatch):
     assert torch.equal(out, _off(fn, x)) and torch.equal(again, out)
 
 
+def test_derived_kernel_compile_failure_warns_once_and_falls_back(monkeypatch):
+    # The segmented kernel (reset=) is written from the forward's translation: its own
+    # compile failing warns as the forward's does, and the call falls back.
+    real = _kernel_builder.load_kernel
+
+    def segmented_broken(source, argtypes):
+        if "segmented(" in source:
+            raise RuntimeError("compiler exploded on the segmented kernel (test)")
+        return real(source, argtypes)
+
+    monkeypatch.setattr(_kernel_registry, "compiler_problem", lambda: None)
+    monkeypatch.setattr(_kernel_builder, "load_kernel", segmented_broken)
+    x = torch.randn(40, 3, dtype=torch.float64)
+    reset = torch.arange(40) % 7 == 3
+    fn = lambda a, b: a * 0.375 + b  # a code object no other test compiled
+
+    def call():
+        with torch.no_grad(), fscan.config.override(cpu_kernel="eager"):
+            return fscan.associative_scan(fn, x, 0, reset=reset)
+
+    with pytest.warns(UserWarning, match="building the C\\+\\+ scan kernel failed"):
+        out = call()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = call()
+    with fscan.config.override(cpu_kernel="off"), torch.no_grad():
+        expected = fscan.associative_scan(fn, x, 0, reset=reset)
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(again, out)
+
+
 def test_gradients_take_the_autograd_engine():
     x = torch.randn(30, 4, requires_grad=True)
     fn = lambda a, b: a * 0.5 + b
