@@ -179,7 +179,7 @@ def chains_interleaved(positions: Sequence[int]) -> int:
 
 def wide_flags(dtypes: Sequence[torch.dtype], positions: Sequence[int]) -> bool:
     """Whether the lane path reads a flag per lane widened to int32 where it goes down a
-    row in blocks (``WIDE_FLAGS``, see ``down_widened`` in csrc/segmented.h): where a lane moves
+    row in blocks (``WIDE_FLAGS``, see ``widened_lanes`` in csrc/segmented.h): where a lane moves
     16 bytes or more, read and written (a position leaf is written as int64, not read).
     The generated kernel alone over (4096, 256) dim 0, a flag per lane about 1 in 100, one
     process timing both in turns, reversed / forward, bytes then widened: cummax (float32

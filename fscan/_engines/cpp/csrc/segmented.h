@@ -59,18 +59,30 @@ static FSCAN_INLINE const uint8_t* lane_flags(const Flags rc, int64_t t, int64_t
 // widened so, float64 cumsum over (4096, 256) dim 0 went 1.11-1.14x -> 1.20-1.23x; nor
 // float32 cumsum (8 bytes a lane) either way: 1.03-1.06x -> 1.17-1.20x.
 template <int64_t B, typename F>
-static FSCAN_INLINE void down_widened(int64_t w, const uint8_t* f, F&& lane) {
-  int64_t hi = w;
-  for (; hi >= B; hi -= B) {
+static FSCAN_INLINE void widened_lanes(int64_t w, bool down, const uint8_t* f, F&& lane) {
+  auto block = [&](int64_t i0) {
     alignas(64) int32_t fb[B];
 #pragma GCC unroll 64
-    for (int64_t j = 0; j < B; ++j) fb[j] = f[hi - B + j] != 0;
+    for (int64_t j = 0; j < B; ++j) fb[j] = f[i0 + j] != 0;
 #pragma GCC ivdep
 #pragma GCC unroll 1
-    for (int64_t j = 0; j < B; ++j) lane(hi - B + j, fb[j] != 0);
+    for (int64_t j = 0; j < B; ++j) lane(i0 + j, fb[j] != 0);
+  };
+  const int64_t whole = w - w % B;  // the lanes in whole blocks: [0, whole) up, [w - whole, w) down
+  if (down) {
+    for (int64_t hi = w; hi >= B; hi -= B) block(hi - B);
+  } else {
+    for (int64_t i0 = 0; i0 < whole; i0 += B) block(i0);
   }
+  // The lanes left (fewer than B), their flags widened too: read as bytes, the loop ran
+  // them scalar (rows of 24 lanes, 8 left: cummax over (4096, 8, 24) dim 1 reversed with a
+  // mask of x's shape 3.2x its inclusive call); as int32, GCC's narrower epilogue vectors
+  // take them.
+  const int64_t a = down ? 0 : whole, n = w - whole;
+  alignas(64) int32_t fb[B];
+  for (int64_t j = 0; j < n; ++j) fb[j] = f[a + j] != 0;
 #pragma GCC ivdep
-  for (int64_t i = 0; i < hi; ++i) lane(i, f[i] != 0);
+  for (int64_t j = 0; j < n; ++j) lane(a + j, fb[j] != 0);
 }
 
 // A lane's running value l combined with its element u, or u where the lane restarts (f).
@@ -112,12 +124,17 @@ static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, co
   const Out yc = at(y, S, o, 0, i0);
   const Flags rc = shift(R, o, S.nb, 0, i0);
   const int64_t e0 = o * S.inner + i0, T = S.T, dt = rev ? -1 : 1;
-  // Widened only going down over more than one block of LANE_BLOCK lanes (see
-  // down_widened): forward, the bytes' loop ascends through the row in one pass. (Rows of
-  // one 64-lane block of bytes, read ascending while the rows go down, zig-zag too: cummax
-  // over (4096, 8, 64) dim 1 reversed with a mask of x's shape 2410-2435 us unwidened,
-  // 1.85-2.05x the inclusive call.)
-  const bool widen = MODE == LANE && WIDE_FLAGS && rev && w > LANE_BLOCK;
+  // Widened (see widened_lanes) going down over more than one block of LANE_BLOCK lanes
+  // where a lane moves 16 bytes or more: forward, the bytes' loop ascends through the row
+  // in one pass. (Rows of one 64-lane block of bytes, read ascending while the rows go
+  // down, zig-zag too: cummax over (4096, 8, 64) dim 1 reversed with a mask of x's shape
+  // 2410-2435 us unwidened, 1.85-2.05x the inclusive call.) And in either direction, any
+  // dtype, where a row is narrower than the bytes' 64-lane vector: that loop never ran a
+  // vector iteration there, all its lanes scalar (rows of 16 lanes: cummax over
+  // (4096, 16, 16) dim 1 with a mask of x's shape 3.8-4.2x its inclusive call, float32
+  // cumsum over (16384, 16) dim 0 reversed 3.4-3.6x).
+  const bool widen = MODE == LANE && w >= LANE_BLOCK &&
+                     (w < FLAG_LANES || (WIDE_FLAGS && rev && w > LANE_BLOCK));
   if (!WRITE) std::memset(seen, 0, (size_t)w);
   In xs = row(xc, rev ? T - 1 - s0 : s0);
   Out ys = row(yc, rev ? T - 1 - s0 : s0);
@@ -148,9 +165,8 @@ static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, co
       };
       if constexpr (MODE == ROW) {
         fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) { lane(i, false); });
-      } else if constexpr (WIDE_FLAGS) {  // (else the widening loop is not compiled)
-        if (widen) down_widened<LANE_BLOCK>(w, rf, lane);
-        else fscan_lanes<FLAG_LANES>(w, rev, [&](int64_t i) { lane(i, rf[i] != 0); });
+      } else if (widen) {
+        widened_lanes<LANE_BLOCK>(w, rev, rf, lane);
       } else {
         fscan_lanes<FLAG_LANES>(w, rev, [&](int64_t i) { lane(i, rf[i] != 0); });
       }
