@@ -43,9 +43,9 @@ static FSCAN_INLINE const uint8_t* lane_flags(const Flags rc, int64_t t, int64_t
   return gathered;
 }
 
-// fscan_lanes going down a row (blocks of B lanes, descending) where each lane reads its
-// flag byte, each block's B flags widened to int32 first, in registers: lane(i, flag).
-// GCC vectorises a loop by its narrowest type, so a loop reading a byte a lane runs 64
+// fscan_lanes (blocks of B lanes, descending where down) for a row whose lanes each read
+// a flag byte, each block's B flags widened to int32 first, in registers: lane(i, flag).
+// Where seg_lane_run takes it (widen): see there. GCC vectorises a loop by its narrowest type, so a loop reading a byte a lane runs 64
 // lanes a vector and a reversed row goes down in 64-lane blocks, ascending inside; where a
 // lane moves 16 bytes or more (WIDE_FLAGS, generated: float64; cummax's value and index,
 // see fscan._engines.cpp._kernel_segmented.wide_flags) that zig-zag through the descending
@@ -55,9 +55,10 @@ static FSCAN_INLINE const uint8_t* lane_flags(const Flags rc, int64_t t, int64_t
 // bench's cummax over (1024, 8, 64) dim 1 reversed with a mask of x's shape 1.45-1.62x
 // its inclusive call (265-305 us against 185-195), 1.06-1.14x this way (194-208 us);
 // (4096, 256) dim 0 reversed 1.22-1.48x -> 1.02-1.04x, float64 cumsum (1024, 8, 64) dim 1
-// 1.30-1.96x -> 1.14-1.18x (alternating processes). Forward rows keep the bytes' loop:
-// widened so, float64 cumsum over (4096, 256) dim 0 went 1.11-1.14x -> 1.20-1.23x; nor
-// float32 cumsum (8 bytes a lane) either way: 1.03-1.06x -> 1.17-1.20x.
+// 1.30-1.96x -> 1.14-1.18x (alternating processes). Rows of 64 lanes or more keep the
+// bytes' loop forward (widened, float64 cumsum over (4096, 256) dim 0 went 1.11-1.14x ->
+// 1.20-1.23x), and where a lane moves 8 bytes (float32 cumsum) in both directions
+// (1.03-1.06x -> 1.17-1.20x).
 template <int64_t B, typename F>
 static FSCAN_INLINE void widened_lanes(int64_t w, bool down, const uint8_t* f, F&& lane) {
   auto block = [&](int64_t i0) {
