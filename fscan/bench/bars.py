@@ -232,11 +232,15 @@ def variant_rows() -> Iterator[Row]:
 
 # (16384, 1024) dim 1: out of cache (64 MiB a tensor), where a path's prefetch shows: the
 # reversed segmented row tiles once took their groups against it (docs/performance.md).
+# (4096, 16, 16) dim 1: rows of 16 lanes, narrower than the flags' 64-byte vectors, which a
+# mask of x's shape once ran scalar (cummax 3.8-4.2x its inclusive call) with no row here
+# to show it.
 _VARIANT_WORKLOADS = [
     ((2**20,), 0),
     ((4096, 256), 0),
     ((4096, 256), 1),
     ((1024, 8, 64), 1),
+    ((4096, 16, 16), 1),
     ((16384, 1024), 1),
 ]
 
