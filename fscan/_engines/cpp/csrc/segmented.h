@@ -45,10 +45,11 @@ static FSCAN_INLINE const uint8_t* lane_flags(const Flags rc, int64_t t, int64_t
 
 // fscan_lanes (blocks of B lanes, descending where down) for a row whose lanes each read
 // a flag byte, each block's B flags widened to int32 first, in registers: lane(i, flag).
-// Where seg_lane_run takes it (widen): see there. GCC vectorises a loop by its narrowest type, so a loop reading a byte a lane runs 64
-// lanes a vector and a reversed row goes down in 64-lane blocks, ascending inside; where a
-// lane moves 16 bytes or more (WIDE_FLAGS, generated: float64; cummax's value and index,
-// see fscan._engines.cpp._kernel_segmented.wide_flags) that zig-zag through the descending
+// Where seg_lane_run takes it (widen): see there. GCC vectorises a loop by its narrowest
+// type, so a loop reading a byte a lane runs 64 lanes a vector and a reversed row goes
+// down in 64-lane blocks, ascending inside; where a lane moves 16 bytes or more
+// (WIDE_FLAGS, generated: float64; cummax's value and index, see
+// fscan._engines.cpp._kernel_segmented.wide_flags) that zig-zag through the descending
 // streams cost the reversed scan 1.5-2x its inclusive call. B flags widened to int32 make
 // the block's loop run LANE_BLOCK lanes a vector, as the scan without flags does. Before,
 // each row's flags were widened into a buffer by a loop of their own and read back: the
@@ -114,8 +115,7 @@ static FSCAN_INLINE V restarted(bool f, const V& l, const V& u, const Par& p, in
 // before s0. !WRITE: a chunk total in acc, and seen[i] set where lane i restarts in the
 // chunk (its total then owes nothing to the chunks before). ALL with WRITE: the outputs
 // written and the total kept, every leaf (a split column's first chunk, whose total no
-// carry precedes: seen is not kept). gathered: W bytes (LANE with strided flags); wide:
-// W int32, at least FLAG_LANES * WIDE_ROWS (LANE where WIDE_FLAGS, see widened).
+// carry precedes: seen is not kept). gathered: W bytes (LANE with strided flags).
 template <bool WRITE, bool GATHER, int MODE, bool ALL = !WRITE>
 static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, const Geo& S,
                          int64_t o, int64_t i0, int64_t w, int64_t s0, int64_t s1, bool rev,
@@ -155,7 +155,7 @@ static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, co
       if (!WRITE && rf[0]) std::memset(seen, 1, (size_t)w);
     } else if (MODE == ROW || !first) {
       // The row combined with the running values, flagged lanes taking their element (f:
-      // the row's flags, read in blocks of B lanes).
+      // the lane's flag, from the row's bytes or widened a block at a time: see widen).
       const Buf left = s == s0 ? *carry : acc;
       auto lane = [&](int64_t i, bool f) {
         const Vals u = load_i(xr, i, t);
