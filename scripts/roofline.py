@@ -15,7 +15,9 @@ elementwise cost and its scans; the chain path (last dim, 1-D) as the kernel's r
 transposes alone (``fscan_tile_in``/``fscan_tile_out`` of csrc/prelude.h), with a float32
 and with a double scan, an add by in-register prefix sums without transposes and a max
 by in-register prefix scans, a row at a time (the kernel's prefix chains); the
-reduce; and 2 threads.
+reduce; 2 threads; and the segmented lane loop with a flag per element (``reset=`` with
+a mask of x's shape) against the same loop without flags and a pass that only moves x,
+its flags and y.
 
 Run (about 2-3 minutes; the first run also builds the loops and fscan's kernels):
     PYTHONPATH=. python scripts/roofline.py [--quick] [--section TEXT]
@@ -462,6 +464,44 @@ def section_reduce(m, budget: float) -> None:
     s.run(budget)
 
 
+def section_flags(m, budget: float) -> None:
+    """The per-lane segmented rows (`reset=` with a mask of x's shape) against the same
+    scan without flags: what the flags' bytes and their selects cost in the loop itself."""
+    for shape in ((4096, 256), (16384, 1024)):
+        T, N = shape
+        x = bars._data("add", shape)
+        flags = torch.rand(shape, generator=torch.Generator().manual_seed(97)) < 1 / 97
+        y = torch.empty_like(x)
+        s = Section(f"segmented lane loop: dim 0 of {shape}, float32, a flag per element")
+        base = "copy of x"
+        s.add(base, _copy(x), base, "the bench's limit for the inclusive row")
+        s.add(
+            "x and its flags read, y written",
+            lambda x=x, y=y, f=flags: m.select(_p(y), _p(x), _p(f), x.numel()),
+            base,
+            "the memory a flagged row moves",
+        )
+        for name, op in (("cumsum", ADD), ("cumprod", MUL)):
+            for flagged in (False, True):
+                s.add(
+                    f"{name} lane loop, double acc{', flags' if flagged else ''}",
+                    lambda op=op, fl=flagged, x=x, y=y, f=flags, T=T, N=N: m.seg_lane_scan(
+                        op, fl, _p(x), _p(f), _p(y), T, N
+                    ),
+                    base,
+                    "floor" if flagged else "",
+                )
+            fn = getattr(fscan, name)
+            s.add(f"fscan.{name} dim 0", lambda fn=fn, x=x: fn(x, 0), base, "inclusive row")
+            s.add(
+                f"fscan.{name} dim 0, reset per lane",
+                lambda fn=fn, x=x, f=flags: fn(x, 0, reset=f),
+                base,
+                "bar row",
+            )
+        s.run(budget)
+
+
 def section_threads(m, budget: float) -> None:
     shape = (16384, 1024)
     T, N = shape
@@ -515,6 +555,16 @@ def _affine_reference(a: torch.Tensor, b: torch.Tensor, dim: int):
         pa[t] = pa[t - 1] * a[t]
         pb[t] = a[t] * pb[t - 1] + b[t]
     return pa.movedim(0, dim).float(), pb.movedim(0, dim).float()
+
+
+def _segmented_reference(op: int, x: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    """A step loop in double along dim 0: each lane restarts at its element where flagged."""
+    acc, out = x[0].double(), [x[0]]
+    for t in range(1, x.shape[0]):
+        u = x[t].double()
+        acc = torch.where(flags[t], u, acc + u if op == ADD else acc * u)
+        out.append(acc.float())
+    return torch.stack(out)
 
 
 def check(m) -> None:
@@ -576,7 +626,17 @@ def check(m) -> None:
         for checked in (False, True):
             m.prefix_max(checked, _p(rows), _p(yc), 32, 288)
             torch.testing.assert_close(yc, torch.cummax(rows, 1).values, rtol=0, atol=0)
+    flags = torch.rand(300, 32, generator=gen) < 0.05
+    for op, ref in ((ADD, torch.cumsum), (MUL, torch.cumprod)):
+        data = a if op == MUL else x
+        ys = torch.empty_like(data)
+        m.seg_lane_scan(op, True, _p(data), _p(flags), _p(ys), *data.shape)
+        close(ys, _segmented_reference(op, data, flags))
+        m.seg_lane_scan(op, False, _p(data), _p(flags), _p(ys), *data.shape)
+        close(ys, ref(data.double(), 0).float())
     y = torch.empty_like(x)
+    m.select(_p(y), _p(x), _p(flags), x.numel())
+    close(y, torch.where(flags, x, -x))
     m.copy(_p(y), _p(x), x.numel())
     close(y, x)
     m.log1p_exp(_p(y), _p(x), x.numel())
@@ -595,6 +655,7 @@ SECTIONS = {
     "chains-large": section_chains_large,
     "reduce": section_reduce,
     "threads": section_threads,
+    "flags": section_flags,
 }
 
 

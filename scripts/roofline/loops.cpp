@@ -363,6 +363,55 @@ static void chain_scan_t(uintptr_t x0, uintptr_t x1, uintptr_t y0, uintptr_t y1,
   chain_rows<OP, A, RANGE, 1>(X0, X1, Y0, Y1, N, L, carry.data(), nullptr);
 }
 
+// The segmented lane loop (csrc/segmented.h, seg_lane_run with a flag per lane): as
+// lane_rows, each lane restarting at its element where its flag byte is set (a mask of
+// x's shape, f), one leaf. flags=false: the same loop without them (the inclusive scan).
+template <int OP, typename A, bool FLAGS>
+static void seg_lane_rows(const float* __restrict x, const uint8_t* __restrict f, float* __restrict y,
+                          int64_t T, int64_t N, A* __restrict a) {
+#pragma GCC ivdep
+  for (int64_t i = 0; i < N; ++i) {
+    a[i] = (A)x[i];
+    y[i] = x[i];
+  }
+  for (int64_t t = 1; t < T; ++t) {
+    const float* xr = x + t * N;
+    const uint8_t* fr = f + t * N;
+    float* yr = y + t * N;
+#pragma GCC ivdep
+    for (int64_t i = 0; i < N; ++i) {
+      A l = a[i], dummy = A(0);
+      const A u = (A)xr[i];
+      comb<OP, A, false>(l, dummy, u, A(0));
+      if constexpr (FLAGS) l = fr[i] != 0 ? u : l;
+      a[i] = l;
+      yr[i] = (float)l;
+    }
+  }
+}
+static void seg_lane_scan(int op, bool flags, uintptr_t x, uintptr_t f, uintptr_t y, int64_t T, int64_t N) {
+  std::vector<double> a(N);
+  auto X = (const float*)x;
+  auto F = (const uint8_t*)f;
+  auto Y = (float*)y;
+  if (op == MUL) {
+    if (flags) seg_lane_rows<MUL, double, true>(X, F, Y, T, N, a.data());
+    else seg_lane_rows<MUL, double, false>(X, F, Y, T, N, a.data());
+  } else {
+    if (flags) seg_lane_rows<ADD, double, true>(X, F, Y, T, N, a.data());
+    else seg_lane_rows<ADD, double, false>(X, F, Y, T, N, a.data());
+  }
+}
+// The memory a segmented row moves and nothing else: x and its flags read, y written
+// (y = x where flagged, else -x).
+static void select_loop(uintptr_t dst, uintptr_t src, uintptr_t flags, int64_t n) {
+  auto d = (float*)dst;
+  auto s = (const float*)src;
+  auto f = (const uint8_t*)flags;
+#pragma GCC ivdep
+  for (int64_t i = 0; i < n; ++i) d[i] = f[i] != 0 ? s[i] : -s[i];
+}
+
 static void copy_loop(uintptr_t dst, uintptr_t src, int64_t n) {
   auto d = (float*)dst;
   auto s = (const float*)src;
@@ -448,6 +497,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     else prefix_max_rows<false>((const float*)x0, (float*)y0, rows, L);
 #endif
   });
+  m.def("seg_lane_scan", [](int op, bool flags, uintptr_t x, uintptr_t f, uintptr_t y, int64_t T, int64_t N) {
+    py::gil_scoped_release nogil;
+    seg_lane_scan(op, flags, x, f, y, T, N);
+  });
+  m.def("select", &select_loop);
   m.def("copy", &copy_loop);
   m.def("log1p_exp", &log1p_exp_loop);
   m.def("logaddexp", &logaddexp_loop);
