@@ -225,7 +225,7 @@ __attribute__((noinline)) static void seg_row_tiles(const In x, const Out y, con
     // where they came just before it (no store forwards to a wider load; perf: an eighth
     // of seg_tile_scan's samples on the instruction after that load). Read first, the
     // transposes run while the stores drain: cumsum over (4096, 256) dim 1 with a mask of
-    // x's shape, against the inclusive call, 1.19-1.25x -> 1.07-1.11x (p10 of 300 calls,
+    // x's shape, against the inclusive call, 1.19-1.22x -> 1.07-1.11x (p10 of 300 calls,
     // 2 alternating processes each; the 1-D mask's chunks, seg_transposed_chains,
     // 1.04-1.18x -> 0.95x forward, 1.08-1.16x -> 1.05-1.09x reversed).
     alignas(64) uint32_t bits[SEG_TW];
