@@ -1,7 +1,8 @@
 """Measured floors under the speed bars that fscan's C++ kernel does not meet (issue 21).
 
 Standalone loops (``scripts/roofline/loops.cpp``, built with the kernel's own compiler
-flags: Inductor's for this CPU plus ``fscan._engines.cpp._cpp_build.EXTRA_FLAGS``) do the
+flags: Inductor's for this CPU plus ``fscan._engines.cpp._cpp_build.EXTRA_FLAGS``; built
+and checked against sequential references by ``scripts/roofline_loops.py``) do the
 least work each kind of row needs, on the bench's shapes, into preallocated memory. Each
 section times its loops, a copy of the same leaves into preallocated memory (the bench's
 limit) and fscan's own bar row side by side (``fscan.bench._timing.interleaved``: turns,
@@ -33,6 +34,21 @@ import time
 from pathlib import Path
 
 import torch
+from roofline_loops import (
+    ACC_NAMES,
+    ADD,
+    AFFINE,
+    F32,
+    F64,
+    F64_RANGE,
+    LAE,
+    MAX,
+    MUL,
+    address,
+    build,
+    build_reduce,
+    check,
+)
 
 import fscan
 from fscan._memory import advise_huge_pages
@@ -40,64 +56,7 @@ from fscan.bench import bars
 from fscan.bench._allocator import pin_allocator
 from fscan.bench._timing import Table, interleaved
 
-HERE = Path(__file__).resolve().parent
-CSRC = HERE.parent / "fscan" / "_engines" / "cpp" / "csrc"
-ADD, MUL, MAX, AFFINE, LAE = range(5)
-F32, F64, F64_RANGE = range(3)
 ROUNDS = 5  # turns per runner: each section's runners alternate, medians of all turns
-ACC_NAMES = {F32: "float32 acc", F64: "double acc", F64_RANGE: "double acc + range check"}
-
-
-def _flags() -> tuple[list[str], list[str]]:
-    """The kernel's compile flags (Inductor's for this CPU's vector ISA, then fscan's
-    EXTRA_FLAGS), minus what a Python extension sets itself."""
-    from torch._inductor import cpp_builder
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    from fscan._engines.cpp._cpp_build import EXTRA_FLAGS
-
-    opts = cpp_builder.CppTorchOptions(vec_isa=pick_vec_isa(), include_pytorch=False)
-    skip = {"shared", "fPIC", "pedantic", "Wall"}
-    cflags = [f"-{f}" for f in opts.get_cflags() if f not in skip]
-    cflags += [a for a in " ".join(opts.get_passthrough_args()).split() if a]
-    cflags += [f for f in EXTRA_FLAGS if not f.startswith("-l")]
-    ldflags = ["-fopenmp", *(f for f in EXTRA_FLAGS if f.startswith("-l"))]
-    return cflags, ldflags
-
-
-def build():
-    from torch.utils.cpp_extension import load
-
-    cflags, ldflags = _flags()
-    start = time.perf_counter()
-    module = load(
-        name="fscan_roofline",
-        sources=[str(HERE / "roofline" / "loops.cpp")],
-        extra_cflags=cflags,
-        extra_ldflags=ldflags,
-        extra_include_paths=[str(CSRC)],
-    )
-    print(
-        f"loops built or loaded in {time.perf_counter() - start:.1f} s; flags: {' '.join(cflags)}"
-    )
-    return module
-
-
-def build_reduce():
-    """The reduce section's block loops (scripts/roofline/reduce_loops.cpp), same flags."""
-    from torch.utils.cpp_extension import load
-
-    cflags, ldflags = _flags()
-    return load(
-        name="fscan_roofline_reduce",
-        sources=[str(HERE / "roofline" / "reduce_loops.cpp")],
-        extra_cflags=cflags,
-        extra_ldflags=ldflags,
-    )
-
-
-def _p(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
 
 
 class Section:
@@ -176,7 +135,7 @@ def section_copies(m, budget: float) -> None:
     )
     s.add(
         "copy (native loop)",
-        lambda: m.copy(_p(y), _p(x), x.numel()),
+        lambda: m.copy(address(y), address(x), x.numel()),
         "copy (torch copy_ into preallocated)",
         "the same, the kernel's flags",
     )
@@ -224,7 +183,7 @@ def section_lanes(m, budget: float, shape: tuple[int, int]) -> None:
         s.add(base, _copy(*[t for t in (x0, x1) if t is not None]), base, "")
         for acc in accs:
             run = lambda op=op, acc=acc, x0=x0, x1=x1, y0=y0, y1=y1: m.lane_scan(
-                op, acc, _p(x0), _p(x1), _p(y0), _p(y1), T, N, True
+                op, acc, address(x0), address(x1), address(y0), address(y1), T, N, True
             )
             s.add(
                 f"{name} lane loop, {ACC_NAMES[acc]}",
@@ -248,27 +207,27 @@ def section_logaddexp(m, budget: float) -> None:
     s.add(base, _copy(a), base, "")
     s.add(
         "fscan_log1p_exp per element",
-        lambda: m.log1p_exp(_p(o), _p(a), n),
+        lambda: m.log1p_exp(address(o), address(a), n),
         base,
         "csrc/logaddexp.h",
     )
     s.add(
         "fscan_logaddexp per element",
-        lambda: m.logaddexp(_p(o), _p(a), _p(b), n),
+        lambda: m.logaddexp(address(o), address(a), address(b), n),
         base,
         "csrc/logaddexp.h",
     )
     s.add("torch.logaddexp(a, b, out=o)", lambda: torch.logaddexp(a, b, out=o), base, "SLEEF")
     s.add(
         "lane scan (dim 0), double acc",
-        lambda: m.lane_scan(LAE, F64, _p(a), 0, _p(o), 0, T, N, True),
+        lambda: m.lane_scan(LAE, F64, address(a), 0, address(o), 0, T, N, True),
         base,
         "floor of the lane rows",
     )
     s.add("fscan logaddexp dim 0", _fscan_row("logaddexp", shape, 0), base, "bar row")
     s.add(
         "chain scan (last dim), tiles, double acc",
-        lambda: m.chain_scan(LAE, F64, _p(a), 0, _p(o), 0, T, N, 1),
+        lambda: m.chain_scan(LAE, F64, address(a), 0, address(o), 0, T, N, 1),
         base,
         "no floor: the kernel is faster",
     )
@@ -280,7 +239,7 @@ def section_logaddexp(m, budget: float) -> None:
     s.add(base, _copy(one), base, "")
     s.add(
         "chain totals + scan, tiles, double acc",
-        lambda: m.chain_scan(LAE, F64, _p(one), 0, _p(o1), 0, 2048, 512, 2),
+        lambda: m.chain_scan(LAE, F64, address(one), 0, address(o1), 0, 2048, 512, 2),
         base,
         "no floor: the kernel is faster",
     )
@@ -301,7 +260,7 @@ def section_chains(m, budget: float) -> None:
         base = f"copy of {name}'s leaves"
         s.add(base, _copy(*[t for t in (x0, x1) if t is not None]), base, "")
         s.keep += [x0, x1, y0, y1]
-        args = (_p(x0), _p(x1), _p(y0), _p(y1), N, L)
+        args = (address(x0), address(x1), address(y0), address(y1), N, L)
         s.add(
             f"{name}: transposes alone",
             lambda op=op, args=args: m.chain_scan(op, F32, *args, 0),
@@ -312,7 +271,9 @@ def section_chains(m, budget: float) -> None:
             for dbl in (False, True):
                 s.add(
                     f"add: in-register prefix, no transposes, {'double' if dbl else 'float32'}",
-                    lambda dbl=dbl, x0=x0, y0=y0: m.prefix_add(dbl, _p(x0), _p(y0), N, L, 1),
+                    lambda dbl=dbl, x0=x0, y0=y0: m.prefix_add(
+                        dbl, address(x0), address(y0), N, L, 1
+                    ),
                     base,
                     "floor" if dbl else "",
                 )
@@ -348,7 +309,7 @@ def section_chains(m, budget: float) -> None:
         base = f"copy of {name}'s leaves"
         s.add(base, _copy(*[t for t in (x0, x1) if t is not None]), base, "")
         s.keep += [x0, x1, y0, y1]
-        args = (_p(x0), _p(x1), _p(y0), _p(y1), 2048, 512)
+        args = (address(x0), address(x1), address(y0), address(y1), 2048, 512)
         s.add(
             f"{name}: totals + scan, {ACC_NAMES[acc]}",
             lambda op=op, acc=acc, args=args: m.chain_scan(op, acc, *args, 2),
@@ -358,7 +319,7 @@ def section_chains(m, budget: float) -> None:
         if op == ADD:
             s.add(
                 "add: 4 segments, sums, in-register prefix, double",
-                lambda x0=x0, y0=y0: m.prefix_add(True, _p(x0), _p(y0), 4, 2**18, 2),
+                lambda x0=x0, y0=y0: m.prefix_add(True, address(x0), address(y0), 4, 2**18, 2),
                 base,
                 "floor",
             )
@@ -379,7 +340,7 @@ def _prefix_max(m, s: Section, shape: tuple[int, ...]) -> None:
     for checked in (False, True):
         s.add(
             f"max: in-register prefix, float32{', NaN check (pairs)' if checked else ''}",
-            lambda checked=checked: m.prefix_max(checked, _p(x), _p(y), rows, L),
+            lambda checked=checked: m.prefix_max(checked, address(x), address(y), rows, L),
             base,
             "floor" if checked else "",
         )
@@ -396,19 +357,19 @@ def section_chains_large(m, budget: float) -> None:
     s.add(base, _copy(x), base, "")
     s.add(
         "add: transposes alone",
-        lambda: m.chain_scan(ADD, F32, _p(x), 0, _p(y), 0, N, L, 0),
+        lambda: m.chain_scan(ADD, F32, address(x), 0, address(y), 0, N, L, 0),
         base,
         "tile in + tile out",
     )
     s.add(
         "add: + double scan",
-        lambda: m.chain_scan(ADD, F64, _p(x), 0, _p(y), 0, N, L, 1),
+        lambda: m.chain_scan(ADD, F64, address(x), 0, address(y), 0, N, L, 1),
         base,
         "",
     )
     s.add(
         "add: in-register prefix, no transposes, double",
-        lambda: m.prefix_add(True, _p(x), _p(y), N, L, 1),
+        lambda: m.prefix_add(True, address(x), address(y), N, L, 1),
         base,
         "floor",
     )
@@ -426,17 +387,19 @@ def section_reduce(m, budget: float) -> None:
     s.add("torch.sum of x", lambda: torch.sum(x, 0), "torch.sum of x", "the add row's rival")
     s.add(
         "add reduce loop, double acc",
-        lambda: m.lane_scan(ADD, F64, _p(x), 0, _p(za), 0, T, N, False),
+        lambda: m.lane_scan(ADD, F64, address(x), 0, address(za), 0, T, N, False),
         "torch.sum of x",
         "row by row",
     )
     blocks = build_reduce()
-    blocks.add_blocks(True, 8, _p(x), _p(za), T, N)  # the sequential double sum, rounded once
+    blocks.add_blocks(
+        True, 8, address(x), address(za), T, N
+    )  # the sequential double sum, rounded once
     assert torch.equal(za, torch.cumsum(x.double(), 0)[-1].float()), "block loop: wrong totals"
     for dbl in (True, False):
         s.add(
             f"add reduce, 8 rows x 4 lanes a block, {'double' if dbl else 'float32'} acc",
-            lambda dbl=dbl: blocks.add_blocks(dbl, 8, _p(x), _p(za), T, N),
+            lambda dbl=dbl: blocks.add_blocks(dbl, 8, address(x), address(za), T, N),
             "torch.sum of x",
             "floor (the kernel's blocks, AVX2 intrinsics)" if dbl else "",
         )
@@ -451,7 +414,9 @@ def section_reduce(m, budget: float) -> None:
     for acc in (F32, F64, F64_RANGE):
         s.add(
             f"affine reduce loop, {ACC_NAMES[acc]}",
-            lambda acc=acc: m.lane_scan(AFFINE, acc, _p(a), _p(b), _p(za), _p(zb), T, N, False),
+            lambda acc=acc: m.lane_scan(
+                AFFINE, acc, address(a), address(b), address(za), address(zb), T, N, False
+            ),
             read,
             "floor" if acc == F64_RANGE else "",
         )
@@ -477,7 +442,7 @@ def section_flags(m, budget: float) -> None:
         s.add(base, _copy(x), base, "the bench's limit for the inclusive row")
         s.add(
             "x and its flags read, y written",
-            lambda x=x, y=y, f=flags: m.select(_p(y), _p(x), _p(f), x.numel()),
+            lambda x=x, y=y, f=flags: m.select(address(y), address(x), address(f), x.numel()),
             base,
             "the memory a flagged row moves",
         )
@@ -486,7 +451,7 @@ def section_flags(m, budget: float) -> None:
                 s.add(
                     f"{name} lane loop, double acc{', flags' if flagged else ''}",
                     lambda op=op, fl=flagged, x=x, y=y, f=flags, T=T, N=N: m.seg_lane_scan(
-                        op, fl, _p(x), _p(f), _p(y), T, N
+                        op, fl, address(x), address(f), address(y), T, N
                     ),
                     base,
                     "floor" if flagged else "",
@@ -515,11 +480,11 @@ def section_threads(m, budget: float) -> None:
                 base, _copy(*[t for t in (x0, x1) if t is not None]), base, f"{threads}-thread copy"
             )
             s.keep += [x0, x1, y0, y1]
-            args = (_p(x0), _p(x1), _p(y0), _p(y1), T, N)
+            args = (address(x0), address(x1), address(y0), address(y1), T, N)
             if threads == 2 and op == ADD:  # the same copy on one thread, in the same turns
                 s.add(
                     "copy of add's leaves, 1 thread (native loop)",
-                    lambda x0=x0, y0=y0: m.copy(_p(y0), _p(x0), x0.numel()),
+                    lambda x0=x0, y0=y0: m.copy(address(y0), address(x0), x0.numel()),
                     base,
                     "what a second thread adds",
                 )
@@ -545,105 +510,6 @@ def section_threads(m, budget: float) -> None:
                 )
             s.add(f"fscan {name} dim 0", _fscan_row(name, shape, 0), base, "bar row")
         s.run(budget)
-
-
-def _affine_reference(a: torch.Tensor, b: torch.Tensor, dim: int):
-    """The affine pair's inclusive scan, one step at a time, in double."""
-    a, b = a.double().movedim(dim, 0), b.double().movedim(dim, 0)
-    pa, pb = a.clone(), b.clone()
-    for t in range(1, a.shape[0]):
-        pa[t] = pa[t - 1] * a[t]
-        pb[t] = a[t] * pb[t - 1] + b[t]
-    return pa.movedim(0, dim).float(), pb.movedim(0, dim).float()
-
-
-def _segmented_reference(op: int, x: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
-    """A step loop in double along dim 0: each lane restarts at its element where flagged."""
-    acc, out = x[0].double(), [x[0]]
-    for t in range(1, x.shape[0]):
-        u = x[t].double()
-        acc = torch.where(flags[t], u, acc + u if op == ADD else acc * u)
-        out.append(acc.float())
-    return torch.stack(out)
-
-
-def check(m) -> None:
-    """Every loop against a plain sequential reference (torch's cumulative ops, or a step
-    loop in double), on small shapes: a floor is only a floor of the work if it does it."""
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(300, 32, generator=gen)
-    a = torch.rand(300, 32, generator=gen) * 0.5 + 0.5
-    b = torch.randn(300, 32, generator=gen)
-    close = lambda got, want: torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    refs = {
-        ADD: lambda t, dim: torch.cumsum(t.double(), dim).float(),
-        MUL: lambda t, dim: torch.cumprod(t.double(), dim).float(),
-        MAX: lambda t, dim: torch.cummax(t, dim).values,
-        LAE: lambda t, dim: torch.logcumsumexp(t.double(), dim).float(),
-    }
-    for op, ref in refs.items():
-        data = a if op == MUL else x
-        for acc in (F32, F64, F64_RANGE):
-            y = torch.empty_like(data)
-            m.lane_scan(op, acc, _p(data), 0, _p(y), 0, *data.shape, True)
-            close(y, ref(data, 0))
-            m.lane_two(op, acc, _p(data), 0, _p(y), 0, *data.shape, False)
-            close(y, ref(data, 0))
-            m.lane_scan(op, acc, _p(data), 0, _p(y), 0, *data.shape, False)
-            close(y[0], ref(data, 0)[-1])
-            rows = data.t().contiguous()  # 32 chains of 300 steps: 288 of them in tiles
-            rows = rows[:, :288].contiguous()
-            yc = torch.empty_like(rows)
-            m.chain_scan(op, acc, _p(rows), 0, _p(yc), 0, 32, 288, 1)
-            close(yc, ref(rows, 1))
-            m.chain_scan(op, acc, _p(rows), 0, _p(yc), 0, 32, 288, 2)
-            close(yc.flatten(), ref(rows.flatten(), 0))
-            m.chain_scan(op, acc, _p(rows), 0, _p(yc), 0, 32, 288, 0)
-            close(yc, rows)
-    want = _affine_reference(a, b, 0)
-    for acc in (F32, F64, F64_RANGE):
-        ya, yb = torch.empty_like(a), torch.empty_like(b)
-        m.lane_scan(AFFINE, acc, _p(a), _p(b), _p(ya), _p(yb), 300, 32, True)
-        close((ya, yb), want)
-        m.lane_two(AFFINE, acc, _p(a), _p(b), _p(ya), _p(yb), 300, 32, False)
-        close((ya, yb), want)
-        m.lane_scan(AFFINE, acc, _p(a), _p(b), _p(ya), _p(yb), 300, 32, False)
-        close((ya[0], yb[0]), (want[0][-1], want[1][-1]))
-        ra, rb = (t.t()[:, :288].contiguous() for t in (a, b))
-        ca, cb = torch.empty_like(ra), torch.empty_like(rb)
-        m.chain_scan(AFFINE, acc, _p(ra), _p(rb), _p(ca), _p(cb), 32, 288, 1)
-        close((ca, cb), _affine_reference(ra, rb, 1))
-        m.chain_scan(AFFINE, acc, _p(ra), _p(rb), _p(ca), _p(cb), 32, 288, 2)
-        flat = _affine_reference(ra.flatten(), rb.flatten(), 0)
-        close((ca.flatten(), cb.flatten()), flat)
-    rows = x.t().contiguous()[:, :288].contiguous()  # 32 rows of 288 steps
-    for dbl in (False, True):
-        yc = torch.empty_like(rows)
-        m.prefix_add(dbl, _p(rows), _p(yc), 32, 288, 1)
-        close(yc, torch.cumsum(rows.double(), 1).float())
-        m.prefix_add(dbl, _p(rows), _p(yc), 4, 32 * 288 // 4, 2)
-        close(yc.flatten(), torch.cumsum(rows.flatten().double(), 0).float())
-        for checked in (False, True):
-            m.prefix_max(checked, _p(rows), _p(yc), 32, 288)
-            torch.testing.assert_close(yc, torch.cummax(rows, 1).values, rtol=0, atol=0)
-    flags = torch.rand(300, 32, generator=gen) < 0.05
-    for op, ref in ((ADD, torch.cumsum), (MUL, torch.cumprod)):
-        data = a if op == MUL else x
-        ys = torch.empty_like(data)
-        m.seg_lane_scan(op, True, _p(data), _p(flags), _p(ys), *data.shape)
-        close(ys, _segmented_reference(op, data, flags))
-        m.seg_lane_scan(op, False, _p(data), _p(flags), _p(ys), *data.shape)
-        close(ys, ref(data.double(), 0).float())
-    y = torch.empty_like(x)
-    m.select(_p(y), _p(x), _p(flags), x.numel())
-    close(y, torch.where(flags, x, -x))
-    m.copy(_p(y), _p(x), x.numel())
-    close(y, x)
-    m.log1p_exp(_p(y), _p(x), x.numel())
-    close(y, torch.log1p(torch.exp(-x.abs())))
-    m.logaddexp(_p(y), _p(x), _p(b), x.numel())
-    close(y, torch.logaddexp(x, b))
-    print("every loop matches its sequential reference\n")
 
 
 SECTIONS = {
