@@ -380,16 +380,18 @@ static void seg_lane_rows(const float* __restrict x, const uint8_t* __restrict f
     float* yr = y + t * N;
 #pragma GCC ivdep
     for (int64_t i = 0; i < N; ++i) {
-      A l = a[i], dummy = A(0);
+      A l = a[i], no_second_leaf = A(0);
       const A u = (A)xr[i];
-      comb<OP, A, false>(l, dummy, u, A(0));
+      comb<OP, A, false>(l, no_second_leaf, u, A(0));
       if constexpr (FLAGS) l = fr[i] != 0 ? u : l;
       a[i] = l;
       yr[i] = (float)l;
     }
   }
 }
+// op: ADD or MUL (cumsum's and cumprod's rows), double running values.
 static void seg_lane_scan(int op, bool flags, uintptr_t x, uintptr_t f, uintptr_t y, int64_t T, int64_t N) {
+  if (op != ADD && op != MUL) throw std::invalid_argument("seg_lane_scan: op must be ADD or MUL");
   std::vector<double> a(N);
   auto X = (const float*)x;
   auto F = (const uint8_t*)f;
