@@ -20,14 +20,14 @@ ACC_NAMES = {F32: "float32 acc", F64: "double acc", F64_RANGE: "double acc + ran
 
 
 def _flags() -> tuple[list[str], list[str]]:
-    """The kernel's compile flags (Inductor's for this CPU's vector ISA, then fscan's
-    EXTRA_FLAGS), minus what a Python extension sets itself."""
+    """The kernel's compile flags (Inductor's, without a vector ISA's, as the kernels are
+    built, then fscan's EXTRA_FLAGS), minus what a Python extension sets itself."""
     from torch._inductor import cpp_builder
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.cpu_vec_isa import invalid_vec_isa
 
     from fscan._engines.cpp._cpp_build import EXTRA_FLAGS
 
-    opts = cpp_builder.CppTorchOptions(vec_isa=pick_vec_isa(), include_pytorch=False)
+    opts = cpp_builder.CppTorchOptions(vec_isa=invalid_vec_isa, include_pytorch=False)
     skip = {"shared", "fPIC", "pedantic", "Wall"}
     cflags = [f"-{f}" for f in opts.get_cflags() if f not in skip]
     cflags += [a for a in " ".join(opts.get_passthrough_args()).split() if a]

@@ -1,10 +1,18 @@
 """Compile and load generated C++ through Inductor's C++ code cache.
 
-Inductor brings a compiler driver, the ISA flags of this CPU, a disk cache (its
-cache directory, ``TORCHINDUCTOR_CACHE_DIR``, shared across processes, with
-file locks) and a fast binding that passes tensors as data pointers. Three
-settings matter for a scan kernel, all appended after Inductor's flags so they
-win:
+Inductor brings a compiler driver with ``-march=native`` (its ``cpp.march``
+setting, ``TORCHINDUCTOR_CPP_MARCH``), a disk cache (its cache directory,
+``TORCHINDUCTOR_CACHE_DIR``, shared across processes, with file locks) and a fast
+binding that passes tensors as data pointers. Not its vector ISA
+(``needs_vec_isa=False``): picking one compiles a probe of ATen's vector headers per
+ISA into each new cache directory and loads each in a child Python once per process
+(1.0 s of every process's first kernel, 11.6 s in a fresh cache directory: Inductor's
+three AVX and three BF16 probes before fscan's first build could start), and its
+flags (``-mavx512f ...``, ``-DCPU_CAPABILITY_AVX512``) add nothing to
+``-march=native``: the affine pair's forward kernel disassembles to the same
+instructions with and without them. The kernels' intrinsics follow the compiler's
+own ``__AVX512F__`` / ``__AVX2__``. Three settings matter for a scan kernel, all
+appended after Inductor's flags so they win:
 
 * ``-ftree-loop-vectorize``: Inductor passes ``-fno-tree-loop-vectorize`` (it
   vectorises by hand), which in GCC also disables ``#pragma omp simd`` loops;
@@ -250,7 +258,7 @@ def _load(source: str, argtypes: Sequence[str]) -> Callable[..., None]:
 def _load_pybinding(bindings: Any, source: str, argtypes: Sequence[str]) -> Callable[..., None]:
     try:
         return bindings.load_pybinding(
-            list(argtypes), source, extra_flags=EXTRA_FLAGS, needs_vec_isa=True
+            list(argtypes), source, extra_flags=EXTRA_FLAGS, needs_vec_isa=False
         )
     except TypeError:  # an Inductor without `needs_vec_isa`
         return bindings.load_pybinding(list(argtypes), source, extra_flags=EXTRA_FLAGS)

@@ -155,7 +155,8 @@ def _prepare(bindings: Any, extra_flags: Sequence[str], eager: bool) -> _Pch | N
     process that asks (a process that builds one kernel would spend more on it than
     it saves), or at once if ``eager``."""
     from torch._inductor import config, cpp_builder
-    from torch._inductor.codecache import get_compiler_version_info, pick_vec_isa
+    from torch._inductor.codecache import get_compiler_version_info
+    from torch._inductor.cpu_vec_isa import invalid_vec_isa
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     if config.is_fbcode() or not cpp_builder.is_gcc():
@@ -166,7 +167,7 @@ def _prepare(bindings: Any, extra_flags: Sequence[str], eager: bool) -> _Pch | N
         device_type="cpu",
         extra_flags=tuple(extra_flags),
         use_relative_path=False,
-        vec_isa=pick_vec_isa(),
+        vec_isa=invalid_vec_isa,  # as the kernels: no ISA flags (see fscan._engines.cpp._cpp_build)
     )
     kernel_options = cpp_builder.CppTorchDeviceOptions(
         compile_only=False, min_optimize=False, **options
