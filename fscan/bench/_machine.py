@@ -1,6 +1,6 @@
 """One line naming the machine a table was timed on.
 
-The kernels are built for the CPU they run on (Inductor's ISA flags), and the same row
+The kernels are built for the CPU they run on (``-march=native``), and the same row
 differs by 2x and more between machines: on an AVX2 CPU the lane path's double
 accumulation runs at half the vector width of AVX-512's, and a copy's bandwidth
 differs too. So every table says which CPU and which vector ISA it measured.
