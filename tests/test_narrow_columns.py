@@ -1,0 +1,90 @@
+"""The lane path's narrow columns (csrc/forward_lanes.h: narrow_rows): columns exactly
+LANE_BLOCK lanes wide (16, inner 16) scan NARROW_ROWS rows at a time with each lane's
+running value in a register, the rest a row at a time. Against a float64 sequential
+oracle: lengths around the block, both directions, the exclusive variant, a carry-in
+(``initial=``), chunked columns (few columns, several threads) and wider or narrower
+columns beside them (which keep the row at a time).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cpu_kernel import assert_close_to, linrec, needs_compiler, num_threads, oracle
+
+import fscan
+
+pytestmark = pytest.mark.filterwarnings("ignore::fscan.NotAssociativeWarning")
+
+LENGTHS = [1, 2, 7, 8, 9, 16, 17, 25, 64, 5003]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def eager_kernel():
+    with fscan.config.override(cpu_kernel="eager"):
+        yield
+
+
+def _data(shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(shape, generator=gen) * 0.5 + 0.5, torch.randn(shape, generator=gen)
+
+
+@needs_compiler
+@pytest.mark.parametrize("inner", [16, 15, 32])
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_affine_pair_matches_the_oracle(inner, length, reverse):
+    threads = 2 if length > 1000 else 1  # one column of 5003 rows: chunked on 2 threads
+    xs = _data((3 if length < 1000 else 1, length, inner), length + inner)
+    with num_threads(threads), torch.no_grad():
+        out = fscan.associative_scan(linrec, xs, dim=1, reverse=reverse)
+    ref = oracle(linrec, xs, 1, reverse)
+    assert_close_to(out, tuple(r.float() for r in ref), f"{inner} {length}")
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("exclusive", [False, True])
+def test_cumsum_and_cummax_match_the_oracle(dtype, length, reverse, exclusive):
+    x = torch.randn(length, 16, generator=torch.Generator().manual_seed(length)).to(dtype)
+    with num_threads(2 if length > 1000 else 1):
+        got = fscan.cumsum(x, 0, reverse=reverse, exclusive=exclusive)
+        values, indices = fscan.cummax(x, 0, reverse=reverse, exclusive=exclusive)
+    wide = x.double().flip(0) if reverse else x.double()
+    want = torch.cumsum(wide, 0)
+    if exclusive:
+        want = want - wide
+    want = want.flip(0) if reverse else want
+    torch.testing.assert_close(got, want.to(dtype), rtol=1e-5, atol=1e-4)
+    ref_values, ref_indices = torch.cummax(x.flip(0) if reverse else x, 0)
+    if reverse:
+        ref_values, ref_indices = ref_values.flip(0), length - 1 - ref_indices.flip(0)
+    if exclusive:  # one step behind in scan order, the start value (-inf, -1) first
+        lowest = torch.full((1, 16), -float("inf"), dtype=dtype)
+        start = torch.full((1, 16), -1)
+        if reverse:
+            ref_values = torch.cat([ref_values[1:], lowest])
+            ref_indices = torch.cat([ref_indices[1:], start])
+        else:
+            ref_values = torch.cat([lowest, ref_values[:-1]])
+            ref_indices = torch.cat([start, ref_indices[:-1]])
+    torch.testing.assert_close(values, ref_values)
+    assert torch.equal(indices, ref_indices)
+
+
+@needs_compiler
+@pytest.mark.parametrize("length", [8, 9, 17, 40])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_carry_in_matches_the_oracle(length, reverse):
+    xs = _data((2, length, 16), 7)
+    initial = _data((2, 16), 8)  # one element: the leaves without dim 1
+    with torch.no_grad():
+        out = fscan.associative_scan(linrec, xs, dim=1, reverse=reverse, initial=initial)
+    heads = [i.unsqueeze(1) for i in initial]
+    ends = [torch.cat([h, x] if not reverse else [x, h], 1) for h, x in zip(heads, xs)]
+    ref = oracle(linrec, tuple(ends), 1, reverse)
+    ref = tuple(r[:, 1:] if not reverse else r[:, :-1] for r in ref)
+    assert_close_to(out, tuple(r.float() for r in ref), f"{length}")
