@@ -3,7 +3,9 @@ LANE_BLOCK lanes wide (16, inner 16) scan NARROW_ROWS rows at a time with each l
 running value in a register, the rest a row at a time. Against a float64 sequential
 oracle: lengths around the block, both directions, the exclusive variant, a carry-in
 (``initial=``), chunked columns (few columns, several threads) and wider or narrower
-columns beside them (which keep the row at a time).
+columns beside them (which keep the row at a time). The segmented kernel's narrow columns
+(csrc/segmented.h: seg_narrow_rows) against fscan's torch engine, with a mask per lane,
+per row and 1-D.
 """
 
 from __future__ import annotations
@@ -88,3 +90,34 @@ def test_carry_in_matches_the_oracle(length, reverse):
     ref = oracle(linrec, tuple(ends), 1, reverse)
     ref = tuple(r[:, 1:] if not reverse else r[:, :-1] for r in ref)
     assert_close_to(out, tuple(r.float() for r in ref), f"{length}")
+
+
+def _mask(kind: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "per lane":  # a flag per lane: seg_narrow_rows' LANE mode
+        return torch.rand(shape, generator=gen) < 0.15
+    if kind == "per row":  # one flag a row, broadcast over the lanes: ROW mode
+        return torch.rand((*shape[:-1], 1), generator=gen) < 0.15
+    return torch.rand(shape[1], generator=gen) < 0.15  # 1-D along dim 1
+
+
+@needs_compiler
+@pytest.mark.parametrize("op", ["cumsum", "cumprod", "cummax", "logcumsumexp"])
+@pytest.mark.parametrize("kind", ["per lane", "per row", "1-D"])
+@pytest.mark.parametrize("length", [8, 9, 16, 17, 40, 5003])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_segmented_drop_ins_match_the_torch_engine(op, kind, length, reverse):
+    # The segmented kernel's narrow columns (csrc/segmented.h: seg_narrow_rows), against
+    # the same call on fscan's torch engine (tests/test_segmented.py checks that one
+    # against a per-segment loop).
+    shape = (3 if length < 1000 else 1, length, 16)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(length))
+    mask = _mask(kind, shape, length + 1)
+    with num_threads(2 if length > 1000 else 1):
+        got = getattr(fscan, op)(x, 1, reverse=reverse, reset=mask)
+    with fscan.config.override(cpu_kernel="off"):
+        want = getattr(fscan, op)(x, 1, reverse=reverse, reset=mask)
+    if op == "cummax":
+        assert torch.equal(got.indices, want.indices)
+        got, want = got.values, want.values
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -38,7 +38,7 @@
 // calls in turns in one process). Wider columns keep the row at a time: there each row's
 // vectors overlap one another (rows unrolled inside the lane loop ran wider columns
 // slower, see lane_run). left: the running values before the first row; into acc.
-static constexpr int64_t NARROW_ROWS = 8;
+// (NARROW_ROWS: tuning.h; the segmented kernel's seg_narrow_rows does the same.)
 template <bool WRITE, bool ALL, bool EXCL>
 static FSCAN_INLINE void narrow_rows(const In xr, const Out yr, const Par p, int64_t e0, int64_t t,
                                      int64_t dt, const Buf left, const Buf acc) {

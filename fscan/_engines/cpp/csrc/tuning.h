@@ -7,6 +7,7 @@ static constexpr int G = 8;                   // chains interleaved on the chain
 static constexpr int64_t SKEW = 16;           // steps between interleaved chains, when long
 static constexpr int TV = FSCAN_TV;           // chains per vector in a tile of the chain path (prelude.h)
 static constexpr int64_t TB = 16;             // steps per tile of the chain path
+static constexpr int64_t NARROW_ROWS = 8;     // rows a block of a column one LANE_BLOCK wide
 
 // The lane paths' columns: up to TILE lanes each, never narrowed for the threads. Where
 // there are fewer columns than threads (a 2-D scan over dim 0: one column), each column's
