@@ -31,7 +31,8 @@ compiled kernel serves every shape and layout.
   an L1 row buffer (a stride-0 row: filled with its value), so the loops over
   lanes stay dense vector loops in every layout; the kernel's gather variant
   does that (see ``scan`` in csrc/forward.h), the ordinary kernel's rows are
-  all dense.
+  all dense. A column exactly ``LANE_BLOCK`` lanes wide (16) goes 8 rows at a
+  time with its running values in registers instead (``narrow_rows``).
 * Chain path (``inner < 8``: 1-D, or a scan over the last dim; or inputs laid
   out along T, such as a transpose, whose T stride is below their inner
   stride): each lane is a chain. float32 leaves whose steps are dense (AVX-512 or
