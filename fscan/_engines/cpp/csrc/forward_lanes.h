@@ -38,15 +38,20 @@
 // calls in turns in one process). Wider columns keep the row at a time: there each row's
 // vectors overlap one another (rows unrolled inside the lane loop ran wider columns
 // slower, see lane_run). left: the running values before the first row; into acc.
+// FIRST: the first row starts the running values (no carry: left unread), so that a
+// column of 16 rows is two blocks, not one and 7 rows a row at a time (against that, in
+// turns in one process: cumsum over (4096, 16, 16) dim 1 445 -> 244 us, reversed 0.83-0.86x,
+// the affine pair 0.90-0.92x; columns of 8 rows, (1024, 8, 16) dim 1, 86 -> 39 us).
 // (NARROW_ROWS: tuning.h; the segmented kernel's seg_narrow_rows does the same.)
-template <bool WRITE, bool ALL, bool EXCL>
+template <bool WRITE, bool ALL, bool EXCL, bool FIRST>
 static FSCAN_INLINE void narrow_rows(const In xr, const Out yr, const Par p, int64_t e0, int64_t t,
                                      int64_t dt, const Buf left, const Buf acc) {
 #pragma GCC ivdep
   for (int64_t i = 0; i < LANE_BLOCK; ++i) {
-    Vals a = get_as<ALL>(left, i);
+    Vals a = FIRST ? load_i(xr, i, t) : get_as<ALL>(left, i);
+    if (FIRST && WRITE) store_i(yr, i, a);
 #pragma GCC unroll 16
-    for (int64_t r = 0; r < NARROW_ROWS; ++r) {
+    for (int64_t r = FIRST ? 1 : 0; r < NARROW_ROWS; ++r) {
       const Vals v = combine<false>(a, load_i(row(xr, r * dt), i, t + r * dt), p, e0 + i);
       if (WRITE) store_i(row(yr, r * dt), i, EXCL ? a : v);
       a = v;
@@ -106,7 +111,16 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
     if (s > sb) { xs = row(xs, dt); ys = row(ys, dt); }
     const In xr = GATHER ? gather(xs, rows, w, rev) : xs;
     const Out yr = GATHER ? buffered(ys, orows) : ys;
-    if (s == sb && carry == nullptr) {
+    const bool head = s == sb && carry == nullptr;  // the row starts the running values
+    // NARROW_ROWS rows in registers (EXCL: not the last row, written uncombined below).
+    if (!GATHER && w == LANE_BLOCK && s + NARROW_ROWS <= (last >= 0 ? last : s1) &&
+        !(EXCL && head)) {
+      if (head) narrow_rows<WRITE, ALL, EXCL, true>(xr, yr, p, e0, t, dt, acc, acc);
+      else narrow_rows<WRITE, ALL, EXCL, false>(xr, yr, p, e0, t, dt, s == sb ? *carry : acc, acc);
+      s += NARROW_ROWS - 1;
+      xs = row(xs, (NARROW_ROWS - 1) * dt);
+      ys = row(ys, (NARROW_ROWS - 1) * dt);
+    } else if (head) {
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
         const Vals v = load_i(xr, i, t);
         put_as<ALL>(acc, i, v);
@@ -115,12 +129,6 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
     } else if (EXCL && s == last) {
       const Buf left = s == sb ? *carry : acc;
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) { store_i(yr, i, get_as<ALL>(left, i)); });
-    } else if (!GATHER && w == LANE_BLOCK && s + NARROW_ROWS <= (last >= 0 ? last : s1)) {
-      // NARROW_ROWS combined rows (EXCL: not the last, written uncombined below).
-      narrow_rows<WRITE, ALL, EXCL>(xr, yr, p, e0, t, dt, s == sb ? *carry : acc, acc);
-      s += NARROW_ROWS - 1;
-      xs = row(xs, (NARROW_ROWS - 1) * dt);
-      ys = row(ys, (NARROW_ROWS - 1) * dt);
     } else {
       const Buf left = s == sb ? *carry : acc;
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {

@@ -115,8 +115,9 @@ static FSCAN_INLINE V restarted(bool f, const V& l, const V& u, const Par& p, in
 // rows' bytes adjacent, widened to int32 first so that the loop over lanes vectorises):
 // each lane's running value in a register across the rows, as narrow_rows in
 // forward_lanes.h holds the inclusive scan's, which a row at a time through acc ran
-// 0.88-0.90x faster than this kernel's rows over (4096, 16, 16) dim 1.
-template <int MODE>
+// 0.88-0.90x faster than this kernel's rows over (4096, 16, 16) dim 1. FIRST: the first
+// row's elements start the running values (a chunk's first row without a carry; left unread).
+template <int MODE, bool FIRST>
 static FSCAN_INLINE void seg_narrow_rows(const In xr, const Out yr, const Par p, const Flags rc,
                                          int64_t e0, int64_t t, int64_t dt, const Buf left,
                                          const Buf acc) {
@@ -129,9 +130,10 @@ static FSCAN_INLINE void seg_narrow_rows(const In xr, const Out yr, const Par p,
   }
 #pragma GCC ivdep
   for (int64_t i = 0; i < LANE_BLOCK; ++i) {
-    Vals a = get(left, i);
+    Vals a = FIRST ? load_i(xr, i, t) : get(left, i);
+    if (FIRST) store_i(yr, i, a);
 #pragma GCC unroll 16
-    for (int64_t r = 0; r < NARROW_ROWS; ++r) {
+    for (int64_t r = FIRST ? 1 : 0; r < NARROW_ROWS; ++r) {
       const Vals u = load_i(row(xr, r * dt), i, t + r * dt);
       a = restarted(fb[r][MODE == LANE ? i : 0] != 0, a, u, p, e0 + i);
       store_i(row(yr, r * dt), i, a);
@@ -176,9 +178,10 @@ static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, co
     const Out yr = GATHER ? buffered(ys, orows) : ys;
     const uint8_t* const rf = MODE == LANE ? lane_flags(rc, t, w, rev, gathered) : row(rc, t).p;
     const bool first = s == s0 && carry == nullptr;
-    if (WRITE && !ALL && !GATHER && w == LANE_BLOCK && (MODE == ROW || rc.si == 1) && !first &&
+    if (WRITE && !ALL && !GATHER && w == LANE_BLOCK && (MODE == ROW || rc.si == 1) &&
         s + NARROW_ROWS <= s1) {  // NARROW_ROWS rows in registers (a scan's pass, not a total)
-      seg_narrow_rows<MODE>(xr, yr, p, rc, e0, t, dt, s == s0 ? *carry : acc, acc);
+      if (first) seg_narrow_rows<MODE, true>(xr, yr, p, rc, e0, t, dt, acc, acc);
+      else seg_narrow_rows<MODE, false>(xr, yr, p, rc, e0, t, dt, s == s0 ? *carry : acc, acc);
       s += NARROW_ROWS - 1;
       xs = row(xs, (NARROW_ROWS - 1) * dt);
       ys = row(ys, (NARROW_ROWS - 1) * dt);
