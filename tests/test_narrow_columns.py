@@ -1,11 +1,11 @@
 """The lane path's narrow columns (csrc/forward_lanes.h: narrow_rows): columns exactly
-LANE_BLOCK lanes wide (16, inner 16) scan NARROW_ROWS rows at a time with each lane's
-running value in a register, the rest a row at a time. Against a float64 sequential
-oracle: lengths around the block, both directions, the exclusive variant, a carry-in
-(``initial=``), chunked columns (few columns, several threads) and wider or narrower
-columns beside them (which keep the row at a time). The segmented kernel's narrow columns
-(csrc/segmented.h: seg_narrow_rows) against fscan's torch engine, with a mask per lane,
-per row and 1-D.
+LANE_BLOCK lanes wide (16, inner 16) or half that (inner 8) scan NARROW_ROWS rows at a
+time with each lane's running value in a register, the rest a row at a time. Against a
+float64 sequential oracle: lengths around the block, both directions, the exclusive
+variant, a carry-in (``initial=``), chunked columns (few columns, several threads) and
+wider or narrower columns beside them (which keep the row at a time). The segmented
+kernel's narrow columns (csrc/segmented.h: seg_narrow_rows) against fscan's torch
+engine, with a mask per lane, per row and 1-D.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _data(shape, seed):
 
 
 @needs_compiler
-@pytest.mark.parametrize("inner", [16, 15, 32])
+@pytest.mark.parametrize("inner", [16, 8, 15, 32])
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("reverse", [False, True])
 def test_affine_pair_matches_the_oracle(inner, length, reverse):
@@ -50,8 +50,9 @@ def test_affine_pair_matches_the_oracle(inner, length, reverse):
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("exclusive", [False, True])
-def test_cumsum_and_cummax_match_the_oracle(dtype, length, reverse, exclusive):
-    x = torch.randn(length, 16, generator=torch.Generator().manual_seed(length)).to(dtype)
+@pytest.mark.parametrize("lanes", [16, 8])
+def test_cumsum_and_cummax_match_the_oracle(dtype, length, reverse, exclusive, lanes):
+    x = torch.randn(length, lanes, generator=torch.Generator().manual_seed(length)).to(dtype)
     with num_threads(2 if length > 1000 else 1):
         got = fscan.cumsum(x, 0, reverse=reverse, exclusive=exclusive)
         values, indices = fscan.cummax(x, 0, reverse=reverse, exclusive=exclusive)
@@ -65,8 +66,8 @@ def test_cumsum_and_cummax_match_the_oracle(dtype, length, reverse, exclusive):
     if reverse:
         ref_values, ref_indices = ref_values.flip(0), length - 1 - ref_indices.flip(0)
     if exclusive:  # one step behind in scan order, the start value (-inf, -1) first
-        lowest = torch.full((1, 16), -float("inf"), dtype=dtype)
-        start = torch.full((1, 16), -1)
+        lowest = torch.full((1, lanes), -float("inf"), dtype=dtype)
+        start = torch.full((1, lanes), -1)
         if reverse:
             ref_values = torch.cat([ref_values[1:], lowest])
             ref_indices = torch.cat([ref_indices[1:], start])

@@ -27,7 +27,9 @@
 // and add, about 15 cycles a row) with two vectors in flight, where a row at a time
 // overlaps the whole row's lanes; rows in halves interleaved (four in flight) still
 // ran 2.15x, and the rows' pointers spilled.
-// NARROW_ROWS rows of a column exactly LANE_BLOCK lanes wide (inner 16 for float32), each
+// NARROW_ROWS rows of a column exactly NW lanes wide (LANE_BLOCK, inner 16, or half that:
+// inner 8 went 553-557 -> 279 us for cumsum over (131072, 8) dim 0, the affine pair
+// 1179-1195 -> 977-988, alternating processes), each
 // lane's running value held in a register across them: the vector loop over the lanes
 // outside, the rows unrolled inside, as tile_scan holds its chains (chain_tiles.h). A row
 // at a time through acc (lane_run's loop), such a column is one or two vectors a row,
@@ -43,11 +45,11 @@
 // turns in one process: cumsum over (4096, 16, 16) dim 1 445 -> 244 us, reversed 0.83-0.86x,
 // the affine pair 0.90-0.92x; columns of 8 rows, (1024, 8, 16) dim 1, 86 -> 39 us).
 // (NARROW_ROWS: tuning.h; the segmented kernel's seg_narrow_rows does the same.)
-template <bool WRITE, bool ALL, bool EXCL, bool FIRST>
+template <int64_t NW, bool WRITE, bool ALL, bool EXCL, bool FIRST>
 static FSCAN_INLINE void narrow_rows(const In xr, const Out yr, const Par p, int64_t e0, int64_t t,
                                      int64_t dt, const Buf left, const Buf acc) {
 #pragma GCC ivdep
-  for (int64_t i = 0; i < LANE_BLOCK; ++i) {
+  for (int64_t i = 0; i < NW; ++i) {
     Vals a = FIRST ? load_i(xr, i, t) : get_as<ALL>(left, i);
     if (FIRST && WRITE) store_i(yr, i, a);
 #pragma GCC unroll 16
@@ -113,10 +115,17 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
     const Out yr = GATHER ? buffered(ys, orows) : ys;
     const bool head = s == sb && carry == nullptr;  // the row starts the running values
     // NARROW_ROWS rows in registers (EXCL: not the last row, written uncombined below).
-    if (!GATHER && w == LANE_BLOCK && s + NARROW_ROWS <= (last >= 0 ? last : s1) &&
-        !(EXCL && head)) {
-      if (head) narrow_rows<WRITE, ALL, EXCL, true>(xr, yr, p, e0, t, dt, acc, acc);
-      else narrow_rows<WRITE, ALL, EXCL, false>(xr, yr, p, e0, t, dt, s == sb ? *carry : acc, acc);
+    if (!GATHER && (w == LANE_BLOCK || w == LANE_BLOCK / 2) &&
+        s + NARROW_ROWS <= (last >= 0 ? last : s1) && !(EXCL && head)) {
+      const Buf left = head ? acc : s == sb ? *carry : acc;
+      if (w == LANE_BLOCK / 2) {
+        if (head) narrow_rows<LANE_BLOCK / 2, WRITE, ALL, EXCL, true>(xr, yr, p, e0, t, dt, left, acc);
+        else narrow_rows<LANE_BLOCK / 2, WRITE, ALL, EXCL, false>(xr, yr, p, e0, t, dt, left, acc);
+      } else if (head) {
+        narrow_rows<LANE_BLOCK, WRITE, ALL, EXCL, true>(xr, yr, p, e0, t, dt, left, acc);
+      } else {
+        narrow_rows<LANE_BLOCK, WRITE, ALL, EXCL, false>(xr, yr, p, e0, t, dt, left, acc);
+      }
       s += NARROW_ROWS - 1;
       xs = row(xs, (NARROW_ROWS - 1) * dt);
       ys = row(ys, (NARROW_ROWS - 1) * dt);
