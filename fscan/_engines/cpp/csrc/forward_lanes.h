@@ -117,7 +117,7 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
     // NARROW_ROWS rows in registers (EXCL: not the last row, written uncombined below).
     if (!GATHER && (w == LANE_BLOCK || w == LANE_BLOCK / 2) &&
         s + NARROW_ROWS <= (last >= 0 ? last : s1) && !(EXCL && head)) {
-      const Buf left = head ? acc : s == sb ? *carry : acc;
+      const Buf left = s == sb && carry != nullptr ? *carry : acc;  // head: unread
       if (w == LANE_BLOCK / 2) {
         if (head) narrow_rows<LANE_BLOCK / 2, WRITE, ALL, EXCL, true>(xr, yr, p, e0, t, dt, left, acc);
         else narrow_rows<LANE_BLOCK / 2, WRITE, ALL, EXCL, false>(xr, yr, p, e0, t, dt, left, acc);

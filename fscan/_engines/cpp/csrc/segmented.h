@@ -114,8 +114,10 @@ static FSCAN_INLINE V restarted(bool f, const V& l, const V& u, const Par& p, in
 // left into acc, restarting where flagged (ROW: a flag a row; LANE: a flag a lane, the
 // rows' bytes adjacent, widened to int32 first so that the loop over lanes vectorises):
 // each lane's running value in a register across the rows, as narrow_rows in
-// forward_lanes.h holds the inclusive scan's, which a row at a time through acc ran
-// 0.88-0.90x faster than this kernel's rows over (4096, 16, 16) dim 1. FIRST: the first
+// forward_lanes.h holds the inclusive scan's (without this, cumsum over (4096, 16, 16)
+// dim 1 with a mask of x's shape fell to 1.45-1.60x that faster inclusive call; with it
+// 1.22-1.29x). Columns of 8 lanes, which the forward also blocks, go a row at a time
+// here. FIRST: the first
 // row's elements start the running values (a chunk's first row without a carry; left unread).
 template <int MODE, bool FIRST>
 static FSCAN_INLINE void seg_narrow_rows(const In xr, const Out yr, const Par p, const Flags rc,
