@@ -93,13 +93,13 @@ def test_carry_in_matches_the_oracle(length, reverse):
     assert_close_to(out, tuple(r.float() for r in ref), f"{length}")
 
 
-def _mask(kind: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+def _mask(kind: str, shape: tuple[int, ...], seed: int, density: float) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     if kind == "per lane":  # a flag per lane: seg_narrow_rows' LANE mode
-        return torch.rand(shape, generator=gen) < 0.15
+        return torch.rand(shape, generator=gen) < density
     if kind == "per row":  # one flag a row, broadcast over the lanes: ROW mode
-        return torch.rand((*shape[:-1], 1), generator=gen) < 0.15
-    return torch.rand(shape[1], generator=gen) < 0.15  # 1-D along dim 1
+        return torch.rand((*shape[:-1], 1), generator=gen) < density
+    return torch.rand(shape[1], generator=gen) < density  # 1-D along dim 1
 
 
 @needs_compiler
@@ -107,13 +107,17 @@ def _mask(kind: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["per lane", "per row", "1-D"])
 @pytest.mark.parametrize("length", [8, 9, 16, 17, 40, 5003])
 @pytest.mark.parametrize("reverse", [False, True])
-def test_segmented_drop_ins_match_the_torch_engine(op, kind, length, reverse):
+@pytest.mark.parametrize("lanes", [16, 8])
+@pytest.mark.parametrize("density", [0.15, 0.01])
+def test_segmented_drop_ins_match_the_torch_engine(op, kind, length, reverse, lanes, density):
     # The segmented kernel's narrow columns (csrc/segmented.h: seg_narrow_rows), against
     # the same call on fscan's torch engine (tests/test_segmented.py checks that one
-    # against a per-segment loop).
-    shape = (3 if length < 1000 else 1, length, 16)
+    # against a per-segment loop). Sparse flags leave most blocks without any (the
+    # inclusive loop), dense ones few; 5003 rows on 2 threads: a split column, whose
+    # first chunk keeps its total (ALL) while the next one's is taken (seen marked).
+    shape = (3 if length < 1000 else 1, length, lanes)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(length))
-    mask = _mask(kind, shape, length + 1)
+    mask = _mask(kind, shape, length + 1, density)
     with num_threads(2 if length > 1000 else 1):
         got = getattr(fscan, op)(x, 1, reverse=reverse, reset=mask)
     with fscan.config.override(cpu_kernel="off"):

@@ -110,37 +110,90 @@ static FSCAN_INLINE V restarted(bool f, const V& l, const V& u, const Par& p, in
   }
 }
 
-// NARROW_ROWS rows of a column exactly LANE_BLOCK lanes wide from the running values in
-// left into acc, restarting where flagged (ROW: a flag a row; LANE: a flag a lane, the
-// rows' bytes adjacent, widened to int32 first so that the loop over lanes vectorises):
-// each lane's running value in a register across the rows, as narrow_rows in
-// forward_lanes.h holds the inclusive scan's (without this, cumsum over (4096, 16, 16)
-// dim 1 with a mask of x's shape fell to 1.45-1.60x that faster inclusive call; with it
-// 1.22-1.29x). Columns of 8 lanes, which the forward also blocks, go a row at a time
-// here. FIRST: the first
-// row's elements start the running values (a chunk's first row without a carry; left unread).
-template <int MODE, bool FIRST>
-static FSCAN_INLINE void seg_narrow_rows(const In xr, const Out yr, const Par p, const Flags rc,
-                                         int64_t e0, int64_t t, int64_t dt, const Buf left,
-                                         const Buf acc) {
-  constexpr int64_t FW = MODE == LANE ? LANE_BLOCK : 1;  // flags a row
-  alignas(64) int32_t fb[NARROW_ROWS][FW];
-  for (int64_t r = 0; r < NARROW_ROWS; ++r) {
+// NARROW_ROWS rows of a column NW lanes wide (LANE_BLOCK or half of it) from the running
+// values in left into acc, as narrow_rows in forward_lanes.h holds the inclusive scan's
+// (WRITE, ALL: as there, and as seg_lane_run's), each lane's running value in a register
+// across the rows; FLAGGED: restarting where flagged (ROW: a flag a row; LANE: a flag a
+// lane, the rows' bytes adjacent, widened to int32 first so that the loop over lanes
+// vectorises, as widened_lanes does). FIRST: the first row's elements start the running
+// values (a chunk's first row without a carry; left unread). Without the blocks, a row
+// at a time, cumsum over (4096, 16, 16) dim 1 with a mask of x's shape ran 1.45-1.60x its
+// (blocked) inclusive call, 1.22-1.29x with them. Columns of 8 lanes and a split column's
+// first chunk and totals (WRITE && !ALL only, before): cumsum over (8192, 16, 8) dim 1
+// with such a mask 3.96-4.58x -> 1.64-1.90x, reversed 4.91x -> 1.69x; with a flag a row
+// 1.61-1.89x -> 1.04-1.32x; cummax 6.5x -> 1.18x, logcumsumexp 2.82x -> 1.03x; over
+// (131072, 8) dim 0 on 2 threads 4.8x -> 1.55x (medians of alternating processes; one
+// step in 97 restarting).
+template <int MODE, int64_t NW, bool WRITE, bool ALL, bool FIRST, bool FLAGGED>
+static FSCAN_INLINE void seg_narrow_block(const In xr, const Out yr, const Par p, const Flags rc,
+                                          int64_t e0, int64_t t, int64_t dt, const Buf left,
+                                          const Buf acc) {
+  constexpr int64_t FW = FLAGGED ? (MODE == LANE ? NW : 1) : 0;  // flags a row
+  alignas(64) int32_t fb[NARROW_ROWS][FW > 0 ? FW : 1];
+  for (int64_t r = 0; r < (FW > 0 ? NARROW_ROWS : 0); ++r) {
     const uint8_t* const f = row(rc, t + r * dt).p;
 #pragma GCC unroll 64
     for (int64_t j = 0; j < FW; ++j) fb[r][j] = f[j] != 0;
   }
 #pragma GCC ivdep
-  for (int64_t i = 0; i < LANE_BLOCK; ++i) {
-    Vals a = FIRST ? load_i(xr, i, t) : get(left, i);
-    if (FIRST) store_i(yr, i, a);
+  for (int64_t i = 0; i < NW; ++i) {
+    Vals a = FIRST ? load_i(xr, i, t) : get_as<ALL>(left, i);
+    if (FIRST && WRITE) store_i(yr, i, a);
 #pragma GCC unroll 16
     for (int64_t r = FIRST ? 1 : 0; r < NARROW_ROWS; ++r) {
       const Vals u = load_i(row(xr, r * dt), i, t + r * dt);
-      a = restarted(fb[r][MODE == LANE ? i : 0] != 0, a, u, p, e0 + i);
-      store_i(row(yr, r * dt), i, a);
+      if constexpr (FLAGGED) a = restarted(fb[r][MODE == LANE ? i : 0] != 0, a, u, p, e0 + i);
+      else a = combine<false>(a, u, p, e0 + i);
+      if (WRITE) store_i(row(yr, r * dt), i, a);
     }
-    put(acc, i, a);
+    put_as<ALL>(acc, i, a);
+  }
+}
+
+// A block of NARROW_ROWS rows (seg_narrow_block). ROW: the block's flags (a byte a row)
+// read first, and a block without any (FIRST's row aside: unread) runs the inclusive
+// scan's loop, neither widening its flags nor selecting a lane's element (cumsum over
+// (8192, 16, 8) dim 1 with a flag a row, one step in 97 restarting: 1.42-1.43x ->
+// 1.06-1.19x its inclusive call; (4096, 16, 16) 1.21-1.22x -> 1.05-1.16x; a runtime
+// switch, alternating processes). LANE always selects: at that
+// density a block of 16 lanes holds a flag 73% of the time, and the test (two words a row
+// and a branch that mispredicts) cost more than it saved (1.30x -> 1.42x; 8 lanes, 52%
+// holding one, 1.79x -> 1.75x; medians of 4 alternating processes). !WRITE: seen (NW
+// bytes) marks the lanes restarting in the block, its first row included (see
+// seg_lane_run). Not inlined: the half width's blocks inlined into seg_lane_run's row loop
+// beside the full width's slowed those, whose code was unchanged (cumsum over (4096, 16,
+// 16) dim 1 with a mask of x's shape: 1.18-1.33x its inclusive call with the half width's
+// blocks out of line or absent, 1.34-1.44x with them inlined).
+template <int MODE, int64_t NW, bool WRITE, bool ALL, bool FIRST>
+__attribute__((noinline)) static void seg_narrow_rows(const In xr, const Out yr, const Par p,
+                                                      const Flags rc, int64_t e0, int64_t t,
+                                                      int64_t dt, const Buf left, const Buf acc,
+                                                      uint8_t* seen) {
+  static_assert(MODE == ROW || NW % 8 == 0, "LANE marks seen 8 bytes at a time");
+  if constexpr (MODE == ROW) {
+    uint8_t any = 0, marked = 0;
+    for (int64_t r = 0; r < NARROW_ROWS; ++r) {
+      const uint8_t f = row(rc, t + r * dt).p[0];
+      if (!FIRST || r > 0) any |= f;
+      marked |= f;
+    }
+    if (!WRITE && marked) std::memset(seen, 1, (size_t)NW);
+    if (any) seg_narrow_block<MODE, NW, WRITE, ALL, FIRST, true>(xr, yr, p, rc, e0, t, dt, left, acc);
+    else seg_narrow_block<MODE, NW, WRITE, ALL, FIRST, false>(xr, yr, p, rc, e0, t, dt, left, acc);
+  } else {
+    if constexpr (!WRITE) {
+      for (int64_t r = 0; r < NARROW_ROWS; ++r) {
+        const uint8_t* const f = row(rc, t + r * dt).p;
+        for (int64_t j = 0; j < NW; j += 8) {
+          uint64_t word, marked;
+          std::memcpy(&word, f + j, sizeof word);
+          std::memcpy(&marked, seen + j, sizeof marked);
+          marked |= word;
+          std::memcpy(seen + j, &marked, sizeof marked);
+        }
+      }
+    }
+    seg_narrow_block<MODE, NW, WRITE, ALL, FIRST, true>(xr, yr, p, rc, e0, t, dt, left, acc);
   }
 }
 
@@ -167,9 +220,10 @@ static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, co
   // dtype, where a row is narrower than the bytes' 64-lane vector: that loop never ran a
   // vector iteration there, all its lanes scalar (rows of 16 lanes: cummax over
   // (4096, 16, 16) dim 1 with a mask of x's shape 3.8-4.2x its inclusive call, float32
-  // cumsum over (16384, 16) dim 0 reversed 3.4-3.6x).
-  const bool widen = MODE == LANE && w >= LANE_BLOCK &&
-                     (w < FLAG_LANES || (WIDE_FLAGS && rev && w > LANE_BLOCK));
+  // cumsum over (16384, 16) dim 0 reversed 3.4-3.6x), narrower than LANE_BLOCK included
+  // (widened_lanes takes them as lanes left over: rows of 12 lanes, cumsum over (8192, 16,
+  // 12) dim 1 with a mask of x's shape, 3.3x -> 2.2x its inclusive call, one run each).
+  const bool widen = MODE == LANE && (w < FLAG_LANES || (WIDE_FLAGS && rev && w > LANE_BLOCK));
   if (!WRITE) std::memset(seen, 0, (size_t)w);
   In xs = row(xc, rev ? T - 1 - s0 : s0);
   Out ys = row(yc, rev ? T - 1 - s0 : s0);
@@ -180,13 +234,22 @@ static void seg_lane_run(const In x, const Out y, const Par p, const Flags R, co
     const Out yr = GATHER ? buffered(ys, orows) : ys;
     const uint8_t* const rf = MODE == LANE ? lane_flags(rc, t, w, rev, gathered) : row(rc, t).p;
     const bool first = s == s0 && carry == nullptr;
-    if (WRITE && !ALL && !GATHER && w == LANE_BLOCK && (MODE == ROW || rc.si == 1) &&
-        s + NARROW_ROWS <= s1) {  // NARROW_ROWS rows in registers (a scan's pass, not a total)
-      if (first) seg_narrow_rows<MODE, true>(xr, yr, p, rc, e0, t, dt, acc, acc);
-      else seg_narrow_rows<MODE, false>(xr, yr, p, rc, e0, t, dt, s == s0 ? *carry : acc, acc);
+    if (!GATHER && (w == LANE_BLOCK || w == LANE_BLOCK / 2) && (MODE == ROW || rc.si == 1) &&
+        s + NARROW_ROWS <= s1) {  // NARROW_ROWS rows in registers
+      constexpr int64_t HALF = LANE_BLOCK / 2;
+      const Buf left = s == s0 && carry != nullptr ? *carry : acc;  // first: unread
+      if (w == HALF) {
+        if (first) seg_narrow_rows<MODE, HALF, WRITE, ALL, true>(xr, yr, p, rc, e0, t, dt, left, acc, seen);
+        else seg_narrow_rows<MODE, HALF, WRITE, ALL, false>(xr, yr, p, rc, e0, t, dt, left, acc, seen);
+      } else if (first) {
+        seg_narrow_rows<MODE, LANE_BLOCK, WRITE, ALL, true>(xr, yr, p, rc, e0, t, dt, left, acc, seen);
+      } else {
+        seg_narrow_rows<MODE, LANE_BLOCK, WRITE, ALL, false>(xr, yr, p, rc, e0, t, dt, left, acc, seen);
+      }
       s += NARROW_ROWS - 1;
       xs = row(xs, (NARROW_ROWS - 1) * dt);
       ys = row(ys, (NARROW_ROWS - 1) * dt);
+      continue;  // its lanes' seen marked, nothing gathered
     } else if (MODE == ROW && (first || rf[0])) {  // the whole row restarts: a copy
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
         const Vals v = load_i(xr, i, t);
