@@ -234,13 +234,16 @@ def variant_rows() -> Iterator[Row]:
 # reversed segmented row tiles once took their groups against it (docs/performance.md).
 # (4096, 16, 16) dim 1: rows of 16 lanes, narrower than the flags' 64-byte vectors, which a
 # mask of x's shape once ran scalar (cummax 3.8-4.2x its inclusive call) with no row here
-# to show it.
+# to show it. (8192, 16, 8) dim 1: rows of 8 lanes, half a vector block, which the
+# segmented kernel once ran a row at a time beside a blocked inclusive call (cumsum with a
+# mask of x's shape 4-4.6x, cummax 6.5x) with no row here to show it either.
 _VARIANT_WORKLOADS = [
     ((2**20,), 0),
     ((4096, 256), 0),
     ((4096, 256), 1),
     ((1024, 8, 64), 1),
     ((4096, 16, 16), 1),
+    ((8192, 16, 8), 1),
     ((16384, 1024), 1),
 ]
 
