@@ -97,6 +97,8 @@ def _mask(kind: str, shape: tuple[int, ...], seed: int, density: float) -> torch
     gen = torch.Generator().manual_seed(seed)
     if kind == "per lane":  # a flag per lane: seg_narrow_rows' LANE mode
         return torch.rand(shape, generator=gen) < density
+    if kind == "per lane, apart":  # the same, its lanes apart in memory (transposed)
+        return (torch.rand(shape, generator=gen) < density).mT.contiguous().mT
     if kind == "per row":  # one flag a row, broadcast over the lanes: ROW mode
         return torch.rand((*shape[:-1], 1), generator=gen) < density
     return torch.rand(shape[1], generator=gen) < density  # 1-D along dim 1
@@ -104,7 +106,7 @@ def _mask(kind: str, shape: tuple[int, ...], seed: int, density: float) -> torch
 
 @needs_compiler
 @pytest.mark.parametrize("op", ["cumsum", "cumprod", "cummax", "logcumsumexp"])
-@pytest.mark.parametrize("kind", ["per lane", "per row", "1-D"])
+@pytest.mark.parametrize("kind", ["per lane", "per lane, apart", "per row", "1-D"])
 @pytest.mark.parametrize("length", [8, 9, 16, 17, 40, 5003])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("lanes", [16, 8])
@@ -126,3 +128,25 @@ def test_segmented_drop_ins_match_the_torch_engine(op, kind, length, reverse, la
         assert torch.equal(got.indices, want.indices)
         got, want = got.values, want.values
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("lanes", [16, 8])
+@pytest.mark.parametrize("apart", [False, True])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_segmented_split_column_with_one_restarting_lane(lanes, apart, reverse):
+    # One lane restarts once, in the middle chunk of a column split on 2 threads: that
+    # chunk's total must mark the lane (seen), or the next chunk's carry composes across
+    # the restart. The other lanes' totals compose. A mask whose lanes lie apart in
+    # memory takes the row at a time (its flags gathered), an adjacent one the blocks.
+    shape = (1, 9001, lanes)  # 3 chunks of 3001 steps at 8 lanes and at 16
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(lanes))
+    mask = torch.zeros(shape, dtype=torch.bool)
+    mask[0, 4500, 3] = True
+    if apart:
+        mask = mask.mT.contiguous().mT
+    with num_threads(2):
+        got = fscan.cumsum(x, 1, reverse=reverse, reset=mask)
+    with fscan.config.override(cpu_kernel="off"):
+        want = fscan.cumsum(x, 1, reverse=reverse, reset=mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
