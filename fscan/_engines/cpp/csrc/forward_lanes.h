@@ -40,7 +40,8 @@
 // calls in turns in one process). Wider columns keep the row at a time: there each row's
 // vectors overlap one another (rows unrolled inside the lane loop ran wider columns
 // slower, see lane_run). left: the running values before the first row; into acc.
-// FIRST: the first row starts the running values (no carry: left unread), so that a
+// FIRST: the first row starts the running values (no carry: left unread; EXCL: its
+// outputs, the start value, written by lane_run), so that a
 // column of 16 rows is two blocks, not one and 7 rows a row at a time (against that, in
 // turns in one process: cumsum over (4096, 16, 16) dim 1 445 -> 244 us, reversed 0.83-0.86x,
 // the affine pair 0.90-0.92x; columns of 8 rows, (1024, 8, 16) dim 1, 86 -> 39 us).
@@ -51,7 +52,7 @@ static FSCAN_INLINE void narrow_rows(const In xr, const Out yr, const Par p, int
 #pragma GCC ivdep
   for (int64_t i = 0; i < NW; ++i) {
     Vals a = FIRST ? load_i(xr, i, t) : get_as<ALL>(left, i);
-    if (FIRST && WRITE) store_i(yr, i, a);
+    if (FIRST && WRITE && !EXCL) store_i(yr, i, a);  // EXCL: the start value, written
 #pragma GCC unroll 16
     for (int64_t r = FIRST ? 1 : 0; r < NARROW_ROWS; ++r) {
       const Vals v = combine<false>(a, load_i(row(xr, r * dt), i, t + r * dt), p, e0 + i);
@@ -74,18 +75,16 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
     const Vals h = load_t(head_at(x, H, 0), 0, -1);
     fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) { put_as<ALL>(acc, i, h); });
     carry = &acc;
-  } else if (EXCL && s0 == 0 && H.any) {  // the start value written, step 0 read after it
+  } else if (EXCL && s0 == 0 && H.any) {
+    // The start value written at step 0, whose input then starts the running values as
+    // the head row below (EXCL: that row's outputs left as written here), so that a
+    // column's first NARROW_ROWS rows are a block, not a row and then 15 rows of a
+    // 16-row column a block and 7 rows (cumprod's exclusive call over (4096, 16, 16)).
     const Vals h = load_t(head_at(x, H, 0), 0, -1);
     const int64_t t = rev ? T - 1 : 0;
-    const In xr = GATHER ? gather(row(xc, t), rows, w, rev) : row(xc, t);
     const Out yr = GATHER ? buffered(row(yc, t), orows) : row(yc, t);
-    fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
-      put_as<ALL>(acc, i, load_i(xr, i, t));
-      if (WRITE) store_i(yr, i, h);
-    });
+    if (WRITE) fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) { store_i(yr, i, h); });
     if (WRITE && GATHER) scatter(row(yc, t), orows, w, rev);
-    carry = &acc;
-    sb = 1;
   } else if (s0 == 0 && H.any && s1 > 0) {  // peeled: the loop below stays as it was
     const int64_t t = rev ? T - 1 : 0;
     const In hr = head_at(x, H, e0);
@@ -113,12 +112,12 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
     if (s > sb) { xs = row(xs, dt); ys = row(ys, dt); }
     const In xr = GATHER ? gather(xs, rows, w, rev) : xs;
     const Out yr = GATHER ? buffered(ys, orows) : ys;
-    const bool head = s == sb && carry == nullptr;  // the row starts the running values
+    // The row starts the running values (EXCL: its outputs, the start value, written).
+    const bool head = s == sb && carry == nullptr;
     // NARROW_ROWS rows in registers. EXCL: the last row too where it ends a block, its
     // result unread (a column of 16 rows is then two blocks, not one block and 7 rows: the
     // exclusive cumsum over (8192, 16, 8) dim 1 ran 1.35-1.44x the inclusive call).
-    if (!GATHER && (w == LANE_BLOCK || w == LANE_BLOCK / 2) && s + NARROW_ROWS <= s1 &&
-        !(EXCL && head)) {
+    if (!GATHER && (w == LANE_BLOCK || w == LANE_BLOCK / 2) && s + NARROW_ROWS <= s1) {
       const Buf left = s == sb && carry != nullptr ? *carry : acc;  // head: unread
       if (w == LANE_BLOCK / 2) {
         if (head) narrow_rows<LANE_BLOCK / 2, WRITE, ALL, EXCL, true>(xr, yr, p, e0, t, dt, left, acc);
@@ -135,7 +134,7 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
       fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) {
         const Vals v = load_i(xr, i, t);
         put_as<ALL>(acc, i, v);
-        if (WRITE) store_i(yr, i, v);
+        if (WRITE && !EXCL) store_i(yr, i, v);
       });
     } else if (EXCL && s == last) {
       const Buf left = s == sb ? *carry : acc;
@@ -152,7 +151,7 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
         if (WRITE) store_i(yr, i, EXCL ? l : v);
       });
     }
-    if (WRITE && GATHER) scatter(ys, orows, w, rev);
+    if (WRITE && GATHER && !(EXCL && head)) scatter(ys, orows, w, rev);
   }
 }
 
