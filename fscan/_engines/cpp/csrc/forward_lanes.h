@@ -76,10 +76,11 @@ static void lane_run(const In x, const Out y, const Par p, const Geo& S, int64_t
     fscan_lanes<LANE_BLOCK>(w, rev, [&](int64_t i) { put_as<ALL>(acc, i, h); });
     carry = &acc;
   } else if (EXCL && s0 == 0 && H.any) {
-    // The start value written at step 0, whose input then starts the running values as
-    // the head row below (EXCL: that row's outputs left as written here), so that a
-    // column's first NARROW_ROWS rows are a block, not a row and then 15 rows of a
-    // 16-row column a block and 7 rows (cumprod's exclusive call over (4096, 16, 16)).
+    // The start value written at step 0; step 0's input then starts the running values
+    // as the loop's head row (EXCL: its outputs left as written here), so that a column's
+    // first NARROW_ROWS rows form a block. (Read here, step 0 left 15 rows of a 16-row
+    // column to the loop: one block and 7 rows a row at a time, cumprod's exclusive call
+    // over (4096, 16, 16) dim 1 1.59-1.80x the inclusive call, 0.94-0.95x now.)
     const Vals h = load_t(head_at(x, H, 0), 0, -1);
     const int64_t t = rev ? T - 1 : 0;
     const Out yr = GATHER ? buffered(row(yc, t), orows) : row(yc, t);
